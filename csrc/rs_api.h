@@ -1,0 +1,242 @@
+/*
+ * reverb_shm C core: the public API seen by cffi (this file is fed verbatim to
+ * ffibuilder.cdef, so it holds no preprocessor directives and no macros).
+ *
+ * Conventions
+ * - Every function returns an int status: RS_OK (0) or a negative RS_E* code.
+ *   On error, rs_last_error() returns a thread-local, human readable message
+ *   naming what was wrong and what was expected. Python maps codes to
+ *   exceptions in exactly one place (reverb_shm/_lib.py).
+ * - `base` is the address at which the calling process mapped the segment.
+ *   Everything inside shared memory is addressed by byte offsets from base
+ *   (uint64_t "off"), never by pointers, since every process maps it elsewhere.
+ * - `slot` is the calling process's registered process slot (rs_proc_register).
+ * - Deadlines are absolute CLOCK_MONOTONIC nanoseconds (rs_now_ns()); a
+ *   deadline < 0 means "no deadline". Blocking calls also take `slice_ns`:
+ *   they return RS_EAGAIN (with partial progress reported) when the slice
+ *   expires before the deadline, so the Python layer can check signals and
+ *   call again. Blocking is a futex wait on the table's sequence word; it never
+ *   holds a lock while asleep. cffi releases the GIL around every call.
+ * - Every operation validates all of its input before changing any state.
+ */
+
+/* ---- status codes ---- */
+enum {
+  RS_OK = 0,
+  RS_EINVAL = -1,     /* bad argument (message says which / what expected) -> ValueError */
+  RS_ENOSPC = -2,     /* arena has no room for the allocation -> MemoryError-ish (ResourceExhausted) */
+  RS_ETIMEDOUT = -3,  /* deadline passed -> DeadlineExceededError */
+  RS_ECLOSED = -4,    /* table / server closed (server stopped) -> RuntimeError */
+  RS_ENOTFOUND = -5,  /* unknown table / key -> KeyError/RuntimeError per call site */
+  RS_ECORRUPT = -6,   /* layout/version/magic mismatch or invariant violated -> RuntimeError */
+  RS_EFULL = -7,      /* a fixed capacity is exhausted (process slots, pin log, episode map) */
+  RS_EAGAIN = -8,     /* wait slice expired before the deadline; call again (partial progress reported) */
+  RS_ESYS = -9,       /* a system call failed (message carries strerror) -> OSError */
+  RS_EDEADOWNER = -10 /* the segment's owner (server process) is dead -> RuntimeError */
+};
+
+/* ---- selector kinds (sampler / remover) ---- */
+enum {
+  RS_SEL_UNIFORM = 0,
+  RS_SEL_PRIORITIZED = 1,
+  RS_SEL_FIFO = 2,
+  RS_SEL_LIFO = 3,
+  RS_SEL_MINHEAP = 4,
+  RS_SEL_MAXHEAP = 5
+};
+
+/* ---- block types in the arena ---- */
+enum { RS_BLOCK_FREE = 0, RS_BLOCK_CHUNK = 1, RS_BLOCK_DESC = 2 };
+
+/* Configuration of one table, given at segment creation. */
+typedef struct rs_table_config {
+  char name[64];               /* NUL-terminated, 1..63 bytes, validated in Python */
+  uint64_t max_size;           /* >= 1 */
+  int32_t max_times_sampled;   /* < 1 means unlimited */
+  int32_t sampler_kind;        /* RS_SEL_* */
+  double sampler_exponent;     /* prioritized only */
+  int32_t remover_kind;        /* RS_SEL_* */
+  int32_t _pad0;
+  double remover_exponent;     /* prioritized only */
+  double samples_per_insert;   /* > 0 */
+  int64_t min_size_to_sample;  /* >= 1 */
+  double min_diff;
+  double max_diff;
+  const uint8_t *blob;         /* opaque msgpack config (Python: signature etc.), copied in */
+  uint32_t blob_len;           /* <= 1 MiB */
+  uint32_t _pad1;
+} rs_table_config;
+
+/* Header of a chunk: T rows ("steps") of one column, stored raw and C-contiguous
+ * so that a slice of it is a numpy view. Lives at chunk_off; data at
+ * chunk_off + data_offset (64-byte aligned). Written once by its writer: rows
+ * grow monotonically (rs_chunk_publish_rows), rows already published never change. */
+typedef struct rs_chunk_hdr {
+  uint64_t episode_id;
+  uint64_t start_step;   /* episode step index of row 0 */
+  uint64_t row_bytes;    /* bytes per row; for object (variable) columns: 0 */
+  uint64_t nbytes;       /* payload capacity in bytes */
+  uint64_t data_offset;  /* from chunk_off to the first payload byte */
+  uint32_t capacity;     /* rows that fit */
+  uint32_t rows;         /* rows published (readers may use rows < this) */
+  uint32_t ndim;         /* element rank (without the time dim), <= 8 */
+  uint32_t flags;
+  int64_t shape[8];      /* element shape */
+  char dtype[16];        /* numpy dtype.str, e.g. "<f4", "|u1", "|b1", "<c16"; "O" = msgpack payload */
+} rs_chunk_hdr;
+
+/* Item descriptor blob (built by Python, copied into a DESC block by rs_insert):
+ *   rs_desc_hdr, then ncols rs_desc_col, then nslices rs_desc_slice.
+ * Column c of the item is the concatenation (along rows) of its slices
+ * slices[first_slice .. first_slice+nslices). */
+typedef struct rs_desc_hdr { uint32_t ncols; uint32_t nslices; } rs_desc_hdr;
+typedef struct rs_desc_col { uint32_t first_slice; uint32_t nslices; uint32_t flags; uint32_t _pad; } rs_desc_col; /* flags bit0: squeeze (exactly one row, no time dim) */
+typedef struct rs_desc_slice { uint64_t chunk_off; uint32_t row_offset; uint32_t nrows; } rs_desc_slice;
+
+/* One sampled item. */
+typedef struct rs_sample_rec {
+  uint64_t key;
+  double probability;
+  int64_t table_size;     /* items in the table when sampled (before a max_times_sampled removal) */
+  double priority;
+  int32_t times_sampled;  /* including this sample */
+  uint32_t pin;           /* pin-log index holding desc alive; release with rs_unpin */
+  uint64_t desc_off;      /* descriptor blob of the item: desc_off + rs_desc_data_offset() */
+} rs_sample_rec;
+
+/* One item as listed by rs_table_items (checkpoint, tests, introspection). */
+typedef struct rs_item_rec {
+  uint64_t key;
+  double priority;
+  int64_t times_sampled;
+  uint64_t insert_seq;     /* insertion order (Fifo/Lifo) */
+  uint64_t update_seq;     /* heap tie-break counter (last insert or update) */
+  int64_t inserted_at_ns;  /* CLOCK_REALTIME at insert */
+  uint64_t desc_off;
+} rs_item_rec;
+
+typedef struct rs_table_stats {
+  uint64_t max_size;
+  int64_t max_times_sampled;
+  int32_t sampler_kind; int32_t remover_kind;
+  double sampler_exponent; double remover_exponent;
+  double samples_per_insert; int64_t min_size_to_sample; double min_diff; double max_diff;
+  int64_t size;
+  int64_t inserts; int64_t samples; int64_t deletes;   /* rate limiter counters */
+  int64_t num_episodes; int64_t num_deleted_episodes; int64_t num_unique_samples;
+  int64_t closed;
+  /* cumulative time in ns: holding the lock for inserts / samples; blocked waiting */
+  int64_t inserting_ns; int64_t sampling_ns; int64_t waiting_for_sampling_ns; int64_t waiting_for_inserts_ns;
+  int64_t repairs;          /* times the table was repaired after a dead lock owner */
+} rs_table_stats;
+
+typedef struct rs_segment_info {
+  uint64_t total_size;
+  uint64_t arena_size;      /* bytes */
+  uint64_t arena_used;      /* bytes in allocated blocks (incl. headers) */
+  uint64_t arena_free;
+  uint64_t num_chunks;
+  uint64_t num_descs;
+  uint32_t num_tables;
+  uint32_t max_procs;
+  uint32_t pins_per_proc;
+  uint32_t live_procs;
+  int32_t owner_pid;
+  int32_t closed;
+  uint64_t owner_start_time; /* /proc/<pid>/stat starttime (clock ticks since boot) */
+  uint64_t generation;       /* random id of this incarnation */
+  uint64_t layout_version;
+} rs_segment_info;
+
+/* ---- time, processes ---- */
+int64_t rs_now_ns(void);                                  /* CLOCK_MONOTONIC */
+uint64_t rs_proc_start_time(int32_t pid);                 /* 0 if no such process */
+const char *rs_last_error(void);
+
+/* ---- segment ---- */
+/* Bytes needed for a segment holding these tables (0 and rs_last_error on bad config). */
+uint64_t rs_segment_size(const rs_table_config *cfgs, uint32_t ntables, uint32_t max_procs,
+                         uint32_t pins_per_proc, uint64_t arena_bytes);
+/* Lay out a fresh, zero-filled segment of `size` bytes (size from rs_segment_size). */
+int rs_segment_init(void *base, uint64_t size, const rs_table_config *cfgs, uint32_t ntables,
+                    uint32_t max_procs, uint32_t pins_per_proc, uint64_t arena_bytes,
+                    int32_t owner_pid, uint64_t owner_start_time, uint64_t generation);
+/* Validate magic, layout version, sizes and ready flag of a mapped segment of `size` bytes. */
+int rs_segment_validate(void *base, uint64_t size);
+int rs_segment_get_info(void *base, rs_segment_info *out);
+/* Close every table: blocked and future inserts/samples fail with RS_ECLOSED. Wakes all waiters. */
+int rs_segment_close(void *base);
+
+/* ---- process slots ---- */
+int rs_proc_register(void *base, int32_t pid, uint64_t start_time, uint32_t *slot_out);
+/* Release every pin still held by the slot, then free the slot. */
+int rs_proc_unregister(void *base, uint32_t slot);
+/* Find slots whose process is dead (pid gone or start time differs); if any, stop the world
+ * (every table lock + arena lock), free their slots and recount every refcount from scratch,
+ * freeing unreferenced blocks (their pins, half-written chunks). *reaped_out = slots reaped. */
+int rs_reap(void *base, uint32_t *reaped_out);
+
+/* ---- tables ---- */
+int rs_table_find(void *base, const char *name, uint32_t *table_out);  /* RS_ENOTFOUND */
+int rs_table_name(void *base, uint32_t table, char *out64);
+int rs_table_blob(void *base, uint32_t table, uint64_t *off_out, uint32_t *len_out);
+int rs_table_get_stats(void *base, uint32_t table, rs_table_stats *out);
+/* Pure rate-limiter predicates (Reverb semantics, SPEC §4). 1 = true, 0 = false, <0 error. */
+int rs_can_insert(void *base, uint32_t table, int64_t n);
+int rs_can_sample(void *base, uint32_t table, int64_t n);
+
+/* ---- chunks (writer side) ---- */
+/* Allocate a chunk with room for `capacity` rows of `row_bytes` (object columns: row_bytes 0 and
+ * nbytes explicit). The chunk is held by `slot` through a pin (returned in *pin_out) until
+ * rs_unpin; data is written by the caller at off + hdr->data_offset. RS_ENOSPC when it cannot fit
+ * (the message says how many bytes were needed and how many are free). */
+int rs_chunk_alloc(void *base, uint32_t slot, const rs_chunk_hdr *meta, uint64_t *off_out,
+                   uint32_t *pin_out);
+/* Publish rows [0, rows) as written (monotonic; release ordering). */
+int rs_chunk_publish_rows(void *base, uint64_t chunk_off, uint32_t rows);
+/* Return the unused tail (rows beyond `rows`) to the arena; capacity becomes rows (>= 1). */
+int rs_chunk_shrink(void *base, uint64_t chunk_off, uint32_t rows);
+/* Drop pins (chunk holds or sample pins) held by `slot`. Frees blocks whose refcount reaches 0. */
+int rs_unpin(void *base, uint32_t slot, uint32_t n, const uint32_t *pins);
+uint64_t rs_desc_data_offset(void);   /* descriptor blob = desc_off + this */
+
+/* ---- items ---- */
+/* Insert n items. blob holds n descriptor blobs; item i is blob[blob_offs[i] .. blob_offs[i+1]).
+ * All input is validated first (priorities finite, >= 0 for a Prioritized sampler/remover; every
+ * descriptor well formed, chunk offsets valid, rows published, consistent dtypes within a column);
+ * nothing changes on error. Then each item waits (deadline/slice) for can_insert(1) and is
+ * inserted; an existing key is a priority update (no counter change). Overflow beyond max_size
+ * removes the remover's choice (may be the new item). *done_out = items inserted so far
+ * (on RS_EAGAIN / RS_ETIMEDOUT / RS_ECLOSED the caller retries or reports the rest). */
+int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint64_t *keys,
+              const double *priorities, const uint8_t *blob, const uint64_t *blob_offs,
+              int64_t deadline_ns, int64_t slice_ns, uint32_t *done_out);
+/* Sample up to n items (independently, with replacement, each subject to can_sample(1)).
+ * Results are appended to out[*got_io ...]: the caller passes *got_io = items already collected
+ * (0 on the first call) and calls again after RS_EAGAIN. Returns RS_OK when *got_io == n;
+ * RS_ETIMEDOUT at the deadline (partial batch if *got_io > 0: flexible batch);
+ * RS_EAGAIN when the slice expires first. Each returned item's descriptor is pinned for `slot`
+ * (out[i].pin) and must be released with rs_unpin. */
+int rs_sample(void *base, uint32_t slot, uint32_t table, uint32_t n, int64_t deadline_ns,
+              int64_t slice_ns, rs_sample_rec *out, uint32_t *got_io);
+/* Copy column `col` of n items (descriptors desc_offs[i]) into out + i*out_stride. Each item's
+ * column must be exactly `col_bytes` bytes (rows * row_bytes), else RS_EINVAL naming the item. */
+int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col,
+              uint8_t *out, uint64_t out_stride, uint64_t col_bytes);
+/* Deletes first, then updates (SPEC decision 1); unknown keys ignored; all priorities validated
+ * before anything changes. Counts of effective updates/deletes returned. Wakes waiters. */
+int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_keys,
+              const double *upd_prios, uint32_t n_del, const uint64_t *del_keys,
+              uint32_t *updated_out, uint32_t *deleted_out);
+/* Remove all items, zero the limiter counters and episode/unique counters; wakes waiters. */
+int rs_reset(void *base, uint32_t table);
+/* List up to cap items ordered by insert_seq; *n_out = number written, *size_out = table size. */
+int rs_table_items(void *base, uint32_t table, rs_item_rec *out, uint64_t cap, uint64_t *n_out,
+                   uint64_t *size_out);
+/* Lookup one key: RS_ENOTFOUND if absent. */
+int rs_table_get(void *base, uint32_t table, uint64_t key, rs_item_rec *out);
+
+/* ---- invariants ---- */
+/* Take every lock and verify every invariant (see csrc/check.c); on violation returns
+ * RS_ECORRUPT and writes a report (NUL-terminated) into report[0..report_len). */
+int rs_check(void *base, char *report, uint64_t report_len);

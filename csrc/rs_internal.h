@@ -1,0 +1,220 @@
+/* reverb_shm C core: shared-memory layout and the internal interfaces between modules.
+ *
+ * Segment layout (one POSIX shm segment per server; all positions are byte offsets from base):
+ *
+ *   rs_seg_hdr | table offsets (u64[num_tables]) | rs_slot[max_procs] |
+ *   pin logs (per slot: u64 entries[pins_per_proc] + u32 free stack[pins_per_proc]) |
+ *   per-table regions (rs_table_hdr + its arrays + config blob) | arena
+ *
+ * Module ownership (one .c/.h pair per concept):
+ *   util.c    errors, clocks, per-process RNG                           (rs_util)
+ *   lock.c    robust process-shared mutexes, futex wait/wake            (rs_lock)
+ *   layout.c  segment size/init/validate/info/close, table directory     (rs_layout)
+ *   slots.c   process slots, pin logs, reaping, stop-the-world recount   (rs_slots)
+ *   arena.c   block allocator, chunks, descriptors, refcounts            (rs_arena)
+ *   index.c   key -> record hash (open addressing, backward-shift delete)
+ *   sumtree.c float64 sum tree, exact recompute along the path           (Schaul et al. 2016)
+ *   selectors.c Uniform/Prioritized/Fifo/Lifo/MinHeap/MaxHeap
+ *   limiter.c Reverb's rate limiter formulas (SPEC §4)
+ *   table.c   insert/sample/mutate/reset/items/stats + repair after a dead lock owner
+ *   table_check.c per-table invariants (rs_table_check)
+ *   check.c   rs_check: takes every lock, arena + table checks
+ */
+#ifndef RS_INTERNAL_H
+#define RS_INTERNAL_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include <pthread.h>
+
+#include "rs_api.h"
+
+#define RS_MAGIC 0x3130304d48535652ULL /* "RVSHM001" little-endian */
+#define RS_LAYOUT_VERSION 1ULL
+#define RS_ALIGN 64u
+#define RS_NONE 0xFFFFFFFFu
+#define RS_MAX_NDIM 8
+#define RS_MAX_BLOB (1u << 20)
+#define RS_NBINS 48
+
+static inline uint64_t rs_align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
+static inline void *rs_at(void *base, uint64_t off) { return (char *)base + off; }
+
+/* ------------------------------------------------------------------ segment header */
+typedef struct rs_seg_hdr {
+  uint64_t magic;
+  uint64_t layout_version;
+  uint64_t total_size;
+  uint64_t generation;
+  int32_t owner_pid;
+  int32_t closed;            /* set by rs_segment_close */
+  uint64_t owner_start_time;
+  uint32_t num_tables;
+  uint32_t max_procs;
+  uint32_t pins_per_proc;
+  uint32_t ready;            /* written last by rs_segment_init (release) */
+  uint64_t tables_off;       /* u64[num_tables]: offset of each rs_table_hdr */
+  uint64_t slots_off;        /* rs_slot[max_procs] */
+  uint64_t pins_off;         /* pin logs */
+  uint64_t pin_log_stride;   /* bytes per slot's pin log */
+  uint64_t arena_off;
+  uint64_t arena_size;
+  pthread_mutex_t registry_lock;  /* slot claims and reaping */
+  pthread_mutex_t arena_lock;     /* allocator, every refcount change, pin logs */
+  /* allocator state (derived from the block walk; rebuilt after a dead owner) */
+  uint64_t free_heads[RS_NBINS];  /* offset of first free block per size bin, 0 = none */
+  uint64_t arena_used;            /* bytes in allocated blocks */
+  uint64_t num_chunks;
+  uint64_t num_descs;
+  uint32_t refcounts_suspect;     /* set after an arena-lock EOWNERDEAD; cleared by recount */
+  uint32_t _pad;
+  uint64_t reserved[16];
+} rs_seg_hdr;
+
+typedef struct rs_slot {
+  int32_t pid;           /* 0 = free */
+  uint32_t npins;        /* live pin entries */
+  uint64_t start_time;
+  uint32_t free_top;     /* number of entries on the free stack */
+  uint32_t _pad;
+} rs_slot;
+
+/* ------------------------------------------------------------------ tables */
+typedef struct rs_rec {
+  uint64_t key;
+  double priority;
+  uint64_t insert_seq;
+  uint64_t update_seq;
+  uint64_t desc_off;
+  int64_t inserted_at_ns;
+  int32_t times_sampled;
+  uint32_t valid;        /* 1 = live item; written last on insert (commit), first on delete */
+  uint32_t dense_pos;    /* position in the dense array */
+  uint32_t heap_pos[2];  /* position in the heap of selector 0 (sampler) / 1 (remover) */
+  uint32_t prev, next;   /* insertion-order list (Fifo/Lifo) */
+  uint32_t next_free;    /* free-record list */
+} rs_rec;
+
+typedef struct rs_index_entry { uint64_t key; uint32_t rec_plus1; uint32_t _pad; } rs_index_entry;
+typedef struct rs_episode_entry { uint64_t episode_id; uint32_t count; uint32_t used; } rs_episode_entry;
+
+typedef struct rs_selector {
+  int32_t kind;          /* RS_SEL_* */
+  int32_t _pad;
+  double exponent;
+  uint64_t heap_off;     /* u32[cap] record ids, heap kinds only */
+  uint64_t tree_off;     /* double[2*tree_leaves], prioritized only; leaf i = record i */
+  uint32_t heap_len;
+  uint32_t _pad2;
+} rs_selector;
+
+typedef struct rs_table_hdr {
+  char name[64];
+  uint64_t max_size;
+  int32_t max_times_sampled;
+  uint32_t cap;          /* record capacity = max_size + 1 */
+  rs_selector sel[2];    /* 0 = sampler, 1 = remover */
+  /* rate limiter (SPEC §4) */
+  double samples_per_insert;
+  int64_t min_size_to_sample;
+  double min_diff;
+  double max_diff;
+  int64_t inserts, samples, deletes;
+  /* counters */
+  int64_t size;
+  int64_t num_episodes, num_deleted_episodes, num_unique_samples;
+  uint64_t next_insert_seq, next_update_seq;
+  uint32_t free_rec_head;          /* RS_NONE if no free record */
+  uint32_t order_head, order_tail; /* oldest / newest in insertion order, RS_NONE if empty */
+  int32_t closed;
+  pthread_mutex_t lock;            /* robust, process-shared */
+  uint32_t seq;                    /* futex word: bumped by anything that may unblock waiters */
+  uint32_t waiters;                /* processes/threads inside a futex wait on seq */
+  /* arrays */
+  uint64_t recs_off;               /* rs_rec[cap] */
+  uint64_t index_off;              /* rs_index_entry[index_cap] */
+  uint32_t index_cap;              /* power of two >= 2*cap */
+  uint32_t tree_leaves;            /* power of two >= cap (0 if no prioritized selector) */
+  uint64_t dense_off;              /* u32[cap] */
+  uint64_t episodes_off;           /* rs_episode_entry[episodes_cap] */
+  uint32_t episodes_cap;           /* power of two >= 2*cap */
+  uint32_t blob_len;
+  uint64_t blob_off;
+  /* stats (ns) */
+  int64_t inserting_ns, sampling_ns, waiting_for_sampling_ns, waiting_for_inserts_ns;
+  int64_t repairs;
+  uint64_t reserved[8];
+} rs_table_hdr;
+
+static inline rs_seg_hdr *rs_seg(void *base) { return (rs_seg_hdr *)base; }
+static inline rs_table_hdr *rs_table(void *base, uint32_t t) {
+  uint64_t *offs = (uint64_t *)rs_at(base, rs_seg(base)->tables_off);
+  return (rs_table_hdr *)rs_at(base, offs[t]);
+}
+static inline rs_rec *rs_recs(void *base, rs_table_hdr *th) { return (rs_rec *)rs_at(base, th->recs_off); }
+static inline rs_slot *rs_slots(void *base) { return (rs_slot *)rs_at(base, rs_seg(base)->slots_off); }
+static inline uint64_t *rs_pin_entries(void *base, uint32_t slot) {
+  rs_seg_hdr *h = rs_seg(base);
+  return (uint64_t *)rs_at(base, h->pins_off + (uint64_t)slot * h->pin_log_stride);
+}
+static inline uint32_t *rs_pin_free_stack(void *base, uint32_t slot) {
+  return (uint32_t *)(rs_pin_entries(base, slot) + rs_seg(base)->pins_per_proc);
+}
+
+/* ------------------------------------------------------------------ util.c */
+int rs_set_error(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+int64_t rs_realtime_ns(void);
+uint64_t rs_rand_u64(void);   /* per-process xoshiro256** seeded from getrandom; fork-safe */
+double rs_rand_unit(void);    /* uniform in [0, 1) with 53 random bits */
+
+/* ------------------------------------------------------------------ lock.c */
+int rs_mutex_init(pthread_mutex_t *m);                 /* robust + process-shared */
+/* Lock; *recovered = 1 when the previous owner died holding it: the caller repairs what the
+ * mutex protects and then calls rs_mutex_consistent before unlocking. */
+int rs_mutex_lock(pthread_mutex_t *m, int *recovered);
+void rs_mutex_consistent(pthread_mutex_t *m);
+void rs_mutex_unlock(pthread_mutex_t *m);
+/* Sleep while *word == expected, until woken or deadline (monotonic ns, <0 = none).
+ * Returns RS_OK (woken or value changed), RS_ETIMEDOUT, or RS_EAGAIN (EINTR). */
+int rs_futex_wait(uint32_t *word, uint32_t expected, int64_t deadline_ns);
+void rs_futex_wake_all(uint32_t *word);
+/* Lock table t, repairing it (rs_table_repair) if the previous owner died. */
+int rs_tlock(void *base, uint32_t t);
+void rs_tunlock(void *base, uint32_t t);
+/* Lock the arena; after a dead owner: rs_arena_repair + refcounts_suspect = 1. */
+int rs_alock(void *base);
+void rs_aunlock(void *base);
+
+/* ------------------------------------------------------------------ table.c (and friends) */
+uint64_t rs_table_region_size(const rs_table_config *cfg);
+/* Lay out one table region at `off` (zero-filled memory). */
+int rs_table_region_init(void *base, uint64_t off, const rs_table_config *cfg);
+/* Rebuild every derived structure of table t (index, dense array, order list, heaps, sum trees,
+ * episode map, counters size/deletes) from the records; caller holds the table lock. */
+void rs_table_repair(void *base, uint32_t t);
+/* Verify table t's invariants; caller holds the table lock. Appends to report. */
+int rs_table_check(void *base, uint32_t t, char *report, uint64_t report_len);
+
+/* ------------------------------------------------------------------ arena.c */
+uint64_t rs_arena_min_size(void);
+void rs_arena_init(void *base);               /* one free block spanning the arena */
+void rs_arena_repair(void *base);             /* rebuild free lists/accounting by walking blocks */
+/* Validate one descriptor blob against the chunks it references (no state change). */
+int rs_desc_validate(void *base, const uint8_t *blob, uint32_t len);
+/* Allocate a DESC block holding a copy of the blob, refcount 1 (owned by the caller's table
+ * record), and add one reference to each distinct chunk it names. Takes the arena lock. */
+int rs_desc_create(void *base, const uint8_t *blob, uint32_t len, uint64_t *off_out);
+/* Drop one reference to a DESC block; at zero drop its chunk references and free it.
+ * Takes the arena lock unless `locked` (caller already holds it). */
+void rs_desc_release(void *base, uint64_t desc_off, int locked);
+/* Pin n descriptors for `slot` (refcount + pin-log entry each). Takes the arena lock. */
+int rs_pin_descs(void *base, uint32_t slot, uint32_t n, const uint64_t *desc_offs, uint32_t *pins_out);
+/* Read helpers (no lock; caller holds a pin or the table lock). */
+const rs_desc_hdr *rs_desc_blob(void *base, uint64_t desc_off);
+rs_chunk_hdr *rs_chunk(void *base, uint64_t chunk_off);
+/* Verify allocator and refcount invariants; caller holds every lock. */
+int rs_arena_check(void *base, char *report, uint64_t report_len);
+/* Stop-the-world recount (caller holds every table lock and the arena lock). */
+void rs_recount(void *base);
+
+#endif

@@ -1,0 +1,72 @@
+/* Errors, clocks and the per-process random number generator. */
+#define _GNU_SOURCE
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/random.h>
+
+#include "rs_internal.h"
+
+static __thread char rs_errbuf[1024];
+
+int rs_set_error(int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(rs_errbuf, sizeof rs_errbuf, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+const char *rs_last_error(void) { return rs_errbuf; }
+
+int64_t rs_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+int64_t rs_realtime_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* xoshiro256** (Blackman & Vigna), one state per thread, reseeded when the pid changes so a
+ * forked child never replays its parent's stream. */
+static __thread uint64_t rng_s[4];
+static __thread pid_t rng_pid;
+
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t splitmix(uint64_t *x) {
+  uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+static void rng_seed(void) {
+  uint64_t seed = 0;
+  if (getrandom(&seed, sizeof seed, 0) != (ssize_t)sizeof seed)
+    seed = (uint64_t)rs_now_ns() ^ ((uint64_t)getpid() << 32);
+  for (int i = 0; i < 4; i++) rng_s[i] = splitmix(&seed);
+  rng_pid = getpid();
+}
+
+uint64_t rs_rand_u64(void) {
+  if (rng_pid != getpid()) rng_seed();
+  uint64_t *s = rng_s;
+  const uint64_t result = rotl(s[1] * 5, 7) * 9;
+  const uint64_t t = s[1] << 17;
+  s[2] ^= s[0];
+  s[3] ^= s[1];
+  s[1] ^= s[2];
+  s[0] ^= s[3];
+  s[2] ^= t;
+  s[3] = rotl(s[3], 45);
+  return result;
+}
+
+double rs_rand_unit(void) { return (double)(rs_rand_u64() >> 11) * 0x1.0p-53; }
