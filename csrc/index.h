@@ -1,0 +1,34 @@
+/* Open-addressing hash maps of a table: key -> record id, episode id -> reference count.
+ * Linear probing, backward-shift deletion (no tombstones); capacities are powers of two and the
+ * callers keep at least one slot empty so every probe terminates. */
+#ifndef RS_INDEX_H
+#define RS_INDEX_H
+
+#include "rs_internal.h"
+
+/* 64-bit finalizer (splitmix64 / Stafford variant 13): every key bit affects every hash bit. */
+static inline uint64_t rs_mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return x;
+}
+
+/* key -> record id. Empty entry: rec_plus1 == 0. */
+uint32_t rs_index_find(const rs_index_entry *ix, uint32_t cap, uint64_t key); /* RS_NONE if absent */
+void rs_index_put(rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t rec); /* key absent */
+int rs_index_remove(rs_index_entry *ix, uint32_t cap, uint64_t key);            /* 1 if removed */
+void rs_index_clear(rs_index_entry *ix, uint32_t cap);
+
+/* episode id -> count. Empty entry: used == 0. */
+rs_episode_entry *rs_epmap_find(rs_episode_entry *em, uint32_t cap, uint64_t episode_id);
+/* Add one reference; returns 1 when the episode is new (count went 0 -> 1). */
+int rs_epmap_incr(rs_episode_entry *em, uint32_t cap, uint64_t episode_id);
+/* Drop one reference; returns 1 when the count reached 0 (entry removed), 0 otherwise,
+ * -1 if the episode was not in the map. */
+int rs_epmap_decr(rs_episode_entry *em, uint32_t cap, uint64_t episode_id);
+void rs_epmap_clear(rs_episode_entry *em, uint32_t cap);
+
+#endif

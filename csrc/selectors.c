@@ -1,0 +1,156 @@
+/* Uniform, Prioritized, Fifo, Lifo, MinHeap and MaxHeap selectors (SPEC §3). */
+#include "selectors.h"
+#include "sumtree.h"
+
+/* ---------------------------------------------------------------- binary heap of record ids */
+static void heap_place(rs_rec *recs, uint32_t *heap, int si, uint32_t pos, uint32_t r) {
+  heap[pos] = r;
+  recs[r].heap_pos[si] = pos;
+}
+
+static void sift_up(rs_rec *recs, uint32_t *heap, int si, int kind, uint32_t pos) {
+  uint32_t r = heap[pos];
+  while (pos > 0) {
+    uint32_t parent = (pos - 1) / 2;
+    if (!rs_heap_before(kind, &recs[r], &recs[heap[parent]])) break;
+    heap_place(recs, heap, si, pos, heap[parent]);
+    pos = parent;
+  }
+  heap_place(recs, heap, si, pos, r);
+}
+
+static void sift_down(rs_rec *recs, uint32_t *heap, uint32_t len, int si, int kind, uint32_t pos) {
+  uint32_t r = heap[pos];
+  for (;;) {
+    uint32_t c = 2 * pos + 1;
+    if (c >= len) break;
+    if (c + 1 < len && rs_heap_before(kind, &recs[heap[c + 1]], &recs[heap[c]])) c++;
+    if (!rs_heap_before(kind, &recs[heap[c]], &recs[r])) break;
+    heap_place(recs, heap, si, pos, heap[c]);
+    pos = c;
+  }
+  heap_place(recs, heap, si, pos, r);
+}
+
+/* ---------------------------------------------------------------- upkeep */
+void rs_sel_insert(void *base, rs_table_hdr *th, int si, uint32_t r) {
+  rs_selector *s = &th->sel[si];
+  rs_rec *recs = rs_recs(base, th);
+  if (s->kind == RS_SEL_PRIORITIZED) {
+    rs_sumtree_set(rs_tree(base, s), th->tree_leaves, r, rs_sel_weight(s->exponent, recs[r].priority));
+  } else if (rs_sel_is_heap(s->kind)) {
+    uint32_t *heap = rs_heap(base, s);
+    uint32_t pos = s->heap_len++;
+    heap_place(recs, heap, si, pos, r);
+    sift_up(recs, heap, si, s->kind, pos);
+  }
+}
+
+void rs_sel_remove(void *base, rs_table_hdr *th, int si, uint32_t r) {
+  rs_selector *s = &th->sel[si];
+  rs_rec *recs = rs_recs(base, th);
+  if (s->kind == RS_SEL_PRIORITIZED) {
+    rs_sumtree_set(rs_tree(base, s), th->tree_leaves, r, 0.0);
+  } else if (rs_sel_is_heap(s->kind)) {
+    uint32_t *heap = rs_heap(base, s);
+    uint32_t pos = recs[r].heap_pos[si];
+    uint32_t last = --s->heap_len;
+    recs[r].heap_pos[si] = RS_NONE;
+    if (pos == last) return;
+    uint32_t moved = heap[last];
+    heap_place(recs, heap, si, pos, moved);
+    sift_down(recs, heap, s->heap_len, si, s->kind, pos);
+    if (recs[moved].heap_pos[si] == pos) sift_up(recs, heap, si, s->kind, pos);
+  }
+}
+
+void rs_sel_update(void *base, rs_table_hdr *th, int si, uint32_t r) {
+  rs_selector *s = &th->sel[si];
+  rs_rec *recs = rs_recs(base, th);
+  if (s->kind == RS_SEL_PRIORITIZED) {
+    rs_sumtree_set(rs_tree(base, s), th->tree_leaves, r, rs_sel_weight(s->exponent, recs[r].priority));
+  } else if (rs_sel_is_heap(s->kind)) {
+    uint32_t *heap = rs_heap(base, s);
+    uint32_t pos = recs[r].heap_pos[si];
+    sift_up(recs, heap, si, s->kind, pos);
+    sift_down(recs, heap, s->heap_len, si, s->kind, recs[r].heap_pos[si]);
+  }
+}
+
+void rs_sel_rebuild(void *base, rs_table_hdr *th, int si) {
+  rs_selector *s = &th->sel[si];
+  rs_rec *recs = rs_recs(base, th);
+  uint32_t *dense = rs_dense(base, th);
+  uint32_t n = (uint32_t)th->size;
+  if (s->kind == RS_SEL_PRIORITIZED) {
+    double *tree = rs_tree(base, s);
+    for (uint32_t i = 0; i < 2 * th->tree_leaves; i++) tree[i] = 0.0;
+    for (uint32_t i = 0; i < n; i++) {
+      uint32_t r = dense[i];
+      tree[th->tree_leaves + r] = rs_sel_weight(s->exponent, recs[r].priority);
+    }
+    rs_sumtree_rebuild(tree, th->tree_leaves);
+  } else if (rs_sel_is_heap(s->kind)) {
+    uint32_t *heap = rs_heap(base, s);
+    for (uint32_t r = 0; r < th->cap; r++) recs[r].heap_pos[si] = RS_NONE;
+    for (uint32_t i = 0; i < n; i++) heap_place(recs, heap, si, i, dense[i]);
+    s->heap_len = n;
+    for (uint32_t i = n / 2; i-- > 0;) sift_down(recs, heap, n, si, s->kind, i);
+  }
+}
+
+/* ---------------------------------------------------------------- picking */
+static uint32_t uniform_index(uint32_t n) {
+  uint32_t i = (uint32_t)(rs_rand_unit() * n);
+  return i < n ? i : n - 1;
+}
+
+#define PICK_BATCH 64
+
+void rs_sel_pick(void *base, rs_table_hdr *th, int si, uint32_t k, uint32_t *recs_out,
+                 double *probs) {
+  rs_selector *s = &th->sel[si];
+  uint32_t *dense = rs_dense(base, th);
+  uint32_t n = (uint32_t)th->size;
+  switch (s->kind) {
+    case RS_SEL_PRIORITIZED: {
+      const double *tree = rs_tree(base, s);
+      double total = rs_sumtree_total(tree);
+      if (total > 0) {
+        for (uint32_t b = 0; b < k; b += PICK_BATCH) {
+          uint32_t m = k - b < PICK_BATCH ? k - b : PICK_BATCH;
+          double u[PICK_BATCH];
+          for (uint32_t j = 0; j < m; j++) u[j] = rs_rand_unit();
+          rs_sumtree_find_many(tree, th->tree_leaves, m, u, recs_out + b);
+          for (uint32_t j = 0; j < m; j++)
+            probs[b + j] = rs_sumtree_leaf(tree, th->tree_leaves, recs_out[b + j]) / total;
+        }
+        return;
+      }
+      /* every weight is 0: uniform over all items */
+    } /* fall through */
+    case RS_SEL_UNIFORM:
+      for (uint32_t j = 0; j < k; j++) {
+        recs_out[j] = dense[uniform_index(n)];
+        probs[j] = 1.0 / n;
+      }
+      return;
+    case RS_SEL_FIFO:
+    case RS_SEL_LIFO: {
+      uint32_t r = s->kind == RS_SEL_FIFO ? th->order_head : th->order_tail;
+      for (uint32_t j = 0; j < k; j++) {
+        recs_out[j] = r;
+        probs[j] = 1.0;
+      }
+      return;
+    }
+    default: { /* heaps */
+      uint32_t r = rs_heap(base, s)[0];
+      for (uint32_t j = 0; j < k; j++) {
+        recs_out[j] = r;
+        probs[j] = 1.0;
+      }
+      return;
+    }
+  }
+}

@@ -1,0 +1,857 @@
+/* Tables: region layout, insert / sample / gather / mutate / reset / listing / stats, blocking
+ * on the rate limiter, and repair after a lock owner died.
+ *
+ * Every structure of a table is derived from its records (rs_rec with valid == 1): the key index,
+ * the dense array (Uniform), the insertion-order list (Fifo/Lifo), the selector heaps and sum
+ * trees, the episode map and the size. A removal clears `valid` first and a new record sets it
+ * only once its fields are written, so rs_table_repair can always rebuild the rest.
+ *
+ * Lock order: table lock, then arena lock (rs_desc_create / rs_desc_release / rs_pin_descs take
+ * the arena lock while the table lock is held). Payload bytes are never copied under a lock.
+ *
+ * Blocking (DESIGN.md "Concurrency and speed rules"): a caller that cannot progress reads the
+ * table's `seq` word under the mutex, registers in `waiters`, unlocks, spins briefly re-reading
+ * `seq`, then futex-waits on it until its deadline or slice ends. Anything that may unblock
+ * others bumps `seq` and wakes the futex, skipping the system call when nobody waits. */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "index.h"
+#include "limiter.h"
+#include "selectors.h"
+#include "sumtree.h"
+#include "table.h"
+
+#define MAX_RECORDS ((1u << 30) - 1) /* keeps every power-of-two capacity within uint32 */
+#define SAMPLE_ROUND 256             /* items sampled (and pinned) per arena-lock acquisition */
+#define SPIN_NS 4000                 /* re-read seq this long before sleeping in the kernel */
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+/* ================================================================== region layout */
+
+static uint32_t pow2_at_least(uint64_t x) {
+  uint64_t p = 1;
+  while (p < x) p <<= 1;
+  return (uint32_t)p;
+}
+
+static int kind_ok(int32_t k) { return k >= RS_SEL_UNIFORM && k <= RS_SEL_MAXHEAP; }
+
+static int config_check(const rs_table_config *cfg) {
+  if (!cfg) return rs_set_error(RS_EINVAL, "table config is NULL");
+  size_t nlen = strnlen(cfg->name, sizeof cfg->name);
+  if (nlen == 0 || nlen == sizeof cfg->name)
+    return rs_set_error(RS_EINVAL, "table name must be 1..63 bytes, NUL-terminated");
+  if (cfg->max_size < 1 || cfg->max_size > MAX_RECORDS - 1)
+    return rs_set_error(RS_EINVAL, "table '%s': max_size must be in [1, %u], got %llu", cfg->name,
+                        MAX_RECORDS - 1, (unsigned long long)cfg->max_size);
+  if (!kind_ok(cfg->sampler_kind) || !kind_ok(cfg->remover_kind))
+    return rs_set_error(RS_EINVAL, "table '%s': selector kinds must be RS_SEL_* (0..5), got %d / %d",
+                        cfg->name, cfg->sampler_kind, cfg->remover_kind);
+  if ((cfg->sampler_kind == RS_SEL_PRIORITIZED && !isfinite(cfg->sampler_exponent)) ||
+      (cfg->remover_kind == RS_SEL_PRIORITIZED && !isfinite(cfg->remover_exponent)))
+    return rs_set_error(RS_EINVAL, "table '%s': priority exponent must be finite", cfg->name);
+  int rc = rs_limiter_validate(cfg->samples_per_insert, cfg->min_size_to_sample, cfg->min_diff,
+                               cfg->max_diff);
+  if (rc) return rc;
+  if (cfg->blob_len > RS_MAX_BLOB || (cfg->blob_len && !cfg->blob))
+    return rs_set_error(RS_EINVAL, "table '%s': config blob must be <= %u bytes (got %u)", cfg->name,
+                        RS_MAX_BLOB, cfg->blob_len);
+  return RS_OK;
+}
+
+typedef struct region_plan {
+  uint32_t cap, index_cap, tree_leaves, episodes_cap;
+  uint64_t recs, index, dense, heap[2], tree[2], episodes, blob, total; /* relative offsets */
+} region_plan;
+
+static void plan_region(const rs_table_config *cfg, region_plan *p) {
+  memset(p, 0, sizeof *p);
+  p->cap = (uint32_t)cfg->max_size + 1; /* an overflow insert adds before the remover deletes */
+  p->index_cap = pow2_at_least(2ull * p->cap);
+  p->episodes_cap = pow2_at_least(2ull * p->cap);
+  int prio = cfg->sampler_kind == RS_SEL_PRIORITIZED || cfg->remover_kind == RS_SEL_PRIORITIZED;
+  p->tree_leaves = prio ? pow2_at_least(p->cap) : 0;
+  uint64_t at = rs_align_up(sizeof(rs_table_hdr), RS_ALIGN);
+#define PLACE(field, bytes) (p->field = at, at = rs_align_up(at + (uint64_t)(bytes), RS_ALIGN))
+  PLACE(recs, (uint64_t)p->cap * sizeof(rs_rec));
+  PLACE(index, (uint64_t)p->index_cap * sizeof(rs_index_entry));
+  PLACE(dense, (uint64_t)p->cap * sizeof(uint32_t));
+  int32_t kinds[2] = {cfg->sampler_kind, cfg->remover_kind};
+  for (int si = 0; si < 2; si++) {
+    if (rs_sel_is_heap(kinds[si])) PLACE(heap[si], (uint64_t)p->cap * sizeof(uint32_t));
+    if (kinds[si] == RS_SEL_PRIORITIZED) PLACE(tree[si], 2ull * p->tree_leaves * sizeof(double));
+  }
+  PLACE(episodes, (uint64_t)p->episodes_cap * sizeof(rs_episode_entry));
+  PLACE(blob, cfg->blob_len);
+#undef PLACE
+  p->total = at;
+}
+
+uint64_t rs_table_region_size(const rs_table_config *cfg) {
+  if (config_check(cfg)) return 0;
+  region_plan p;
+  plan_region(cfg, &p);
+  return p.total;
+}
+
+static void free_list_rebuild(rs_rec *recs, rs_table_hdr *th) {
+  th->free_rec_head = RS_NONE;
+  for (uint32_t r = th->cap; r-- > 0;) {
+    if (recs[r].valid) continue;
+    recs[r].next_free = th->free_rec_head;
+    th->free_rec_head = r;
+  }
+}
+
+int rs_table_region_init(void *base, uint64_t off, const rs_table_config *cfg) {
+  int rc = config_check(cfg);
+  if (rc) return rc;
+  region_plan p;
+  plan_region(cfg, &p);
+  rs_table_hdr *th = (rs_table_hdr *)rs_at(base, off);
+  memset(th, 0, sizeof *th);
+  memcpy(th->name, cfg->name, sizeof th->name);
+  th->max_size = cfg->max_size;
+  th->max_times_sampled = cfg->max_times_sampled;
+  th->cap = p.cap;
+  int32_t kinds[2] = {cfg->sampler_kind, cfg->remover_kind};
+  double exps[2] = {cfg->sampler_exponent, cfg->remover_exponent};
+  for (int si = 0; si < 2; si++) {
+    th->sel[si].kind = kinds[si];
+    th->sel[si].exponent = kinds[si] == RS_SEL_PRIORITIZED ? exps[si] : 0.0;
+    th->sel[si].heap_off = rs_sel_is_heap(kinds[si]) ? off + p.heap[si] : 0;
+    th->sel[si].tree_off = kinds[si] == RS_SEL_PRIORITIZED ? off + p.tree[si] : 0;
+    th->sel[si].heap_len = 0;
+  }
+  th->samples_per_insert = cfg->samples_per_insert;
+  th->min_size_to_sample = cfg->min_size_to_sample;
+  th->min_diff = cfg->min_diff;
+  th->max_diff = cfg->max_diff;
+  th->order_head = th->order_tail = RS_NONE;
+  th->recs_off = off + p.recs;
+  th->index_off = off + p.index;
+  th->index_cap = p.index_cap;
+  th->tree_leaves = p.tree_leaves;
+  th->dense_off = off + p.dense;
+  th->episodes_off = off + p.episodes;
+  th->episodes_cap = p.episodes_cap;
+  th->blob_off = off + p.blob;
+  th->blob_len = cfg->blob_len;
+  if (cfg->blob_len) memcpy(rs_at(base, th->blob_off), cfg->blob, cfg->blob_len);
+
+  rs_rec *recs = rs_recs(base, th);
+  for (uint32_t r = 0; r < p.cap; r++) {
+    memset(&recs[r], 0, sizeof recs[r]);
+    recs[r].heap_pos[0] = recs[r].heap_pos[1] = recs[r].prev = recs[r].next = RS_NONE;
+  }
+  free_list_rebuild(recs, th);
+  rs_index_clear(rs_tindex(base, th), th->index_cap);
+  rs_epmap_clear(rs_tepisodes(base, th), th->episodes_cap);
+  for (int si = 0; si < 2; si++)
+    if (th->sel[si].kind == RS_SEL_PRIORITIZED)
+      memset(rs_tree(base, &th->sel[si]), 0, 2ull * th->tree_leaves * sizeof(double));
+  return rs_mutex_init(&th->lock);
+}
+
+/* ================================================================== argument checks */
+
+static int table_arg(void *base, uint32_t t, rs_table_hdr **out) {
+  if (!base) return rs_set_error(RS_EINVAL, "segment base is NULL");
+  uint32_t nt = rs_seg(base)->num_tables;
+  if (t >= nt) return rs_set_error(RS_EINVAL, "table index %u out of range (segment has %u tables)", t, nt);
+  *out = rs_table(base, t);
+  return RS_OK;
+}
+
+static int slot_arg(void *base, uint32_t slot) {
+  rs_seg_hdr *h = rs_seg(base);
+  if (slot >= h->max_procs || __atomic_load_n(&rs_slots(base)[slot].pid, __ATOMIC_ACQUIRE) == 0)
+    return rs_set_error(RS_EINVAL, "process slot %u is not registered (max_procs %u)", slot, h->max_procs);
+  return RS_OK;
+}
+
+static int has_prioritized(const rs_table_hdr *th) {
+  return th->sel[0].kind == RS_SEL_PRIORITIZED || th->sel[1].kind == RS_SEL_PRIORITIZED;
+}
+
+/* Priorities must be finite; >= 0 with a Prioritized sampler or remover, whose weight
+ * priority**exponent must also be finite (SPEC "Our decisions" 4). */
+static int check_priorities(const rs_table_hdr *th, uint32_t n, const double *p, const char *what) {
+  for (uint32_t i = 0; i < n; i++) {
+    if (!isfinite(p[i]))
+      return rs_set_error(RS_EINVAL, "table '%s': %s priority [%u] is %g; priorities must be finite",
+                          th->name, what, i, p[i]);
+    if (!has_prioritized(th)) continue;
+    if (p[i] < 0)
+      return rs_set_error(RS_EINVAL,
+                          "table '%s': %s priority [%u] is %g; a table with a Prioritized selector "
+                          "needs priorities >= 0", th->name, what, i, p[i]);
+    for (int si = 0; si < 2; si++) {
+      if (th->sel[si].kind != RS_SEL_PRIORITIZED) continue;
+      if (!isfinite(rs_sel_weight(th->sel[si].exponent, p[i])))
+        return rs_set_error(RS_EINVAL,
+                            "table '%s': %s priority [%u] = %g overflows priority**%g; expected a "
+                            "priority whose weight is a finite float64", th->name, what, i, p[i],
+                            th->sel[si].exponent);
+    }
+  }
+  return RS_OK;
+}
+
+static int is_closed(void *base, rs_table_hdr *th) {
+  return __atomic_load_n(&th->closed, __ATOMIC_ACQUIRE) ||
+         __atomic_load_n(&rs_seg(base)->closed, __ATOMIC_ACQUIRE);
+}
+
+/* ================================================================== one locked operation */
+
+typedef struct op {
+  void *base;
+  uint32_t t;
+  rs_table_hdr *th;
+  const char *what;        /* "insert" / "sample": names the blocked side in messages */
+  int64_t *held_ns;        /* stat charged with lock-held time (may be NULL) */
+  int64_t *waited_ns;      /* stat charged with blocked time */
+  int64_t locked_at;
+  int dirty;               /* made a change that may unblock a waiter */
+  int64_t deadline, slice_end; /* monotonic ns, < 0 = none */
+} op_t;
+
+static void op_init(op_t *op, void *base, uint32_t t, const char *what, int64_t *held, int64_t *waited,
+                    int64_t deadline_ns, int64_t slice_ns) {
+  memset(op, 0, sizeof *op);
+  op->base = base;
+  op->t = t;
+  op->th = rs_table(base, t);
+  op->what = what;
+  op->held_ns = held;
+  op->waited_ns = waited;
+  op->deadline = deadline_ns < 0 ? -1 : deadline_ns;
+  op->slice_end = slice_ns > 0 ? rs_now_ns() + slice_ns : -1;
+}
+
+static int op_lock(op_t *op) {
+  int rc = rs_tlock(op->base, op->t);
+  if (rc) return rc;
+  op->locked_at = rs_now_ns();
+  return RS_OK;
+}
+
+/* Bump seq if something changed; returns 1 when a wake-up is due (someone waits). */
+static int op_publish(op_t *op) {
+  if (!op->dirty) return 0;
+  op->dirty = 0;
+  __atomic_add_fetch(&op->th->seq, 1, __ATOMIC_RELEASE);
+  return __atomic_load_n(&op->th->waiters, __ATOMIC_ACQUIRE) > 0;
+}
+
+static void op_release(op_t *op, int wake) {
+  if (op->held_ns) *op->held_ns += rs_now_ns() - op->locked_at;
+  rs_tunlock(op->base, op->t);
+  if (wake) rs_futex_wake_all(&op->th->seq);
+}
+
+static void op_unlock(op_t *op) { op_release(op, op_publish(op)); }
+
+static int blocked_error(op_t *op, int code) {
+  rs_table_hdr *th = op->th;
+  return rs_set_error(code,
+                      "table '%s': %s %s waiting for the rate limiter (size %lld, inserts %lld, "
+                      "samples %lld, deletes %lld, min_size_to_sample %lld, min_diff %g, max_diff %g)",
+                      th->name, op->what, code == RS_ETIMEDOUT ? "timed out" : "slice expired",
+                      (long long)th->size, (long long)th->inserts, (long long)th->samples,
+                      (long long)th->deletes, (long long)th->min_size_to_sample, th->min_diff,
+                      th->max_diff);
+}
+
+/* Called with the lock held when no progress is possible. Returns RS_OK with the lock held
+ * again after a wake-up, or an error code (RS_ETIMEDOUT, RS_EAGAIN, ...) with it released. */
+static int op_wait(op_t *op) {
+  rs_table_hdr *th = op->th;
+  int64_t now = rs_now_ns();
+  if (op->deadline >= 0 && now >= op->deadline) {
+    int rc = blocked_error(op, RS_ETIMEDOUT);
+    op_unlock(op);
+    return rc;
+  }
+  if (op->slice_end >= 0 && now >= op->slice_end) {
+    int rc = blocked_error(op, RS_EAGAIN);
+    op_unlock(op);
+    return rc;
+  }
+  int64_t until = op->deadline;
+  if (op->slice_end >= 0 && (until < 0 || op->slice_end < until)) until = op->slice_end;
+  int wake = op_publish(op);
+  uint32_t seen = __atomic_load_n(&th->seq, __ATOMIC_ACQUIRE);
+  __atomic_add_fetch(&th->waiters, 1, __ATOMIC_ACQ_REL);
+  op_release(op, wake);
+
+  int rc = RS_OK;
+  int64_t t0 = rs_now_ns();
+  while (__atomic_load_n(&th->seq, __ATOMIC_ACQUIRE) == seen && rs_now_ns() - t0 < SPIN_NS)
+    cpu_relax();
+  if (__atomic_load_n(&th->seq, __ATOMIC_ACQUIRE) == seen) rc = rs_futex_wait(&th->seq, seen, until);
+  __atomic_sub_fetch(&th->waiters, 1, __ATOMIC_ACQ_REL);
+  int64_t waited = rs_now_ns() - t0;
+  if (rc == RS_ESYS) return rc;
+  rc = op_lock(op);
+  if (rc) return rc;
+  *op->waited_ns += waited;
+  return RS_OK;
+}
+
+/* ================================================================== item structures */
+
+typedef struct ep_ctx {
+  rs_table_hdr *th;
+  rs_episode_entry *em;
+  uint32_t count;
+} ep_ctx;
+
+static void ep_count_new(void *c, uint64_t ep) {
+  ep_ctx *x = c;
+  if (!rs_epmap_find(x->em, x->th->episodes_cap, ep)) x->count++;
+}
+
+static void ep_add(void *c, uint64_t ep) {
+  ep_ctx *x = c;
+  if (rs_epmap_incr(x->em, x->th->episodes_cap, ep)) x->th->num_episodes++;
+}
+
+static void ep_drop(void *c, uint64_t ep) {
+  ep_ctx *x = c;
+  if (rs_epmap_decr(x->em, x->th->episodes_cap, ep) == 1) {
+    x->th->num_episodes--;
+    x->th->num_deleted_episodes++;
+  }
+}
+
+/* Link a committed record into the index, dense array, order list, selectors and episode map. */
+static void item_link(void *base, rs_table_hdr *th, uint32_t r) {
+  rs_rec *recs = rs_recs(base, th);
+  rs_rec *rec = &recs[r];
+  rs_index_put(rs_tindex(base, th), th->index_cap, rec->key, r);
+  uint32_t *dense = rs_dense(base, th);
+  rec->dense_pos = (uint32_t)th->size;
+  dense[th->size] = r;
+  rec->prev = th->order_tail;
+  rec->next = RS_NONE;
+  if (th->order_tail != RS_NONE) recs[th->order_tail].next = r;
+  else th->order_head = r;
+  th->order_tail = r;
+  th->size++;
+  for (int si = 0; si < 2; si++) rs_sel_insert(base, th, si, r);
+  ep_ctx ctx = {th, rs_tepisodes(base, th), 0};
+  rs_desc_each_episode(base, rs_desc_blob(base, rec->desc_off), ep_add, &ctx);
+}
+
+/* Remove record r from every structure (valid cleared first). The caller then releases its
+ * descriptor (rec->desc_off) and counts the delete. */
+static void item_unlink(void *base, rs_table_hdr *th, uint32_t r) {
+  rs_rec *recs = rs_recs(base, th);
+  rs_rec *rec = &recs[r];
+  __atomic_store_n(&rec->valid, 0, __ATOMIC_RELEASE);
+  rs_index_remove(rs_tindex(base, th), th->index_cap, rec->key);
+  for (int si = 0; si < 2; si++) rs_sel_remove(base, th, si, r);
+  uint32_t *dense = rs_dense(base, th);
+  uint32_t last = dense[th->size - 1];
+  dense[rec->dense_pos] = last;
+  recs[last].dense_pos = rec->dense_pos;
+  th->size--;
+  if (rec->prev != RS_NONE) recs[rec->prev].next = rec->next;
+  else th->order_head = rec->next;
+  if (rec->next != RS_NONE) recs[rec->next].prev = rec->prev;
+  else th->order_tail = rec->prev;
+  rec->prev = rec->next = RS_NONE;
+  ep_ctx ctx = {th, rs_tepisodes(base, th), 0};
+  rs_desc_each_episode(base, rs_desc_blob(base, rec->desc_off), ep_drop, &ctx);
+  rec->next_free = th->free_rec_head;
+  th->free_rec_head = r;
+}
+
+static void item_remove(void *base, rs_table_hdr *th, uint32_t r, int arena_locked) {
+  uint64_t desc = rs_recs(base, th)[r].desc_off;
+  item_unlink(base, th, r);
+  th->deletes++;
+  rs_desc_release(base, desc, arena_locked);
+}
+
+static void update_priority(void *base, rs_table_hdr *th, uint32_t r, double priority) {
+  rs_rec *rec = &rs_recs(base, th)[r];
+  rec->priority = priority;
+  rec->update_seq = th->next_update_seq++;
+  for (int si = 0; si < 2; si++) rs_sel_update(base, th, si, r);
+}
+
+/* Insert (or update) one item; the limiter has already admitted it. */
+static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priority,
+                      const uint8_t *blob, uint32_t len) {
+  uint32_t r = rs_index_find(rs_tindex(base, th), th->index_cap, key);
+  if (r != RS_NONE) { /* existing key: priority update, no counter change, descriptor unused */
+    update_priority(base, th, r, priority);
+    return RS_OK;
+  }
+  ep_ctx ctx = {th, rs_tepisodes(base, th), 0};
+  rs_desc_each_episode(base, (const rs_desc_hdr *)blob, ep_count_new, &ctx);
+  if ((uint64_t)th->num_episodes + ctx.count >= th->episodes_cap)
+    return rs_set_error(RS_EFULL, "table '%s': episode map full (%lld episodes, capacity %u)",
+                        th->name, (long long)th->num_episodes, th->episodes_cap - 1);
+  if (th->free_rec_head == RS_NONE) /* cannot happen: size <= max_size < cap */
+    return rs_set_error(RS_ECORRUPT, "table '%s': no free record (size %lld)", th->name,
+                        (long long)th->size);
+  uint64_t desc;
+  int rc = rs_desc_create(base, blob, len, &desc);
+  if (rc) return rc;
+
+  rs_rec *recs = rs_recs(base, th);
+  r = th->free_rec_head;
+  rs_rec *rec = &recs[r];
+  th->free_rec_head = rec->next_free;
+  rec->key = key;
+  rec->priority = priority;
+  rec->insert_seq = th->next_insert_seq++;
+  rec->update_seq = th->next_update_seq++;
+  rec->desc_off = desc;
+  rec->inserted_at_ns = rs_realtime_ns();
+  rec->times_sampled = 0;
+  rec->next_free = RS_NONE;
+  rec->heap_pos[0] = rec->heap_pos[1] = RS_NONE;
+  __atomic_store_n(&rec->valid, 1, __ATOMIC_RELEASE); /* commit */
+  item_link(base, th, r);
+
+  if ((uint64_t)th->size > th->max_size) {
+    uint32_t victim;
+    double prob;
+    rs_sel_pick(base, th, 1, 1, &victim, &prob);
+    item_remove(base, th, victim, 0);
+  }
+  th->inserts++;
+  return RS_OK;
+}
+
+/* ================================================================== insert */
+
+int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint64_t *keys,
+              const double *priorities, const uint8_t *blob, const uint64_t *blob_offs,
+              int64_t deadline_ns, int64_t slice_ns, uint32_t *done_out) {
+  if (!done_out) return rs_set_error(RS_EINVAL, "rs_insert: done_out is NULL");
+  *done_out = 0;
+  rs_table_hdr *th = NULL;
+  int rc = table_arg(base, table, &th);
+  if (rc) return rc;
+  if (n == 0) return RS_OK;
+  if (!keys || !priorities || !blob || !blob_offs)
+    return rs_set_error(RS_EINVAL, "rs_insert: keys, priorities, blob and blob_offs must not be NULL");
+  rc = check_priorities(th, n, priorities, "insert");
+  if (rc) return rc;
+  for (uint32_t i = 0; i < n; i++) {
+    if (blob_offs[i + 1] < blob_offs[i] || blob_offs[i + 1] - blob_offs[i] > UINT32_MAX)
+      return rs_set_error(RS_EINVAL, "rs_insert: blob_offs must be non-decreasing with items < 4 GiB "
+                          "(item %u: %llu..%llu)", i, (unsigned long long)blob_offs[i],
+                          (unsigned long long)blob_offs[i + 1]);
+    rc = rs_desc_validate(base, blob + blob_offs[i], (uint32_t)(blob_offs[i + 1] - blob_offs[i]));
+    if (rc) {
+      char why[768];
+      snprintf(why, sizeof why, "%s", rs_last_error());
+      return rs_set_error(rc, "table '%s': item %u has a bad descriptor: %s", th->name, i, why);
+    }
+  }
+
+  op_t op;
+  op_init(&op, base, table, "insert", &th->inserting_ns, &th->waiting_for_sampling_ns, deadline_ns,
+          slice_ns);
+  rc = op_lock(&op);
+  uint32_t done = 0;
+  while (rc == RS_OK) {
+    if (is_closed(base, th)) {
+      rc = rs_set_error(RS_ECLOSED, "table '%s' is closed", th->name);
+      op_unlock(&op);
+      break;
+    }
+    while (done < n && rs_limiter_can_insert(th, 1)) {
+      rc = insert_one(base, th, keys[done], priorities[done], blob + blob_offs[done],
+                      (uint32_t)(blob_offs[done + 1] - blob_offs[done]));
+      if (rc) break;
+      done++;
+      op.dirty = 1;
+    }
+    if (rc || done == n) {
+      op_unlock(&op);
+      break;
+    }
+    rc = op_wait(&op);
+  }
+  *done_out = done;
+  return rc;
+}
+
+/* ================================================================== sample */
+
+/* Take up to `want` samples now (no waiting) into out[]. Returns the number taken (0 when the
+ * limiter blocks) or a negative error code. */
+static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *out) {
+  void *base = op->base;
+  rs_table_hdr *th = op->th;
+  rs_seg_hdr *h = rs_seg(base);
+  uint32_t avail = __atomic_load_n(&rs_slots(base)[slot].free_top, __ATOMIC_ACQUIRE);
+  if (avail == 0)
+    return rs_set_error(RS_EFULL, "process slot %u holds all of its %u pins; release samples "
+                        "before sampling more", slot, h->pins_per_proc);
+  uint32_t limit = want < SAMPLE_ROUND ? want : SAMPLE_ROUND;
+  if (limit > avail) limit = avail;
+
+  uint32_t picks[SAMPLE_ROUND], pins[SAMPLE_ROUND];
+  double probs[SAMPLE_ROUND];
+  uint64_t descs[SAMPLE_ROUND], doomed[SAMPLE_ROUND];
+  uint32_t k = 0, ndoomed = 0;
+  rs_rec *recs = rs_recs(base, th);
+  int32_t mts = th->max_times_sampled;
+
+  /* Without max_times_sampled nothing leaves the table while sampling: pick the whole run at
+   * once (batched sum-tree descent). Otherwise pick one at a time, removing as we go. */
+  uint32_t batch = mts > 0 ? 1 : limit;
+  while (k < limit && th->size > 0) {
+    uint32_t m = rs_limiter_sample_budget(th, batch < limit - k ? batch : limit - k);
+    if (m == 0) break;
+    rs_sel_pick(base, th, 0, m, picks + k, probs + k);
+    for (uint32_t j = k; j < k + m; j++) {
+      rs_rec *rec = &recs[picks[j]];
+      rec->times_sampled++;
+      if (rec->times_sampled == 1) th->num_unique_samples++;
+      th->samples++;
+      out[j].key = rec->key;
+      out[j].probability = probs[j];
+      out[j].table_size = th->size;
+      out[j].priority = rec->priority;
+      out[j].times_sampled = rec->times_sampled;
+      out[j].desc_off = descs[j] = rec->desc_off;
+      if (mts > 0 && rec->times_sampled == mts) {
+        doomed[ndoomed++] = rec->desc_off;
+        item_unlink(base, th, picks[j]);
+        th->deletes++;
+      }
+    }
+    k += m;
+  }
+  if (k == 0) return 0;
+  op->dirty = 1;
+  /* Pin before dropping the table's references, so removed items' data stays alive. */
+  int rc = rs_pin_descs(base, slot, k, descs, pins);
+  if (ndoomed) {
+    if (rs_alock(base) == RS_OK) {
+      for (uint32_t i = 0; i < ndoomed; i++) rs_desc_release(base, doomed[i], 1);
+      rs_aunlock(base);
+    }
+  }
+  if (rc) return rc;
+  for (uint32_t j = 0; j < k; j++) out[j].pin = pins[j];
+  return (int)k;
+}
+
+int rs_sample(void *base, uint32_t slot, uint32_t table, uint32_t n, int64_t deadline_ns,
+              int64_t slice_ns, rs_sample_rec *out, uint32_t *got_io) {
+  rs_table_hdr *th = NULL;
+  int rc = table_arg(base, table, &th);
+  if (rc) return rc;
+  if (!got_io) return rs_set_error(RS_EINVAL, "rs_sample: got_io is NULL");
+  if (*got_io > n)
+    return rs_set_error(RS_EINVAL, "rs_sample: *got_io (%u) exceeds n (%u)", *got_io, n);
+  if (n > 0 && !out) return rs_set_error(RS_EINVAL, "rs_sample: out is NULL");
+  rc = slot_arg(base, slot);
+  if (rc) return rc;
+  if (*got_io == n) return RS_OK;
+
+  op_t op;
+  op_init(&op, base, table, "sample", &th->sampling_ns, &th->waiting_for_inserts_ns, deadline_ns,
+          slice_ns);
+  rc = op_lock(&op);
+  while (rc == RS_OK) {
+    if (is_closed(base, th)) {
+      rc = rs_set_error(RS_ECLOSED, "table '%s' is closed", th->name);
+      op_unlock(&op);
+      break;
+    }
+    int took = 0;
+    while (*got_io < n && (took = sample_round(&op, slot, n - *got_io, out + *got_io)) > 0)
+      *got_io += (uint32_t)took;
+    if (*got_io == n || took < 0) {
+      rc = *got_io == n ? RS_OK : took;
+      op_unlock(&op);
+      break;
+    }
+    rc = op_wait(&op);
+  }
+  return rc;
+}
+
+/* ================================================================== gather (no lock) */
+
+int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col, uint8_t *out,
+              uint64_t out_stride, uint64_t col_bytes) {
+  if (n == 0) return RS_OK;
+  if (!base || !desc_offs || !out) return rs_set_error(RS_EINVAL, "rs_gather: NULL argument");
+  for (uint32_t i = 0; i < n; i++) {
+    const rs_desc_hdr *d = rs_desc_blob(base, desc_offs[i]);
+    if (col >= d->ncols)
+      return rs_set_error(RS_EINVAL, "rs_gather: item %u has %u columns, column %u requested", i,
+                          d->ncols, col);
+    const rs_desc_col *c = &((const rs_desc_col *)(d + 1))[col];
+    const rs_desc_slice *s = rs_desc_slices(d) + c->first_slice;
+    uint64_t bytes = 0;
+    for (uint32_t j = 0; j < c->nslices; j++) {
+      const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
+      if (ch->row_bytes == 0)
+        return rs_set_error(RS_EINVAL, "rs_gather: item %u column %u is an object column (no fixed "
+                            "row size); it cannot be gathered", i, col);
+      bytes += (uint64_t)s[j].nrows * ch->row_bytes;
+    }
+    if (bytes != col_bytes)
+      return rs_set_error(RS_EINVAL, "rs_gather: item %u column %u holds %llu bytes, expected %llu",
+                          i, col, (unsigned long long)bytes, (unsigned long long)col_bytes);
+    uint8_t *dst = out + (uint64_t)i * out_stride;
+    for (uint32_t j = 0; j < c->nslices; j++) {
+      const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
+      uint64_t nb = (uint64_t)s[j].nrows * ch->row_bytes;
+      memcpy(dst, (const char *)ch + ch->data_offset + (uint64_t)s[j].row_offset * ch->row_bytes, nb);
+      dst += nb;
+    }
+  }
+  return RS_OK;
+}
+
+/* ================================================================== mutate, reset */
+
+int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_keys,
+              const double *upd_prios, uint32_t n_del, const uint64_t *del_keys,
+              uint32_t *updated_out, uint32_t *deleted_out) {
+  rs_table_hdr *th = NULL;
+  int rc = table_arg(base, table, &th);
+  if (rc) return rc;
+  if ((n_upd && (!upd_keys || !upd_prios)) || (n_del && !del_keys))
+    return rs_set_error(RS_EINVAL, "rs_mutate: key/priority arrays must not be NULL when counts > 0");
+  rc = check_priorities(th, n_upd, upd_prios, "update");
+  if (rc) return rc;
+  op_t op;
+  op_init(&op, base, table, "mutate", NULL, NULL, -1, 0);
+  rc = op_lock(&op);
+  if (rc) return rc;
+  uint32_t updated = 0, deleted = 0;
+  rs_index_entry *ix = rs_tindex(base, th);
+  int arena_locked = 0;
+  for (uint32_t i = 0; i < n_del; i++) { /* deletes first (SPEC decision 1) */
+    uint32_t r = rs_index_find(ix, th->index_cap, del_keys[i]);
+    if (r == RS_NONE) continue;
+    if (!arena_locked) arena_locked = rs_alock(base) == RS_OK;
+    item_remove(base, th, r, arena_locked);
+    deleted++;
+  }
+  if (arena_locked) rs_aunlock(base);
+  for (uint32_t i = 0; i < n_upd; i++) {
+    uint32_t r = rs_index_find(ix, th->index_cap, upd_keys[i]);
+    if (r == RS_NONE) continue;
+    update_priority(base, th, r, upd_prios[i]);
+    updated++;
+  }
+  op.dirty = deleted > 0;
+  op_unlock(&op);
+  if (updated_out) *updated_out = updated;
+  if (deleted_out) *deleted_out = deleted;
+  return RS_OK;
+}
+
+/* Reset derived structures to "no items" (records must all be invalid). */
+static void clear_structures(void *base, rs_table_hdr *th) {
+  rs_index_clear(rs_tindex(base, th), th->index_cap);
+  rs_epmap_clear(rs_tepisodes(base, th), th->episodes_cap);
+  th->size = 0;
+  th->num_episodes = 0;
+  th->order_head = th->order_tail = RS_NONE;
+  free_list_rebuild(rs_recs(base, th), th);
+  for (int si = 0; si < 2; si++) rs_sel_rebuild(base, th, si);
+}
+
+int rs_reset(void *base, uint32_t table) {
+  rs_table_hdr *th = NULL;
+  int rc = table_arg(base, table, &th);
+  if (rc) return rc;
+  op_t op;
+  op_init(&op, base, table, "reset", NULL, NULL, -1, 0);
+  rc = op_lock(&op);
+  if (rc) return rc;
+  rs_rec *recs = rs_recs(base, th);
+  uint32_t *dense = rs_dense(base, th);
+  int64_t n = th->size;
+  for (int64_t i = 0; i < n; i++) __atomic_store_n(&recs[dense[i]].valid, 0, __ATOMIC_RELEASE);
+  int arena_locked = n > 0 && rs_alock(base) == RS_OK;
+  for (int64_t i = 0; i < n; i++) rs_desc_release(base, recs[dense[i]].desc_off, arena_locked);
+  if (arena_locked) rs_aunlock(base);
+  clear_structures(base, th);
+  th->inserts = th->samples = th->deletes = 0;
+  th->num_deleted_episodes = th->num_unique_samples = 0;
+  op.dirty = 1;
+  op_unlock(&op);
+  return RS_OK;
+}
+
+/* ================================================================== introspection */
+
+static void item_rec(const rs_rec *rec, rs_item_rec *out) {
+  out->key = rec->key;
+  out->priority = rec->priority;
+  out->times_sampled = rec->times_sampled;
+  out->insert_seq = rec->insert_seq;
+  out->update_seq = rec->update_seq;
+  out->inserted_at_ns = rec->inserted_at_ns;
+  out->desc_off = rec->desc_off;
+}
+
+int rs_table_items(void *base, uint32_t table, rs_item_rec *out, uint64_t cap, uint64_t *n_out,
+                   uint64_t *size_out) {
+  rs_table_hdr *th = NULL;
+  int rc = table_arg(base, table, &th);
+  if (rc) return rc;
+  if (!n_out || !size_out || (cap && !out))
+    return rs_set_error(RS_EINVAL, "rs_table_items: NULL output argument");
+  rc = rs_tlock(base, table);
+  if (rc) return rc;
+  rs_rec *recs = rs_recs(base, th);
+  uint64_t n = 0;
+  for (uint32_t r = th->order_head; r != RS_NONE && n < cap; r = recs[r].next) item_rec(&recs[r], &out[n++]);
+  *n_out = n;
+  *size_out = (uint64_t)th->size;
+  rs_tunlock(base, table);
+  return RS_OK;
+}
+
+int rs_table_get(void *base, uint32_t table, uint64_t key, rs_item_rec *out) {
+  rs_table_hdr *th = NULL;
+  int rc = table_arg(base, table, &th);
+  if (rc) return rc;
+  if (!out) return rs_set_error(RS_EINVAL, "rs_table_get: out is NULL");
+  rc = rs_tlock(base, table);
+  if (rc) return rc;
+  uint32_t r = rs_index_find(rs_tindex(base, th), th->index_cap, key);
+  if (r != RS_NONE) item_rec(&rs_recs(base, th)[r], out);
+  rs_tunlock(base, table);
+  if (r == RS_NONE)
+    return rs_set_error(RS_ENOTFOUND, "table '%s' has no item with key %llu", th->name,
+                        (unsigned long long)key);
+  return RS_OK;
+}
+
+int rs_table_get_stats(void *base, uint32_t table, rs_table_stats *out) {
+  rs_table_hdr *th = NULL;
+  int rc = table_arg(base, table, &th);
+  if (rc) return rc;
+  if (!out) return rs_set_error(RS_EINVAL, "rs_table_get_stats: out is NULL");
+  rc = rs_tlock(base, table);
+  if (rc) return rc;
+  memset(out, 0, sizeof *out);
+  out->max_size = th->max_size;
+  out->max_times_sampled = th->max_times_sampled;
+  out->sampler_kind = th->sel[0].kind;
+  out->remover_kind = th->sel[1].kind;
+  out->sampler_exponent = th->sel[0].exponent;
+  out->remover_exponent = th->sel[1].exponent;
+  out->samples_per_insert = th->samples_per_insert;
+  out->min_size_to_sample = th->min_size_to_sample;
+  out->min_diff = th->min_diff;
+  out->max_diff = th->max_diff;
+  out->size = th->size;
+  out->inserts = th->inserts;
+  out->samples = th->samples;
+  out->deletes = th->deletes;
+  out->num_episodes = th->num_episodes;
+  out->num_deleted_episodes = th->num_deleted_episodes;
+  out->num_unique_samples = th->num_unique_samples;
+  out->closed = is_closed(base, th);
+  out->inserting_ns = th->inserting_ns;
+  out->sampling_ns = th->sampling_ns;
+  out->waiting_for_sampling_ns = th->waiting_for_sampling_ns;
+  out->waiting_for_inserts_ns = th->waiting_for_inserts_ns;
+  out->repairs = th->repairs;
+  rs_tunlock(base, table);
+  return RS_OK;
+}
+
+static int limiter_query(void *base, uint32_t table, int64_t n, int sample) {
+  rs_table_hdr *th = NULL;
+  int rc = table_arg(base, table, &th);
+  if (rc) return rc;
+  if (n < 0) return rs_set_error(RS_EINVAL, "table '%s': n must be >= 0, got %lld", th->name, (long long)n);
+  rc = rs_tlock(base, table);
+  if (rc) return rc;
+  int yes = sample ? rs_limiter_can_sample(th, n) : rs_limiter_can_insert(th, n);
+  rs_tunlock(base, table);
+  return yes;
+}
+
+int rs_can_insert(void *base, uint32_t table, int64_t n) { return limiter_query(base, table, n, 0); }
+int rs_can_sample(void *base, uint32_t table, int64_t n) { return limiter_query(base, table, n, 1); }
+
+/* ================================================================== repair */
+
+static int by_insert_seq(const void *a, const void *b, void *recs_) {
+  const rs_rec *recs = recs_;
+  uint64_t x = recs[*(const uint32_t *)a].insert_seq, y = recs[*(const uint32_t *)b].insert_seq;
+  return x < y ? -1 : x > y;
+}
+
+void rs_table_repair(void *base, uint32_t t) {
+  rs_table_hdr *th = rs_table(base, t);
+  rs_rec *recs = rs_recs(base, th);
+  uint32_t *dense = rs_dense(base, th);
+  rs_index_entry *ix = rs_tindex(base, th);
+  rs_index_clear(ix, th->index_cap);
+  /* valid records, de-duplicated by key (a duplicate cannot be committed, but be safe) */
+  uint32_t n = 0;
+  uint64_t max_ins = 0, max_upd = 0;
+  for (uint32_t r = 0; r < th->cap; r++) {
+    if (!recs[r].valid) continue;
+    if (rs_index_find(ix, th->index_cap, recs[r].key) != RS_NONE) {
+      recs[r].valid = 0;
+      continue;
+    }
+    rs_index_put(ix, th->index_cap, recs[r].key, r);
+    dense[n++] = r;
+    if (recs[r].insert_seq + 1 > max_ins) max_ins = recs[r].insert_seq + 1;
+    if (recs[r].update_seq + 1 > max_upd) max_upd = recs[r].update_seq + 1;
+  }
+  free_list_rebuild(recs, th);
+  qsort_r(dense, n, sizeof *dense, by_insert_seq, recs);
+  th->order_head = th->order_tail = RS_NONE;
+  for (uint32_t i = 0; i < n; i++) {
+    rs_rec *rec = &recs[dense[i]];
+    rec->dense_pos = i;
+    rec->prev = i ? dense[i - 1] : RS_NONE;
+    rec->next = i + 1 < n ? dense[i + 1] : RS_NONE;
+  }
+  if (n) {
+    th->order_head = dense[0];
+    th->order_tail = dense[n - 1];
+  }
+  th->size = n;
+  for (int si = 0; si < 2; si++) rs_sel_rebuild(base, th, si);
+  rs_episode_entry *em = rs_tepisodes(base, th);
+  rs_epmap_clear(em, th->episodes_cap);
+  th->num_episodes = 0;
+  ep_ctx ctx = {th, em, 0};
+  for (uint32_t i = 0; i < n; i++)
+    rs_desc_each_episode(base, rs_desc_blob(base, recs[dense[i]].desc_off), ep_add, &ctx);
+  if (th->next_insert_seq < max_ins) th->next_insert_seq = max_ins;
+  if (th->next_update_seq < max_upd) th->next_update_seq = max_upd;
+  if (th->inserts < th->size) th->inserts = th->size; /* died between commit and inserts++ */
+  th->deletes = th->inserts - th->size;
+  if (th->samples < 0) th->samples = 0;
+}
