@@ -854,4 +854,11 @@ void rs_table_repair(void *base, uint32_t t) {
   if (th->inserts < th->size) th->inserts = th->size; /* died between commit and inserts++ */
   th->deletes = th->inserts - th->size;
   if (th->samples < 0) th->samples = 0;
+  /* died between committing an overflow insert and the remover's deletion: finish it */
+  while ((uint64_t)th->size > th->max_size) {
+    uint32_t victim;
+    double prob;
+    rs_sel_pick(base, th, 1, 1, &victim, &prob);
+    item_remove(base, th, victim, 0);
+  }
 }
