@@ -1,0 +1,31 @@
+"""reverb_shm: experience replay in POSIX shared memory with the Python API of Reverb.
+
+`import reverb_shm as reverb` runs Reverb programs; tables live in shared memory on one host.
+"""
+from reverb_shm import errors
+from reverb_shm import item_selectors
+from reverb_shm import rate_limiters
+from reverb_shm import selectors
+from reverb_shm import structure
+from reverb_shm.client import Client
+from reverb_shm.errors import DeadlineExceededError
+from reverb_shm.errors import ReverbError
+from reverb_shm.replay_sample import ReplaySample
+from reverb_shm.replay_sample import SampleInfo
+from reverb_shm.server import Server
+from reverb_shm.shared_table import SharedTable
+from reverb_shm.specs import BoundedTensorSpec
+from reverb_shm.specs import TensorSpec
+from reverb_shm.table import Table
+from reverb_shm.table import TableInfo
+from reverb_shm.trajectory_writer import TrajectoryColumn
+from reverb_shm.trajectory_writer import TrajectoryWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BoundedTensorSpec", "Client", "DeadlineExceededError", "ReplaySample", "ReverbError",
+    "SampleInfo", "Server", "SharedTable", "Table", "TableInfo", "TensorSpec",
+    "TrajectoryColumn", "TrajectoryWriter", "errors", "item_selectors", "rate_limiters",
+    "selectors", "structure",
+]

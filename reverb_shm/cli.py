@@ -1,0 +1,91 @@
+"""`reverb-shm`: inspect, check and clean up reverb_shm servers on this host.
+
+Sub-commands:
+  reverb-shm list            servers whose segments exist in /dev/shm, with owner state
+  reverb-shm info NAME       segment and per-table statistics of server NAME
+  reverb-shm check NAME      run the C invariant checker over every table of NAME (exit 1 on violation)
+  reverb-shm gc [--dry-run]  remove segments and port aliases whose owner process is dead
+"""
+import argparse
+import os
+import sys
+
+from reverb_shm import errors, shm
+
+_MiB = float(1 << 20)
+
+
+def _cmd_list(args) -> int:
+  rows = shm.list_segments()
+  if not rows:
+    print("no reverb_shm segments in", shm.SHM_DIR)
+    return 0
+  print(f"{'server':32} {'size MiB':>10} {'owner pid':>10}  state")
+  for row in rows:
+    state = "live" if row["alive"] else "STALE (owner dead; `reverb-shm gc` removes it)"
+    print(f"{row['name']:32} {row['size'] / _MiB:10.1f} {row['pid']:10d}  {state}")
+  return 0
+
+
+def _cmd_info(args) -> int:
+  seg = shm.Segment.attach(args.name)
+  info = seg.info()
+  print(f"server {args.name!r}: {info['num_tables']} table(s), owner pid {info['owner_pid']}, "
+        f"{info['live_procs']}/{info['max_procs']} process slots in use")
+  print(f"arena: {info['arena_used'] / _MiB:.1f} MiB used of {info['arena_size'] / _MiB:.1f} MiB, "
+        f"{info['num_chunks']} chunks, {info['num_descs']} item descriptors")
+  for index, name in enumerate(seg.table_names()):
+    st = seg.stats(index)
+    print(f"  table {name!r}: size {st['size']}/{st['max_size']}, inserts {st['inserts']}, "
+          f"samples {st['samples']}, deletes {st['deletes']}, episodes {st['num_episodes']}, "
+          f"unique samples {st['num_unique_samples']}, repairs {st['repairs']}")
+  return 0
+
+
+def _cmd_check(args) -> int:
+  seg = shm.Segment.attach(args.name)
+  try:
+    seg.check()
+  except errors.CorruptError as e:
+    print(f"server {args.name!r}: invariant check FAILED\n{e}", file=sys.stderr)
+    return 1
+  print(f"server {args.name!r}: all invariants hold")
+  return 0
+
+
+def _cmd_gc(args) -> int:
+  removed = shm.remove_stale(dry_run=args.dry_run)
+  verb = "would remove" if args.dry_run else "removed"
+  for path in removed:
+    print(f"{verb} {path}")
+  print(f"{verb} {len(removed)} stale object(s)")
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="reverb-shm", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command", required=True)
+  sub.add_parser("list", help="list servers on this host").set_defaults(func=_cmd_list)
+  p = sub.add_parser("info", help="statistics of one server")
+  p.add_argument("name")
+  p.set_defaults(func=_cmd_info)
+  p = sub.add_parser("check", help="run the invariant checker")
+  p.add_argument("name")
+  p.set_defaults(func=_cmd_check)
+  p = sub.add_parser("gc", help="remove segments of dead servers")
+  p.add_argument("--dry-run", action="store_true")
+  p.set_defaults(func=_cmd_gc)
+  return parser
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.func(args)
+  except (errors.ReverbError, ValueError, OSError) as e:
+    print(f"reverb-shm {args.command}: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

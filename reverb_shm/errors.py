@@ -1,0 +1,57 @@
+"""Exception classes of reverb_shm.
+
+Every class derives from :class:`ReverbError` and, where Reverb surfaces a built-in exception,
+from that built-in too, so callers may catch either family (SPEC "Our decisions" 12).
+"""
+import builtins
+
+
+class ReverbError(Exception):
+  """Base class of every error raised by reverb_shm."""
+
+
+class DeadlineExceededError(ReverbError):
+  """A blocking call (rate limiter wait, flush, server_info) ran out of time."""
+
+
+class InvalidArgumentError(ReverbError, builtins.ValueError):
+  """An argument was malformed (wrong type, dtype, shape, range)."""
+
+
+class UnknownTableError(ReverbError, builtins.ValueError, builtins.RuntimeError, builtins.KeyError):
+  """No table of that name exists; the message lists the tables that do.
+
+  It is a ValueError (what Reverb raises on insert), a RuntimeError (sample / mutate / reset)
+  and a KeyError (lookups by name).
+  """
+
+  def __str__(self):  # KeyError would repr-quote the message.
+    return builtins.Exception.__str__(self)
+
+
+class ResourceExhaustedError(ReverbError, builtins.IndexError):
+  """A fixed capacity ran out: the chunk arena, process slots, pin log or /dev/shm."""
+
+
+class TableClosedError(ReverbError, builtins.RuntimeError):
+  """The table's server was stopped; blocked and later calls fail with this error."""
+
+
+class CorruptError(ReverbError, builtins.RuntimeError):
+  """A segment's header does not match this build, or an invariant check failed."""
+
+
+class DeadOwnerError(ReverbError, builtins.RuntimeError):
+  """The process owning the segment (the server) is dead."""
+
+
+class ServerUnavailableError(ReverbError, builtins.RuntimeError):
+  """No running server answers to the given name or address."""
+
+
+class SegmentInUseError(ReverbError, builtins.FileExistsError):
+  """A live server already owns a segment of that name."""
+
+
+class SystemCallError(ReverbError, builtins.OSError):
+  """A system call inside the C core failed (the message carries strerror)."""

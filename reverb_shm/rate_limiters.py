@@ -1,0 +1,160 @@
+"""Rate limiters (SPEC §4): configuration of how far samples may run ahead of inserts.
+
+The formulas run in the C core. Objects are immutable configuration and thread-safe; one
+object may configure several tables (SPEC "Our decisions" 6).
+"""
+import logging
+import sys
+from typing import Tuple, Union
+
+__all__ = ["RateLimiter", "MinSize", "SampleToInsertRatio", "Queue", "Stack"]
+
+_FLOAT_MAX = sys.float_info.max
+_log = logging.getLogger(__name__)
+
+
+def _number(value, name):
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    try:
+      return float(value)
+    except (TypeError, ValueError):
+      raise TypeError(f"{name} must be a number, got {value!r}") from None
+  return value
+
+
+class RateLimiter:
+  """Reverb's base rate limiter.
+
+  can_sample(n): size >= min_size_to_sample and inserts*spi - samples - n >= min_diff.
+  can_insert(n): inserts + n - deletes <= min_size_to_sample, or
+                 (inserts + n)*spi - samples <= max_diff.
+
+  Args:
+    samples_per_insert: float > 0.
+    min_size_to_sample: int >= 1.
+    min_diff: float, lower bound of inserts*spi - samples.
+    max_diff: float, upper bound of inserts*spi - samples.
+
+  Raises:
+    ValueError: samples_per_insert <= 0, min_size_to_sample <= 0, min_diff > max_diff or NaN.
+  """
+
+  def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float,
+               max_diff: float):
+    spi = float(_number(samples_per_insert, "samples_per_insert"))
+    min_size = _number(min_size_to_sample, "min_size_to_sample")
+    if min_size != int(min_size):
+      raise ValueError(f"min_size_to_sample must be an integer, got {min_size_to_sample!r}")
+    min_diff = float(_number(min_diff, "min_diff"))
+    max_diff = float(_number(max_diff, "max_diff"))
+    if not spi > 0:
+      raise ValueError(f"samples_per_insert must be > 0, got {samples_per_insert}")
+    if min_size <= 0:
+      raise ValueError(f"min_size_to_sample must be >= 1, got {min_size_to_sample}")
+    if min_diff != min_diff or max_diff != max_diff:
+      raise ValueError(f"min_diff and max_diff must not be NaN, got {min_diff}, {max_diff}")
+    if min_diff > max_diff:
+      raise ValueError(f"min_diff ({min_diff}) must be <= max_diff ({max_diff})")
+    self._samples_per_insert = spi
+    self._min_size_to_sample = int(min_size)
+    self._min_diff = min_diff
+    self._max_diff = max_diff
+
+  samples_per_insert = property(lambda self: self._samples_per_insert)
+  min_size_to_sample = property(lambda self: self._min_size_to_sample)
+  min_diff = property(lambda self: self._min_diff)
+  max_diff = property(lambda self: self._max_diff)
+
+  def _params(self):
+    return (self._samples_per_insert, self._min_size_to_sample, self._min_diff, self._max_diff)
+
+  def __eq__(self, other):
+    return isinstance(other, RateLimiter) and self._params() == other._params()
+
+  def __hash__(self):
+    return hash(self._params())
+
+  def __repr__(self):
+    return (f"{type(self).__name__}(samples_per_insert={self._samples_per_insert}, "
+            f"min_size_to_sample={self._min_size_to_sample}, min_diff={self._min_diff}, "
+            f"max_diff={self._max_diff})")
+
+  def __reduce__(self):
+    return RateLimiter, self._params()
+
+
+class MinSize(RateLimiter):
+  """Blocks sampling until the table holds `min_size_to_sample` items; never blocks inserts.
+
+  Raises:
+    ValueError: min_size_to_sample < 1.
+  """
+
+  def __init__(self, min_size_to_sample: int):
+    if _number(min_size_to_sample, "min_size_to_sample") < 1:
+      raise ValueError(f"min_size_to_sample must be >= 1, got {min_size_to_sample}")
+    super().__init__(1.0, min_size_to_sample, -_FLOAT_MAX, _FLOAT_MAX)
+
+
+class SampleToInsertRatio(RateLimiter):
+  """Keeps samples/inserts near `samples_per_insert`, within `error_buffer`.
+
+  Args:
+    samples_per_insert: average number of times each item is sampled, > 0.
+    min_size_to_sample: items required before sampling starts, >= 1.
+    error_buffer: a number b (diff kept in [spi*min_size - b, spi*min_size + b]) or an explicit
+      (min_diff, max_diff) pair.
+
+  Raises:
+    ValueError: spi <= 0; max_diff - min_diff < 2*max(1, spi); min_diff > spi*min_size;
+      min_size_to_sample < 1. (max_diff < spi*min_size only logs a warning: it can deadlock
+      unless inserts and samples run concurrently.)
+  """
+
+  def __init__(self, samples_per_insert: float, min_size_to_sample: int,
+               error_buffer: Union[float, Tuple[float, float]]):
+    spi = float(_number(samples_per_insert, "samples_per_insert"))
+    if not spi > 0:
+      raise ValueError(f"samples_per_insert ({samples_per_insert}) must be > 0")
+    offset = spi * min_size_to_sample
+    if isinstance(error_buffer, (int, float)) and not isinstance(error_buffer, bool):
+      min_diff, max_diff = offset - error_buffer, offset + error_buffer
+    else:
+      try:
+        min_diff, max_diff = (float(x) for x in error_buffer)
+      except (TypeError, ValueError):
+        raise ValueError("error_buffer must be a number or a (min_diff, max_diff) pair, got "
+                         f"{error_buffer!r}") from None
+    if max_diff - min_diff < 2 * max(1.0, spi):
+      raise ValueError(
+          f"The size of the error buffer ({max_diff - min_diff}, from min_diff={min_diff} to "
+          f"max_diff={max_diff}) must be at least 2 * max(1.0, samples_per_insert) = "
+          f"{2 * max(1.0, spi)}")
+    if max_diff < offset:
+      _log.warning("max_diff (%s) < samples_per_insert * min_size_to_sample (%s): inserts may "
+                   "block until samples run, which deadlocks if they cannot run concurrently.",
+                   max_diff, offset)
+    if min_diff > offset:
+      raise ValueError(f"min_diff ({min_diff}) must be <= samples_per_insert * "
+                       f"min_size_to_sample ({offset}), or sampling could never start")
+    if _number(min_size_to_sample, "min_size_to_sample") < 1:
+      raise ValueError(f"min_size_to_sample must be >= 1, got {min_size_to_sample}")
+    super().__init__(spi, min_size_to_sample, min_diff, max_diff)
+
+
+class Queue(RateLimiter):
+  """At most `size` unsampled items outstanding (use with Fifo and max_times_sampled=1)."""
+
+  def __init__(self, size: int):
+    if _number(size, "size") < 1:
+      raise ValueError(f"size must be >= 1, got {size}")
+    super().__init__(1.0, 1, 0.0, float(size))
+
+
+class Stack(RateLimiter):
+  """Same numbers as :class:`Queue` (meant for Lifo selectors)."""
+
+  def __init__(self, size: int):
+    if _number(size, "size") < 1:
+      raise ValueError(f"size must be >= 1, got {size}")
+    super().__init__(1.0, 1, 0.0, float(size))

@@ -1,0 +1,182 @@
+"""Server: owns a shared-memory segment holding its tables (SPEC §1).
+
+The server does no per-request work: processes attach to the segment and operate on the
+tables directly. The Server object creates the segment, keeps a TCP port bound (so
+``Client('localhost:PORT')`` resolves to it and no two servers share a port), reaps dead
+processes' resources, and closes and unlinks everything on :meth:`stop`. Thread-safe.
+"""
+import collections
+import os
+import socket
+import threading
+from typing import Optional, Sequence
+
+from reverb_shm import shm
+from reverb_shm import table as table_lib
+from reverb_shm._lib import check, ffi, lib
+
+__all__ = ["Server", "DEFAULT_ARENA_BYTES"]
+
+DEFAULT_ARENA_BYTES = 256 << 20
+_REAP_INTERVAL_S = 0.5
+
+
+class Server:
+  """A reverb_shm server.
+
+  Args:
+    tables: the tables (at least one, unique names).
+    port: TCP port to reserve and register as the server's address; None picks a free one.
+    checkpointer: stored for checkpointing (not used yet).
+    name: server name (the segment is /dev/shm/rvshm.NAME); default f"reverb_{port}".
+    arena_bytes: bytes of shared memory for chunk data and item descriptors.
+    max_procs: maximum number of processes attached at once.
+
+  Raises:
+    ValueError: no tables, duplicate table names, bad name, port unavailable.
+    ResourceExhaustedError: /dev/shm cannot hold the segment.
+    SegmentInUseError: a live server already uses that name.
+  """
+
+  def __init__(self, tables: Sequence[table_lib.Table] = None, port: Optional[int] = None,
+               checkpointer=None, *, name: Optional[str] = None,
+               arena_bytes: int = DEFAULT_ARENA_BYTES, max_procs: int = 128):
+    self._stopped = True
+    self._pid = os.getpid()
+    self._lock = threading.Lock()
+    if not tables:
+      raise ValueError("At least one table must be provided")
+    tables = list(tables)
+    for t in tables:
+      if not isinstance(t, table_lib.Table):
+        raise TypeError(f"tables must be reverb_shm.Table objects, got {t!r}")
+    dupes = sorted(n for n, c in collections.Counter(t.name for t in tables).items() if c > 1)
+    if dupes:
+      raise ValueError(f"Table names must be unique; duplicated: {dupes}")
+    if name is not None:
+      shm.validate_server_name(name)
+    self._socket = self._bind_port(port)
+    self._port = self._socket.getsockname()[1]
+    self._name = name if name is not None else f"reverb_{self._port}"
+    try:
+      shm.validate_server_name(self._name)
+      self._segment = shm.Segment.create(self._name, tables, arena_bytes=arena_bytes,
+                                         max_procs=max_procs)
+    except BaseException:
+      self._socket.close()
+      raise
+    try:
+      shm.register_port(self._port, self._name)
+    except BaseException:
+      self._segment.unlink()
+      self._socket.close()
+      raise
+    self._tables = tables
+    self._checkpointer = checkpointer
+    for i, t in enumerate(tables):
+      t._bind(self._segment, i)  # pylint: disable=protected-access
+    self._stop_event = threading.Event()
+    self._stopped = False
+    self._reaper = threading.Thread(target=self._reap_loop, name=f"reverb_shm-reaper-{self._name}",
+                                    daemon=True)
+    self._reaper.start()
+
+  @staticmethod
+  def _bind_port(port: Optional[int]) -> socket.socket:
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 0 <= port < 65536):
+      raise ValueError(f"port must be an int in [0, 65535] or None, got {port!r}")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+      sock.bind(("127.0.0.1", port or 0))
+    except OSError as e:
+      sock.close()
+      raise ValueError(f"Failed to bind port {port}: {e.strerror}") from None
+    return sock
+
+  def _reap_loop(self) -> None:
+    reaped = ffi.new("uint32_t *")
+    while not self._stop_event.wait(_REAP_INTERVAL_S):
+      try:
+        lib.rs_reap(self._segment.base, reaped)
+      except Exception:  # pylint: disable=broad-except  (keep reaping)
+        pass
+
+  # ---- properties
+  port = property(lambda self: self._port)
+  name = property(lambda self: self._name)
+  segment = property(lambda self: self._segment)
+  checkpointer = property(lambda self: self._checkpointer)
+
+  @property
+  def in_process_client(self):
+    """A Client of this server (same as localhost_client())."""
+    return self.localhost_client()
+
+  def localhost_client(self):
+    """Client(f'localhost:{port}')."""
+    from reverb_shm.client import Client  # pylint: disable=g-import-not-at-top
+    return Client(f"localhost:{self._port}")
+
+  def shared_table_name(self, table) -> str:
+    """'SERVER/TABLE' name for SharedTable.attach (table: name or Table)."""
+    table_name = table.name if isinstance(table, table_lib.Table) else table
+    self._segment.table_index(table_name)
+    return f"{self._name}/{table_name}"
+
+  def shared_table(self, table):
+    """SharedTable handle of `table` (name or Table) in this process."""
+    from reverb_shm.shared_table import SharedTable  # pylint: disable=g-import-not-at-top
+    table_name = table.name if isinstance(table, table_lib.Table) else table
+    return SharedTable(self._segment, self._segment.table_index(table_name))
+
+  # ---- lifecycle
+  def stop(self) -> None:
+    """Closes every table (blocked calls in every process fail with TableClosedError), stops
+    the reaper, unlinks the segment and the port alias and frees the port. Idempotent."""
+    with self._lock:
+      if self._stopped:
+        return
+      if os.getpid() != self._pid:
+        raise RuntimeError(f"server {self._name!r} belongs to process {self._pid}; only that "
+                           "process can stop it")
+      self._stopped = True
+    check(lib.rs_segment_close(self._segment.base), f"closing server {self._name!r}")
+    self._stop_event.set()
+    self._reaper.join(timeout=10)
+    for t in self._tables:
+      t._unbind()  # pylint: disable=protected-access
+    shm.unregister_port(self._port, self._name)
+    self._segment.unlink()
+    self._segment.close()
+    self._socket.close()
+
+  @property
+  def stopped(self) -> bool:
+    return self._stopped
+
+  def wait(self) -> None:
+    """Blocks until the server is stopped; Ctrl-C (SIGINT) stops it and raises
+    KeyboardInterrupt."""
+    try:
+      while not self._stop_event.wait(0.5):
+        pass
+    except KeyboardInterrupt:
+      self.stop()
+      raise
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.stop()
+
+  def __del__(self):
+    try:
+      if not getattr(self, "_stopped", True) and self._pid == os.getpid():
+        self.stop()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  def __repr__(self):
+    return f"Server(name={self._name!r}, port={self._port}, stopped={self._stopped})"

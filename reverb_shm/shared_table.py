@@ -1,0 +1,417 @@
+"""SharedTable: the handle actors and learners use on a table, from any process.
+
+All batched operations make one C call per batch (plus one per column for gathers). Every
+argument is validated here before anything reaches shared memory. Thread-safe: the C core
+locks the table; a SharedTable may be shared between threads.
+"""
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from reverb_shm import chunks, errors, specs, structure
+from reverb_shm import table as table_lib
+from reverb_shm import timeouts
+from reverb_shm._lib import check, ffi, lib
+from reverb_shm.replay_sample import ReplaySample, SampleInfo
+from reverb_shm.selectors import PRIORITIZED
+from reverb_shm.shm import Segment
+
+__all__ = ["SharedTable"]
+
+
+def _as_u64(ptr_array):
+  return ffi.from_buffer("uint64_t[]", ptr_array)
+
+
+class SharedTable:
+  """A table of a running server.
+
+  Args:
+    segment: the server's :class:`~reverb_shm.shm.Segment`.
+    table_index: index of the table in the segment.
+  """
+
+  def __init__(self, segment: Segment, table_index: int):
+    self._seg = segment
+    self._index = int(table_index)
+    self._name = segment.table_names()[self._index]
+    self._signature = None
+    self._signature_loaded = False
+    self._validates_negative = None
+
+  @classmethod
+  def attach(cls, name: str) -> "SharedTable":
+    """Attaches to 'SERVER/TABLE' (see Server.shared_table_name).
+
+    Raises:
+      ValueError: malformed name.
+      ServerUnavailableError: no such server.
+      UnknownTableError: no such table (the message lists the available ones).
+    """
+    if not isinstance(name, str) or name.count("/") != 1:
+      raise ValueError(f"shared table name must look like 'SERVER/TABLE', got {name!r}")
+    server, table = name.split("/")
+    seg = Segment.attach(server)
+    return cls(seg, seg.table_index(table))
+
+  def __reduce__(self):
+    return SharedTable.attach, (f"{self._seg.name}/{self._name}",)
+
+  # ---- properties
+  name = property(lambda self: self._name)
+  segment = property(lambda self: self._seg)
+  index = property(lambda self: self._index)
+
+  @property
+  def signature(self):
+    """The table's signature nest of TensorSpec, or None."""
+    if not self._signature_loaded:
+      config = self._seg.table_config(self._index)
+      self._signature = specs.decode_signature(config.get("signature"))
+      self._signature_loaded = True
+    return self._signature
+
+  def _prioritized(self) -> bool:
+    if self._validates_negative is None:
+      s = self._seg.stats(self._index)
+      self._validates_negative = PRIORITIZED in (s["sampler_kind"], s["remover_kind"])
+    return self._validates_negative
+
+  def __repr__(self):
+    return f"SharedTable({self._seg.name}/{self._name})"
+
+  # ---- validation helpers
+  def _priorities(self, priorities, n: int, what: str = "priorities") -> np.ndarray:
+    try:
+      p = np.asarray(priorities, dtype=np.float64)
+    except (TypeError, ValueError):
+      raise ValueError(f"{what} must be numbers, got {priorities!r}") from None
+    if p.ndim == 0:
+      p = np.full(n, float(p))
+    if p.shape != (n,):
+      raise ValueError(f"{what} must have shape ({n},) (one per item), got {p.shape}")
+    if not np.isfinite(p).all():
+      bad = p[~np.isfinite(p)][0]
+      raise ValueError(f"{what} must be finite, got {bad} (table {self._name!r})")
+    if self._prioritized() and (p < 0).any():
+      raise ValueError(f"{what} must be >= 0 for a Prioritized table, got {p[p < 0][0]} "
+                       f"(table {self._name!r})")
+    return np.ascontiguousarray(p)
+
+  @staticmethod
+  def _keys(keys, n: Optional[int] = None, what: str = "keys") -> np.ndarray:
+    arr = np.asarray(keys)
+    if arr.ndim == 0:
+      arr = arr[None]
+    if arr.size and arr.dtype.kind not in "ui":
+      raise ValueError(f"{what} must be unsigned 64-bit integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and (arr < 0).any():
+      raise ValueError(f"{what} must be >= 0, got {arr[arr < 0][0]}")
+    arr = np.ascontiguousarray(arr, dtype=np.uint64)
+    if arr.ndim != 1 or (n is not None and len(arr) != n):
+      raise ValueError(f"{what} must have shape ({n if n is not None else 'n'},), "
+                       f"got {arr.shape}")
+    return arr
+
+  def _limiter_message(self, side: str, timeout_ms) -> str:
+    s = self._seg.stats(self._index)
+    return (f"Rate limiter timeout on table {self._name!r}: {side} blocked for {timeout_ms} ms "
+            f"(size={s['size']}, inserts={s['inserts']}, samples={s['samples']}, "
+            f"deletes={s['deletes']}, min_size_to_sample={s['min_size_to_sample']}, "
+            f"samples_per_insert={s['samples_per_insert']}, min_diff={s['min_diff']}, "
+            f"max_diff={s['max_diff']})")
+
+  # ---- low level
+  def insert_descriptors(self, keys, priorities, blob: bytes, offs, timeout_ms=None) -> int:
+    """Inserts n items described by descriptor blobs (see chunks.encode_descriptors).
+
+    Args:
+      keys: uint64[n] item keys (an existing key updates that item's priority).
+      priorities: float64[n], finite (>= 0 for Prioritized tables).
+      blob: concatenated descriptors; item i is blob[offs[i]:offs[i+1]].
+      offs: uint64[n+1].
+      timeout_ms: None waits forever for the rate limiter, 0 polls, else milliseconds.
+
+    Returns:
+      n.
+
+    Raises:
+      ValueError: malformed input (nothing inserted).
+      DeadlineExceededError: the limiter did not admit every item in time (the message says
+        how many were inserted and gives the limiter counters).
+      TableClosedError: the server stopped.
+    """
+    keys = self._keys(keys)
+    n = len(keys)
+    prios = self._priorities(priorities, n)
+    offs = np.ascontiguousarray(offs, dtype=np.uint64)
+    if offs.shape != (n + 1,):
+      raise ValueError(f"offs must have shape ({n + 1},), got {offs.shape}")
+    if n and (offs[0] != 0 or offs[-1] != len(blob) or (np.diff(offs.astype(np.int64)) <= 0).any()):
+      raise ValueError(f"offs must increase from 0 to len(blob)={len(blob)}, got {offs}")
+    if n == 0:
+      return 0
+    deadline = timeouts.deadline_from_ms(timeout_ms)
+    slot = self._seg.slot
+    blob_c = ffi.from_buffer("uint8_t[]", blob)
+    keys_c, prios_c, offs_c = _as_u64(keys), ffi.from_buffer("double[]", prios), _as_u64(offs)
+    done = ffi.new("uint32_t *")
+    total = 0
+    while True:
+      rc = lib.rs_insert(self._seg.base, slot, self._index, n - total, keys_c + total,
+                         prios_c + total, blob_c, offs_c + total, deadline, timeouts.SLICE_NS,
+                         done)
+      total += done[0]
+      if rc == lib.RS_OK and total >= n:
+        return n
+      if rc == lib.RS_ETIMEDOUT:
+        raise errors.DeadlineExceededError(
+            f"{self._limiter_message('insert', timeout_ms)}; {total} of {n} items inserted")
+      if rc != lib.RS_EAGAIN and rc != lib.RS_OK:
+        check(rc, f"inserting into table {self._name!r} ({total} of {n} items inserted)")
+
+  def sample_records(self, n: int, timeout_ms=None) -> Tuple[np.ndarray, chunks.Pins]:
+    """Samples up to n items; returns (records of dtype chunks.SAMPLE_REC, their Pins).
+
+    A flexible batch: at the deadline, the items collected so far are returned if >= 1.
+
+    Raises:
+      ValueError: n < 1.
+      DeadlineExceededError: no item could be sampled before the deadline.
+      TableClosedError: the server stopped.
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n < 2**31:
+      raise ValueError(f"number of samples must be an int >= 1, got {n!r}")
+    deadline = timeouts.deadline_from_ms(timeout_ms)
+    slot = self._seg.slot
+    recs = np.zeros(int(n), chunks.SAMPLE_REC)
+    out = ffi.cast("rs_sample_rec *", ffi.from_buffer(recs, require_writable=True))
+    got = ffi.new("uint32_t *", 0)
+    rc = lib.RS_EAGAIN
+    try:
+      while rc == lib.RS_EAGAIN:
+        rc = lib.rs_sample(self._seg.base, slot, self._index, n, deadline, timeouts.SLICE_NS,
+                           out, got)
+    finally:
+      pins = chunks.Pins(self._seg, slot, recs["pin"][:got[0]])
+    if rc == lib.RS_OK or (rc == lib.RS_ETIMEDOUT and got[0] > 0):
+      return recs[:got[0]], pins
+    pins.release()
+    if rc == lib.RS_ETIMEDOUT:
+      raise errors.DeadlineExceededError(self._limiter_message("sample", timeout_ms))
+    check(rc, f"sampling from table {self._name!r}")
+    raise AssertionError(f"rs_sample returned {rc}")
+
+  def mutate(self, updates: Optional[Dict[int, float]] = None,
+             deletes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+    """Deletes then updates (unknown keys ignored); all-or-nothing validation.
+
+    Returns:
+      (number of priorities updated, number of items deleted).
+    """
+    updates = updates or {}
+    if not isinstance(updates, dict):
+      raise TypeError(f"updates must be a dict key -> priority, got {type(updates).__name__}")
+    upd_keys = self._keys(list(updates.keys()), what="update keys")
+    upd_prios = self._priorities(list(updates.values()), len(upd_keys), "updated priorities")
+    return self._mutate(upd_keys, upd_prios, self._keys(list(deletes or []), what="deletes"))
+
+  def _mutate(self, upd_keys, upd_prios, del_keys):
+    nu, nd = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+    check(lib.rs_mutate(self._seg.base, self._index, len(upd_keys), _as_u64(upd_keys),
+                        ffi.from_buffer("double[]", upd_prios), len(del_keys),
+                        _as_u64(del_keys), nu, nd),
+          f"mutating table {self._name!r}")
+    return nu[0], nd[0]
+
+  def update_priorities(self, keys, priorities) -> int:
+    """Sets priorities of existing keys (batched); returns how many keys existed."""
+    keys = self._keys(keys)
+    return self._mutate(keys, self._priorities(priorities, len(keys)), keys[:0])[0]
+
+  def delete(self, keys) -> int:
+    """Deletes items by key (batched; unknown keys ignored); returns how many were deleted."""
+    return self._mutate(np.zeros(0, np.uint64), np.zeros(0), self._keys(keys))[1]
+
+  def reset(self) -> None:
+    """Removes every item and zeroes the limiter and episode counters."""
+    check(lib.rs_reset(self._seg.base, self._index), f"resetting table {self._name!r}")
+
+  def stats(self) -> dict:
+    """rs_table_stats of the table as a dict."""
+    return self._seg.stats(self._index)
+
+  @property
+  def info(self) -> table_lib.TableInfo:
+    return table_lib.table_info(self._name, self.stats(), self.signature)
+
+  @property
+  def size(self) -> int:
+    return int(self.stats()["size"])
+
+  def _count(self, n, what) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+      raise TypeError(f"{what} must be an int, got {n!r}")
+    return int(n)
+
+  def can_sample(self, num_samples: int) -> bool:
+    """Rate-limiter predicate of Reverb (ignores max_size and max_times_sampled)."""
+    return bool(check(lib.rs_can_sample(self._seg.base, self._index,
+                                        self._count(num_samples, "num_samples"))))
+
+  def can_insert(self, num_inserts: int) -> bool:
+    """Rate-limiter predicate of Reverb (ignores max_size)."""
+    return bool(check(lib.rs_can_insert(self._seg.base, self._index,
+                                        self._count(num_inserts, "num_inserts"))))
+
+  def items(self) -> np.ndarray:
+    """Every item (dtype chunks.ITEM_REC) in insertion order."""
+    cap = max(16, self.size + 16)
+    while True:
+      out = np.zeros(cap, chunks.ITEM_REC)
+      n, size = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+      check(lib.rs_table_items(self._seg.base, self._index,
+                               ffi.cast("rs_item_rec *", ffi.from_buffer(out)), cap, n, size))
+      if size[0] <= cap:
+        return out[:n[0]]
+      cap = size[0] + 16
+
+  def check(self) -> None:
+    """Runs the C invariant checker over the whole segment (see Segment.check)."""
+    self._seg.check()
+
+  # ---- high level
+  def _columns_of(self, data) -> Tuple[List[np.ndarray], int]:
+    leaves, _ = structure.flatten(data)
+    if not leaves:
+      raise ValueError("data must contain at least one array")
+    arrays = [structure.to_array(x) for x in leaves]
+    for i, a in enumerate(arrays):
+      if a.ndim == 0:
+        raise ValueError(f"column {i} is a scalar; every leaf needs a leading batch dimension")
+    b = arrays[0].shape[0]
+    for i, a in enumerate(arrays):
+      if a.shape[0] != b:
+        raise ValueError(f"every leaf must have the same batch size: column 0 has {b} rows, "
+                         f"column {i} has {a.shape[0]}")
+    if b == 0:
+      raise ValueError("batch must hold at least one item")
+    signature = self.signature
+    if signature is not None:
+      spec_leaves, _ = structure.flatten(signature)
+      if len(spec_leaves) != len(arrays):
+        raise ValueError(f"table {self._name!r} signature has {len(spec_leaves)} columns, data "
+                         f"has {len(arrays)}")
+      paths, _, _ = structure.flatten_with_paths(signature)
+      for path, spec, a in zip(paths, spec_leaves, arrays):
+        dtype = np.dtype(object) if a.dtype.kind == "O" else a.dtype
+        if spec is not None and (dtype != spec.dtype or
+                                 not specs.shapes_compatible(spec.shape, a.shape[1:])):
+          raise ValueError(f"column {path} of table {self._name!r}: got dtype {dtype} and "
+                           f"item shape {a.shape[1:]}, signature expects {spec.dtype} and "
+                           f"{spec.shape}")
+    return arrays, b
+
+  def insert(self, data, priorities, *, keys=None, timeout_ms=None) -> np.ndarray:
+    """Inserts B items; item i is row i of every leaf of `data` (no time dimension).
+
+    Args:
+      data: nest whose leaves are arrays with a leading batch dim B (same B for all).
+      priorities: float or float64[B], finite (>= 0 for Prioritized tables).
+      keys: optional uint64[B]; random keys by default.
+      timeout_ms: rate limiter wait, None forever, 0 poll.
+
+    Returns:
+      uint64[B] keys of the items.
+
+    Raises:
+      ValueError: malformed data/priorities/keys or data not matching the signature.
+      ResourceExhaustedError: the arena cannot hold the data.
+      DeadlineExceededError: the rate limiter did not admit every item in time.
+    """
+    arrays, b = self._columns_of(data)
+    prios = self._priorities(priorities, b)
+    if keys is None:
+      keys = np.frombuffer(os.urandom(8 * b), np.uint64).copy()
+    else:
+      keys = self._keys(keys, b)
+    timeouts.deadline_from_ms(timeout_ms)  # validate before allocating
+    written = []
+    try:
+      for a in arrays:
+        if a.dtype.kind == "O":
+          written.append(chunks.object_chunk(self._seg, list(a)))
+        else:
+          c = chunks.alloc_chunk(self._seg, a.dtype, a.shape[1:], b)
+          written.append(c)
+          c.write_rows(a)
+      blob, offs = chunks.encode_row_descriptors([c.off for c in written], b)
+      self.insert_descriptors(keys, prios, blob, offs, timeout_ms)
+    finally:
+      for c in written:
+        c.release()
+    return keys
+
+  def _structure(self, columns: list):
+    signature = self.signature
+    if signature is None:
+      return columns
+    leaves, treedef = structure.flatten(signature)
+    if len(leaves) != len(columns):
+      return columns
+    return structure.unflatten(treedef, columns)
+
+  def sample(self, n: int = 1, timeout_ms=None) -> List[ReplaySample]:
+    """Samples up to n items (fewer only at the deadline).
+
+    Returns:
+      list of ReplaySample; data columns are read-only zero-copy views into shared memory
+      that stay valid while any of them lives (multi-slice and string columns are copies).
+    """
+    recs, pins = self.sample_records(n, timeout_ms)
+    out = []
+    cache = {}  # chunk headers; valid while this batch's pins are held
+    for r in recs:
+      info = SampleInfo(int(r["key"]), float(r["probability"]), int(r["table_size"]),
+                        float(r["priority"]), int(r["times_sampled"]))
+      out.append(ReplaySample(info, self._structure(
+          chunks.read_item(self._seg, int(r["desc_off"]), pins, cache))))
+    return out
+
+  def sample_batch(self, n: int, timeout_ms=None, out=None) -> ReplaySample:
+    """Samples up to n items and gathers each column into one (B, ...) array.
+
+    Args:
+      n: batch size requested.
+      timeout_ms: rate limiter wait (flexible batch: B < n only at the deadline).
+      out: optional nest (same as the returned data) of arrays of shape (n, ...) to fill; the
+        returned arrays are out[:B].
+
+    Returns:
+      ReplaySample whose info fields are arrays of length B and whose data is the signature
+      nest (if the table has one) or a flat list of arrays.
+    """
+    out_leaves = None
+    if out is not None:
+      out_leaves, _ = structure.flatten(out)
+      for i, o in enumerate(out_leaves):
+        if (not isinstance(o, np.ndarray) or o.ndim == 0 or o.shape[0] < n
+            or not o.flags.writeable or not o.flags.c_contiguous):
+          raise ValueError(f"out leaf {i} must be a writeable C-contiguous array with at least "
+                           f"{n} rows, got {getattr(o, 'shape', type(o).__name__)}")
+    recs, pins = self.sample_records(n, timeout_ms)
+    try:
+      desc = np.ascontiguousarray(recs["desc_off"])
+      ncols = len(chunks.item_columns(self._seg, int(desc[0])))
+      if out_leaves is not None and len(out_leaves) != ncols:
+        raise ValueError(f"out has {len(out_leaves)} arrays, items have {ncols} columns")
+      cols = []
+      for c in range(ncols):
+        target = None if out_leaves is None else out_leaves[c][:len(desc)]
+        cols.append(chunks.gather_column(self._seg, desc, c, target))
+    finally:
+      pins.release()
+    info = SampleInfo(recs["key"].copy(), recs["probability"].copy(), recs["table_size"].copy(),
+                      recs["priority"].copy(), recs["times_sampled"].copy())
+    return ReplaySample(info, self._structure(cols))

@@ -1,0 +1,495 @@
+"""The one place where shared-memory segments are created, attached and unlinked.
+
+A server's segment is the POSIX shm object ``/rvshm.<server name>`` (``/dev/shm/rvshm.<name>``),
+created by the owning :class:`~reverb_shm.Server` with O_CREAT|O_EXCL, mode 0600 and its full
+size reserved up front. Its lifetime belongs to the server (unlinked on stop); attaching
+processes never unlink it. posix_ipc does not register segments with multiprocessing's
+resource tracker, so an attaching process exiting leaves the segment alone.
+
+Port aliases (``Client('localhost:PORT')``) are small files ``/dev/shm/rvshm.port.<PORT>``,
+mode 0600, holding the server name and owner pid.
+"""
+import mmap
+import os
+import re
+import secrets
+import socket
+import threading
+from typing import Dict, List, Sequence
+
+import msgpack
+import posix_ipc
+
+from reverb_shm import errors
+from reverb_shm._lib import check, ffi, last_error, lib
+
+__all__ = ["Segment", "validate_server_name", "register_port", "unregister_port",
+           "prune_stale_aliases", "list_segments", "remove_stale",
+           "resolve_address", "segment_path", "SHM_DIR"]
+
+SHM_DIR = "/dev/shm"
+_PREFIX = "rvshm."
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_MiB = 1 << 20
+
+
+def validate_server_name(name: str) -> str:
+  """Returns `name` if it is 1..64 characters of [A-Za-z0-9_.-]; raises ValueError otherwise."""
+  if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
+    raise ValueError(f"invalid server name {name!r}: expected 1 to 64 characters from "
+                     "[A-Za-z0-9_.-] (no '/')")
+  return name
+
+
+def _shm_name(name: str) -> str:
+  return "/" + _PREFIX + name
+
+
+def segment_path(name: str) -> str:
+  """Filesystem path of the segment of server `name` (for stat / diagnostics)."""
+  return os.path.join(SHM_DIR, _PREFIX + name)
+
+
+def _free_bytes() -> int:
+  st = os.statvfs(SHM_DIR)
+  return st.f_bavail * st.f_frsize
+
+
+def _owner_alive(pid: int, start_time: int) -> bool:
+  return pid > 0 and lib.rs_proc_start_time(pid) == start_time and start_time != 0
+
+
+def _read_owner(shm_name: str):
+  """(pid, start_time) from the header of an existing segment, or None if unreadable."""
+  try:
+    mem = posix_ipc.SharedMemory(shm_name)
+  except posix_ipc.ExistentialError:
+    return None
+  try:
+    if mem.size < 48:
+      return (0, 0)
+    with mmap.mmap(mem.fd, 48, prot=mmap.PROT_READ) as mm:
+      header = bytes(mm[:48])
+  finally:
+    mem.close_fd()
+  pid = int.from_bytes(header[32:36], "little", signed=True)
+  start_time = int.from_bytes(header[40:48], "little")
+  return (pid, start_time)
+
+
+class Segment:
+  """A mapped reverb_shm segment.
+
+  Attributes:
+    name: server name.
+    base: cffi `void *` of the mapping in this process.
+    buf: writable memoryview of the whole mapping.
+    size: mapping size in bytes.
+
+  Thread-safe: the C core locks; slot registration is guarded by a lock.
+  """
+
+  _cache: Dict[tuple, "Segment"] = {}
+  _cache_lock = threading.Lock()
+
+  def __init__(self, name: str, mem_fd: int, size: int, owner: bool):
+    self.name = name
+    self.size = size
+    self.owner = owner
+    self._mm = mmap.mmap(mem_fd, size)
+    self.buf = memoryview(self._mm)
+    self._base_buf = ffi.from_buffer(self._mm)
+    self.base = ffi.cast("void *", self._base_buf)
+    self.address = int(ffi.cast("uintptr_t", self.base))
+    self._slot = None
+    self._slot_pid = None
+    self._slot_lock = threading.Lock()
+    self._table_names = None
+    self._configs = {}
+    self._closed = False
+
+  # ---- creation / attachment
+  @classmethod
+  def create(cls, name: str, tables: Sequence, *, arena_bytes: int, max_procs: int = 128,
+             pins_per_proc: int = 65536, mode: int = 0o600) -> "Segment":
+    """Creates and initialises the segment of server `name` holding `tables`.
+
+    Args:
+      name: validated server name.
+      tables: reverb_shm.Table objects (configuration).
+      arena_bytes: bytes for chunk data and item descriptors.
+      max_procs: maximum number of processes attached at once.
+      pins_per_proc: maximum chunks/items one process may pin at once.
+      mode: permission bits of the segment.
+
+    Raises:
+      ValueError: bad name or configuration.
+      ResourceExhaustedError: /dev/shm lacks the space ("need X MiB, /dev/shm has Y MiB free").
+      SegmentInUseError: a live server owns a segment of that name.
+    """
+    validate_server_name(name)
+    for arg, value in (("arena_bytes", arena_bytes), ("max_procs", max_procs),
+                       ("pins_per_proc", pins_per_proc)):
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{arg} must be a positive int, got {value!r}")
+    cfgs = ffi.new("rs_table_config[]", len(tables))
+    keep = []
+    for cfg, table in zip(cfgs, tables):
+      name_bytes = table.name.encode("utf-8")
+      ffi.memmove(cfg.name, name_bytes, len(name_bytes))
+      rl = table.rate_limiter
+      cfg.max_size = table.max_size
+      cfg.max_times_sampled = table.max_times_sampled
+      cfg.sampler_kind = table.sampler.kind
+      cfg.sampler_exponent = table.sampler.exponent
+      cfg.remover_kind = table.remover.kind
+      cfg.remover_exponent = table.remover.exponent
+      cfg.samples_per_insert = rl.samples_per_insert
+      cfg.min_size_to_sample = rl.min_size_to_sample
+      cfg.min_diff = rl.min_diff
+      cfg.max_diff = rl.max_diff
+      blob = ffi.from_buffer(table.config_blob())
+      keep.append(blob)
+      cfg.blob = ffi.cast("const uint8_t *", blob)
+      cfg.blob_len = len(blob)
+    size = lib.rs_segment_size(cfgs, len(tables), max_procs, pins_per_proc, arena_bytes)
+    if size == 0:
+      raise ValueError(f"invalid segment configuration: {last_error()}")
+    free = _free_bytes()
+    if size > free:
+      raise errors.ResourceExhaustedError(
+          f"cannot create segment for server {name!r}: need {size / _MiB:.1f} MiB, "
+          f"{SHM_DIR} has {free / _MiB:.1f} MiB free")
+    shm_name = _shm_name(name)
+    mem = cls._create_exclusive(name, shm_name, mode)
+    try:
+      os.fchmod(mem.fd, mode)
+      try:
+        os.posix_fallocate(mem.fd, 0, size)
+      except OSError as e:
+        raise errors.ResourceExhaustedError(
+            f"cannot reserve segment for server {name!r}: need {size / _MiB:.1f} MiB, "
+            f"{SHM_DIR} has {_free_bytes() / _MiB:.1f} MiB free ({e.strerror})") from None
+      seg = cls(name, mem.fd, size, owner=True)
+    except BaseException:
+      mem.close_fd()
+      posix_ipc.unlink_shared_memory(shm_name)
+      raise
+    mem.close_fd()
+    try:
+      pid = os.getpid()
+      check(lib.rs_segment_init(seg.base, size, cfgs, len(tables), max_procs, pins_per_proc,
+                                arena_bytes, pid, lib.rs_proc_start_time(pid),
+                                secrets.randbits(64)),
+            f"initialising segment of server {name!r}")
+    except BaseException:
+      seg.unlink()
+      raise
+    with cls._cache_lock:
+      cls._cache[(name, os.getpid())] = seg
+    return seg
+
+  @staticmethod
+  def _create_exclusive(name: str, shm_name: str, mode: int):
+    for _ in range(3):
+      try:
+        return posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=mode)
+      except posix_ipc.ExistentialError:
+        owner = _read_owner(shm_name)
+        if owner is not None and _owner_alive(*owner):
+          raise errors.SegmentInUseError(
+              f"a server named {name!r} is already running (segment {segment_path(name)} "
+              f"owned by live pid {owner[0]}); choose another name or stop it") from None
+        try:  # Stale: its owner died without unlinking it. Reclaim the name.
+          posix_ipc.unlink_shared_memory(shm_name)
+        except posix_ipc.ExistentialError:
+          pass
+    raise errors.SegmentInUseError(f"could not create segment {segment_path(name)}: it keeps "
+                                   "reappearing (another process is creating it)")
+
+  @classmethod
+  def attach(cls, name: str) -> "Segment":
+    """The mapping of server `name` in this process (cached per process).
+
+    Raises:
+      ServerUnavailableError: no running server of that name.
+      CorruptError: the segment's layout does not match this build.
+    """
+    validate_server_name(name)
+    key = (name, os.getpid())
+    with cls._cache_lock:
+      seg = cls._cache.get(key)
+      if seg is not None and not seg.is_closed():
+        return seg
+      try:
+        mem = posix_ipc.SharedMemory(_shm_name(name))
+      except posix_ipc.ExistentialError:
+        raise errors.ServerUnavailableError(
+            f"no reverb_shm server named {name!r} is running (no {segment_path(name)})") from None
+      except posix_ipc.PermissionsError as e:
+        raise errors.ServerUnavailableError(
+            f"cannot open segment of server {name!r}: {e}") from None
+      try:
+        seg = cls(name, mem.fd, mem.size, owner=False)
+      finally:
+        mem.close_fd()
+      check(lib.rs_segment_validate(seg.base, seg.size), f"attaching to server {name!r}")
+      cls._cache[key] = seg
+      return seg
+
+  # ---- process slot
+  @property
+  def slot(self) -> int:
+    """This process's slot in the segment, registered on first use (again after a fork)."""
+    pid = os.getpid()
+    if self._slot_pid == pid:
+      return self._slot
+    with self._slot_lock:
+      if self._slot_pid != pid:
+        out = ffi.new("uint32_t *")
+        check(lib.rs_proc_register(self.base, pid, lib.rs_proc_start_time(pid), out),
+              f"registering process {pid} with server {self.name!r}")
+        self._slot, self._slot_pid = out[0], pid
+    return self._slot
+
+  # ---- tables
+  def table_names(self) -> List[str]:
+    if self._table_names is None:
+      n = self.info()["num_tables"]
+      out = ffi.new("char[64]")
+      names = []
+      for i in range(n):
+        check(lib.rs_table_name(self.base, i, out))
+        names.append(ffi.string(out).decode("utf-8"))
+      self._table_names = names
+    return list(self._table_names)
+
+  def table_index(self, table_name: str) -> int:
+    """Index of `table_name`; UnknownTableError lists the available tables."""
+    try:
+      return self.table_names().index(table_name)
+    except ValueError:
+      raise errors.UnknownTableError(
+          f"table {table_name!r} not found on server {self.name!r}; available tables: "
+          f"{self.table_names()}") from None
+
+  def table_config(self, index: int) -> dict:
+    """Decoded msgpack config blob of table `index` (keys: version, signature)."""
+    config = self._configs.get(index)
+    if config is None:
+      off, length = ffi.new("uint64_t *"), ffi.new("uint32_t *")
+      check(lib.rs_table_blob(self.base, index, off, length))
+      config = msgpack.unpackb(bytes(self.buf[off[0]:off[0] + length[0]]), raw=False,
+                               strict_map_key=False)
+      self._configs[index] = config
+    return config
+
+  def stats(self, index: int) -> dict:
+    """rs_table_stats of table `index` as a dict."""
+    out = ffi.new("rs_table_stats *")
+    check(lib.rs_table_get_stats(self.base, index, out), f"reading stats of table {index}")
+    return _struct_dict(out, "rs_table_stats")
+
+  def info(self) -> dict:
+    """rs_segment_info as a dict."""
+    out = ffi.new("rs_segment_info *")
+    check(lib.rs_segment_get_info(self.base, out), f"reading segment of server {self.name!r}")
+    return _struct_dict(out, "rs_segment_info")
+
+  def is_closed(self) -> bool:
+    return self._closed or bool(self.info()["closed"])
+
+  def check(self) -> None:
+    """Runs the C invariant checker (rs_check) over every table and the arena.
+
+    Takes every lock briefly. Raises:
+      CorruptError: an invariant does not hold; the message is the checker's report.
+    """
+    report = ffi.new("char[]", 1 << 16)
+    rc = lib.rs_check(self.base, report, len(report))
+    if rc == lib.RS_ECORRUPT:
+      raise errors.CorruptError(ffi.string(report).decode("utf-8", "replace"))
+    check(rc, f"checking invariants of server {self.name!r}")
+
+  # ---- teardown
+  def close(self) -> None:
+    """Releases this process's slot (and its pins) and forgets the cached mapping.
+
+    The mapping itself is unmapped by garbage collection once no array, table or thread of
+    this process uses it any more, so live zero-copy views never dangle. Idempotent.
+    """
+    with self._slot_lock:
+      if self._slot_pid == os.getpid():
+        lib.rs_proc_unregister(self.base, self._slot)
+      self._slot = self._slot_pid = None
+    self._closed = True
+    with Segment._cache_lock:
+      key = (self.name, os.getpid())
+      if Segment._cache.get(key) is self:
+        del Segment._cache[key]
+
+  def unlink(self) -> None:
+    """Removes the segment's name (owner only; existing mappings stay valid). Idempotent."""
+    if not self.owner:
+      raise PermissionError(f"only the server owning {self.name!r} may unlink its segment")
+    try:
+      posix_ipc.unlink_shared_memory(_shm_name(self.name))
+    except posix_ipc.ExistentialError:
+      pass
+
+  def __repr__(self):
+    return f"Segment(name={self.name!r}, size={self.size}, owner={self.owner})"
+
+
+_FIELDS = {}
+
+
+def _struct_dict(cdata, ctype: str) -> dict:
+  fields = _FIELDS.get(ctype)
+  if fields is None:
+    fields = _FIELDS[ctype] = [f for f, _ in ffi.typeof(ctype).fields]
+  return {f: getattr(cdata, f) for f in fields}
+
+
+# ---------------------------------------------------------------- port aliases
+def _alias_path(port: int) -> str:
+  return os.path.join(SHM_DIR, f"{_PREFIX}port.{int(port)}")
+
+
+def prune_stale_aliases(dry_run: bool = False) -> List[str]:
+  """Removes port aliases whose owner process is dead; returns their paths."""
+  removed = []
+  try:
+    entries = os.listdir(SHM_DIR)
+  except OSError:
+    return removed
+  for entry in entries:
+    if entry.startswith(_PREFIX + "port."):
+      path = os.path.join(SHM_DIR, entry)
+      alias = _read_alias(path)
+      if alias is not None and not _owner_alive(alias[1], alias[2]):
+        removed.append(path)
+        if not dry_run:
+          try:
+            os.unlink(path)
+          except OSError:
+            pass
+  return removed
+
+
+def register_port(port: int, name: str) -> None:
+  """Maps `port` to server `name` for this host (replaces a stale alias of a dead owner)."""
+  prune_stale_aliases()
+  path = _alias_path(port)
+  pid = os.getpid()
+  data = f"{name}\n{pid}\n{lib.rs_proc_start_time(pid)}\n".encode()
+  for _ in range(3):
+    try:
+      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+      alias = _read_alias(path)
+      if alias is not None and _owner_alive(alias[1], alias[2]):
+        raise errors.SegmentInUseError(f"port {port} is already registered by server "
+                                       f"{alias[0]!r} (pid {alias[1]})") from None
+      try:
+        os.unlink(path)
+      except FileNotFoundError:
+        pass
+      continue
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    return
+  raise errors.SegmentInUseError(f"could not register port {port}: {path} keeps reappearing")
+
+
+def unregister_port(port: int, name: str) -> None:
+  """Removes the alias of `port` if it still names server `name`."""
+  path = _alias_path(port)
+  alias = _read_alias(path)
+  if alias is not None and alias[0] == name and alias[1] == os.getpid():
+    try:
+      os.unlink(path)
+    except FileNotFoundError:
+      pass
+
+
+def _read_alias(path: str):
+  try:
+    with open(path, "rb") as f:
+      lines = f.read().decode().split("\n")
+    return lines[0], int(lines[1]), int(lines[2])
+  except (FileNotFoundError, ValueError, IndexError):
+    return None
+
+
+def _local_hosts():
+  hosts = {"localhost", "127.0.0.1", "::1", "[::1]", "0.0.0.0", "[::]", "::", "ip6-localhost"}
+  try:
+    hosts.add(socket.gethostname().lower())
+    hosts.add(socket.getfqdn().lower())
+  except OSError:
+    pass
+  return hosts
+
+
+def resolve_address(address: str) -> str:
+  """Server name for `address`: 'shm://NAME', or 'HOST:PORT' with HOST this host.
+
+  Raises:
+    ValueError: malformed address or a host other than this one.
+    ServerUnavailableError: nothing is registered on that port.
+  """
+  if not isinstance(address, str):
+    raise TypeError(f"server address must be a str, got {type(address).__name__}")
+  if address.startswith("shm://"):
+    return validate_server_name(address[len("shm://"):])
+  host, sep, port = address.rpartition(":")
+  if not sep or not port.isdigit():
+    raise ValueError(f"invalid server address {address!r}: expected 'HOST:PORT' or 'shm://NAME'")
+  if host.lower() not in _local_hosts():
+    raise ValueError(f"server address {address!r} is not on this host; reverb_shm serves "
+                     "processes on one host (use the gRPC bridge for remote clients)")
+  alias = _read_alias(_alias_path(int(port)))
+  if alias is None or not _owner_alive(alias[1], alias[2]):
+    raise errors.ServerUnavailableError(f"no reverb_shm server is registered on port {port} "
+                                        f"(address {address!r})")
+  return alias[0]
+
+
+def list_segments() -> List[dict]:
+  """Segments of this host: dicts with name, path, size (bytes), pid (owner) and alive."""
+  rows = []
+  try:
+    entries = sorted(os.listdir(SHM_DIR))
+  except OSError:
+    return rows
+  for entry in entries:
+    if not entry.startswith(_PREFIX) or entry.startswith(_PREFIX + "port."):
+      continue
+    name = entry[len(_PREFIX):]
+    path = os.path.join(SHM_DIR, entry)
+    owner = _read_owner(_shm_name(name))
+    if owner is None:
+      continue
+    try:
+      size = os.stat(path).st_size
+    except OSError:
+      continue
+    rows.append({"name": name, "path": path, "size": size, "pid": owner[0],
+                 "alive": _owner_alive(*owner)})
+  return rows
+
+
+def remove_stale(dry_run: bool = False) -> List[str]:
+  """Unlinks segments and port aliases whose owner process is dead; returns their paths."""
+  removed = []
+  for row in list_segments():
+    if row["alive"]:
+      continue
+    removed.append(row["path"])
+    if not dry_run:
+      try:
+        posix_ipc.unlink_shared_memory(_shm_name(row["name"]))
+      except posix_ipc.ExistentialError:
+        pass
+  return removed + prune_stale_aliases(dry_run)

@@ -1,0 +1,254 @@
+"""Table configuration and the TableInfo snapshot (SPEC §2).
+
+A :class:`Table` built by the user is configuration. Once a :class:`~reverb_shm.Server` owns
+it, `info`, `can_sample` and `can_insert` read the live table in shared memory. Thread-safe.
+"""
+import dataclasses
+from typing import Any, Sequence
+
+import msgpack
+
+from reverb_shm import rate_limiters as rate_limiters_lib
+from reverb_shm import selectors as selectors_lib
+from reverb_shm import specs
+
+__all__ = ["Table", "TableInfo", "RateLimiterInfo", "RateLimiterCallStats", "TableWorkerTime",
+           "table_info", "MAX_NAME_BYTES"]
+
+MAX_NAME_BYTES = 63
+_BLOB_VERSION = 1
+
+
+@dataclasses.dataclass
+class RateLimiterCallStats:
+  completed: int = 0
+
+
+@dataclasses.dataclass
+class RateLimiterInfo:
+  samples_per_insert: float
+  min_diff: float
+  max_diff: float
+  min_size_to_sample: int
+  insert_stats: RateLimiterCallStats = dataclasses.field(default_factory=RateLimiterCallStats)
+  sample_stats: RateLimiterCallStats = dataclasses.field(default_factory=RateLimiterCallStats)
+
+
+@dataclasses.dataclass
+class TableWorkerTime:
+  """Cumulative times in milliseconds."""
+  running_ms: int = 0
+  sampling_ms: int = 0
+  inserting_ms: int = 0
+  sleeping_ms: int = 0
+  waiting_for_sampling_ms: int = 0
+  waiting_for_inserts_ms: int = 0
+
+
+@dataclasses.dataclass
+class TableInfo:
+  """Snapshot of a table (field order as Reverb's)."""
+  name: str
+  sampler_options: selectors_lib.KeyDistributionOptions
+  remover_options: selectors_lib.KeyDistributionOptions
+  max_size: int
+  max_times_sampled: int
+  rate_limiter_info: RateLimiterInfo
+  signature: Any
+  current_size: int
+  num_episodes: int
+  num_deleted_episodes: int
+  num_unique_samples: int
+  table_worker_time: TableWorkerTime
+
+
+def _check_name(name) -> str:
+  if not isinstance(name, str):
+    raise TypeError(f"table name must be a str, got {type(name).__name__}")
+  if not name:
+    raise ValueError("table name must not be empty")
+  if "\0" in name or "/" in name:
+    raise ValueError(f"table name {name!r} must not contain NUL or '/'")
+  if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+    raise ValueError(f"table name {name!r} is longer than {MAX_NAME_BYTES} bytes (UTF-8)")
+  return name
+
+
+def _check_int(value, name) -> int:
+  if isinstance(value, bool) or not hasattr(value, "__index__"):
+    raise TypeError(f"{name} must be an int, got {value!r}")
+  return int(value)
+
+
+class Table:
+  """A replay table.
+
+  Args:
+    name: unique within its server; 1..63 UTF-8 bytes, no '/'.
+    sampler: selector choosing sampled items (see :mod:`reverb_shm.selectors`).
+    remover: selector choosing the item evicted when the table exceeds `max_size`.
+    max_size: maximum number of items, >= 1.
+    rate_limiter: a :class:`~reverb_shm.rate_limiters.RateLimiter`.
+    max_times_sampled: items are removed after this many samples; < 1 means unlimited.
+    extensions: accepted for compatibility and stored (not run).
+    signature: optional nest of TensorSpec-like objects; items inserted into the table are
+      checked against it and sampled data is unflattened to it.
+
+  Raises:
+    ValueError: empty name, max_size <= 0, unsupported signature leaf.
+    TypeError: sampler/remover/rate_limiter of the wrong type.
+  """
+
+  def __init__(self, name: str, sampler: selectors_lib.ItemSelector,
+               remover: selectors_lib.ItemSelector, max_size: int,
+               rate_limiter: rate_limiters_lib.RateLimiter, max_times_sampled: int = 0,
+               extensions: Sequence[Any] = (), signature: Any = None):
+    self._name = _check_name(name)
+    for arg, value in (("sampler", sampler), ("remover", remover)):
+      if not isinstance(value, selectors_lib.ItemSelector):
+        raise TypeError(f"{arg} must be a reverb_shm.selectors selector (Uniform(), "
+                        f"Prioritized(e), Fifo(), ...), got {value!r}")
+    if not isinstance(rate_limiter, rate_limiters_lib.RateLimiter):
+      raise TypeError(f"rate_limiter must be a reverb_shm.rate_limiters.RateLimiter, "
+                      f"got {rate_limiter!r}")
+    max_size = _check_int(max_size, "max_size")
+    if max_size <= 0:
+      raise ValueError(f"max_size must be > 0, got {max_size}")
+    if max_size >= 2**31:
+      raise ValueError(f"max_size must be < 2**31, got {max_size}")
+    max_times_sampled = _check_int(max_times_sampled, "max_times_sampled")
+    self._sampler = sampler
+    self._remover = remover
+    self._max_size = max_size
+    self._rate_limiter = rate_limiter
+    self._max_times_sampled = max(0, min(max_times_sampled, 2**31 - 1))
+    self._extensions = tuple(extensions)
+    self._signature = specs.validate_signature(signature)
+    self._live = None  # (Segment, table index) while a server owns this table.
+
+  # ---- configuration
+  name = property(lambda self: self._name)
+  sampler = property(lambda self: self._sampler)
+  remover = property(lambda self: self._remover)
+  max_size = property(lambda self: self._max_size)
+  max_times_sampled = property(lambda self: self._max_times_sampled)
+  rate_limiter = property(lambda self: self._rate_limiter)
+  extensions = property(lambda self: self._extensions)
+  signature = property(lambda self: self._signature)
+
+  @classmethod
+  def queue(cls, name: str, max_size: int, extensions=(), signature=None) -> "Table":
+    """Fifo table whose items are sampled once; inserts block when `max_size` are pending."""
+    return cls(name, selectors_lib.Fifo(), selectors_lib.Fifo(), max_size,
+               rate_limiters_lib.Queue(max_size), max_times_sampled=1, extensions=extensions,
+               signature=signature)
+
+  @classmethod
+  def stack(cls, name: str, max_size: int, extensions=(), signature=None) -> "Table":
+    """Lifo table whose items are sampled once; same limiter numbers as :meth:`queue`."""
+    return cls(name, selectors_lib.Lifo(), selectors_lib.Lifo(), max_size,
+               rate_limiters_lib.Stack(max_size), max_times_sampled=1, extensions=extensions,
+               signature=signature)
+
+  def config_blob(self) -> bytes:
+    """msgpack blob stored with the table in shared memory (signature etc.)."""
+    return msgpack.packb({"version": _BLOB_VERSION,
+                          "signature": specs.encode_signature(self._signature)},
+                         use_bin_type=True)
+
+  # ---- live binding (used by Server)
+  def _bind(self, segment, index: int) -> None:
+    self._live = (segment, index)
+
+  def _unbind(self) -> None:
+    self._live = None
+
+  def _live_table(self):
+    if self._live is None:
+      return None
+    from reverb_shm import shared_table  # pylint: disable=g-import-not-at-top
+    return shared_table.SharedTable(*self._live)
+
+  # ---- state
+  @property
+  def info(self) -> TableInfo:
+    """Live TableInfo when a server owns the table, else the configuration with zero counters."""
+    live = self._live_table()
+    if live is not None:
+      return live.info
+    rl = self._rate_limiter
+    return TableInfo(
+        name=self._name, sampler_options=self._sampler.options(),
+        remover_options=self._remover.options(), max_size=self._max_size,
+        max_times_sampled=self._max_times_sampled,
+        rate_limiter_info=RateLimiterInfo(rl.samples_per_insert, rl.min_diff, rl.max_diff,
+                                          rl.min_size_to_sample),
+        signature=self._signature, current_size=0, num_episodes=0, num_deleted_episodes=0,
+        num_unique_samples=0, table_worker_time=TableWorkerTime())
+
+  def can_sample(self, num_samples: int) -> bool:
+    """Rate-limiter-only predicate (ignores max_size and max_times_sampled)."""
+    live = self._live_table()
+    if live is not None:
+      return live.can_sample(num_samples)
+    rl = self._rate_limiter
+    return 0 >= rl.min_size_to_sample and -num_samples >= rl.min_diff
+
+  def can_insert(self, num_inserts: int) -> bool:
+    """Rate-limiter-only predicate (ignores max_size)."""
+    live = self._live_table()
+    if live is not None:
+      return live.can_insert(num_inserts)
+    rl = self._rate_limiter
+    return (num_inserts <= rl.min_size_to_sample
+            or num_inserts * rl.samples_per_insert <= rl.max_diff)
+
+  def replace(self, name=None, sampler=None, remover=None, max_size=None, rate_limiter=None,
+              max_times_sampled=None, extensions=None, signature=None) -> "Table":
+    """A new, empty table copying this one's configuration except the given overrides."""
+    info = self.info
+    rli = info.rate_limiter_info
+    if rate_limiter is None:
+      rate_limiter = rate_limiters_lib.RateLimiter(rli.samples_per_insert,
+                                                   rli.min_size_to_sample, rli.min_diff,
+                                                   rli.max_diff)
+    return Table(
+        name=self._name if name is None else name,
+        sampler=self._sampler if sampler is None else sampler,
+        remover=self._remover if remover is None else remover,
+        max_size=info.max_size if max_size is None else max_size,
+        rate_limiter=rate_limiter,
+        max_times_sampled=(info.max_times_sampled if max_times_sampled is None
+                           else max_times_sampled),
+        extensions=self._extensions if extensions is None else extensions,
+        signature=self._signature if signature is None else signature)
+
+  def __repr__(self):
+    return (f"Table(name={self._name!r}, sampler={self._sampler!r}, remover={self._remover!r}, "
+            f"max_size={self._max_size}, rate_limiter={self._rate_limiter!r}, "
+            f"max_times_sampled={self._max_times_sampled}, signature={self._signature!r})")
+
+
+def table_info(name: str, stats: dict, signature: Any) -> TableInfo:
+  """Builds a TableInfo from a table's rs_table_stats (as a dict) and its signature."""
+  ms = lambda ns: int(ns // 1_000_000)
+  sampler = selectors_lib.from_kind(stats["sampler_kind"], stats["sampler_exponent"])
+  remover = selectors_lib.from_kind(stats["remover_kind"], stats["remover_exponent"])
+  return TableInfo(
+      name=name, sampler_options=sampler.options(), remover_options=remover.options(),
+      max_size=int(stats["max_size"]), max_times_sampled=max(0, int(stats["max_times_sampled"])),
+      rate_limiter_info=RateLimiterInfo(
+          samples_per_insert=stats["samples_per_insert"], min_diff=stats["min_diff"],
+          max_diff=stats["max_diff"], min_size_to_sample=int(stats["min_size_to_sample"]),
+          insert_stats=RateLimiterCallStats(int(stats["inserts"])),
+          sample_stats=RateLimiterCallStats(int(stats["samples"]))),
+      signature=signature, current_size=int(stats["size"]),
+      num_episodes=int(stats["num_episodes"]),
+      num_deleted_episodes=int(stats["num_deleted_episodes"]),
+      num_unique_samples=int(stats["num_unique_samples"]),
+      table_worker_time=TableWorkerTime(
+          running_ms=ms(stats["inserting_ns"] + stats["sampling_ns"]),
+          sampling_ms=ms(stats["sampling_ns"]), inserting_ms=ms(stats["inserting_ns"]),
+          sleeping_ms=ms(stats["waiting_for_sampling_ns"] + stats["waiting_for_inserts_ns"]),
+          waiting_for_sampling_ms=ms(stats["waiting_for_sampling_ns"]),
+          waiting_for_inserts_ms=ms(stats["waiting_for_inserts_ns"])))

@@ -1,0 +1,50 @@
+"""Shared fixtures: servers with unique names that are always stopped (segments unlinked)."""
+import itertools
+import os
+
+import pytest
+
+import reverb_shm
+from reverb_shm import rate_limiters, selectors
+
+_counter = itertools.count()
+TEST_ARENA_BYTES = 64 << 20
+
+
+def unique_server_name(prefix: str = "test") -> str:
+  """A server name no other test (or concurrent test run) uses."""
+  return f"{prefix}_{os.getpid()}_{next(_counter)}"
+
+
+@pytest.fixture
+def server_factory():
+  """Returns make(tables, **kwargs) -> Server with a unique name and a 64 MiB arena.
+
+  Every server it made is stopped at teardown, which unlinks its segment.
+  """
+  servers = []
+
+  def make(tables, **kwargs):
+    kwargs.setdefault("name", unique_server_name())
+    kwargs.setdefault("arena_bytes", TEST_ARENA_BYTES)
+    server = reverb_shm.Server(tables, **kwargs)
+    servers.append(server)
+    return server
+
+  yield make
+  for server in servers:
+    server.stop()
+    assert not os.path.exists(f"/dev/shm/rvshm.{server.name}")
+
+
+@pytest.fixture
+def server_name():
+  """A unique server name (for tests that create servers themselves)."""
+  return unique_server_name()
+
+
+@pytest.fixture
+def uniform_table():
+  """A Uniform/Fifo table of 1000 items with MinSize(1)."""
+  return reverb_shm.Table("uniform", selectors.Uniform(), selectors.Fifo(), 1000,
+                          rate_limiters.MinSize(1))

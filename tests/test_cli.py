@@ -1,0 +1,64 @@
+"""`reverb-shm` command line: list, info, check and gc against real servers."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import reverb_shm
+from reverb_shm import cli, rate_limiters, selectors
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _table():
+  return reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100, rate_limiters.MinSize(1))
+
+
+def test_info_and_check_on_a_live_server(server_factory, capsys):
+  server = server_factory([_table()])
+  client = reverb_shm.Client(f"localhost:{server.port}")
+  client.insert([1.0, 2.0], {"t": 1.0})
+  assert cli.main(["info", server.name]) == 0
+  out = capsys.readouterr().out
+  assert "table 't': size 1/100, inserts 1" in out
+  assert cli.main(["check", server.name]) == 0
+  assert "all invariants hold" in capsys.readouterr().out
+
+
+def test_unknown_server_is_a_clear_error(capsys):
+  assert cli.main(["info", "no_such_server_xyz"]) == 2
+  assert "no reverb_shm server named 'no_such_server_xyz'" in capsys.readouterr().err
+
+
+def test_gc_removes_segment_of_a_killed_server(server_name, capsys):
+  code = textwrap.dedent(f"""
+      import sys, time, reverb_shm
+      from reverb_shm import selectors, rate_limiters
+      t = reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 10, rate_limiters.MinSize(1))
+      s = reverb_shm.Server([t], name={server_name!r}, arena_bytes=1 << 20)
+      print(s.port, flush=True)
+      time.sleep(60)
+  """)
+  proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+  try:
+    port = int(proc.stdout.readline())
+    path = f"/dev/shm/rvshm.{server_name}"
+    assert os.path.exists(path)
+    assert cli.main(["list"]) == 0
+    assert f"{server_name}" in capsys.readouterr().out
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+  assert cli.main(["list"]) == 0
+  listing = capsys.readouterr().out
+  assert server_name in listing and "STALE" in listing
+  assert cli.main(["gc", "--dry-run"]) == 0
+  assert os.path.exists(path)
+  assert cli.main(["gc"]) == 0
+  out = capsys.readouterr().out
+  assert path in out and f"/dev/shm/rvshm.port.{port}" in out
+  assert not os.path.exists(path)
+  assert not os.path.exists(f"/dev/shm/rvshm.port.{port}")
