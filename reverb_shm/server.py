@@ -5,10 +5,12 @@ tables directly. The Server object creates the segment, keeps a TCP port bound (
 ``Client('localhost:PORT')`` resolves to it and no two servers share a port), reaps dead
 processes' resources, and closes and unlinks everything on :meth:`stop`. Thread-safe.
 """
+import atexit
 import collections
 import os
 import socket
 import threading
+import weakref
 from typing import Optional, Sequence
 
 from reverb_shm import shm
@@ -19,6 +21,19 @@ __all__ = ["Server", "DEFAULT_ARENA_BYTES"]
 
 DEFAULT_ARENA_BYTES = 256 << 20
 _REAP_INTERVAL_S = 0.5
+
+# Servers of this process still running; stopped at interpreter exit so that a script that
+# ends (or dies on an exception) without stop() leaves no segment behind.
+_live_servers: "weakref.WeakSet[Server]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_servers() -> None:
+  for server in list(_live_servers):
+    try:
+      server.stop()
+    except Exception:  # pylint: disable=broad-except  (best effort at exit)
+      pass
 
 
 class Server:
@@ -80,6 +95,7 @@ class Server:
     self._reaper = threading.Thread(target=self._reap_loop, name=f"reverb_shm-reaper-{self._name}",
                                     daemon=True)
     self._reaper.start()
+    _live_servers.add(self)
 
   @staticmethod
   def _bind_port(port: Optional[int]) -> socket.socket:

@@ -101,7 +101,19 @@ class SharedTable:
 
   @staticmethod
   def _keys(keys, n: Optional[int] = None, what: str = "keys") -> np.ndarray:
-    arr = np.asarray(keys)
+    if isinstance(keys, np.ndarray) or np.isscalar(keys) and not isinstance(keys, int):
+      arr = np.asarray(keys)
+    else:
+      # Python ints: numpy would turn a mix of keys above and below 2**63 into float64.
+      items = [keys] if isinstance(keys, int) else list(keys)
+      bad = [k for k in items if isinstance(k, bool) or not isinstance(k, (int, np.integer))]
+      if bad:
+        raise ValueError(f"{what} must be unsigned 64-bit integers, got {bad[0]!r}")
+      try:
+        arr = np.array(items, dtype=np.uint64)
+      except OverflowError:
+        raise ValueError(f"{what} must be in [0, 2**64), got "
+                         f"{next(k for k in items if not 0 <= int(k) < 2**64)}") from None
     if arr.ndim == 0:
       arr = arr[None]
     if arr.size and arr.dtype.kind not in "ui":

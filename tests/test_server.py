@@ -3,6 +3,8 @@ import multiprocessing
 import os
 import signal
 import stat
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -136,3 +138,18 @@ def test_stale_segment_of_dead_owner_is_reclaimed(server_factory, server_name):
   aliases = [shm._read_alias(os.path.join("/dev/shm", e))  # pylint: disable=protected-access
              for e in os.listdir("/dev/shm") if e.startswith("rvshm.port.")]
   assert all(a is None or a[1] != child.pid for a in aliases)
+
+
+@pytest.mark.timeout(60)
+def test_script_ending_without_stop_leaves_no_segment(server_name):
+  code = (
+      "import reverb_shm as r\n"
+      "t = r.Table('t', r.selectors.Uniform(), r.selectors.Fifo(), 10, r.rate_limiters.MinSize(1))\n"
+      f"s = r.Server([t], name={server_name!r}, arena_bytes=1 << 20)\n"
+      "print(s.port, flush=True)\n"
+      "raise RuntimeError('script dies without calling stop()')\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+  assert proc.returncode == 1 and "script dies" in proc.stderr
+  port = int(proc.stdout.split()[0])
+  assert not os.path.exists(f"/dev/shm/rvshm.{server_name}")
+  assert not os.path.exists(f"/dev/shm/rvshm.port.{port}")

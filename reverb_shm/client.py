@@ -1,0 +1,358 @@
+"""Client: Reverb's client API over a server's shared-memory segment (SPEC §5).
+
+A Client names a server by address ('localhost:PORT', 'HOST:PORT' of this host, or
+'shm://NAME'). It attaches lazily on first use and again after a fork; it pickles as its
+address, so it can be handed to spawned processes.
+"""
+import os
+import time
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from reverb_shm import chunks, errors, shm, structure, timeouts
+from reverb_shm import table as table_lib
+from reverb_shm import trajectory_writer as trajectory_writer_lib
+from reverb_shm._lib import check, ffi, lib
+from reverb_shm.replay_sample import ReplaySample, SampleInfo
+from reverb_shm.selectors import PRIORITIZED
+from reverb_shm.shared_table import SharedTable
+
+__all__ = ["Client"]
+
+# Polling interval while server_info waits for a server to appear.
+_SERVER_POLL_S = 0.02
+
+
+class _TableHandle:
+  """What the client and its writers need of one table, cached per attached segment."""
+
+  __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized")
+
+  def __init__(self, seg: shm.Segment, name: str):
+    self.seg = seg
+    self.name = name
+    self.index = seg.table_index(name)
+    self.table = SharedTable(seg, self.index)
+    self.signature = self.table.signature
+    self.flat_signature = (None if self.signature is None
+                           else structure.flatten(self.signature)[0])
+    stats = seg.stats(self.index)
+    self.prioritized = PRIORITIZED in (stats["sampler_kind"], stats["remover_kind"])
+
+  def insert(self, keys: np.ndarray, priorities: np.ndarray, blob: bytes, offs: np.ndarray,
+             deadline_ns: int, timeout_ms=None
+             ) -> Tuple[int, Optional[errors.DeadlineExceededError]]:
+    """Inserts validated items in order until done or the deadline passes.
+
+    Unlike SharedTable.insert_descriptors this reports partial progress at the deadline,
+    which the writer's queue needs.
+
+    Args:
+      keys: n uint64 keys; priorities: n float64 (already validated); blob/offs: descriptors
+        (item i is blob[offs[i]:offs[i+1]]). Sequences of Python numbers or numpy arrays.
+      deadline_ns: absolute CLOCK_MONOTONIC deadline, -1 for none (0: do not wait).
+      timeout_ms: the caller's timeout, for the message.
+
+    Returns:
+      (items inserted, None) or, at the deadline, (items inserted, DeadlineExceededError
+      naming the table and its limiter counters).
+
+    Raises:
+      TableClosedError: the server stopped. ValueError: the C core rejected an item.
+    """
+    n = len(keys)
+    seg = self.seg
+    slot = seg.slot
+    keys_c = ffi.new("uint64_t[]", keys)
+    prios_c = ffi.new("double[]", priorities)
+    offs_c = ffi.new("uint64_t[]", offs)
+    blob_c = ffi.from_buffer("uint8_t[]", blob)
+    done = ffi.new("uint32_t *")
+    total = 0
+    while total < n:
+      rc = lib.rs_insert(seg.base, slot, self.index, n - total, keys_c + total,
+                         prios_c + total, blob_c, offs_c + total, deadline_ns,
+                         timeouts.SLICE_NS, done)
+      total += done[0]
+      if rc == lib.RS_ETIMEDOUT:
+        message = self.table._limiter_message(  # pylint: disable=protected-access
+            "insert", timeout_ms or 0)
+        return total, errors.DeadlineExceededError(
+            f"{message}; {total} of {n} items inserted")
+      if rc != lib.RS_OK and rc != lib.RS_EAGAIN:
+        check(rc, f"inserting into table {self.name!r} ({total} of {n} items inserted)")
+    return total, None
+
+
+class Client:
+  """Client of a reverb_shm server on this host.
+
+  Args:
+    server_address: 'localhost:PORT' (or another name of this host), or 'shm://NAME'.
+
+  Thread-safe: calls may come from several threads (each call is independent).
+  """
+
+  def __init__(self, server_address: str):
+    if not isinstance(server_address, str):
+      raise TypeError(f"server_address must be a str, got {type(server_address).__name__}")
+    self._address = server_address
+    self._seg = None
+    self._seg_pid = None
+    self._handles: Dict[str, _TableHandle] = {}
+
+  def __reduce__(self):
+    return Client, (self._address,)
+
+  @property
+  def server_address(self) -> str:
+    return self._address
+
+  def __repr__(self):
+    return f"Client(server_address={self._address!r})"
+
+  # ---- attachment
+  def _segment(self) -> shm.Segment:
+    """The server's segment in this process (attached on first use and after a fork).
+
+    Raises:
+      ServerUnavailableError: no server answers to the address.
+    """
+    seg = self._seg
+    if seg is None or self._seg_pid != os.getpid():
+      seg = shm.Segment.attach(shm.resolve_address(self._address))
+      self._seg, self._seg_pid, self._handles = seg, os.getpid(), {}
+    return seg
+
+  def _table_handle(self, table: str) -> _TableHandle:
+    """Cached handle of `table`; UnknownTableError (naming the available tables) if absent."""
+    seg = self._segment()
+    handle = self._handles.get(table)
+    if handle is None:
+      if not isinstance(table, str):
+        raise TypeError(f"table name must be a str, got {type(table).__name__}")
+      handle = self._handles[table] = _TableHandle(seg, table)
+    return handle
+
+  def shared_table(self, table: str) -> SharedTable:
+    """The low-level batched handle of `table` (reverb_shm extension).
+
+    Raises:
+      UnknownTableError: no such table (the message lists the available ones).
+    """
+    seg = self._segment()
+    return SharedTable(seg, seg.table_index(table))
+
+  # ---- insert
+  def insert(self, data: Any, priorities: Dict[str, float]) -> None:
+    """Inserts `data` as one single-step item into each table of `priorities`.
+
+    The data is written to shared memory once and referenced by every table's item; each
+    column is stored with a leading time dim of 1 (np.ones([3, 3]) samples as [1, 3, 3]).
+    Blocks until every table's rate limiter admits its item.
+
+    Args:
+      data: nest of arrays / Python values (one step).
+      priorities: table name -> priority (finite; >= 0 for Prioritized tables).
+
+    Raises:
+      ValueError: empty `priorities`, empty data, None leaves, unsupported dtypes, bad
+        priorities, data not matching a table's signature, or an unknown table (an
+        UnknownTableError naming the available tables). Nothing is inserted then.
+      ResourceExhaustedError: the chunk arena is full.
+      TableClosedError: the server stopped.
+    """
+    if not priorities:
+      raise ValueError("priorities must not be empty: name at least one table to insert into")
+    if not isinstance(priorities, dict):
+      raise TypeError(f"priorities must be a dict table -> priority, got "
+                      f"{type(priorities).__name__}")
+    handles = [self._table_handle(name) for name in priorities]
+    prios = np.array([trajectory_writer_lib.check_priority(p, h.name, h.prioritized)
+                      for h, p in zip(handles, priorities.values())], dtype=np.float64)
+    leaves, _ = structure.flatten(data)
+    if not leaves:
+      raise ValueError("data must contain at least one value")
+    arrays = []
+    for i, leaf in enumerate(leaves):
+      if leaf is None:
+        raise ValueError(f"data leaf {i} is None; every field of an inserted step needs a value")
+      arr = structure.to_array(leaf)
+      trajectory_writer_lib.check_supported_dtype(arr.dtype, i)
+      arrays.append(arr)
+    columns = [(a.dtype, (1,) + a.shape) for a in arrays]
+    for h in handles:
+      trajectory_writer_lib.check_signature(h.name, h.flat_signature, columns,
+                                            allow_unbatched=True)
+    seg = self._segment()
+    episode_id = trajectory_writer_lib.random_u64.one()
+    written = []
+    try:
+      for a in arrays:
+        if a.dtype.kind == "O":
+          written.append(chunks.object_chunk(seg, [a], episode_id=episode_id))
+        else:
+          chunk = chunks.alloc_chunk(seg, a.dtype, a.shape, 1, episode_id=episode_id)
+          written.append(chunk)
+          chunk.append(a)
+      blob, offs = chunks.encode_descriptors([[([(c.off, 0, 1)], False) for c in written]])
+      for h, prio in zip(handles, prios.tolist()):
+        h.insert([trajectory_writer_lib.random_u64.one()], [prio], blob, offs.tolist(), -1)
+    finally:
+      for c in written:
+        c.release()
+
+  # ---- sample
+  def sample(self, table: str, num_samples: int = 1, *, emit_timesteps: bool = True,
+             unpack_as_table_signature: bool = False,
+             rate_limiter_timeout_ms: Optional[int] = None
+             ) -> Generator[Union[List[ReplaySample], ReplaySample], None, None]:
+    """Samples `num_samples` items one at a time, each when the rate limiter allows.
+
+    Args:
+      table: table name.
+      num_samples: items to yield (>= 1).
+      emit_timesteps: yield each item as a list of ReplaySample, one per time step (every
+        column must have the same leading length); else one ReplaySample whose data is the
+        flat list of columns (squeezed columns have no time dim).
+      unpack_as_table_signature: data is nested as the table's signature (if it has one).
+      rate_limiter_timeout_ms: per item: None waits forever, 0 does not wait, > 0 ms
+        (reverb_shm extension).
+
+    Yields:
+      list[ReplaySample] (emit_timesteps) or ReplaySample. Numeric columns are read-only
+      zero-copy views of shared memory that stay valid while any of them lives.
+
+    Raises:
+      UnknownTableError (a RuntimeError and ValueError): no such table, raised at the call.
+      ValueError: num_samples < 1, negative timeout; an item that cannot be split into steps.
+      DeadlineExceededError: the limiter did not allow a sample in time (the message names the
+        table and its counters).
+      TableClosedError: the server stopped.
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or (
+        num_samples < 1):
+      raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    timeouts.deadline_from_ms(rate_limiter_timeout_ms, "rate_limiter_timeout_ms")
+    handle = self._table_handle(table)
+    treedef = None
+    if unpack_as_table_signature and handle.signature is not None:
+      treedef = structure.flatten(handle.signature)[1]
+    return self._sample_gen(handle, int(num_samples), emit_timesteps, treedef,
+                            rate_limiter_timeout_ms)
+
+  @staticmethod
+  def _sample_gen(handle, num_samples, emit_timesteps, treedef, timeout_ms):
+    seg, st = handle.seg, handle.table
+    for _ in range(num_samples):
+      recs, pins = st.sample_records(1, timeout_ms)
+      rec = recs[0]
+      info = SampleInfo(int(rec["key"]), float(rec["probability"]), int(rec["table_size"]),
+                        float(rec["priority"]), int(rec["times_sampled"]))
+      data = chunks.read_item(seg, int(rec["desc_off"]), pins)
+      del pins  # the views keep it (and the item) alive as long as they live
+      if not emit_timesteps:
+        yield ReplaySample(info, _unpack(treedef, data))
+        continue
+      lengths = {col.shape[0] if col.ndim else None for col in data}
+      if len(lengths) != 1 or None in lengths:
+        raise ValueError("Can't split non timestep trajectory into timesteps.")
+      steps = lengths.pop()
+      yield [ReplaySample(info, _unpack(treedef, [col[t] for col in data]))
+             for t in range(steps)]
+
+  # ---- mutation
+  def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,
+                        deletes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+    """Deletes `deletes`, then sets `updates` (SPEC "Our decisions" 1); unknown keys ignored.
+
+    Every key and priority is validated before anything changes.
+
+    Returns:
+      (number of priorities updated, number of items deleted).
+
+    Raises:
+      UnknownTableError: no such table.
+      ValueError: a NaN/infinite priority, or a negative one on a Prioritized table.
+      TableClosedError: the server stopped.
+    """
+    st = self._table_handle(table).table
+    # Python ints above 2**63 would make numpy guess float64: pass uint64 scalars instead.
+    if updates:
+      updates = {_key(k): v for k, v in updates.items()}
+    if deletes is not None and len(deletes):
+      deletes = [_key(k) for k in deletes]
+    return st.mutate(updates, deletes)
+
+  def reset(self, table: str) -> None:
+    """Removes every item of `table` and zeroes its limiter and episode counters.
+
+    Raises:
+      UnknownTableError: no such table. TableClosedError: the server stopped.
+    """
+    self._table_handle(table).table.reset()
+
+  def server_info(self, timeout: Optional[float] = None) -> Dict[str, table_lib.TableInfo]:
+    """TableInfo of every table of the server, waiting for the server to come up.
+
+    Args:
+      timeout: seconds to wait for the server; None or 0 waits forever.
+
+    Raises:
+      ValueError: negative timeout.
+      DeadlineExceededError: no server answered in time.
+    """
+    if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+      raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+    deadline = None if not timeout else time.monotonic() + timeout
+    while True:
+      try:
+        seg = self._segment()
+        break
+      except errors.ServerUnavailableError as e:
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+          raise errors.DeadlineExceededError(
+              f"Deadline Exceeded: no server answered at {self._address!r} within "
+              f"{timeout} s ({e})") from None
+        time.sleep(_SERVER_POLL_S if deadline is None else min(_SERVER_POLL_S, deadline - now))
+    return {name: self._table_handle(name).table.info for name in seg.table_names()}
+
+  # ---- writers
+  def trajectory_writer(self, num_keep_alive_refs: int, *,
+                        validate_items: bool = True) -> trajectory_writer_lib.TrajectoryWriter:
+    """A TrajectoryWriter inserting into this server's tables (SPEC §6).
+
+    Args:
+      num_keep_alive_refs: steps each column keeps referenceable (>= 1).
+      validate_items: check items against their table's signature in create_item.
+
+    Raises:
+      ValueError: num_keep_alive_refs < 1.
+      ServerUnavailableError: no server answers to the address.
+    """
+    return trajectory_writer_lib.TrajectoryWriter(self, num_keep_alive_refs,
+                                                  validate_items=validate_items)
+
+  def checkpoint(self) -> str:
+    """Not available yet.
+
+    Raises:
+      NotImplementedError: always, until checkpointing lands.
+    """
+    raise NotImplementedError("Client.checkpoint() is not implemented yet in reverb_shm: "
+                              "checkpointing is tracked as a separate issue")
+
+
+def _key(key) -> np.uint64:
+  """An item key as np.uint64; ValueError naming it if it is not an int in [0, 2**64)."""
+  if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= key < 2**64:
+    raise ValueError(f"item keys must be ints in [0, 2**64), got {key!r}")
+  return np.uint64(key)
+
+
+def _unpack(treedef, columns: list):
+  if treedef is None:
+    return columns
+  return structure.unflatten(treedef, columns)

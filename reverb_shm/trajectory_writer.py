@@ -1,0 +1,1191 @@
+"""TrajectoryWriter: appends steps in place into shared-memory chunks and inserts items over them.
+
+Every column (one leaf path of the appended nests) owns a current chunk allocated in the shared
+arena; `append` writes the step's row straight into it and publishes it, so an item referencing
+rows already appended can be inserted at once. The writer holds a pin on each chunk until every
+row of it has left the column's keep-alive window (its last `num_keep_alive_refs` steps) and no
+queued item needs it; items in tables keep chunks alive by refcount in the C core.
+
+Items are inserted as soon as the table's rate limiter allows it without waiting; otherwise they
+wait in a bounded FIFO queue that `create_item`, `flush`, `end_episode` and `close` drain.
+
+Positions in `writer.history` count the column's steps since the last buffer clear
+(`end_episode(clear_buffers=True)`), so `history[c][0:n]` after n appends covers all n steps
+(SPEC "Our decisions" 14). Positions outside that range raise IndexError (decision 8); positions
+within it whose step has left the keep-alive window, came before the column existed or skipped
+the column read as None, which a TrajectoryColumn rejects with ValueError (SPEC §6).
+"""
+import collections
+import math
+import os
+import struct
+import warnings
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+
+from reverb_shm import errors, structure, timeouts
+
+__all__ = ["TrajectoryWriter", "TrajectoryColumn", "CellRef"]
+
+# Auto chunk length: as many rows as fit in this byte budget, clamped to [1, _AUTO_MAX_ROWS].
+_AUTO_CHUNK_BYTES = 64 * 1024
+_AUTO_MAX_ROWS = 256
+# Items queued behind the rate limiter before create_item blocks on the oldest one.
+_MAX_PENDING = 1024
+
+_SUPPORTED_KINDS = {"f": (2, 4, 8), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "b": (1,),
+                    "c": (8, 16), "O": (8,)}
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers shared with client.py
+
+
+class _RandomU64:
+  """Random uint64 values (item keys, episode ids), re-seeded from the OS after a fork."""
+
+  def __init__(self):
+    self._pid = None
+    self._rng = None
+    self._pool = []
+
+  def __call__(self, n: int) -> np.ndarray:
+    """n random uint64 values."""
+    pid = os.getpid()
+    if pid != self._pid:
+      self._rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
+      self._pool = []
+      self._pid = pid
+    return np.frombuffer(self._rng.bytes(8 * n), dtype=np.uint64).copy()
+
+  def one(self) -> int:
+    """One random uint64 as a Python int (drawn from a pool refilled 1024 at a time)."""
+    if self._pid != os.getpid() or not self._pool:
+      self._pool = self(1024).tolist()
+    return self._pool.pop()
+
+
+random_u64 = _RandomU64()
+
+
+def check_supported_dtype(dtype: np.dtype, path) -> None:
+  """Raises ValueError naming `path` unless `dtype` can be stored in a column."""
+  if dtype.itemsize not in _SUPPORTED_KINDS.get(dtype.kind, ()) or dtype.fields is not None:
+    raise ValueError(
+        f"Unsupported dtype {dtype} for column {path}: expected one of float16/32/64, "
+        "int8/16/32/64, uint8/16/32/64, bool, complex64/128, or str/bytes (object)")
+
+
+def check_priority(priority, table_name: str, prioritized: bool) -> float:
+  """Returns `priority` as a float; ValueError if NaN, infinite or negative on Prioritized."""
+  try:
+    value = float(priority)
+  except (TypeError, ValueError):
+    raise ValueError(f"`priority` must be a number, got {priority!r}") from None
+  if math.isnan(value):
+    raise ValueError("`priority` must not be nan.")
+  if math.isinf(value):
+    raise ValueError(f"`priority` must be finite, got {value}")
+  if value < 0 and prioritized:
+    raise ValueError(f"`priority` must not be negative for table '{table_name}' (it uses a "
+                     f"Prioritized selector), got {value}")
+  return value
+
+
+def _shape_matches(spec_shape, shape) -> bool:
+  if spec_shape is None:
+    return True
+  spec_shape = tuple(spec_shape)
+  return len(spec_shape) == len(shape) and all(
+      s is None or s == d for s, d in zip(spec_shape, shape))
+
+
+def _dtype_matches(spec_dtype, dtype: np.dtype) -> bool:
+  spec_dtype = np.dtype(getattr(spec_dtype, "as_numpy_dtype", spec_dtype))
+  if spec_dtype.kind in "OSU":
+    return dtype.kind == "O"
+  return spec_dtype == dtype
+
+
+def check_signature(table_name: str, flat_signature: Optional[list], columns: Sequence[tuple],
+                    *, allow_unbatched: bool = False) -> None:
+  """Checks item columns against a table's flattened signature.
+
+  Args:
+    table_name: for messages.
+    flat_signature: flattened signature specs (objects with .shape/.dtype) or None (no check).
+    columns: (dtype, shape) of each item column as the sample will return it (time dim
+      included unless squeezed).
+    allow_unbatched: also accept a spec matching the shape without its leading dim (Client.insert,
+      whose items are single steps described per step or per trajectory).
+
+  Raises:
+    ValueError: column count, dtype or shape incompatible with the signature.
+  """
+  if flat_signature is None:
+    return
+  if len(flat_signature) != len(columns):
+    raise ValueError(
+        f"Unable to create item in table '{table_name}': the table signature has "
+        f"{len(flat_signature)} columns but the item has {len(columns)}.")
+  for i, (spec, (dtype, shape)) in enumerate(zip(flat_signature, columns)):
+    if not _dtype_matches(spec.dtype, dtype):
+      raise ValueError(
+          f"Unable to create item in table '{table_name}': column {i} has dtype {dtype} but the "
+          f"table signature expects {np.dtype(getattr(spec.dtype, 'as_numpy_dtype', spec.dtype))}"
+          f" (spec {spec!r}).")
+    ok = _shape_matches(spec.shape, shape) or (
+        allow_unbatched and len(shape) >= 1 and _shape_matches(spec.shape, shape[1:]))
+    if not ok:
+      raise ValueError(
+          f"Unable to create item in table '{table_name}': column {i} has shape {list(shape)} "
+          f"which is incompatible with the table signature shape "
+          f"{None if spec.shape is None else list(spec.shape)} (spec {spec!r}).")
+
+
+def _as_column_array(leaf) -> np.ndarray:
+  if type(leaf) is np.ndarray and leaf.dtype.kind not in "USO":
+    return leaf
+  return structure.to_array(leaf)
+
+
+# --------------------------------------------------------------------------------------------
+# Chunks, refs and columns
+
+
+class _Holder:
+  """A chunk this writer holds a pin on, with the reasons it still needs it."""
+
+  __slots__ = ("seg", "chunk", "off", "data", "values", "used", "capacity", "live", "pending",
+               "open")
+
+  def __init__(self, seg, chunk, values=None):
+    self.seg = seg
+    self.chunk = chunk
+    self.off = chunk.off
+    self.data = chunk.data          # writable (capacity, *shape) view; None for object columns
+    self.values = values            # object columns: the rows as written
+    self.used = len(values) if values is not None else 0
+    self.capacity = chunk.capacity
+    self.live = 0                   # refs inside a keep-alive window
+    self.pending = 0                # queued items referencing it
+    self.open = values is None      # still the column's current chunk (rows may be added)
+
+  def maybe_release(self) -> None:
+    if self.live == 0 and self.pending == 0 and not self.open and self.chunk is not None:
+      chunk, self.chunk, self.data = self.chunk, None, None
+      try:
+        chunk.release()
+      except errors.ReverbError:
+        # A server stopped in this process unregistered our slot, which dropped every pin.
+        if not self.seg.is_closed():
+          raise
+
+  def close(self) -> None:
+    """No more rows will be written: return the unused tail to the arena."""
+    if self.open:
+      self.open = False
+      if self.chunk is not None and 0 < self.used < self.capacity:
+        self.chunk.shrink()
+        self.capacity = self.used
+      self.maybe_release()
+
+  def force_release(self) -> None:
+    self.open = False
+    self.live = self.pending = 0
+    self.maybe_release()
+
+
+class CellRef:
+  """A reference to one step of one column (Reverb's WeakCellRef).
+
+  Attributes:
+    expired: True once the step left the column's keep-alive window or the writer cleared its
+      buffers; an expired ref can no longer be read or put into an item.
+    shape: element shape (tuple of ints, no time dim).
+    dtype: numpy dtype of the element.
+  """
+
+  __slots__ = ("_column", "_holder", "_row", "_expired")
+
+  def __init__(self, column: "_Column", holder: _Holder, row: int):
+    self._column = column
+    self._holder = holder
+    self._row = row
+    self._expired = False
+
+  @property
+  def expired(self) -> bool:
+    return self._expired
+
+  @property
+  def shape(self) -> tuple:
+    return self._column.shape
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self._column.dtype
+
+  def numpy(self) -> np.ndarray:
+    """A copy of the referenced value (shape `self.shape`).
+
+    Raises:
+      RuntimeError: the ref has expired.
+    """
+    if self._expired:
+      raise RuntimeError(f"Cannot read an expired reference of column {self._column.path}: the "
+                         "step has left the writer's keep-alive window (num_keep_alive_refs).")
+    holder = self._holder
+    if holder.values is not None:
+      return holder.values[self._row]
+    return np.array(holder.data[self._row])
+
+  def _expire(self) -> None:
+    if not self._expired:
+      self._expired = True
+      holder = self._holder
+      holder.live -= 1
+      if holder.live == 0:
+        holder.maybe_release()
+
+  def __repr__(self):
+    state = "expired" if self._expired else "alive"
+    return f"CellRef(column={self._column.path}, {state})"
+
+
+class _Column:
+  """One leaf path of the union structure: dtype/shape, current chunk and history window."""
+
+  __slots__ = ("writer", "index", "path", "dtype", "shape", "is_object", "row_bytes",
+               "keep_alive", "max_chunk_length", "holder", "entries", "n", "history")
+
+  def __init__(self, writer, index, path, dtype, shape, keep_alive, max_chunk_length, n):
+    self.writer = writer
+    self.index = index
+    self.path = path
+    self.dtype = dtype
+    self.shape = shape
+    self.is_object = dtype.kind == "O"
+    self.row_bytes = dtype.itemsize * math.prod(shape)
+    self.keep_alive = keep_alive
+    self.max_chunk_length = max_chunk_length
+    self.holder = None            # current (open) numeric chunk
+    self.entries = collections.deque()   # the last `keep_alive` positions: CellRef or None
+    self.n = n                    # positions since the last clear (including expired ones)
+    self.history = _ColumnHistory(self)
+
+  def chunk_length(self) -> int:
+    if self.max_chunk_length is not None:
+      return self.max_chunk_length
+    return max(1, min(_AUTO_MAX_ROWS, _AUTO_CHUNK_BYTES // max(1, self.row_bytes)))
+
+  def needs_chunk(self) -> bool:
+    holder = self.holder
+    return self.is_object or holder is None or holder.used >= holder.capacity
+
+  def push(self, entry) -> None:
+    entries = self.entries
+    while len(entries) >= self.keep_alive:
+      old = entries.popleft()
+      if old is not None:
+        old._expire()
+    entries.append(entry)
+    self.n += 1
+
+  def get(self, position: int):
+    start = self.n - len(self.entries)
+    return self.entries[position - start] if position >= start else None
+
+  def trim(self) -> None:
+    while len(self.entries) > self.keep_alive:
+      old = self.entries.popleft()
+      if old is not None:
+        old._expire()
+
+  def clear(self) -> None:
+    for entry in self.entries:
+      if entry is not None:
+        entry._expire()
+    self.entries.clear()
+    self.n = 0
+
+  def close_chunk(self) -> None:
+    if self.holder is not None:
+      holder, self.holder = self.holder, None
+      holder.close()
+
+
+class _ColumnHistory:
+  """The history of one column, as found in `writer.history` (a leaf for nest libraries).
+
+  Index with an int (a squeezed single-step TrajectoryColumn), a slice or a list of ints (a
+  TrajectoryColumn with a time dim; any order, repeats allowed). Positions count the column's
+  steps since the writer last cleared its buffers; negative positions count from the end.
+  Deliberately not a Sequence, so that nest libraries treat it as a leaf.
+
+  Raises (on indexing):
+    IndexError: a position (or explicit slice bound) outside the column's steps.
+    ValueError: a selected position is None (expired, skipped or before the column existed).
+    TypeError: another index type.
+  """
+
+  __slots__ = ("_column",)
+
+  def __init__(self, column: _Column):
+    self._column = column
+
+  @property
+  def path(self) -> tuple:
+    return self._column.path
+
+  def __len__(self) -> int:
+    return self._column.n
+
+  def _position(self, i) -> int:
+    n = self._column.n
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+      raise TypeError(f"History positions must be ints, got {i!r} of type {type(i).__name__}")
+    p = int(i) + n if i < 0 else int(i)
+    if not 0 <= p < n:
+      raise IndexError(f"Position {i} is out of range for column {self._column.path}, which has "
+                       f"{n} steps since its buffers were last cleared")
+    return p
+
+  def _positions(self, s: slice) -> range:
+    n = self._column.n
+    for bound in (s.start, s.stop, s.step):
+      if bound is not None and (isinstance(bound, bool) or
+                                not isinstance(bound, (int, np.integer))):
+        raise TypeError(f"Slice bounds must be ints or None, got {s}")
+    if s.step == 0:
+      raise ValueError("slice step cannot be zero")
+    for bound in (s.start, s.stop):
+      if bound is not None:
+        b = int(bound) + n if bound < 0 else int(bound)
+        if not 0 <= b <= n:
+          raise IndexError(f"Slice {s} is out of range for column {self._column.path}, which "
+                           f"has {n} steps since its buffers were last cleared")
+    return range(*s.indices(n))
+
+  def __getitem__(self, index) -> "TrajectoryColumn":
+    column = self._column
+    if isinstance(index, slice):
+      return TrajectoryColumn([column.get(p) for p in self._positions(index)],
+                              path=column.path + (index,))
+    if isinstance(index, list):
+      return TrajectoryColumn([column.get(self._position(i)) for i in index],
+                              path=column.path + (tuple(index),))
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+      return TrajectoryColumn([column.get(self._position(index))], squeeze=True,
+                              path=column.path + (int(index),))
+    raise TypeError(f"Unsupported index type {type(index).__name__} for column history "
+                    f"{column.path}: use an int, a slice or a list of ints")
+
+  def __repr__(self):
+    return f"ColumnHistory(path={self._column.path}, len={self._column.n})"
+
+
+class TrajectoryColumn:
+  """Steps of one column selected for an item (SPEC §6).
+
+  Args:
+    data_references: CellRefs, one per step, in the order the sample returns them.
+    squeeze: the column holds exactly one step and the sample drops its time dim.
+    path: where the column came from, for messages.
+
+  Raises:
+    ValueError: a reference is None, or `squeeze` with other than one reference.
+  """
+
+  __slots__ = ("_refs", "_squeeze", "_path")
+
+  def __init__(self, data_references: Sequence[Optional[CellRef]], *, squeeze: bool = False,
+               path: Optional[tuple] = None):
+    refs = list(data_references)
+    if any(r is None for r in refs):
+      raise ValueError(
+          f"TrajectoryColumns cannot contain any None data references, got {refs} for "
+          f"TrajectoryColumn at path {path}: the selected steps expired (left the keep-alive "
+          "window), were skipped, or precede the column's first value.")
+    if squeeze and len(refs) != 1:
+      raise ValueError(f"Columns must contain exactly one data reference when squeeze is set, "
+                       f"got {len(refs)} (path {path}).")
+    self._refs = refs
+    self._squeeze = bool(squeeze)
+    self._path = path
+
+  @property
+  def is_squeezed(self) -> bool:
+    return self._squeeze
+
+  @property
+  def path(self) -> Optional[tuple]:
+    return self._path
+
+  @property
+  def dtype(self) -> Optional[np.dtype]:
+    """numpy dtype of the first reference (None when empty)."""
+    return self._refs[0].dtype if self._refs else None
+
+  @property
+  def shape(self) -> tuple:
+    """(steps, *element shape), or the element shape when squeezed."""
+    elem = self._refs[0].shape if self._refs else ()
+    return tuple(elem) if self._squeeze else (len(self._refs),) + tuple(elem)
+
+  def __len__(self) -> int:
+    return len(self._refs)
+
+  def __iter__(self):
+    return iter(self._refs)
+
+  def __getitem__(self, index) -> "TrajectoryColumn":
+    if isinstance(index, slice):
+      return TrajectoryColumn(self._refs[index], path=self._path)
+    if isinstance(index, list):
+      return TrajectoryColumn([self._refs[i] for i in index], path=self._path)
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+      return TrajectoryColumn([self._refs[index]], squeeze=True, path=self._path)
+    raise TypeError(f"Unsupported index type {type(index).__name__}")
+
+  def numpy(self) -> np.ndarray:
+    """The referenced values, stacked along a new time dim unless squeezed.
+
+    Raises:
+      RuntimeError: a reference has expired.
+    """
+    values = [r.numpy() for r in self._refs]
+    if self._squeeze:
+      return values[0]
+    if self._refs and self._refs[0].dtype.kind == "O":
+      out = np.empty((len(values),) + tuple(self._refs[0].shape), dtype=object)
+      for i, v in enumerate(values):
+        out[i] = v
+      return out
+    return np.stack(values)
+
+  def __repr__(self):
+    return f"TrajectoryColumn(path={self._path}, shape={self.shape}, squeeze={self._squeeze})"
+
+
+_DESC_STRUCTS = {}
+
+
+def _encode_descriptor(columns) -> bytes:
+  """One item descriptor blob (rs_desc_hdr, rs_desc_col[ncols], rs_desc_slice[nslices]).
+
+  The same layout as chunks.encode_descriptors (csrc/rs_api.h), packed with one cached
+  struct.Struct per (ncols, nslices) because this runs once per created item.
+  """
+  ncols = len(columns)
+  nslices = sum(len(slices) for slices, _ in columns)
+  packer = _DESC_STRUCTS.get((ncols, nslices))
+  if packer is None:
+    packer = _DESC_STRUCTS[(ncols, nslices)] = struct.Struct(
+        "<II" + "IIII" * ncols + "QII" * nslices)
+  values = [ncols, nslices]
+  first = 0
+  for slices, squeeze in columns:
+    values += (first, len(slices), 1 if squeeze else 0, 0)
+    first += len(slices)
+  for slices, _ in columns:
+    for sl in slices:
+      values += sl
+  return packer.pack(*values)
+
+
+def _column_slices(refs: List[CellRef]) -> list:
+  """Merges consecutive rows of one chunk into (chunk_off, row_offset, nrows) slices."""
+  slices = []
+  last_holder = None
+  last_end = -1
+  for ref in refs:
+    holder, row = ref._holder, ref._row
+    if holder is last_holder and row == last_end:
+      off, start, nrows = slices[-1]
+      slices[-1] = (off, start, nrows + 1)
+    else:
+      slices.append((holder.off, row, 1))
+    last_holder, last_end = holder, row + 1
+  return slices
+
+
+class _Pending:
+  """An item waiting for its table's rate limiter."""
+
+  __slots__ = ("table", "key", "priority", "blob", "holders")
+
+  def __init__(self, table, key, priority, blob, holders):
+    self.table = table          # the client's table handle
+    self.key = key
+    self.priority = priority
+    self.blob = blob            # this item's descriptor bytes
+    self.holders = holders      # distinct _Holders it references
+
+
+# --------------------------------------------------------------------------------------------
+# Union structure
+
+
+def _union(a, b):
+  """Union of two history skeletons (leaves: _ColumnHistory or None)."""
+  if a is None:
+    return b
+  if b is None or a is b:
+    return a
+  if isinstance(a, dict) and isinstance(b, dict):
+    keys = set(a) | set(b)
+    try:
+      keys = sorted(keys)
+    except TypeError:
+      keys = list(a) + [k for k in b if k not in a]
+    return {k: _union(a.get(k), b.get(k)) for k in keys}
+  if isinstance(a, tuple) and hasattr(a, "_fields"):
+    if type(a) is not type(b):
+      raise ValueError(f"Cannot merge step structures: {type(a).__name__} vs {type(b).__name__}")
+    return type(a)(*[_union(x, y) for x, y in zip(a, b)])
+  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    longer = a if len(a) >= len(b) else b
+    merged = [_union(a[i] if i < len(a) else None, b[i] if i < len(b) else None)
+              for i in range(len(longer))]
+    return type(longer)(merged)
+  raise ValueError(f"Cannot merge step structures: a {type(a).__name__} and a "
+                   f"{type(b).__name__} appear at the same path")
+
+
+def _prune(node):
+  """Drops dict entries that hold no column (fields only ever None); None if nothing remains."""
+  if isinstance(node, dict):
+    out = {k: v for k, v in ((k, _prune(v)) for k, v in node.items()) if v is not None}
+    return out or None
+  if isinstance(node, tuple) and hasattr(node, "_fields"):
+    return type(node)(*[_prune(x) for x in node])
+  if isinstance(node, (list, tuple)):
+    return type(node)(_prune(x) for x in node)
+  return node
+
+
+# --------------------------------------------------------------------------------------------
+# The writer
+
+
+class TrajectoryWriter:
+  """Writes steps into shared memory and inserts items referencing them (SPEC §6).
+
+  Obtain one with `Client.trajectory_writer(num_keep_alive_refs)`. Not thread-safe: use a writer
+  from one thread at a time.
+
+  Args:
+    client: the Client whose tables receive the items.
+    num_keep_alive_refs: steps each column keeps referenceable (>= 1).
+    validate_items: check items against their table's signature in `create_item`.
+
+  Raises:
+    ValueError: `num_keep_alive_refs < 1`.
+  """
+
+  def __init__(self, client, num_keep_alive_refs: int, *, validate_items: bool = True):
+    self._closed = True   # until fully constructed (so __del__ is harmless)
+    num_keep_alive_refs = _check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
+    self._client = client
+    self._segment = client._segment()  # pylint: disable=protected-access
+    self._default_keep_alive = num_keep_alive_refs
+    self._validate_items = bool(validate_items)
+    self._columns: List[_Column] = []
+    self._by_path = {}
+    self._configs = {}           # path -> (num_keep_alive_refs, max_chunk_length)
+    self._plans = {}             # treedef -> ([column or None per leaf], [path per leaf])
+    self._structure = None       # union skeleton (leaves: _ColumnHistory)
+    self._hist_step = 0          # closed steps since the last clear
+    self._step_open = False      # a partial append opened the current step
+    self._episode_steps = 0
+    self._episode_id = random_u64.one()
+    self._pending = collections.deque()
+    self._tables = {}
+    self._last_deadline_error = None
+    self._closed = False
+
+  # ---- properties
+
+  @property
+  def history(self):
+    """Union structure of the appended steps; its leaves are column histories.
+
+    Raises:
+      RuntimeError: nothing has been appended yet.
+    """
+    if self._structure is None:
+      raise RuntimeError("history is not available before the first append() call")
+    return self._structure
+
+  @property
+  def episode_steps(self) -> int:
+    """Non-partial appends since the last end_episode."""
+    return self._episode_steps
+
+  @property
+  def max_num_keep_alive_refs(self) -> int:
+    """Largest keep-alive window of the default and every configured column."""
+    return max([self._default_keep_alive] + [k for k, _ in self._configs.values()])
+
+  @property
+  def num_pending_items(self) -> int:
+    """Items created but not yet admitted by their table's rate limiter (reverb_shm extension)."""
+    return len(self._pending)
+
+  # ---- appending
+
+  def append(self, data: Any, *, partial_step: bool = False) -> None:
+    """Appends one step (or part of one) to the episode.
+
+    Args:
+      data: a nest (dict/list/tuple/namedtuple) of arrays or Python values. Leaves that are None
+        are omitted from the step. New fields may appear at any step.
+      partial_step: leave the step open so that later appends add fields to it.
+
+    Raises:
+      ValueError: a value's dtype or shape differs from its column's (message names the path),
+        an unsupported dtype, or a field already set in the open step. Nothing is written.
+      ResourceExhaustedError: the chunk arena is full. Nothing is written.
+      RuntimeError: the writer is closed.
+    """
+    self._check_open()
+    leaves, treedef = structure.flatten(data)
+    plan = self._plans.get(treedef)
+    if plan is None:
+      plan = self._make_plan(data, treedef)
+    columns, paths = plan
+    hist_step = self._hist_step
+    writes = []     # (column or None, path, array, leaf index)
+    for i, leaf in enumerate(leaves):
+      if leaf is None:
+        continue
+      col = columns[i]
+      if col is None:
+        col = self._by_path.get(paths[i])
+      arr = _as_column_array(leaf)
+      if col is None:
+        check_supported_dtype(arr.dtype, paths[i])
+      else:
+        if arr.dtype != col.dtype:
+          raise ValueError(f"Tensor of wrong dtype provided for column {col.path}. Got "
+                           f"{arr.dtype} but expected {col.dtype}.")
+        if arr.shape != col.shape:
+          raise ValueError(f"Tensor of incompatible shape provided for column {col.path}. Got "
+                           f"{list(arr.shape)} which is incompatible with {list(col.shape)}.")
+        if col.n > hist_step:
+          raise ValueError(
+              f"Field {col.path} has already been set in the active step by previous (partial) "
+              f"append call and thus must be omitted or set to None but got: {leaf}")
+      writes.append((col, paths[i], arr, i))
+    for col, _, _, _ in writes:
+      if col is None or col.needs_chunk():
+        self._write_steps(writes, 1, bool(partial_step), treedef, plan)
+        return
+    # Fast path: every column exists and its current chunk has room for the row.
+    for col, _, arr, i in writes:
+      columns[i] = col
+      holder = col.holder
+      row = holder.used
+      holder.data[row] = arr
+      holder.chunk._publish(row + 1)  # pylint: disable=protected-access  (row written above)
+      holder.used = row + 1
+      holder.live += 1
+      col.push(CellRef(col, holder, row))
+    if partial_step:
+      self._step_open = True
+    else:
+      self._close_step()
+
+  def extend(self, steps: Any) -> None:
+    """Appends T complete steps at once (reverb_shm extension; one chunk write per column).
+
+    Equivalent to `for t in range(T): append(nest of leaf[t])`, but much faster.
+
+    Args:
+      steps: a nest like `append`'s whose every non-None leaf has the same leading dim T >= 1.
+
+    Raises:
+      ValueError: leaves disagree on T, T == 0, a dtype/shape mismatch, or a partial step open.
+      ResourceExhaustedError: the chunk arena is full.
+    """
+    self._check_open()
+    if self._step_open:
+      raise ValueError("extend() cannot be called while a partial step is open; finish it "
+                       "with append(..., partial_step=False) first")
+    leaves, treedef = structure.flatten(steps)
+    plan = self._plans.get(treedef)
+    if plan is None:
+      plan = self._make_plan(steps, treedef)
+    columns, paths = plan
+    writes = []
+    num_steps = None
+    for i, leaf in enumerate(leaves):
+      if leaf is None:
+        continue
+      col = columns[i] or self._by_path.get(paths[i])
+      arr = _as_column_array(leaf)
+      if arr.ndim == 0:
+        raise ValueError(f"extend() needs a leading time dim, but column {paths[i]} got a scalar")
+      if num_steps is None:
+        num_steps = arr.shape[0]
+      elif arr.shape[0] != num_steps:
+        raise ValueError(f"extend() leaves must share the leading dim: column {paths[i]} has "
+                         f"{arr.shape[0]} steps, earlier columns have {num_steps}")
+      if col is None:
+        check_supported_dtype(arr.dtype, paths[i])
+      elif arr.dtype != col.dtype:
+        raise ValueError(f"Tensor of wrong dtype provided for column {col.path}. Got "
+                         f"{arr.dtype} but expected {col.dtype}.")
+      elif arr.shape[1:] != col.shape:
+        raise ValueError(f"Tensor of incompatible shape provided for column {col.path}. Got "
+                         f"{list(arr.shape[1:])} which is incompatible with {list(col.shape)}.")
+      writes.append((col, paths[i], arr, i))
+    if num_steps is None:
+      raise ValueError("extend() needs at least one non-None leaf")
+    if num_steps == 0:
+      raise ValueError("extend() needs at least one step (leading dim 0 given)")
+    self._write_steps(writes, num_steps, None, treedef, plan)
+
+  def _make_plan(self, data, treedef):
+    paths, _, _ = structure.flatten_with_paths(data)
+    plan = ([self._by_path.get(p) for p in paths], paths)
+    self._plans[treedef] = plan
+    return plan
+
+  def _new_column(self, path, dtype, shape, index) -> _Column:
+    keep_alive, max_chunk = self._configs.get(path, (self._default_keep_alive, None))
+    return _Column(self, index, path, dtype, shape, keep_alive, max_chunk, self._hist_step)
+
+  def _write_steps(self, writes, num_steps: int, partial, treedef, plan) -> None:
+    """Allocates every chunk needed (all-or-nothing), then writes rows and records refs.
+
+    Args:
+      writes: (column or None, path, array, leaf index) per non-None leaf; a None column is
+        created here. Arrays hold one row (append) or num_steps rows (extend).
+      num_steps: steps written.
+      partial: True/False for append's partial_step; None for extend (batched arrays).
+      treedef, plan: the flattened step's structure and per-leaf columns.
+    """
+    from reverb_shm import chunks as chunks_lib  # pylint: disable=import-outside-toplevel
+    seg = self._segment
+    batched = partial is None
+    new_columns = []
+    resolved = []
+    for col, path, arr, _ in writes:
+      if col is None:
+        shape = arr.shape[1:] if batched else arr.shape
+        col = self._new_column(path, arr.dtype, tuple(shape),
+                               len(self._columns) + len(new_columns))
+        new_columns.append(col)
+      resolved.append(col)
+    skeleton = None
+    if new_columns:
+      # Union structure first: a conflicting nest raises before anything changes.
+      leaves = [None] * len(plan[0])
+      for (_, _, _, i), col in zip(writes, resolved):
+        leaves[i] = col.history
+      skeleton = _union(self._structure, _prune(structure.unflatten(treedef, leaves)))
+
+    allocated = []    # fresh holders per write
+    start_step = self._episode_steps
+    try:
+      for (_, _, arr, _), col in zip(writes, resolved):
+        fresh = []
+        if col.is_object:
+          rows = list(arr) if batched else [arr]
+          chunk = chunks_lib.object_chunk(seg, rows, episode_id=self._episode_id,
+                                          start_step=start_step)
+          fresh.append(_Holder(seg, chunk, values=[_object_row(r, col.shape) for r in rows]))
+        else:
+          room = 0 if col.needs_chunk() else col.holder.capacity - col.holder.used
+          step = start_step + room
+          remaining = num_steps - room
+          while remaining > 0:
+            capacity = col.chunk_length()
+            chunk = chunks_lib.alloc_chunk(seg, col.dtype, col.shape, capacity,
+                                           episode_id=self._episode_id, start_step=step)
+            fresh.append(_Holder(seg, chunk))
+            remaining -= capacity
+            step += capacity
+        allocated.append(fresh)
+    except BaseException:
+      for fresh in allocated:
+        for holder in fresh:
+          holder.force_release()
+      raise
+
+    # Commit: nothing below raises on valid input.
+    for col in new_columns:
+      self._columns.append(col)
+      self._by_path[col.path] = col
+    columns = plan[0]
+    for (_, _, arr, i), col, fresh in zip(writes, resolved, allocated):
+      columns[i] = col
+      if col.is_object:
+        holder = fresh[0]
+        for row in range(holder.used):
+          holder.live += 1
+          col.push(CellRef(col, holder, row))
+        holder.maybe_release()
+        continue
+      values = arr if batched else arr.reshape((1,) + col.shape)
+      done = 0
+      holders = ([] if col.needs_chunk() else [col.holder]) + fresh
+      for holder in holders:
+        if holder is not col.holder:
+          col.close_chunk()
+          col.holder = holder
+        take = min(holder.capacity - holder.used, num_steps - done)
+        first = holder.used
+        holder.chunk.write_rows(values[done:done + take])
+        holder.used = first + take
+        holder.live += take
+        for row in range(first, first + take):
+          col.push(CellRef(col, holder, row))
+        done += take
+        if done == num_steps:
+          break
+    if new_columns:
+      self._structure = skeleton
+    if partial:
+      self._step_open = True
+      return
+    for _ in range(num_steps):
+      self._close_step()
+
+  def _close_step(self) -> None:
+    hist_step = self._hist_step
+    for col in self._columns:
+      if col.n == hist_step:
+        col.push(None)
+    self._hist_step = hist_step + 1
+    self._episode_steps += 1
+    self._step_open = False
+
+  # ---- items
+
+  def create_item(self, table: str, priority: float, trajectory: Any) -> None:
+    """Creates an item referencing the given steps and inserts it.
+
+    The item is inserted at once if the table's rate limiter allows it without waiting; else it
+    is queued (see `flush`). With more than 1024 items queued, this call blocks on the oldest.
+
+    Args:
+      table: name of the table.
+      priority: finite float (non-negative on tables with a Prioritized selector).
+      trajectory: nest whose leaves are TrajectoryColumns (from `history`). The sample's data
+        has one column per leaf in nest-flatten order.
+
+    Raises:
+      TypeError: a leaf is not a TrajectoryColumn.
+      ValueError: empty trajectory, bad priority, unknown table, expired refs, mixed
+        dtypes/shapes in a column, or (validate_items) a signature mismatch.
+      TableClosedError: the server stopped.
+    """
+    self.create_items(table, [priority], [trajectory])
+
+  def create_items(self, table: str, priorities: Sequence[float],
+                   trajectories: Sequence[Any]) -> None:
+    """Creates many items with one C insert call (reverb_shm extension).
+
+    Args:
+      table: name of the table.
+      priorities: one priority per item.
+      trajectories: one trajectory nest per item (as in `create_item`).
+
+    Raises:
+      As `create_item`; nothing is inserted or queued when any item is invalid.
+    """
+    self._check_open()
+    if len(priorities) != len(trajectories):
+      raise ValueError(f"create_items got {len(priorities)} priorities for "
+                       f"{len(trajectories)} trajectories")
+    handle = self._table(table)
+    prios = [check_priority(p, handle.name, handle.prioritized) for p in priorities]
+    descs = []
+    holder_sets = []
+    for trajectory in trajectories:
+      desc, holders = self._encode_item(handle, trajectory)
+      descs.append(desc)
+      holder_sets.append(holders)
+    if not descs:
+      return
+    items = []
+    for desc, prio, holders in zip(descs, prios, holder_sets):
+      for h in holders:
+        h.pending += 1
+      items.append(_Pending(handle, random_u64.one(), prio, _encode_descriptor(desc), holders))
+    self._pending.extend(items)
+    self._drain(0, 0)     # whatever the limiters admit right now, in FIFO order
+    while len(self._pending) > _MAX_PENDING:
+      self._drain(len(self._pending) - 1, -1)
+
+  def _encode_item(self, handle, trajectory):
+    leaves, _ = structure.flatten(trajectory)
+    if not leaves:
+      raise ValueError("trajectory must not be empty.")
+    desc_columns = []
+    holders = {}
+    shapes = []
+    for i, leaf in enumerate(leaves):
+      if not isinstance(leaf, TrajectoryColumn):
+        raise TypeError(f"All leaves of the trajectory must be TrajectoryColumns, but leaf {i} "
+                        f"is a {type(leaf).__name__}: {leaf!r}")
+      refs = leaf._refs
+      if not refs:
+        raise ValueError(f"Error in column {i}: the column references no steps.")
+      first = refs[0]
+      for ref in refs:
+        if ref._expired:
+          raise ValueError(f"Error in column {i}: Column contains expired CellRef.")
+        if ref._column.writer is not self:
+          raise ValueError(f"Error in column {i}: the column references data of another "
+                           "TrajectoryWriter.")
+        if ref._column.dtype != first._column.dtype:
+          raise ValueError(f"Error in column {i}: Column contains mixed dtypes "
+                           f"({first.dtype} and {ref.dtype}).")
+        if ref._column.shape != first._column.shape:
+          raise ValueError(f"Error in column {i}: Column contains incompatible shapes "
+                           f"({list(first.shape)} and {list(ref.shape)}).")
+        holders[id(ref._holder)] = ref._holder
+      desc_columns.append((_column_slices(refs), leaf._squeeze))
+      shapes.append((first.dtype, leaf.shape))
+    if self._validate_items:
+      check_signature(handle.name, handle.flat_signature, shapes)
+    return desc_columns, tuple(holders.values())
+
+  def _table(self, name: str):
+    handle = self._tables.get(name)
+    if handle is None:
+      if not isinstance(name, str):
+        raise TypeError(f"table must be a str, got {type(name).__name__}")
+      try:
+        handle = self._client._table_handle(name)  # pylint: disable=protected-access
+      except errors.UnknownTableError as e:
+        raise errors.UnknownTableError(
+            f"Unable to create item in table '{name}' since the table could not be found. "
+            f"({e})") from None
+      self._tables[name] = handle
+    return handle
+
+  def _drain(self, until: int, deadline_ns: int, timeout_ms=0) -> bool:
+    """Inserts queued items (oldest first) until at most `until` remain.
+
+    Consecutive items of one table go to the C core in one call.
+
+    Args:
+      until: target queue length.
+      deadline_ns: absolute monotonic deadline; 0 = only what fits without waiting, -1 = none.
+      timeout_ms: the caller's timeout, for messages.
+
+    Returns:
+      True when the target was reached, False when a rate limiter did not admit the next item
+      before the deadline (the error is kept in self._last_deadline_error).
+    """
+    pending = self._pending
+    single = False
+    while len(pending) > until:
+      head = pending[0].table
+      run = []
+      limit = 1 if single else len(pending) - until
+      for item in pending:
+        if item.table is not head or len(run) >= limit:
+          break
+        run.append(item)
+      try:
+        done, timeout_error = self._insert_run(run, deadline_ns, timeout_ms)
+      except errors.InvalidArgumentError:
+        if len(run) > 1:
+          single = True     # find the rejected item one by one
+          continue
+        self._finish(1)     # drop it: it can never be inserted
+        raise
+      self._finish(done)
+      if timeout_error is not None:
+        self._last_deadline_error = timeout_error
+        return False
+      single = False
+    return True
+
+  @staticmethod
+  def _insert_run(run, deadline_ns, timeout_ms):
+    if len(run) == 1:
+      item = run[0]
+      return item.table.insert([item.key], [item.priority], item.blob, [0, len(item.blob)],
+                               deadline_ns, timeout_ms)
+    offs = [0]
+    for item in run:
+      offs.append(offs[-1] + len(item.blob))
+    return run[0].table.insert([item.key for item in run], [item.priority for item in run],
+                               b"".join(item.blob for item in run), offs, deadline_ns,
+                               timeout_ms)
+
+  def _finish(self, n: int) -> None:
+    """The n oldest queued items left the queue: drop their holds on chunks."""
+    for _ in range(n):
+      item = self._pending.popleft()
+      for holder in item.holders:
+        holder.pending -= 1
+        if holder.pending == 0:
+          holder.maybe_release()
+
+  def flush(self, block_until_num_items: int = 0, timeout_ms: Optional[int] = None) -> None:
+    """Waits until at most `block_until_num_items` created items are not yet in their tables.
+
+    Args:
+      block_until_num_items: queued items allowed to remain (>= 0).
+      timeout_ms: None waits forever, 0 does not wait, > 0 milliseconds.
+
+    Raises:
+      ValueError: negative `block_until_num_items` or `timeout_ms`.
+      DeadlineExceededError: the rate limiter did not admit enough items in time; the rest stay
+        queued for later calls. The message names the table and its limiter counters.
+      TableClosedError: the server stopped.
+    """
+    self._check_open()
+    if isinstance(block_until_num_items, bool) or not isinstance(
+        block_until_num_items, (int, np.integer)) or block_until_num_items < 0:
+      raise ValueError(f"block_until_num_items must be an int >= 0, got "
+                       f"{block_until_num_items!r}")
+    deadline = timeouts.deadline_from_ms(timeout_ms)
+    if not self._drain(int(block_until_num_items), deadline, timeout_ms):
+      raise self._deadline_error("flush", timeout_ms)
+
+  def _deadline_error(self, what: str, timeout_ms) -> errors.DeadlineExceededError:
+    return errors.DeadlineExceededError(
+        f"Timeout exceeded: {what}(timeout_ms={timeout_ms}) gave up with "
+        f"{len(self._pending)} items still waiting for the rate limiter; they stay queued and "
+        f"are inserted by later create_item/flush/end_episode calls. "
+        f"({self._last_deadline_error})")
+
+  def end_episode(self, clear_buffers: bool = True, timeout_ms: Optional[int] = None) -> None:
+    """Flushes every queued item, then starts a new episode.
+
+    The episode ends even when the flush times out (SPEC "Our decisions" 3): the next append
+    starts a new episode with a new random id. Open chunks are shrunk to their rows.
+
+    Args:
+      clear_buffers: expire every ref and empty the history (else refs stay usable).
+      timeout_ms: None waits forever, 0 does not wait, > 0 milliseconds.
+
+    Raises:
+      ValueError: negative `timeout_ms`.
+      DeadlineExceededError: items remain queued after the deadline (the episode was ended).
+      TableClosedError: the server stopped (the episode was ended).
+    """
+    self._check_open()
+    deadline = timeouts.deadline_from_ms(timeout_ms)
+    try:
+      reached = self._drain(0, deadline, timeout_ms)
+    finally:
+      self._new_episode(bool(clear_buffers))
+    if not reached:
+      raise errors.DeadlineExceededError(
+          f"{self._deadline_error('end_episode', timeout_ms)} The episode was ended anyway.")
+
+  def _new_episode(self, clear: bool) -> None:
+    if self._step_open:
+      self._close_step()
+    for col in self._columns:
+      col.close_chunk()
+      if clear:
+        col.clear()
+    if clear:
+      self._hist_step = 0
+    self._episode_steps = 0
+    self._episode_id = random_u64.one()
+
+  def configure(self, path: tuple, *, num_keep_alive_refs: int,
+                max_chunk_length: Optional[int]) -> None:
+    """Overrides chunking and keep-alive for one column (now or when it first appears).
+
+    Args:
+      path: the column's path in the step structure, e.g. ('obs',).
+      num_keep_alive_refs: steps the column keeps referenceable (>= 1).
+      max_chunk_length: rows per chunk (1 <= m <= num_keep_alive_refs), or None for the
+        automatic byte budget (64 KiB, 1..256 rows). Applies from the column's next chunk.
+
+    Raises:
+      ValueError: out-of-range values.
+    """
+    self._check_open()
+    num_keep_alive_refs = _check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
+    if max_chunk_length is not None:
+      max_chunk_length = _check_positive_int(max_chunk_length, "max_chunk_length")
+      if max_chunk_length > num_keep_alive_refs:
+        raise ValueError(f"max_chunk_length ({max_chunk_length}) must be None or <= "
+                         f"num_keep_alive_refs ({num_keep_alive_refs})")
+    path = tuple(path)
+    self._configs[path] = (num_keep_alive_refs, max_chunk_length)
+    col = self._by_path.get(path)
+    if col is not None:
+      col.keep_alive = num_keep_alive_refs
+      col.max_chunk_length = max_chunk_length
+      col.trim()
+
+  # ---- lifetime
+
+  def close(self) -> None:
+    """Closes the writer without waiting: releases every chunk it holds.
+
+    Queued items that their rate limiter admits right now are inserted; the others are dropped
+    with a RuntimeWarning (call `flush()` or `end_episode()` first to wait for them). Never
+    blocks, also after the server stopped. Idempotent; other methods raise RuntimeError after it.
+    """
+    if self._closed:
+      return
+    try:
+      self._drain(0, 0)
+    except errors.ReverbError:
+      pass      # server stopped or an item was rejected: the queue is dropped below
+    finally:
+      self._release_all()
+
+  def _release_all(self) -> None:
+    self._closed = True
+    dropped = len(self._pending)
+    self._finish(dropped)
+    for col in self._columns:
+      col.close_chunk()
+      col.clear()
+    if dropped:
+      warnings.warn(f"TrajectoryWriter closed with {dropped} items that their rate limiter did "
+                    "not admit; they were dropped (call flush() before close() to wait)",
+                    RuntimeWarning, stacklevel=3)
+
+  def __del__(self):
+    if getattr(self, "_closed", True):
+      return
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except  (never raise from a finaliser)
+      pass
+
+  def __enter__(self) -> "TrajectoryWriter":
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc_type is None or not issubclass(exc_type, errors.ReverbError):
+      self.flush()
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError("TrajectoryWriter is closed")
+
+  def __repr__(self):
+    return (f"TrajectoryWriter(columns={len(self._columns)}, episode_steps={self._episode_steps}"
+            f", pending_items={len(self._pending)}, closed={self._closed})")
+
+
+def _object_row(value, shape):
+  if not shape:
+    return value
+  return np.asarray(value, dtype=object).reshape(shape)
+
+
+def _check_positive_int(value, name: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+  return int(value)
