@@ -33,17 +33,12 @@ static void sift_down(rs_rec *recs, uint32_t *heap, uint32_t len, int si, int ki
 }
 
 /* ---------------------------------------------------------------- upkeep */
+/* A new record: a heap appends it as its last leaf, then both kinds place it as rs_sel_update
+ * does (sum-tree leaf = its weight; the heap sifts it up, sifting down a leaf does nothing). */
 void rs_sel_insert(void *base, rs_table_hdr *th, int si, uint32_t r) {
   rs_selector *s = &th->sel[si];
-  rs_rec *recs = rs_recs(base, th);
-  if (s->kind == RS_SEL_PRIORITIZED) {
-    rs_sumtree_set(rs_tree(base, s), th->tree_leaves, r, rs_sel_weight(s->exponent, recs[r].priority));
-  } else if (rs_sel_is_heap(s->kind)) {
-    uint32_t *heap = rs_heap(base, s);
-    uint32_t pos = s->heap_len++;
-    heap_place(recs, heap, si, pos, r);
-    sift_up(recs, heap, si, s->kind, pos);
-  }
+  if (rs_sel_is_heap(s->kind)) heap_place(rs_recs(base, th), rs_heap(base, s), si, s->heap_len++, r);
+  rs_sel_update(base, th, si, r);
 }
 
 void rs_sel_remove(void *base, rs_table_hdr *th, int si, uint32_t r) {

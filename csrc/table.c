@@ -174,6 +174,16 @@ static int table_arg(void *base, uint32_t t, rs_table_hdr **out) {
   return RS_OK;
 }
 
+/* Checks `table` and the caller's output arguments (outputs_ok), then takes the table lock for
+ * a read-only query; on RS_OK the caller reads *th_out and calls rs_tunlock. */
+static int query_lock(void *base, uint32_t table, int outputs_ok, const char *fn,
+                      rs_table_hdr **th_out) {
+  int rc = table_arg(base, table, th_out);
+  if (rc) return rc;
+  if (!outputs_ok) return rs_set_error(RS_EINVAL, "%s: NULL output argument", fn);
+  return rs_tlock(base, table);
+}
+
 static int slot_arg(void *base, uint32_t slot) {
   rs_seg_hdr *h = rs_seg(base);
   if (slot >= h->max_procs || __atomic_load_n(&rs_slots(base)[slot].pid, __ATOMIC_ACQUIRE) == 0)
@@ -263,6 +273,14 @@ static void op_release(op_t *op, int wake) {
 }
 
 static void op_unlock(op_t *op) { op_release(op, op_publish(op)); }
+
+/* With the lock held: RS_OK while the table is open, else RS_ECLOSED with the lock released. */
+static int op_check_open(op_t *op) {
+  if (!is_closed(op->base, op->th)) return RS_OK;
+  int rc = rs_set_error(RS_ECLOSED, "table '%s' is closed", op->th->name);
+  op_unlock(op);
+  return rc;
+}
 
 static int blocked_error(op_t *op, int code) {
   rs_table_hdr *th = op->th;
@@ -473,12 +491,7 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
           slice_ns);
   rc = op_lock(&op);
   uint32_t done = 0;
-  while (rc == RS_OK) {
-    if (is_closed(base, th)) {
-      rc = rs_set_error(RS_ECLOSED, "table '%s' is closed", th->name);
-      op_unlock(&op);
-      break;
-    }
+  while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     while (done < n && rs_limiter_can_insert(th, 1)) {
       rc = insert_one(base, th, keys[done], priorities[done], blob + blob_offs[done],
                       (uint32_t)(blob_offs[done + 1] - blob_offs[done]));
@@ -576,12 +589,7 @@ int rs_sample(void *base, uint32_t slot, uint32_t table, uint32_t n, int64_t dea
   op_init(&op, base, table, "sample", &th->sampling_ns, &th->waiting_for_inserts_ns, deadline_ns,
           slice_ns);
   rc = op_lock(&op);
-  while (rc == RS_OK) {
-    if (is_closed(base, th)) {
-      rc = rs_set_error(RS_ECLOSED, "table '%s' is closed", th->name);
-      op_unlock(&op);
-      break;
-    }
+  while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     int took = 0;
     while (*got_io < n && (took = sample_round(&op, slot, n - *got_io, out + *got_io)) > 0)
       *got_io += (uint32_t)took;
@@ -719,11 +727,7 @@ static void item_rec(const rs_rec *rec, rs_item_rec *out) {
 int rs_table_items(void *base, uint32_t table, rs_item_rec *out, uint64_t cap, uint64_t *n_out,
                    uint64_t *size_out) {
   rs_table_hdr *th = NULL;
-  int rc = table_arg(base, table, &th);
-  if (rc) return rc;
-  if (!n_out || !size_out || (cap && !out))
-    return rs_set_error(RS_EINVAL, "rs_table_items: NULL output argument");
-  rc = rs_tlock(base, table);
+  int rc = query_lock(base, table, n_out && size_out && (!cap || out), "rs_table_items", &th);
   if (rc) return rc;
   rs_rec *recs = rs_recs(base, th);
   uint64_t n = 0;
@@ -736,10 +740,7 @@ int rs_table_items(void *base, uint32_t table, rs_item_rec *out, uint64_t cap, u
 
 int rs_table_get(void *base, uint32_t table, uint64_t key, rs_item_rec *out) {
   rs_table_hdr *th = NULL;
-  int rc = table_arg(base, table, &th);
-  if (rc) return rc;
-  if (!out) return rs_set_error(RS_EINVAL, "rs_table_get: out is NULL");
-  rc = rs_tlock(base, table);
+  int rc = query_lock(base, table, out != NULL, "rs_table_get", &th);
   if (rc) return rc;
   uint32_t r = rs_index_find(rs_tindex(base, th), th->index_cap, key);
   if (r != RS_NONE) item_rec(&rs_recs(base, th)[r], out);
@@ -752,10 +753,7 @@ int rs_table_get(void *base, uint32_t table, uint64_t key, rs_item_rec *out) {
 
 int rs_table_get_stats(void *base, uint32_t table, rs_table_stats *out) {
   rs_table_hdr *th = NULL;
-  int rc = table_arg(base, table, &th);
-  if (rc) return rc;
-  if (!out) return rs_set_error(RS_EINVAL, "rs_table_get_stats: out is NULL");
-  rc = rs_tlock(base, table);
+  int rc = query_lock(base, table, out != NULL, "rs_table_get_stats", &th);
   if (rc) return rc;
   memset(out, 0, sizeof *out);
   out->max_size = th->max_size;
@@ -787,12 +785,11 @@ int rs_table_get_stats(void *base, uint32_t table, rs_table_stats *out) {
 
 static int limiter_query(void *base, uint32_t table, int64_t n, int sample) {
   rs_table_hdr *th = NULL;
-  int rc = table_arg(base, table, &th);
+  int rc = query_lock(base, table, 1, sample ? "rs_can_sample" : "rs_can_insert", &th);
   if (rc) return rc;
-  if (n < 0) return rs_set_error(RS_EINVAL, "table '%s': n must be >= 0, got %lld", th->name, (long long)n);
-  rc = rs_tlock(base, table);
-  if (rc) return rc;
-  int yes = sample ? rs_limiter_can_sample(th, n) : rs_limiter_can_insert(th, n);
+  int yes = n < 0 ? rs_set_error(RS_EINVAL, "table '%s': n must be >= 0, got %lld", th->name,
+                                 (long long)n)
+          : sample ? rs_limiter_can_sample(th, n) : rs_limiter_can_insert(th, n);
   rs_tunlock(base, table);
   return yes;
 }

@@ -7,8 +7,9 @@ Layouts shared with the C core (csrc/rs_api.h):
     uint64 end[capacity] (end of row i, relative to the first row byte), then the rows, each
     the msgpack encoding of the row's flattened elements (bytes / str / numbers).
 """
+import itertools
 import math
-import os
+import struct
 from typing import List, Optional, Sequence, Tuple
 
 import msgpack
@@ -17,9 +18,10 @@ import numpy as np
 from reverb_shm import errors
 from reverb_shm._lib import check, ffi, lib
 
-__all__ = ["Chunk", "Pins", "alloc_chunk", "object_chunk", "encode_descriptors",
-           "encode_row_descriptors", "read_item", "gather_column", "item_columns",
-           "DESC_HDR", "DESC_COL", "DESC_SLICE", "SAMPLE_REC", "ITEM_REC"]
+__all__ = ["Chunk", "Pins", "alloc_chunk", "object_chunk", "encode_descriptor",
+           "join_descriptors", "encode_row_descriptors", "read_item", "read_items",
+           "gather_column", "item_columns", "DESC_HDR", "DESC_COL", "DESC_SLICE", "SAMPLE_REC",
+           "ITEM_REC"]
 
 DESC_HDR = np.dtype([("ncols", "<u4"), ("nslices", "<u4")])
 DESC_COL = np.dtype([("first_slice", "<u4"), ("nslices", "<u4"), ("flags", "<u4"),
@@ -47,27 +49,31 @@ def _check_layouts():
 
 _check_layouts()
 _DESC_DATA_OFFSET = int(lib.rs_desc_data_offset())
-
-
-def _u32(arr) -> "ffi.CData":
-  return ffi.from_buffer("uint32_t[]", arr)
+if _DESC_DATA_OFFSET % 8:  # read_items reads descriptors as aligned uint32 words
+  raise errors.CorruptError(f"descriptor data offset {_DESC_DATA_OFFSET} is not 8-byte aligned")
 
 
 # ---------------------------------------------------------------- pins
 class Pins:
-  """Pins (chunk holds or sampled-item pins) held by one process slot.
+  """Pins (chunk holds or sampled-item pins) taken by this process under one registration.
 
   Released with one rs_unpin call by :meth:`release` or when garbage collected; arrays viewing
-  pinned data keep this object alive through their `.base`. Releasing in a forked child is a
-  no-op (the pins belong to the parent's slot). Thread-safe.
+  pinned data keep this object alive through their `.base`. Releasing is a no-op once that
+  registration is over (Segment.close() or Server.stop() dropped every pin of the slot; in a
+  forked child the pins belong to the parent). Thread-safe.
+
+  Args:
+    seg: the Segment.
+    generation: the registration generation the pins were taken under (see
+      Segment.registration).
+    pins: uint32 pin ids.
   """
 
-  __slots__ = ("_seg", "_slot", "_pid", "_pins", "__weakref__")
+  __slots__ = ("_seg", "_generation", "_pins", "__weakref__")
 
-  def __init__(self, seg, slot: int, pins: np.ndarray):
+  def __init__(self, seg, generation: int, pins: np.ndarray):
     self._seg = seg
-    self._slot = slot
-    self._pid = os.getpid()
+    self._generation = generation
     self._pins = np.ascontiguousarray(pins, dtype=np.uint32)
 
   def __len__(self):
@@ -78,12 +84,10 @@ class Pins:
     return self._pins is None
 
   def release(self) -> None:
-    """Drops the pins (idempotent)."""
+    """Drops the pins (idempotent; a no-op when their registration is over)."""
     pins, self._pins = self._pins, None
-    if pins is None or len(pins) == 0 or self._pid != os.getpid():
-      return
-    check(lib.rs_unpin(self._seg.base, self._slot, len(pins), _u32(pins)),
-          f"releasing {len(pins)} pins")
+    if pins is not None and len(pins):
+      self._seg.unpin(self._generation, pins)
 
   def __del__(self):
     try:
@@ -101,8 +105,7 @@ class _PinnedMemory:
     self._seg = seg  # keeps the mapping alive
     self._pins = pins
     self.__array_interface__ = {"data": (address, True), "shape": shape,
-                                "typestr": dtype.str, "version": 3,
-                                "descr": dtype.descr if dtype.fields else [("", dtype.str)]}
+                                "typestr": dtype.str, "version": 3}
 
 
 def _pinned_view(seg, pins: Pins, address: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
@@ -110,16 +113,22 @@ def _pinned_view(seg, pins: Pins, address: int, shape: tuple, dtype: np.dtype) -
 
 
 # ---------------------------------------------------------------- chunk headers
+_DTYPES = {}  # rs_chunk_hdr.dtype code -> np.dtype
+
+
 class _ChunkMeta:
   __slots__ = ("off", "dtype", "shape", "row_bytes", "data_address", "capacity", "rows",
                "episode_id", "start_step")
 
   def __init__(self, seg, off: int):
     h = ffi.cast("rs_chunk_hdr *", seg.address + off)
-    code = ffi.string(h.dtype).decode("ascii")
+    code = ffi.string(h.dtype)
+    dtype = _DTYPES.get(code)
+    if dtype is None:
+      dtype = _DTYPES[code] = _OBJECT if code == b"O" else np.dtype(code.decode("ascii"))
     self.off = off
-    self.dtype = _OBJECT if code == "O" else np.dtype(code)
-    self.shape = tuple(h.shape[i] for i in range(h.ndim))
+    self.dtype = dtype
+    self.shape = tuple(ffi.unpack(h.shape, h.ndim))
     self.row_bytes = h.row_bytes
     self.data_address = seg.address + off + h.data_offset
     self.capacity = h.capacity
@@ -144,9 +153,10 @@ class Chunk:
   Not thread-safe (one writer per chunk).
   """
 
-  def __init__(self, seg, off: int, pin: int, slot: int):
+  def __init__(self, seg, off: int, pin: int, generation: int):
     meta = _ChunkMeta(seg, off)
     self._seg = seg
+    self._generation = generation
     self.off = off
     self.capacity = meta.capacity
     self.rows = meta.rows
@@ -154,7 +164,7 @@ class Chunk:
     self.shape = meta.shape
     self.episode_id = meta.episode_id
     self.start_step = meta.start_step
-    self._pins = Pins(seg, slot, np.array([pin], np.uint32))
+    self._pins = Pins(seg, generation, np.array([pin], np.uint32))
     if self.dtype is _OBJECT:
       self.data = None
     else:
@@ -164,36 +174,67 @@ class Chunk:
           (self.capacity,) + self.shape)
 
   def append(self, value) -> None:
-    """Writes `value` (element shape, chunk dtype) as the next row and publishes it."""
-    self.write_rows(np.asarray(value, dtype=self.dtype)[None])
+    """Writes `value` (element shape; cast to the chunk dtype) as the next row and publishes it.
+
+    Raises:
+      ValueError: wrong shape, chunk full or an object chunk (nothing is written).
+      TableClosedError: the chunk's registration ended (see :meth:`publish`).
+    """
+    row = self.rows
+    if self.data is None or row >= self.capacity or np.shape(value) != self.shape:
+      self._check_rows(np.shape(value), 1)
+    self.data[row] = value
+    self.publish(row + 1)
 
   def write_rows(self, values) -> None:
     """Writes len(values) rows after the published ones and publishes them.
 
     Raises:
-      ValueError: wrong dtype/shape or not enough capacity (nothing is written).
+      ValueError: wrong dtype/shape, not enough capacity or an object chunk (nothing is
+        written).
+      TableClosedError: the chunk's registration ended (see :meth:`publish`).
     """
-    if self.data is None:
-      raise ValueError("object chunks are written once by object_chunk()")
     values = np.asarray(values)
     if values.dtype != self.dtype:
       raise ValueError(f"chunk dtype is {self.dtype}, got rows of dtype {values.dtype}")
-    if values.shape[1:] != self.shape:
-      raise ValueError(f"chunk rows have shape {self.shape}, got rows of shape "
-                       f"{values.shape[1:]}")
-    n = values.shape[0]
+    n = values.shape[0] if values.ndim else 0
+    self._check_rows(values.shape[1:], n)
+    self.data[self.rows:self.rows + n] = values
+    self.publish(self.rows + n)
+
+  def _check_rows(self, shape: tuple, n: int) -> None:
+    """Raises ValueError unless n rows of element shape `shape` can be written."""
+    if self.data is None:
+      raise ValueError("object chunks are written once by object_chunk(); a released chunk "
+                       "cannot be written")
+    if tuple(shape) != self.shape:
+      raise ValueError(f"chunk rows have shape {self.shape}, got rows of shape {tuple(shape)}")
     if self.rows + n > self.capacity:
       raise ValueError(f"chunk holds {self.capacity} rows, {self.rows} used; cannot write {n}")
-    self.data[self.rows:self.rows + n] = values
-    self._publish(self.rows + n)
 
-  def _publish(self, rows: int) -> None:
+  def publish(self, rows: int) -> None:
+    """Makes rows [0, rows) visible to items; write them into `data` first.
+
+    The writer's fast path: `chunk.data[r] = value; chunk.publish(r + 1)`.
+
+    Raises:
+      ValueError: rows below the published count or above capacity.
+      TableClosedError: the chunk's registration ended (Server.stop() or Segment.close() in
+        this process, or a fork child): its pin is gone and the rows may have been freed.
+    """
+    if self._generation != self._seg.generation:
+      raise errors.TableClosedError(
+          f"chunk {self.off} of server {self._seg.name!r} can no longer be written: this "
+          "process's registration ended (server stopped or segment closed)")
     check(lib.rs_chunk_publish_rows(self._seg.base, self.off, rows), "publishing chunk rows")
     self.rows = rows
 
   def shrink(self) -> None:
-    """Returns the unused capacity to the arena (needs >= 1 published row)."""
-    if self.rows < self.capacity and self.rows > 0:
+    """Returns the unused capacity to the arena (needs >= 1 published row).
+
+    A no-op once the chunk's registration ended (see :meth:`publish`).
+    """
+    if 0 < self.rows < self.capacity and self._generation == self._seg.generation:
       check(lib.rs_chunk_shrink(self._seg.base, self.off, self.rows), "shrinking chunk")
       self.capacity = self.rows
       if self.data is not None:
@@ -229,10 +270,10 @@ def _alloc(seg, dtype_code: bytes, shape: tuple, row_bytes: int, nbytes: int, ca
   for i, d in enumerate(shape):
     meta.shape[i] = d
   meta.dtype = dtype_code
-  slot = seg.slot
+  slot, generation = seg.registration()
   off, pin = ffi.new("uint64_t *"), ffi.new("uint32_t *")
   check(lib.rs_chunk_alloc(seg.base, slot, meta, off, pin), "allocating chunk")
-  return off[0], pin[0], slot
+  return off[0], pin[0], generation
 
 
 def alloc_chunk(seg, dtype, shape: Sequence[int], capacity: int, episode_id: int = 0,
@@ -249,9 +290,9 @@ def alloc_chunk(seg, dtype, shape: Sequence[int], capacity: int, episode_id: int
                      "complex (strings go through object_chunk)")
   shape = tuple(int(d) for d in shape)
   row_bytes = dtype.itemsize * math.prod(shape)
-  off, pin, slot = _alloc(seg, dtype.str.encode(), shape, row_bytes, row_bytes * capacity,
+  off, pin, generation = _alloc(seg, dtype.str.encode(), shape, row_bytes, row_bytes * capacity,
                           capacity, episode_id, start_step)
-  return Chunk(seg, off, pin, slot)
+  return Chunk(seg, off, pin, generation)
 
 
 def _pack_row(row) -> bytes:
@@ -280,12 +321,12 @@ def object_chunk(seg, values: list, episode_id: int = 0, start_step: int = 0) ->
   n = len(packed)
   ends = np.cumsum([len(p) for p in packed], dtype=np.uint64)
   nbytes = 8 * n + int(ends[-1])
-  off, pin, slot = _alloc(seg, b"O", tuple(shape), 0, nbytes, n, episode_id, start_step)
-  chunk = Chunk(seg, off, pin, slot)
+  off, pin, generation = _alloc(seg, b"O", tuple(shape), 0, nbytes, n, episode_id, start_step)
+  chunk = Chunk(seg, off, pin, generation)
   start = _ChunkMeta(seg, off).data_address - seg.address
   seg.buf[start:start + 8 * n] = ends.tobytes()
   seg.buf[start + 8 * n:start + nbytes] = b"".join(packed)
-  chunk._publish(n)  # pylint: disable=protected-access
+  chunk.publish(n)
   return chunk
 
 
@@ -304,36 +345,42 @@ def _read_object_rows(seg, meta: _ChunkMeta, row_offset: int, nrows: int) -> np.
 
 
 # ---------------------------------------------------------------- descriptors
-def encode_descriptors(items) -> Tuple[bytes, np.ndarray]:
-  """Encodes item descriptors for rs_insert.
+_DESC_PACKERS = {}
+
+
+def encode_descriptor(columns) -> bytes:
+  """Encodes one item descriptor for rs_insert (layout: module docstring).
 
   Args:
-    items: sequence of items; an item is a sequence of columns `(slices, squeeze)` where
-      slices is a list of (chunk_off, row_offset, nrows).
+    columns: sequence of `(slices, squeeze)` per column, where slices is a non-empty list of
+      (chunk_off, row_offset, nrows) in the order the rows are read.
 
   Returns:
-    (blob, offs): item i is blob[offs[i]:offs[i+1]]; offs is uint64 of length n+1.
+    The descriptor bytes. Several items go to rs_insert as their concatenation with offsets
+    (see :func:`join_descriptors`); the C core validates every descriptor before inserting.
   """
-  parts = []
-  offs = np.zeros(len(items) + 1, np.uint64)
-  pos = 0
-  for i, item in enumerate(items):
-    ncols = len(item)
-    nslices = sum(len(slices) for slices, _ in item)
-    hdr = np.array([(ncols, nslices)], DESC_HDR)
-    cols = np.zeros(ncols, DESC_COL)
-    slc = np.zeros(nslices, DESC_SLICE)
-    s = 0
-    for c, (slices, squeeze) in enumerate(item):
-      cols[c] = (s, len(slices), SQUEEZE if squeeze else 0, 0)
-      for j, sl in enumerate(slices):
-        slc[s + j] = tuple(sl)
-      s += len(slices)
-    blob = hdr.tobytes() + cols.tobytes() + slc.tobytes()
-    parts.append(blob)
-    pos += len(blob)
-    offs[i + 1] = pos
-  return b"".join(parts), offs
+  ncols = len(columns)
+  nslices = 0
+  values = [ncols, 0]
+  for slices, squeeze in columns:
+    values += (nslices, len(slices), SQUEEZE if squeeze else 0, 0)
+    nslices += len(slices)
+  values[1] = nslices
+  for slices, _ in columns:
+    for sl in slices:
+      values += sl
+  packer = _DESC_PACKERS.get((ncols, nslices))
+  if packer is None:  # one cached Struct per (ncols, nslices): this runs once per created item
+    packer = _DESC_PACKERS[(ncols, nslices)] = struct.Struct(
+        "<II" + "IIII" * ncols + "QII" * nslices)
+  return packer.pack(*values)
+
+
+def join_descriptors(blobs: Sequence[bytes]) -> Tuple[bytes, np.ndarray]:
+  """(blob, offs) for rs_insert: item i is blob[offs[i]:offs[i+1]], offs uint64 of len n+1."""
+  offs = np.fromiter(itertools.accumulate(map(len, blobs), initial=0), np.uint64,
+                     len(blobs) + 1)
+  return b"".join(blobs), offs
 
 
 def encode_row_descriptors(chunk_offs: Sequence[int], n: int,
@@ -370,34 +417,131 @@ def item_columns(seg, desc_off: int) -> List[Tuple[np.ndarray, bool]]:
 
 
 # ---------------------------------------------------------------- reading
+_DESC_HDR_STRUCT = struct.Struct("<II")
+_DESC_BODY_STRUCTS = {}  # (ncols, nslices) -> Struct of the rs_desc_col and rs_desc_slice arrays
+
+
+def _decode_descriptor(seg, desc_off: int) -> List[Tuple[List[tuple], bool]]:
+  """Per column ([(chunk_off, row_offset, nrows), ...], squeeze), as Python ints."""
+  start = desc_off + _DESC_DATA_OFFSET
+  ncols, nslices = _DESC_HDR_STRUCT.unpack_from(seg.buf, start)
+  body = _DESC_BODY_STRUCTS.get((ncols, nslices))
+  if body is None:
+    body = _DESC_BODY_STRUCTS[(ncols, nslices)] = struct.Struct(
+        "<" + "IIII" * ncols + "QII" * nslices)
+  words = body.unpack_from(seg.buf, start + _DESC_HDR_STRUCT.size)
+  slices = [words[i:i + 3] for i in range(4 * ncols, len(words), 3)]
+  return [(slices[words[i]:words[i] + words[i + 1]], bool(words[i + 2] & SQUEEZE))
+          for i in range(0, 4 * ncols, 4)]
+
+
+def _meta(seg, chunk_off: int, cache: dict) -> "_ChunkMeta":
+  meta = cache.get(chunk_off)
+  if meta is None:
+    meta = cache[chunk_off] = _ChunkMeta(seg, chunk_off)
+  return meta
+
+
 def read_item(seg, desc_off: int, pins: Pins, cache: Optional[dict] = None) -> List[np.ndarray]:
   """Columns of a pinned item: zero-copy read-only views for single-slice numeric columns
   (kept valid by `pins` while any view lives), copies otherwise (multi-slice, object).
 
-  `cache` (a dict reused across the items of one pinned batch) memoises chunk headers.
+  Squeezed columns have no time dim. `cache` (a dict reused across the items of one pinned
+  batch) memoises chunk headers. For many items, :func:`read_items` is faster.
   """
+  cache = {} if cache is None else cache
   out = []
-  for c, (slices, squeeze) in enumerate(item_columns(seg, desc_off)):
-    chunk_off = int(slices[0]["chunk_off"])
-    first = cache.get(chunk_off) if cache is not None else None
-    if first is None:
-      first = _ChunkMeta(seg, chunk_off)
-      if cache is not None:
-        cache[chunk_off] = first
+  for c, (slices, squeeze) in enumerate(_decode_descriptor(seg, int(desc_off))):
+    first = _meta(seg, slices[0][0], cache)
     if first.dtype is _OBJECT:
-      parts = [_read_object_rows(seg, _ChunkMeta(seg, int(s["chunk_off"])), int(s["row_offset"]),
-                                 int(s["nrows"])) for s in slices]
+      parts = [_read_object_rows(seg, _meta(seg, off, cache), r, m) for off, r, m in slices]
       arr = parts[0] if len(parts) == 1 else np.concatenate(parts)
     elif len(slices) == 1:
-      s = slices[0]
-      arr = _pinned_view(seg, pins, first.data_address + int(s["row_offset"]) * first.row_bytes,
-                         (int(s["nrows"]),) + first.shape, first.dtype)
+      _, r, m = slices[0]
+      out.append(_pinned_view(seg, pins, first.data_address + r * first.row_bytes,
+                              first.shape if squeeze else (m,) + first.shape, first.dtype))
+      continue
     else:
-      rows = int(slices["nrows"].sum())
+      rows = sum(m for _, _, m in slices)
       arr = np.empty((rows,) + first.shape, first.dtype)
       _gather(seg, np.array([desc_off], np.uint64), c, arr, rows * first.row_bytes)
     out.append(arr.reshape(arr.shape[1:]) if squeeze else arr)
   return out
+
+
+def read_items(seg, desc_offs, pins: Pins) -> List[List[np.ndarray]]:
+  """Columns of every item of a pinned batch, as :func:`read_item` returns them.
+
+  Items whose columns are single slices (what SharedTable.insert, Client.insert and most
+  writer items hold) are decoded together: numpy reads their descriptors at once and their
+  views slice one pinned view per chunk. Other items go through read_item.
+
+  Args:
+    seg: the Segment.
+    desc_offs: uint64[B] descriptor offsets (rs_sample_rec.desc_off), held by `pins`.
+    pins: the batch's pins; every view keeps them alive.
+
+  Returns:
+    B lists of arrays, one per column: read-only zero-copy views for numeric columns
+    (squeezed columns without time dim), copies for object and multi-slice columns.
+  """
+  offs = np.asarray(desc_offs, np.uint64)
+  cache = {}                           # chunk headers; valid while `pins` are held
+  if len(offs) < 4:                    # below this, numpy's per-call overhead dominates
+    return [read_item(seg, off, pins, cache) for off in offs.tolist()]
+  out = [None] * len(offs)
+  words = np.frombuffer(seg.buf, np.uint32, seg.size // 4)
+  at = (offs + np.uint64(_DESC_DATA_OFFSET)).astype(np.int64) >> 2  # 64-byte aligned blobs
+  ncols, nslices = words[at], words[at + 1]
+  single = ncols == nslices            # every column is one slice
+  for k in np.unique(ncols[single]).tolist():
+    items = np.flatnonzero(single & (ncols == k))
+    col_at = (at[items] + 2)[:, None] + 4 * np.arange(k)          # rs_desc_col words
+    squeeze = (words[col_at + 2] & SQUEEZE) != 0
+    slice_at = (at[items] + 2 + 4 * k)[:, None] + 4 * words[col_at].astype(np.int64)
+    chunk_offs = words[slice_at].astype(np.uint64) | (
+        words[slice_at + 1].astype(np.uint64) << np.uint64(32))
+    first_rows, nrows = words[slice_at + 2], words[slice_at + 3]
+    uniq, which = np.unique(chunk_offs.ravel(), return_inverse=True)
+    which = which.reshape(len(items), k)
+    chunk_views = [_chunk_view(seg, pins, off, cache) for off in uniq.tolist()]
+    is_object = np.array([v is None for v in chunk_views])
+    per_column = []
+    for c in range(k):  # column-major: one comprehension per column in the common cases
+      views = [chunk_views[j] for j in which[:, c].tolist()]
+      rows, counts = first_rows[:, c].tolist(), nrows[:, c].tolist()
+      squeezed = squeeze[:, c]
+      if is_object[which[:, c]].any():  # string columns (copies), item by item
+        per_column.append([
+            _object_rows(seg, cache[off], r, m, q) if v is None else
+            v[r, ...] if q else v[r:r + m]
+            for v, off, r, m, q in zip(views, chunk_offs[:, c].tolist(), rows, counts,
+                                       squeezed.tolist())])
+      elif squeezed.all():  # a 0-d view (not a copied scalar) for scalar elements
+        per_column.append([v[r, ...] for v, r in zip(views, rows)])
+      elif not squeezed.any():
+        per_column.append([v[r:r + m] for v, r, m in zip(views, rows, counts)])
+      else:
+        per_column.append([v[r, ...] if q else v[r:r + m]
+                           for v, r, m, q in zip(views, rows, counts, squeezed.tolist())])
+    for item, columns in zip(items.tolist(), zip(*per_column)):
+      out[item] = list(columns)
+  for item in np.flatnonzero(~single).tolist():
+    out[item] = read_item(seg, int(offs[item]), pins, cache)
+  return out
+
+
+def _object_rows(seg, meta: "_ChunkMeta", row: int, nrows: int, squeeze: bool) -> np.ndarray:
+  arr = _read_object_rows(seg, meta, row, nrows)
+  return arr.reshape(arr.shape[1:]) if squeeze else arr
+
+
+def _chunk_view(seg, pins: Pins, chunk_off: int, cache: dict) -> Optional[np.ndarray]:
+  """Read-only pinned view (capacity, *shape) of a numeric chunk; None for object chunks."""
+  meta = _meta(seg, chunk_off, cache)
+  if meta.dtype is _OBJECT:
+    return None
+  return _pinned_view(seg, pins, meta.data_address, (meta.capacity,) + meta.shape, meta.dtype)
 
 
 def _gather(seg, desc_offs: np.ndarray, col: int, out: np.ndarray, col_bytes: int) -> None:

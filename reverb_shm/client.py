@@ -13,7 +13,6 @@ import numpy as np
 from reverb_shm import chunks, errors, shm, structure, timeouts
 from reverb_shm import table as table_lib
 from reverb_shm import trajectory_writer as trajectory_writer_lib
-from reverb_shm._lib import check, ffi, lib
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
 from reverb_shm.shared_table import SharedTable
@@ -39,50 +38,6 @@ class _TableHandle:
                            else structure.flatten(self.signature)[0])
     stats = seg.stats(self.index)
     self.prioritized = PRIORITIZED in (stats["sampler_kind"], stats["remover_kind"])
-
-  def insert(self, keys: np.ndarray, priorities: np.ndarray, blob: bytes, offs: np.ndarray,
-             deadline_ns: int, timeout_ms=None
-             ) -> Tuple[int, Optional[errors.DeadlineExceededError]]:
-    """Inserts validated items in order until done or the deadline passes.
-
-    Unlike SharedTable.insert_descriptors this reports partial progress at the deadline,
-    which the writer's queue needs.
-
-    Args:
-      keys: n uint64 keys; priorities: n float64 (already validated); blob/offs: descriptors
-        (item i is blob[offs[i]:offs[i+1]]). Sequences of Python numbers or numpy arrays.
-      deadline_ns: absolute CLOCK_MONOTONIC deadline, -1 for none (0: do not wait).
-      timeout_ms: the caller's timeout, for the message.
-
-    Returns:
-      (items inserted, None) or, at the deadline, (items inserted, DeadlineExceededError
-      naming the table and its limiter counters).
-
-    Raises:
-      TableClosedError: the server stopped. ValueError: the C core rejected an item.
-    """
-    n = len(keys)
-    seg = self.seg
-    slot = seg.slot
-    keys_c = ffi.new("uint64_t[]", keys)
-    prios_c = ffi.new("double[]", priorities)
-    offs_c = ffi.new("uint64_t[]", offs)
-    blob_c = ffi.from_buffer("uint8_t[]", blob)
-    done = ffi.new("uint32_t *")
-    total = 0
-    while total < n:
-      rc = lib.rs_insert(seg.base, slot, self.index, n - total, keys_c + total,
-                         prios_c + total, blob_c, offs_c + total, deadline_ns,
-                         timeouts.SLICE_NS, done)
-      total += done[0]
-      if rc == lib.RS_ETIMEDOUT:
-        message = self.table._limiter_message(  # pylint: disable=protected-access
-            "insert", timeout_ms or 0)
-        return total, errors.DeadlineExceededError(
-            f"{message}; {total} of {n} items inserted")
-      if rc != lib.RS_OK and rc != lib.RS_EAGAIN:
-        check(rc, f"inserting into table {self.name!r} ({total} of {n} items inserted)")
-    return total, None
 
 
 class Client:
@@ -196,9 +151,11 @@ class Client:
           chunk = chunks.alloc_chunk(seg, a.dtype, a.shape, 1, episode_id=episode_id)
           written.append(chunk)
           chunk.append(a)
-      blob, offs = chunks.encode_descriptors([[([(c.off, 0, 1)], False) for c in written]])
-      for h, prio in zip(handles, prios.tolist()):
-        h.insert([trajectory_writer_lib.random_u64.one()], [prio], blob, offs.tolist(), -1)
+      blob = chunks.encode_descriptor([([(c.off, 0, 1)], False) for c in written])
+      offs = np.array([0, len(blob)], np.uint64)
+      for h, prio in zip(handles, prios):
+        key = np.array([trajectory_writer_lib.random_u64.one()], np.uint64)
+        h.table.insert_descriptors(key, prio[None], blob, offs)
     finally:
       for c in written:
         c.release()
@@ -247,10 +204,9 @@ class Client:
     seg, st = handle.seg, handle.table
     for _ in range(num_samples):
       recs, pins = st.sample_records(1, timeout_ms)
-      rec = recs[0]
-      info = SampleInfo(int(rec["key"]), float(rec["probability"]), int(rec["table_size"]),
-                        float(rec["priority"]), int(rec["times_sampled"]))
-      data = chunks.read_item(seg, int(rec["desc_off"]), pins)
+      key, probability, table_size, priority, times_sampled, _, desc_off = recs[0].tolist()
+      info = SampleInfo(key, probability, table_size, priority, times_sampled)
+      data = chunks.read_item(seg, desc_off, pins)
       del pins  # the views keep it (and the item) alive as long as they live
       if not emit_timesteps:
         yield ReplaySample(info, _unpack(treedef, data))

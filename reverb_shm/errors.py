@@ -11,7 +11,16 @@ class ReverbError(Exception):
 
 
 class DeadlineExceededError(ReverbError):
-  """A blocking call (rate limiter wait, flush, server_info) ran out of time."""
+  """A blocking call (rate limiter wait, flush, server_info) ran out of time.
+
+  Attributes:
+    inserted: for batched inserts (SharedTable.insert_descriptors), how many of the first items
+      were inserted before the deadline; the others were not. 0 otherwise.
+  """
+
+  def __init__(self, *args, inserted: int = 0):
+    super().__init__(*args)
+    self.inserted = inserted
 
 
 class InvalidArgumentError(ReverbError, builtins.ValueError):

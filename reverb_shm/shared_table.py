@@ -4,6 +4,7 @@ All batched operations make one C call per batch (plus one per column for gather
 argument is validated here before anything reaches shared memory. Thread-safe: the C core
 locks the table; a SharedTable may be shared between threads.
 """
+import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -38,6 +39,7 @@ class SharedTable:
     self._name = segment.table_names()[self._index]
     self._signature = None
     self._signature_loaded = False
+    self._signature_tree = None   # (number of leaves, treedef) of the signature
     self._validates_negative = None
 
   @classmethod
@@ -91,12 +93,20 @@ class SharedTable:
       p = np.full(n, float(p))
     if p.shape != (n,):
       raise ValueError(f"{what} must have shape ({n},) (one per item), got {p.shape}")
-    if not np.isfinite(p).all():
-      bad = p[~np.isfinite(p)][0]
-      raise ValueError(f"{what} must be finite, got {bad} (table {self._name!r})")
-    if self._prioritized() and (p < 0).any():
-      raise ValueError(f"{what} must be >= 0 for a Prioritized table, got {p[p < 0][0]} "
-                       f"(table {self._name!r})")
+    if n:
+      if n <= 32:  # plain floats beat numpy reductions on the writer's small batches
+        values = p.tolist()
+        finite = all(map(math.isfinite, values))
+        negative = finite and min(values) < 0
+      else:
+        finite = bool(np.isfinite(p).all())
+        negative = finite and bool((p < 0).any())
+      if not finite:
+        bad = p[~np.isfinite(p)][0]
+        raise ValueError(f"{what} must be finite, got {bad} (table {self._name!r})")
+      if negative and self._prioritized():
+        raise ValueError(f"{what} must be >= 0 for a Prioritized table, got {p[p < 0][0]} "
+                         f"(table {self._name!r})")
     return np.ascontiguousarray(p)
 
   @staticmethod
@@ -135,8 +145,12 @@ class SharedTable:
             f"max_diff={s['max_diff']})")
 
   # ---- low level
-  def insert_descriptors(self, keys, priorities, blob: bytes, offs, timeout_ms=None) -> int:
-    """Inserts n items described by descriptor blobs (see chunks.encode_descriptors).
+  def insert_descriptors(self, keys, priorities, blob: bytes, offs, timeout_ms=None, *,
+                         deadline_ns: Optional[int] = None) -> int:
+    """Inserts n items described by descriptor blobs, in order (see chunks.encode_descriptor).
+
+    The one low-level insert: Client.insert, TrajectoryWriter and :meth:`insert` use it. It
+    waits for the rate limiter in slices of timeouts.SLICE_NS so Ctrl-C works.
 
     Args:
       keys: uint64[n] item keys (an existing key updates that item's priority).
@@ -144,15 +158,20 @@ class SharedTable:
       blob: concatenated descriptors; item i is blob[offs[i]:offs[i+1]].
       offs: uint64[n+1].
       timeout_ms: None waits forever for the rate limiter, 0 polls, else milliseconds.
+      deadline_ns: absolute CLOCK_MONOTONIC deadline (-1: none, 0: do not wait) used instead
+        of `timeout_ms`, for callers sharing one deadline between calls; `timeout_ms` then
+        only appears in the message.
 
     Returns:
       n.
 
     Raises:
       ValueError: malformed input (nothing inserted).
-      DeadlineExceededError: the limiter did not admit every item in time (the message says
-        how many were inserted and gives the limiter counters).
+      DeadlineExceededError: the limiter did not admit every item in time. Its `inserted`
+        attribute says how many of the first items were inserted (the rest were not); the
+        message gives the limiter counters.
       TableClosedError: the server stopped.
+      ResourceExhaustedError: the descriptor arena is full.
     """
     keys = self._keys(keys)
     n = len(keys)
@@ -160,11 +179,13 @@ class SharedTable:
     offs = np.ascontiguousarray(offs, dtype=np.uint64)
     if offs.shape != (n + 1,):
       raise ValueError(f"offs must have shape ({n + 1},), got {offs.shape}")
-    if n and (offs[0] != 0 or offs[-1] != len(blob) or (np.diff(offs.astype(np.int64)) <= 0).any()):
+    # The C core checks that offs never decrease and validates every descriptor.
+    if n and (offs[0] != 0 or offs[-1] != len(blob)):
       raise ValueError(f"offs must increase from 0 to len(blob)={len(blob)}, got {offs}")
+    if deadline_ns is None:
+      deadline_ns = timeouts.deadline_from_ms(timeout_ms)
     if n == 0:
       return 0
-    deadline = timeouts.deadline_from_ms(timeout_ms)
     slot = self._seg.slot
     blob_c = ffi.from_buffer("uint8_t[]", blob)
     keys_c, prios_c, offs_c = _as_u64(keys), ffi.from_buffer("double[]", prios), _as_u64(offs)
@@ -172,14 +193,15 @@ class SharedTable:
     total = 0
     while True:
       rc = lib.rs_insert(self._seg.base, slot, self._index, n - total, keys_c + total,
-                         prios_c + total, blob_c, offs_c + total, deadline, timeouts.SLICE_NS,
-                         done)
+                         prios_c + total, blob_c, offs_c + total, deadline_ns,
+                         timeouts.SLICE_NS, done)
       total += done[0]
       if rc == lib.RS_OK and total >= n:
         return n
       if rc == lib.RS_ETIMEDOUT:
         raise errors.DeadlineExceededError(
-            f"{self._limiter_message('insert', timeout_ms)}; {total} of {n} items inserted")
+            f"{self._limiter_message('insert', timeout_ms)}; {total} of {n} items inserted",
+            inserted=total)
       if rc != lib.RS_EAGAIN and rc != lib.RS_OK:
         check(rc, f"inserting into table {self._name!r} ({total} of {n} items inserted)")
 
@@ -196,7 +218,7 @@ class SharedTable:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n < 2**31:
       raise ValueError(f"number of samples must be an int >= 1, got {n!r}")
     deadline = timeouts.deadline_from_ms(timeout_ms)
-    slot = self._seg.slot
+    slot, generation = self._seg.registration()
     recs = np.zeros(int(n), chunks.SAMPLE_REC)
     out = ffi.cast("rs_sample_rec *", ffi.from_buffer(recs, require_writable=True))
     got = ffi.new("uint32_t *", 0)
@@ -206,7 +228,7 @@ class SharedTable:
         rc = lib.rs_sample(self._seg.base, slot, self._index, n, deadline, timeouts.SLICE_NS,
                            out, got)
     finally:
-      pins = chunks.Pins(self._seg, slot, recs["pin"][:got[0]])
+      pins = chunks.Pins(self._seg, generation, recs["pin"][:got[0]])
     if rc == lib.RS_OK or (rc == lib.RS_ETIMEDOUT and got[0] > 0):
       return recs[:got[0]], pins
     pins.release()
@@ -366,11 +388,13 @@ class SharedTable:
     return keys
 
   def _structure(self, columns: list):
-    signature = self.signature
-    if signature is None:
-      return columns
-    leaves, treedef = structure.flatten(signature)
-    if len(leaves) != len(columns):
+    """Nests an item's columns as the table signature (when it has one with as many leaves)."""
+    if self._signature_tree is None:
+      signature = self.signature
+      leaves, treedef = ([], None) if signature is None else structure.flatten(signature)
+      self._signature_tree = (len(leaves), treedef)
+    num_leaves, treedef = self._signature_tree
+    if treedef is None or len(columns) != num_leaves:
       return columns
     return structure.unflatten(treedef, columns)
 
@@ -382,14 +406,12 @@ class SharedTable:
       that stay valid while any of them lives (multi-slice and string columns are copies).
     """
     recs, pins = self.sample_records(n, timeout_ms)
-    out = []
-    cache = {}  # chunk headers; valid while this batch's pins are held
-    for r in recs:
-      info = SampleInfo(int(r["key"]), float(r["probability"]), int(r["table_size"]),
-                        float(r["priority"]), int(r["times_sampled"]))
-      out.append(ReplaySample(info, self._structure(
-          chunks.read_item(self._seg, int(r["desc_off"]), pins, cache))))
-    return out
+    columns = chunks.read_items(self._seg, recs["desc_off"], pins)
+    infos = map(SampleInfo, recs["key"].tolist(), recs["probability"].tolist(),
+                recs["table_size"].tolist(), recs["priority"].tolist(),
+                recs["times_sampled"].tolist())
+    structure_of = self._structure
+    return [ReplaySample(info, structure_of(cols)) for info, cols in zip(infos, columns)]
 
   def sample_batch(self, n: int, timeout_ms=None, out=None) -> ReplaySample:
     """Samples up to n items and gathers each column into one (B, ...) array.

@@ -15,7 +15,8 @@ import re
 import secrets
 import socket
 import threading
-from typing import Dict, List, Sequence
+import weakref
+from typing import Dict, List, Sequence, Tuple
 
 import msgpack
 import posix_ipc
@@ -101,9 +102,13 @@ class Segment:
     self._base_buf = ffi.from_buffer(self._mm)
     self.base = ffi.cast("void *", self._base_buf)
     self.address = int(ffi.cast("uintptr_t", self.base))
-    self._slot = None
-    self._slot_pid = None
-    self._slot_lock = threading.Lock()
+    # This process's registration: (pid, slot, generation) or None. Replaced as a whole, so
+    # readers need no lock; changes happen under _slot_lock (reentrant: a Pins finaliser may
+    # run inside a locked section of the same thread).
+    self._registration = None
+    self._generation = 0     # bumped on every register and unregister
+    self._slot_lock = threading.RLock()
+    _segments.add(self)
     self._table_names = None
     self._configs = {}
     self._closed = False
@@ -241,16 +246,64 @@ class Segment:
   @property
   def slot(self) -> int:
     """This process's slot in the segment, registered on first use (again after a fork)."""
+    return self.registration()[0]
+
+  def registration(self) -> Tuple[int, int]:
+    """(slot, generation) of this process's registration, registering on first use.
+
+    The generation changes whenever this process registers or unregisters (close(), fork), so
+    pins recorded with an older generation are known to be gone (see :meth:`unpin`).
+
+    Raises:
+      TableClosedError: close() was called (the server stopped).
+      ResourceExhaustedError: every process slot is taken.
+    """
+    reg = self._registration
     pid = os.getpid()
-    if self._slot_pid == pid:
-      return self._slot
+    if reg is None or reg[0] != pid:
+      with self._slot_lock:
+        reg = self._registration
+        if reg is None or reg[0] != pid:
+          if self._closed:
+            raise errors.TableClosedError(
+                f"the segment of server {self.name!r} was closed in this process (server "
+                "stopped); attach again to use a restarted server")
+          out = ffi.new("uint32_t *")
+          check(lib.rs_proc_register(self.base, pid, lib.rs_proc_start_time(pid), out),
+                f"registering process {pid} with server {self.name!r}")
+          self._generation += 1
+          reg = self._registration = (pid, out[0], self._generation)
+    return reg[1], reg[2]
+
+  @property
+  def generation(self) -> int:
+    """Changes whenever this process registers or unregisters (see :meth:`registration`)."""
+    return self._generation
+
+  def unpin(self, generation: int, pins) -> bool:
+    """Drops `pins` (uint32 pin ids, C-contiguous) taken under registration `generation`.
+
+    A no-op returning False when that registration is over (this process unregistered, or is
+    a fork child of the process that took them): unregistering dropped the pins already, and
+    the slot number may now belong to a newer registration whose pins must stay.
+
+    Raises:
+      ReverbError: the C core rejected the pins (a pin not held by the slot).
+    """
     with self._slot_lock:
-      if self._slot_pid != pid:
-        out = ffi.new("uint32_t *")
-        check(lib.rs_proc_register(self.base, pid, lib.rs_proc_start_time(pid), out),
-              f"registering process {pid} with server {self.name!r}")
-        self._slot, self._slot_pid = out[0], pid
-    return self._slot
+      reg = self._registration
+      if reg is None or reg[2] != generation or reg[0] != os.getpid():
+        return False
+      check(lib.rs_unpin(self.base, reg[1], len(pins), ffi.from_buffer("uint32_t[]", pins)),
+            f"releasing {len(pins)} pins")
+    return True
+
+  def _after_fork_in_child(self) -> None:
+    # Another thread of the parent may have held the lock at fork time. The parent's
+    # registration, pins and chunks are not this process's: make them stale.
+    self._slot_lock = threading.RLock()
+    self._registration = None
+    self._generation += 1
 
   # ---- tables
   def table_names(self) -> List[str]:
@@ -315,13 +368,16 @@ class Segment:
   def close(self) -> None:
     """Releases this process's slot (and its pins) and forgets the cached mapping.
 
+    Pins and Chunks taken before become stale: their release() is then a no-op.
+
     The mapping itself is unmapped by garbage collection once no array, table or thread of
     this process uses it any more, so live zero-copy views never dangle. Idempotent.
     """
     with self._slot_lock:
-      if self._slot_pid == os.getpid():
-        lib.rs_proc_unregister(self.base, self._slot)
-      self._slot = self._slot_pid = None
+      reg, self._registration = self._registration, None
+      self._generation += 1     # before unregistering: pins of `reg` are stale from here on
+      if reg is not None and reg[0] == os.getpid():
+        lib.rs_proc_unregister(self.base, reg[1])
     self._closed = True
     with Segment._cache_lock:
       key = (self.name, os.getpid())
@@ -340,6 +396,16 @@ class Segment:
   def __repr__(self):
     return f"Segment(name={self.name!r}, size={self.size}, owner={self.owner})"
 
+
+_segments = weakref.WeakSet()
+
+
+def _reset_locks_in_child() -> None:
+  for seg in list(_segments):
+    seg._after_fork_in_child()  # pylint: disable=protected-access
+
+
+os.register_at_fork(after_in_child=_reset_locks_in_child)
 
 _FIELDS = {}
 

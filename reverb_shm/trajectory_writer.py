@@ -18,13 +18,12 @@ the column read as None, which a TrajectoryColumn rejects with ValueError (SPEC 
 import collections
 import math
 import os
-import struct
 import warnings
 from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from reverb_shm import errors, structure, timeouts
+from reverb_shm import chunks, errors, structure, timeouts
 
 __all__ = ["TrajectoryWriter", "TrajectoryColumn", "CellRef"]
 
@@ -157,11 +156,10 @@ def _as_column_array(leaf) -> np.ndarray:
 class _Holder:
   """A chunk this writer holds a pin on, with the reasons it still needs it."""
 
-  __slots__ = ("seg", "chunk", "off", "data", "values", "used", "capacity", "live", "pending",
+  __slots__ = ("chunk", "off", "data", "values", "used", "capacity", "live", "pending",
                "open")
 
-  def __init__(self, seg, chunk, values=None):
-    self.seg = seg
+  def __init__(self, chunk, values=None):
     self.chunk = chunk
     self.off = chunk.off
     self.data = chunk.data          # writable (capacity, *shape) view; None for object columns
@@ -175,12 +173,7 @@ class _Holder:
   def maybe_release(self) -> None:
     if self.live == 0 and self.pending == 0 and not self.open and self.chunk is not None:
       chunk, self.chunk, self.data = self.chunk, None, None
-      try:
-        chunk.release()
-      except errors.ReverbError:
-        # A server stopped in this process unregistered our slot, which dropped every pin.
-        if not self.seg.is_closed():
-          raise
+      chunk.release()   # a no-op once Server.stop() dropped this process's pins
 
   def close(self) -> None:
     """No more rows will be written: return the unused tail to the arena."""
@@ -469,32 +462,6 @@ class TrajectoryColumn:
     return f"TrajectoryColumn(path={self._path}, shape={self.shape}, squeeze={self._squeeze})"
 
 
-_DESC_STRUCTS = {}
-
-
-def _encode_descriptor(columns) -> bytes:
-  """One item descriptor blob (rs_desc_hdr, rs_desc_col[ncols], rs_desc_slice[nslices]).
-
-  The same layout as chunks.encode_descriptors (csrc/rs_api.h), packed with one cached
-  struct.Struct per (ncols, nslices) because this runs once per created item.
-  """
-  ncols = len(columns)
-  nslices = sum(len(slices) for slices, _ in columns)
-  packer = _DESC_STRUCTS.get((ncols, nslices))
-  if packer is None:
-    packer = _DESC_STRUCTS[(ncols, nslices)] = struct.Struct(
-        "<II" + "IIII" * ncols + "QII" * nslices)
-  values = [ncols, nslices]
-  first = 0
-  for slices, squeeze in columns:
-    values += (first, len(slices), 1 if squeeze else 0, 0)
-    first += len(slices)
-  for slices, _ in columns:
-    for sl in slices:
-      values += sl
-  return packer.pack(*values)
-
-
 def _column_slices(refs: List[CellRef]) -> list:
   """Merges consecutive rows of one chunk into (chunk_off, row_offset, nrows) slices."""
   slices = []
@@ -517,7 +484,7 @@ class _Pending:
   __slots__ = ("table", "key", "priority", "blob", "holders")
 
   def __init__(self, table, key, priority, blob, holders):
-    self.table = table          # the client's table handle
+    self.table = table          # SharedTable
     self.key = key
     self.priority = priority
     self.blob = blob            # this item's descriptor bytes
@@ -689,7 +656,7 @@ class TrajectoryWriter:
       holder = col.holder
       row = holder.used
       holder.data[row] = arr
-      holder.chunk._publish(row + 1)  # pylint: disable=protected-access  (row written above)
+      holder.chunk.publish(row + 1)   # the row is written above
       holder.used = row + 1
       holder.live += 1
       col.push(CellRef(col, holder, row))
@@ -768,7 +735,6 @@ class TrajectoryWriter:
       partial: True/False for append's partial_step; None for extend (batched arrays).
       treedef, plan: the flattened step's structure and per-leaf columns.
     """
-    from reverb_shm import chunks as chunks_lib  # pylint: disable=import-outside-toplevel
     seg = self._segment
     batched = partial is None
     new_columns = []
@@ -795,18 +761,18 @@ class TrajectoryWriter:
         fresh = []
         if col.is_object:
           rows = list(arr) if batched else [arr]
-          chunk = chunks_lib.object_chunk(seg, rows, episode_id=self._episode_id,
-                                          start_step=start_step)
-          fresh.append(_Holder(seg, chunk, values=[_object_row(r, col.shape) for r in rows]))
+          chunk = chunks.object_chunk(seg, rows, episode_id=self._episode_id,
+                                      start_step=start_step)
+          fresh.append(_Holder(chunk, values=[_object_row(r, col.shape) for r in rows]))
         else:
           room = 0 if col.needs_chunk() else col.holder.capacity - col.holder.used
           step = start_step + room
           remaining = num_steps - room
           while remaining > 0:
             capacity = col.chunk_length()
-            chunk = chunks_lib.alloc_chunk(seg, col.dtype, col.shape, capacity,
-                                           episode_id=self._episode_id, start_step=step)
-            fresh.append(_Holder(seg, chunk))
+            chunk = chunks.alloc_chunk(seg, col.dtype, col.shape, capacity,
+                                       episode_id=self._episode_id, start_step=step)
+            fresh.append(_Holder(chunk))
             remaining -= capacity
             step += capacity
         allocated.append(fresh)
@@ -916,7 +882,8 @@ class TrajectoryWriter:
     for desc, prio, holders in zip(descs, prios, holder_sets):
       for h in holders:
         h.pending += 1
-      items.append(_Pending(handle, random_u64.one(), prio, _encode_descriptor(desc), holders))
+      items.append(_Pending(handle.table, random_u64.one(), prio,
+                            chunks.encode_descriptor(desc), holders))
     self._pending.extend(items)
     self._drain(0, 0)     # whatever the limiters admit right now, in FIFO order
     while len(self._pending) > _MAX_PENDING:
@@ -1011,16 +978,16 @@ class TrajectoryWriter:
 
   @staticmethod
   def _insert_run(run, deadline_ns, timeout_ms):
-    if len(run) == 1:
-      item = run[0]
-      return item.table.insert([item.key], [item.priority], item.blob, [0, len(item.blob)],
-                               deadline_ns, timeout_ms)
-    offs = [0]
-    for item in run:
-      offs.append(offs[-1] + len(item.blob))
-    return run[0].table.insert([item.key for item in run], [item.priority for item in run],
-                               b"".join(item.blob for item in run), offs, deadline_ns,
-                               timeout_ms)
+    """Inserts the items of `run` (one table); returns (inserted, DeadlineExceededError or None)."""
+    blob, offs = chunks.join_descriptors([item.blob for item in run])
+    try:
+      done = run[0].table.insert_descriptors(
+          np.array([item.key for item in run], np.uint64),
+          np.array([item.priority for item in run], np.float64), blob, offs, timeout_ms,
+          deadline_ns=deadline_ns)
+    except errors.DeadlineExceededError as e:
+      return e.inserted, e
+    return done, None
 
   def _finish(self, n: int) -> None:
     """The n oldest queued items left the queue: drop their holds on chunks."""

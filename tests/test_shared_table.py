@@ -102,7 +102,7 @@ def test_chunks_shared_between_tables_freed_with_last_item(server_factory):
   baseline = _arena_used(a)
   chunk = chunks.alloc_chunk(a.segment, np.float32, (4,), 2)
   chunk.write_rows(np.ones((2, 4), np.float32))
-  blob, offs = chunks.encode_descriptors([[([(chunk.off, 0, 2)], False)]])
+  blob, offs = chunks.join_descriptors([chunks.encode_descriptor([([(chunk.off, 0, 2)], False)])])
   a.insert_descriptors([1], [1.0], blob, offs)
   b.insert_descriptors([2], [1.0], blob, offs)
   chunk.release()
@@ -215,3 +215,22 @@ def test_four_writer_processes_and_a_verifying_sampler(server_factory):
   crc = np.array([zlib.crc32(p.tobytes()) for p in batch.data[1]], np.uint32)
   np.testing.assert_array_equal(crc, batch.data[0])
   st.check()
+
+
+def test_insert_descriptors_reports_partial_progress_at_the_deadline(server_factory):
+  st = _server(server_factory, reverb_shm.Table.queue("q", 3)).shared_table("q")
+  chunk = chunks.alloc_chunk(st.segment, np.int64, (), 5)
+  chunk.write_rows(np.arange(5))
+  blob, offs = chunks.join_descriptors(
+      [chunks.encode_descriptor([([(chunk.off, i, 1)], True)]) for i in range(5)])
+  with pytest.raises(errors.DeadlineExceededError, match="3 of 5 items inserted") as e:
+    st.insert_descriptors(np.arange(10, 15, dtype=np.uint64), 1.0, blob, offs, timeout_ms=20)
+  assert e.value.inserted == 3
+  assert st.items()["key"].tolist() == [10, 11, 12]   # the first three, in order
+  # A caller-held absolute deadline (0: do not wait) instead of timeout_ms.
+  st.sample_records(1)[1].release()
+  with pytest.raises(errors.DeadlineExceededError) as e:
+    st.insert_descriptors([13, 14], [1.0, 1.0], blob[offs[3]:], offs[3:] - offs[3],
+                          deadline_ns=0)
+  assert e.value.inserted == 1 and st.items()["key"].tolist() == [11, 12, 13]
+  chunk.release()

@@ -456,11 +456,3 @@ def test_create_item_with_unknown_field_types_in_namedtuple_structure(writer):
   assert isinstance(history, Step)
   writer.create_item("dist", 1.0, Step(history.obs[-1:], history.act[-1]))
   writer.flush()
-
-
-def test_descriptor_encoding_matches_chunks_module():
-  from reverb_shm import chunks  # pylint: disable=import-outside-toplevel
-  from reverb_shm.trajectory_writer import _encode_descriptor  # pylint: disable=import-outside-toplevel
-  item = [([(64, 0, 3), (4096, 1, 2)], False), ([(128, 5, 1)], True)]
-  blob, offs = chunks.encode_descriptors([item])
-  assert _encode_descriptor(item) == blob and offs.tolist() == [0, len(blob)]
