@@ -5,9 +5,14 @@ Sub-commands:
   reverb-shm info NAME       segment and per-table statistics of server NAME
   reverb-shm check NAME      run the C invariant checker over every table of NAME (exit 1 on violation)
   reverb-shm gc [--dry-run]  remove segments and port aliases whose owner process is dead
+  reverb-shm serve --config FILE [--name NAME] [--arena-mib N]
+                             run a server from a ReverbServerConfig text file until Ctrl-C
+
+`reverb_server --config "<textproto>"` (Reverb's console script) is :func:`reverb_server_main`.
 """
 import argparse
 import os
+import signal
 import sys
 
 from reverb_shm import errors, shm
@@ -62,6 +67,50 @@ def _cmd_gc(args) -> int:
   return 0
 
 
+def _serve(config_text: str, *, name=None, arena_mib=None, prog: str) -> int:
+  """Builds the tables of a ReverbServerConfig, serves them until SIGINT/SIGTERM; exit code."""
+  from reverb_shm import server as server_lib, server_config  # pylint: disable=g-import-not-at-top
+  try:
+    tables, port = server_config.load(config_text)
+    kwargs = {"name": name}
+    if arena_mib is not None:
+      kwargs["arena_bytes"] = int(arena_mib) << 20
+    server = server_lib.Server(tables, port, **kwargs)
+  except (ImportError, NotImplementedError, ValueError, errors.ReverbError) as e:
+    print(f"{prog}: {e}", file=sys.stderr)
+    return 2
+  print(f"{prog}: serving {[t.name for t in tables]} on localhost:{server.port} "
+        f"(server {server.name!r}); Ctrl-C stops", flush=True)
+  signal.signal(signal.SIGTERM, signal.default_int_handler)
+  try:
+    server.wait()
+  except KeyboardInterrupt:
+    pass
+  finally:
+    server.stop()
+  return 0
+
+
+def _cmd_serve(args) -> int:
+  try:
+    with open(args.config, encoding="utf-8") as f:
+      text = f.read()
+  except OSError as e:
+    print(f"reverb-shm serve: cannot read --config {args.config!r}: {e.strerror}", file=sys.stderr)
+    return 2
+  return _serve(text, name=args.name, arena_mib=args.arena_mib, prog="reverb-shm serve")
+
+
+def reverb_server_main(argv=None) -> int:
+  """`reverb_server --config "<textproto>"`: Reverb's server executable (SPEC §10)."""
+  parser = argparse.ArgumentParser(
+      prog="reverb_server", description="Serve reverb_shm tables from a ReverbServerConfig.")
+  parser.add_argument("--config", required=True,
+                      help="text-format ReverbServerConfig: tables { ... } port: N")
+  args = parser.parse_args(argv)
+  return _serve(args.config, prog="reverb_server")
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="reverb-shm", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("gc", help="remove segments of dead servers")
   p.add_argument("--dry-run", action="store_true")
   p.set_defaults(func=_cmd_gc)
+  p = sub.add_parser("serve", help="serve tables from a ReverbServerConfig text file")
+  p.add_argument("--config", required=True, help="file holding a text-format ReverbServerConfig")
+  p.add_argument("--name", default=None, help="server name (default reverb_PORT)")
+  p.add_argument("--arena-mib", type=int, default=None, help="shared memory for chunk data")
+  p.set_defaults(func=_cmd_serve)
   return parser
 
 
