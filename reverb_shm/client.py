@@ -291,6 +291,36 @@ class Client:
     return trajectory_writer_lib.TrajectoryWriter(self, num_keep_alive_refs,
                                                   validate_items=validate_items)
 
+  def writer(self, max_sequence_length: int, delta_encoded: bool = False,
+             chunk_length: Optional[int] = None, max_in_flight_items: Optional[int] = 25):
+    """Legacy Writer whose items span the last N appended steps (SPEC §5).
+
+    Args:
+      max_sequence_length: most steps an item may span (>= 1).
+      delta_encoded: ignored (accepted for compatibility).
+      chunk_length: rows per chunk, 1..max_sequence_length (default min(10, that)).
+      max_in_flight_items: items waiting for their rate limiter before create_item blocks
+        (>= 1, None = 1,000,000).
+
+    Raises:
+      ValueError: an argument out of range.
+    """
+    from reverb_shm import writer as writer_lib  # pylint: disable=g-import-not-at-top
+    return writer_lib.Writer(self, max_sequence_length, delta_encoded, chunk_length,
+                             max_in_flight_items)
+
+  def structured_writer(self, configs):
+    """StructuredWriter creating items from declarative configs (SPEC §6b).
+
+    Args:
+      configs: non-empty sequence of configs from `structured_writer.create_config`.
+
+    Raises:
+      ValueError: no configs or an invalid one ("Invalid configuration at position i: ...").
+    """
+    from reverb_shm import structured_writer as sw  # pylint: disable=g-import-not-at-top
+    return sw.StructuredWriter(self, configs)
+
   def checkpoint(self) -> str:
     """Not available yet.
 

@@ -1,0 +1,189 @@
+"""Legacy Writer: `client.writer(max_sequence_length)` (SPEC §5).
+
+Every appended step is a flat list of leaves (the number of leaves is fixed by the first step);
+`create_item(table, num_timesteps, priority)` references the last `num_timesteps` steps of every
+leaf, so a sample of the item has one column per leaf with a leading time dim of
+`num_timesteps`. Built on :class:`~reverb_shm.trajectory_writer.TrajectoryWriter`, which keeps
+the last `max_sequence_length` steps referenceable and writes them in place into shared memory.
+
+`delta_encoded` is accepted for compatibility and ignored: chunks are stored raw so that samples
+are zero-copy views.
+"""
+from typing import Any, Optional
+
+from reverb_shm import structure
+from reverb_shm import trajectory_writer as trajectory_writer_lib
+
+__all__ = ["Writer"]
+
+_UNLIMITED_IN_FLIGHT = 1_000_000
+
+
+def _positive_int(value, name: str) -> int:
+  if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) < 1:
+    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+  return int(value)
+
+
+class Writer:
+  """Writes fixed-layout steps and inserts items over the last N of them.
+
+  Args:
+    client: the Client whose tables receive the items.
+    max_sequence_length: most steps an item may span (>= 1); that many steps stay buffered.
+    delta_encoded: ignored (accepted for compatibility).
+    chunk_length: rows per chunk, 1..max_sequence_length; default min(10, max_sequence_length).
+    max_in_flight_items: items created but not yet admitted by their rate limiter before
+      `create_item` blocks (>= 1; None means 1,000,000).
+
+  Raises:
+    ValueError: an argument out of range.
+
+  Not thread-safe: use a writer from one thread at a time.
+  """
+
+  def __init__(self, client, max_sequence_length: int, delta_encoded: bool = False,
+               chunk_length: Optional[int] = None, max_in_flight_items: Optional[int] = 25):
+    self._closed = True   # until constructed, so __del__ is harmless
+    del delta_encoded
+    self._max_sequence_length = _positive_int(max_sequence_length, "max_sequence_length")
+    if chunk_length is None:
+      chunk_length = min(10, self._max_sequence_length)
+    chunk_length = _positive_int(chunk_length, "chunk_length")
+    if chunk_length > self._max_sequence_length:
+      raise ValueError(f"chunk_length ({chunk_length}) must be <= max_sequence_length "
+                       f"({self._max_sequence_length})")
+    self._chunk_length = chunk_length
+    self._max_in_flight = (_UNLIMITED_IN_FLIGHT if max_in_flight_items is None
+                           else _positive_int(max_in_flight_items, "max_in_flight_items"))
+    self._writer = trajectory_writer_lib.TrajectoryWriter(client, self._max_sequence_length)
+    self._num_leaves = None
+    self._buffered = 0
+    self._closed = False
+
+  @property
+  def max_sequence_length(self) -> int:
+    return self._max_sequence_length
+
+  def append(self, data: Any) -> None:
+    """Appends one step.
+
+    Args:
+      data: a nest of arrays / Python values; its flattened leaf count must be the same at
+        every step.
+
+    Raises:
+      ValueError: a different leaf count, a None leaf, or a dtype/shape change in a leaf; the
+        writer is closed.
+    """
+    self._check_open()
+    leaves = self._leaves(data)
+    self._writer.append(leaves)
+    self._buffered = min(self._buffered + 1, self._max_sequence_length)
+
+  def append_sequence(self, sequence: Any) -> None:
+    """Appends T steps given as a nest whose leaves share the leading dim T (>= 1).
+
+    Raises:
+      ValueError: a scalar leaf, leaves with different leading dims, or as `append`.
+    """
+    self._check_open()
+    leaves = self._leaves(sequence)
+    lengths = set()
+    for i, leaf in enumerate(leaves):
+      arr = structure.to_array(leaf)
+      if arr.ndim == 0:
+        raise ValueError(f"append_sequence needs a leading (time) dim, but leaf {i} is a scalar")
+      lengths.add(arr.shape[0])
+    if len(lengths) != 1:
+      raise ValueError(f"append_sequence leaves must share the leading dim, got {sorted(lengths)}")
+    if lengths.pop() == 0:
+      return
+    self._writer.extend(leaves)
+    self._buffered = min(self._buffered + len(structure.to_array(leaves[0])),
+                         self._max_sequence_length)
+
+  def _leaves(self, data) -> list:
+    leaves, _ = structure.flatten(data)
+    if not leaves:
+      raise ValueError("data must contain at least one value")
+    if any(leaf is None for leaf in leaves):
+      raise ValueError("the legacy Writer needs a value for every leaf; got None")
+    if self._num_leaves is None:
+      for i in range(len(leaves)):
+        self._writer.configure((i,), num_keep_alive_refs=self._max_sequence_length,
+                               max_chunk_length=self._chunk_length)
+      self._num_leaves = len(leaves)
+    elif len(leaves) != self._num_leaves:
+      raise ValueError(f"Flattened data has an unexpected length, got {len(leaves)} but wanted "
+                       f"{self._num_leaves}.")
+    return leaves
+
+  def create_item(self, table: str, num_timesteps: int, priority: float) -> None:
+    """Inserts an item over the last `num_timesteps` appended steps of every leaf.
+
+    Blocks while more than `max_in_flight_items` items wait for their rate limiter.
+
+    Raises:
+      ValueError: num_timesteps < 1, more than buffered or than max_sequence_length; a NaN or
+        otherwise invalid priority; an unknown table; data not matching the table's signature.
+    """
+    self._check_open()
+    if isinstance(num_timesteps, bool) or not hasattr(num_timesteps, "__index__") or (
+        num_timesteps < 1):
+      raise ValueError(f"num_timesteps must be an int >= 1, got {num_timesteps!r}")
+    if num_timesteps > self._max_sequence_length:
+      raise ValueError(f"num_timesteps ({num_timesteps}) must be <= max_sequence_length "
+                       f"({self._max_sequence_length})")
+    if num_timesteps > self._buffered:
+      raise ValueError(f"num_timesteps ({num_timesteps}) is larger than the number of steps "
+                       f"appended so far ({self._buffered})")
+    n = int(num_timesteps)
+    trajectory = [column[-n:] for column in self._writer.history]
+    self._writer.create_item(table, priority, trajectory)
+    if self._writer.num_pending_items > self._max_in_flight:
+      self._writer.flush(self._max_in_flight)
+
+  def flush(self) -> None:
+    """Blocks until every created item is in its table."""
+    self._check_open()
+    self._writer.flush()
+
+  def close(self, retry_on_unavailable: bool = True) -> None:
+    """Flushes and closes the writer.
+
+    Raises:
+      ValueError: close() was already called.
+    """
+    del retry_on_unavailable
+    if self._closed:
+      raise ValueError("close() has already been called on this Writer.")
+    self._closed = True
+    try:
+      self._writer.flush()
+    finally:
+      self._writer.close()
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise ValueError("This Writer has already been closed.")
+
+  def __enter__(self) -> "Writer":
+    self._check_open()
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if not self._closed:
+      self.close()
+
+  def __del__(self):
+    if not getattr(self, "_closed", True):
+      try:
+        self._closed = True
+        self._writer.close()
+      except Exception:  # pylint: disable=broad-except  (never raise from a finaliser)
+        pass
+
+  def __repr__(self):
+    return (f"Writer(max_sequence_length={self._max_sequence_length}, "
+            f"chunk_length={self._chunk_length}, closed={self._closed})")
