@@ -7,6 +7,8 @@ from reverb_shm import item_selectors
 from reverb_shm import rate_limiters
 from reverb_shm import selectors
 from reverb_shm import structure
+from reverb_shm import structured
+from reverb_shm import structured_writer
 from reverb_shm.client import Client
 from reverb_shm.errors import DeadlineExceededError
 from reverb_shm.errors import ReverbError
@@ -16,10 +18,12 @@ from reverb_shm.server import Server
 from reverb_shm.shared_table import SharedTable
 from reverb_shm.specs import BoundedTensorSpec
 from reverb_shm.specs import TensorSpec
+from reverb_shm.structured_writer import StructuredWriter
 from reverb_shm.table import Table
 from reverb_shm.table import TableInfo
 from reverb_shm.trajectory_writer import TrajectoryColumn
 from reverb_shm.trajectory_writer import TrajectoryWriter
+from reverb_shm.writer import Writer
 
 __version__ = "0.1.0"
 
@@ -28,4 +32,6 @@ __all__ = [
     "SampleInfo", "Server", "SharedTable", "Table", "TableInfo", "TensorSpec",
     "TrajectoryColumn", "TrajectoryWriter", "errors", "item_selectors", "rate_limiters",
     "selectors", "structure",
+    # issue 3
+    "StructuredWriter", "Writer", "structured", "structured_writer",
 ]

@@ -20,7 +20,11 @@ from reverb_shm import specs, structure
 __all__ = ["PatternNode", "Condition", "ConstantPriorityFn", "TDError", "Config",
            "create_reference_step", "pattern_from_transform", "create_config", "unpack_pattern",
            "infer_signature", "constant_priority_fn", "td_error", "validate_config",
-           "history_length"]
+           "history_length", "Pattern", "ReferenceStep"]
+
+# Type aliases (for annotations): a nest of PatternNode, and what create_reference_step returns.
+Pattern = Any
+ReferenceStep = Any
 
 
 @dataclasses.dataclass(frozen=True)
