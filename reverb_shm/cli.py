@@ -79,10 +79,10 @@ def _serve(config_text: str, *, name=None, arena_mib=None, prog: str) -> int:
   except (ImportError, NotImplementedError, ValueError, errors.ReverbError) as e:
     print(f"{prog}: {e}", file=sys.stderr)
     return 2
-  print(f"{prog}: serving {[t.name for t in tables]} on localhost:{server.port} "
-        f"(server {server.name!r}); Ctrl-C stops", flush=True)
-  signal.signal(signal.SIGTERM, signal.default_int_handler)
   try:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    print(f"{prog}: serving {[t.name for t in tables]} on localhost:{server.port} "
+          f"(server {server.name!r}); Ctrl-C or SIGTERM stops", flush=True)
     server.wait()
   except KeyboardInterrupt:
     pass
