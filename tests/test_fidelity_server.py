@@ -91,12 +91,17 @@ def test_localhost_client_names_the_servers_port(server_factory):
   assert set(client.server_info(1)) == {"q"}
 
 
-# ---- ReverbServerConfig
+# ---- ReverbServerConfig (needs the optional protobuf dependency, extra `server`)
+
+needs_protobuf = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("google.protobuf") is None,
+    reason="protobuf (extra 'server') not installed")
 
 def _config(*tables: str, port: int = 0) -> str:
   return " ".join(f"tables {{ {t} }}" for t in tables) + (f" port: {port}" if port else "")
 
 
+@needs_protobuf
 def test_config_builds_every_selector_and_the_limiter_verbatim():
   config = _config(
       f'table_name: "a" sampler {{ fifo: true }} remover {{ lifo: true }} max_size: 7 '
@@ -121,6 +126,7 @@ def test_config_builds_every_selector_and_the_limiter_verbatim():
                                     f'remover {{ fifo: true }} max_size: 1 {MIN_SIZE_1}'))[1] is None
 
 
+@needs_protobuf
 @pytest.mark.parametrize("config, error, match", [
     ('tables { table_nam: "x" }', ValueError, r'no field named "table_nam"'),
     ('tables { table_name: "x" max_size: "big" }', ValueError, r"max_size"),
@@ -139,6 +145,7 @@ def test_bad_config_errors_name_the_field(config, error, match):
     server_config.load(config)
 
 
+@needs_protobuf
 def test_bad_config_on_the_command_line_is_one_line_not_a_traceback(capsys):
   assert cli.reverb_server_main(["--config", 'tables { table_name: "x" max_siz: 3 }']) == 2
   err = capsys.readouterr().err
@@ -151,6 +158,7 @@ def test_serve_reports_an_unreadable_config_file(capsys, tmp_path):
   assert "cannot read --config" in capsys.readouterr().err
 
 
+@needs_protobuf
 @pytest.mark.parametrize("how", ["reverb_server", "serve"])
 def test_cli_serves_the_config_until_sigint(how, tmp_path, server_name):
   name = server_name
