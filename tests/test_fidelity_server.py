@@ -1,4 +1,5 @@
 """SPEC §1 and §10: Server lifecycle across processes, the reverb_server CLI and its config."""
+import importlib.util
 import os
 import signal
 import subprocess
@@ -94,7 +95,7 @@ def test_localhost_client_names_the_servers_port(server_factory):
 # ---- ReverbServerConfig (needs the optional protobuf dependency, extra `server`)
 
 needs_protobuf = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("google.protobuf") is None,
+    importlib.util.find_spec("google.protobuf") is None,
     reason="protobuf (extra 'server') not installed")
 
 def _config(*tables: str, port: int = 0) -> str:
