@@ -137,7 +137,7 @@ class Bridge:
     host = self._config.host
     return f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
 
-  def stop(self, grace: Optional[float] = 1.0) -> None:
+  def stop(self, grace: Optional[float] = 0.1) -> None:
     """Stops serving (open streams are cancelled after `grace` seconds). Idempotent."""
     if not self._stopped:
       self._stopped = True
