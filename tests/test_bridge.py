@@ -274,7 +274,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.binary(max_size=64)
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.binary(max_size=64)
     | st.text(max_size=16),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                max_size=4), max_leaves=12)

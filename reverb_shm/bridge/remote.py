@@ -456,27 +456,15 @@ class RemoteClient(client_lib.Client):
     """Checkpoints the remote server; returns the path on the server's host."""
     return str(self._connection().unary("Checkpoint", {})["path"])
 
-  def sample(self, table: str, num_samples: int = 1, *, emit_timesteps: bool = True,
-             unpack_as_table_signature: bool = False,
-             rate_limiter_timeout_ms: Optional[int] = None):
-    """As Client.sample; numeric columns are read-only arrays received from the bridge.
+  def _sample_gen(self, handle, n, emit_timesteps, treedef, timeout_ms):
+    """Client.sample's generator over a Sample stream (Client.sample validated the arguments).
 
     The bridge samples at most `max_in_flight_samples` items ahead of the consumer; closing
-    the generator cancels the stream (and any sample the bridge is waiting for).
-
-    Raises:
-      As Client.sample; ServerUnavailableError when the bridge cannot be reached.
+    the generator cancels the stream (and any sample the bridge is waiting for). Numeric
+    columns are read-only arrays received from the bridge.
     """
-    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or (
-        num_samples < 1):
-      raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
-    timeouts.deadline_from_ms(rate_limiter_timeout_ms, "rate_limiter_timeout_ms")
-    handle = self._table_handle(table)
-    treedef = None
-    if unpack_as_table_signature and handle.signature is not None:
-      treedef = structure.flatten(handle.signature)[1]
-    timeout = None if rate_limiter_timeout_ms is None else int(rate_limiter_timeout_ms)
-    return self._remote_samples(handle.name, int(num_samples), emit_timesteps, treedef, timeout)
+    timeout = None if timeout_ms is None else int(timeout_ms)
+    return self._remote_samples(handle.name, n, emit_timesteps, treedef, timeout)
 
   def _remote_samples(self, table, n, emit_timesteps, treedef, timeout_ms):
     conn = self._connection()
