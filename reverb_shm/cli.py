@@ -9,6 +9,7 @@ Sub-commands:
                              run a server from a ReverbServerConfig text file until Ctrl-C
 
 `reverb_server --config "<textproto>"` (Reverb's console script) is :func:`reverb_server_main`.
+  reverb-shm bridge NAME --port P   serve server NAME's tables over gRPC (extra `bridge`)
 """
 import argparse
 import os
@@ -111,6 +112,33 @@ def reverb_server_main(argv=None) -> int:
   return _serve(args.config, prog="reverb_server")
 
 
+def _read(path):
+  if path is None:
+    return None
+  with open(path, "rb") as f:
+    return f.read()
+
+
+def _cmd_bridge(args) -> int:
+  from reverb_shm import bridge  # pylint: disable=g-import-not-at-top  (optional extra)
+  tls = None
+  if args.tls_cert or args.tls_key:
+    if not (args.tls_cert and args.tls_key):
+      raise ValueError("--tls-cert and --tls-key go together")
+    tls = bridge.ServerTLS(_read(args.tls_cert), _read(args.tls_key), _read(args.client_ca))
+  config = bridge.BridgeConfig(
+      port=args.port, host=args.host, tls=tls,
+      token=args.token or os.environ.get(bridge.security.ENV_TOKEN) or None,
+      max_message_bytes=args.max_message_mb << 20, max_stream_chunks=args.max_stream_chunks)
+  server = bridge.Bridge(args.name, config)
+  print(f"bridge for server {args.name!r} listening on {server.address}", flush=True)
+  try:
+    server.wait()
+  except KeyboardInterrupt:
+    pass
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="reverb-shm", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--name", default=None, help="server name (default reverb_PORT)")
   p.add_argument("--arena-mib", type=int, default=None, help="shared memory for chunk data")
   p.set_defaults(func=_cmd_serve)
+  p = sub.add_parser("bridge", help="serve a server's tables over gRPC")
+  p.add_argument("name")
+  p.add_argument("--port", type=int, required=True)
+  p.add_argument("--host", default="127.0.0.1",
+                 help="bind address; non-loopback needs TLS or a token")
+  p.add_argument("--token", help="auth token (default: $REVERB_SHM_BRIDGE_TOKEN)")
+  p.add_argument("--tls-cert", help="PEM server certificate chain")
+  p.add_argument("--tls-key", help="PEM server private key")
+  p.add_argument("--client-ca", help="PEM CA that client certificates must chain to")
+  p.add_argument("--max-message-mb", type=int, default=1024,
+                 help="largest item/chunk message accepted (MiB)")
+  p.add_argument("--max-stream-chunks", type=int, default=1 << 16,
+                 help="chunks one writer stream may hold")
+  p.set_defaults(func=_cmd_bridge)
   return parser
 
 

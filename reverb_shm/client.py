@@ -49,6 +49,19 @@ class Client:
   Thread-safe: calls may come from several threads (each call is independent).
   """
 
+  def __new__(cls, server_address=None, *args, **kwargs):
+    # Dispatch (issue 7): a remote bridge address gives a RemoteClient, several addresses a
+    # ShardedClient (reverb_shm.bridge.addresses describes the rules).
+    if cls is Client and (isinstance(server_address, (list, tuple)) or (
+        isinstance(server_address, str) and not server_address.startswith("shm://"))):
+      from reverb_shm.bridge import addresses  # pylint: disable=g-import-not-at-top
+      remote = addresses.remote_client_for(server_address)
+      if isinstance(remote, type):
+        return super().__new__(remote)
+      if remote is not None:
+        return remote
+    return super().__new__(cls)
+
   def __init__(self, server_address: str):
     if not isinstance(server_address, str):
       raise TypeError(f"server_address must be a str, got {type(server_address).__name__}")
@@ -208,15 +221,7 @@ class Client:
       info = SampleInfo(key, probability, table_size, priority, times_sampled)
       data = chunks.read_item(seg, desc_off, pins)
       del pins  # the views keep it (and the item) alive as long as they live
-      if not emit_timesteps:
-        yield ReplaySample(info, _unpack(treedef, data))
-        continue
-      lengths = {col.shape[0] if col.ndim else None for col in data}
-      if len(lengths) != 1 or None in lengths:
-        raise ValueError("Can't split non timestep trajectory into timesteps.")
-      steps = lengths.pop()
-      yield [ReplaySample(info, _unpack(treedef, [col[t] for col in data]))
-             for t in range(steps)]
+      yield to_samples(info, data, emit_timesteps, treedef)
 
   # ---- mutation
   def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,
@@ -336,6 +341,21 @@ def _key(key) -> np.uint64:
   if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= key < 2**64:
     raise ValueError(f"item keys must be ints in [0, 2**64), got {key!r}")
   return np.uint64(key)
+
+
+def to_samples(info: SampleInfo, data: list, emit_timesteps: bool, treedef):
+  """One sampled item as Client.sample yields it (shared with the bridge's remote client).
+
+  Raises:
+    ValueError: emit_timesteps and the columns do not share one leading (time) length.
+  """
+  if not emit_timesteps:
+    return ReplaySample(info, _unpack(treedef, data))
+  lengths = {col.shape[0] if col.ndim else None for col in data}
+  if len(lengths) != 1 or None in lengths:
+    raise ValueError("Can't split non timestep trajectory into timesteps.")
+  steps = lengths.pop()
+  return [ReplaySample(info, _unpack(treedef, [col[t] for col in data])) for t in range(steps)]
 
 
 def _unpack(treedef, columns: list):

@@ -46,6 +46,8 @@ class Server:
     name: server name (the segment is /dev/shm/rvshm.NAME); default f"reverb_{port}".
     arena_bytes: bytes of shared memory for chunk data and item descriptors.
     max_procs: maximum number of processes attached at once.
+    bridge: a reverb_shm.bridge.BridgeConfig to also serve the tables over gRPC in this
+      process (needs the `bridge` extra); see `bridge_address`.
 
   Raises:
     ValueError: no tables, duplicate table names, bad name, port unavailable.
@@ -55,8 +57,9 @@ class Server:
 
   def __init__(self, tables: Sequence[table_lib.Table] = None, port: Optional[int] = None,
                checkpointer=None, *, name: Optional[str] = None,
-               arena_bytes: int = DEFAULT_ARENA_BYTES, max_procs: int = 128):
+               arena_bytes: int = DEFAULT_ARENA_BYTES, max_procs: int = 128, bridge=None):
     self._stopped = True
+    self._bridge = None
     self._pid = os.getpid()
     self._lock = threading.Lock()
     if not tables:
@@ -96,6 +99,18 @@ class Server:
                                     daemon=True)
     self._reaper.start()
     _live_servers.add(self)
+    if bridge is not None:
+      from reverb_shm.bridge import Bridge  # pylint: disable=g-import-not-at-top
+      try:
+        self._bridge = Bridge(self, bridge)
+      except BaseException:
+        self.stop()
+        raise
+
+  @property
+  def bridge_address(self):
+    """'HOST:PORT' of the in-process gRPC bridge, or None without one."""
+    return None if self._bridge is None else self._bridge.address
 
   @staticmethod
   def _bind_port(port: Optional[int]) -> socket.socket:
@@ -157,6 +172,8 @@ class Server:
         raise RuntimeError(f"server {self._name!r} belongs to process {self._pid}; only that "
                            "process can stop it")
       self._stopped = True
+    if self._bridge is not None:
+      self._bridge.stop()
     check(lib.rs_segment_close(self._segment.base), f"closing server {self._name!r}")
     self._stop_event.set()
     self._reaper.join(timeout=10)

@@ -1,0 +1,124 @@
+"""Bridge benchmark: remote insert/sample over loopback vs dm-reverb's gRPC, and the hop cost.
+
+    python bench/bench_bridge.py [--seconds 2]
+
+Workloads (steps are {'obs': float32[8], 'action': int64, 'reward': float32}):
+  insert   Client.insert of one step per call
+  writer   TrajectoryWriter: append a step, create an item over the last 2 steps
+  sample   Client.sample(table, N) streaming one item at a time
+
+Each runs through (a) reverb_shm's local shared memory, (b) reverb_shm's gRPC bridge on
+127.0.0.1 (same process, like dm-reverb's in-process server) and (c) dm-reverb's own gRPC path
+in a subprocess of /tmp/refvenv/bin/python (skipped when absent). Rates are items/s.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+REF_PYTHON = "/tmp/refvenv/bin/python"
+
+# Run by both interpreters: `reverb` is reverb_shm or dm-reverb.
+_WORKLOADS = textwrap.dedent("""
+    import time
+    import numpy as np
+
+    def step(i):
+      return {"obs": np.full(8, i, np.float32), "action": np.int64(i), "reward": np.float32(i)}
+
+    def rate(fn, seconds):
+      fn(10)
+      n, start = 0, time.perf_counter()
+      while time.perf_counter() - start < seconds:
+        fn(200)
+        n += 200
+      return n / (time.perf_counter() - start)
+
+    def run_all(reverb, client, seconds):
+      out = {}
+      def insert(k):
+        for i in range(k):
+          client.insert(step(i), {"bench": 1.0})
+      out["insert"] = rate(insert, seconds)
+      writer = client.trajectory_writer(2)
+      writer.append(step(0))
+      def write(k):
+        for i in range(k):
+          writer.append(step(i))
+          writer.create_item("bench", 1.0, {"obs": writer.history["obs"][-2:],
+                                            "reward": writer.history["reward"][-1]})
+        writer.flush()
+      out["writer"] = rate(write, seconds)
+      writer.close()
+      def sample(k):
+        for _ in client.sample("bench", k, emit_timesteps=False):
+          pass
+      out["sample"] = rate(sample, seconds)
+      return out
+""")
+
+_REF_SCRIPT = _WORKLOADS + textwrap.dedent("""
+    import json, sys
+    import reverb
+    server = reverb.Server([reverb.Table("bench", reverb.selectors.Uniform(),
+                                         reverb.selectors.Fifo(), 100000,
+                                         reverb.rate_limiters.MinSize(1))])
+    client = reverb.Client(f"localhost:{server.port}")
+    print(json.dumps(run_all(reverb, client, float(sys.argv[1]))))
+    server.stop()
+""")
+
+
+def _reverb_shm(seconds: float) -> dict:
+  import reverb_shm as reverb  # pylint: disable=g-import-not-at-top
+  from reverb_shm.bridge import BridgeConfig, RemoteClient  # pylint: disable=g-import-not-at-top
+  scope = {}
+  exec(_WORKLOADS, scope)  # pylint: disable=exec-used
+  table = reverb.Table("bench", reverb.selectors.Uniform(), reverb.selectors.Fifo(), 100000,
+                       reverb.rate_limiters.MinSize(1))
+  server = reverb.Server([table], bridge=BridgeConfig())
+  try:
+    local = scope["run_all"](reverb, server.localhost_client(), seconds)
+    remote = scope["run_all"](reverb, RemoteClient(server.bridge_address), seconds)
+  finally:
+    server.stop()
+  return {"local": local, "bridge": remote}
+
+
+def _dm_reverb(seconds: float):
+  if not os.path.exists(REF_PYTHON):
+    return None
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  proc = subprocess.run([REF_PYTHON, "-c", _REF_SCRIPT, str(seconds)], capture_output=True,
+                        text=True, timeout=600, env=env)
+  if proc.returncode:
+    print("dm-reverb run failed:", proc.stderr[-2000:], file=sys.stderr)
+    return None
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seconds", type=float, default=2.0)
+  args = parser.parse_args()
+  ours = _reverb_shm(args.seconds)
+  ref = _dm_reverb(args.seconds)
+  print(f"{'workload':10} {'shm local':>12} {'bridge':>12} {'dm-reverb':>12} "
+        f"{'bridge/dm':>10} {'hop cost':>10}")
+  for w in ("insert", "writer", "sample"):
+    local, bridge = ours["local"][w], ours["bridge"][w]
+    dm = ref[w] if ref else float("nan")
+    print(f"{w:10} {local:12.0f} {bridge:12.0f} {dm:12.0f} {bridge / dm:9.2f}x "
+          f"{local / bridge:9.1f}x")
+  print("rates in items/s; hop cost = local shared memory rate / bridge rate")
+
+
+if __name__ == "__main__":
+  main()
