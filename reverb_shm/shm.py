@@ -246,7 +246,8 @@ class Segment:
             f"no reverb_shm server named {name!r} is running (no {segment_path(name)})") from None
       except posix_ipc.PermissionsError as e:
         raise errors.ServerUnavailableError(
-            f"cannot open segment of server {name!r}: {e}") from None
+            f"cannot open segment of server {name!r}: {e} (segments admit their creator's "
+            "user only, or also its group when the server was created with mode=0o660)") from None
       try:
         seg = cls(name, mem.fd, mem.size, owner=False)
       finally:
