@@ -32,6 +32,7 @@ SHM_DIR = "/dev/shm"
 _PREFIX = "rvshm."
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _MiB = 1 << 20
+_MIN_SEGMENT_BYTES = 64
 
 
 def validate_server_name(name: str) -> str:
@@ -249,6 +250,10 @@ class Segment:
             f"cannot open segment of server {name!r}: {e} (segments admit their creator's "
             "user only, or also its group when the server was created with mode=0o660)") from None
       try:
+        if mem.size < _MIN_SEGMENT_BYTES:   # mmap of an empty or tiny file: fail clearly
+          raise errors.CorruptError(
+              f"segment {segment_path(name)} of server {name!r} holds {mem.size} bytes, smaller "
+              f"than a segment header: truncated, or its creator is still initialising it")
         seg = cls(name, mem.fd, mem.size, owner=False)
       finally:
         mem.close_fd()
