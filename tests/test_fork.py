@@ -145,9 +145,10 @@ def test_fork_while_another_thread_holds_the_segment_cache_lock(server):
   assert out == "OK 1"
 
 
-def test_fork_while_other_threads_hammer_and_block_on_the_table(server):
+def test_fork_while_other_threads_hammer_the_table(server):
   """Threads of the parent insert in a loop (taking the table lock thousands of times a
-  second) and one is blocked in a sample when fork() happens; the child never hangs."""
+  second) while the parent forks; the lock may be held by a live parent thread at fork time,
+  and the child's sample must still complete (it waits only until that thread unlocks)."""
   st = server.shared_table("t")
   stop = threading.Event()
 
