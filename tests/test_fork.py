@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import errors, rate_limiters, selectors, shm
+from reverb_shm import rate_limiters, selectors, shm
+
+from conftest import run_in_fork
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,40 +32,6 @@ def _table(max_size=100):
 @pytest.fixture
 def server(server_factory):
   return server_factory([_table()])
-
-
-def _in_child(fn, timeout=30):
-  """Runs fn() in a forked child; returns its result string (or raises on crash/hang)."""
-  read_end, write_end = os.pipe()
-  pid = os.fork()
-  if pid == 0:  # child
-    code = 1
-    try:
-      os.close(read_end)
-      try:
-        out = "OK " + str(fn())
-      except Exception as e:  # pylint: disable=broad-except
-        out = f"ERR {type(e).__name__}: {e}"
-      os.write(write_end, out.encode())
-      code = 0
-    finally:
-      os._exit(code)  # pylint: disable=protected-access
-  os.close(write_end)
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-      break
-    time.sleep(0.01)
-  else:
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    os.close(read_end)
-    raise AssertionError(f"forked child hung for {timeout} s")
-  with os.fdopen(read_end, "rb") as f:
-    out = f.read().decode()
-  assert os.waitstatus_to_exitcode(status) == 0, out
-  return out
 
 
 def _reap(server):
@@ -82,7 +50,7 @@ def test_shared_table_in_a_forked_child_registers_its_own_slot(server):
     got = sorted(float(s.data[0]) for s in st.sample(50))
     return f"{server.segment.slot} {got[-1]}"
 
-  out = _in_child(child)
+  out = run_in_fork(child)
   assert out.startswith("OK"), out
   child_slot, biggest = out.split()[1:]
   assert int(child_slot) != parent_slot and float(biggest) == 7.0
@@ -100,7 +68,7 @@ def test_client_in_a_forked_child_works(server):
     client.insert(np.float32(2.5), {"t": 1.0})
     return client.server_info()["t"].current_size
 
-  assert _in_child(child) == "OK 2"
+  assert run_in_fork(child) == "OK 2"
   assert server.shared_table("t").size == 2
 
 
@@ -115,7 +83,7 @@ def test_trajectory_writer_from_before_the_fork_refuses_clearly(server):
     writer.flush()
     return "written"
 
-  out = _in_child(child)
+  out = run_in_fork(child)
   assert out.startswith("ERR TableClosedError") and "re-attach after fork" in out, out
   # The parent's writer is unaffected.
   writer.append({"x": np.float32(2.0)})
@@ -138,7 +106,7 @@ def test_fork_while_another_thread_holds_the_segment_cache_lock(server):
   thread.start()
   try:
     assert held.wait(10)
-    out = _in_child(lambda: shm.Segment.attach(server.name).info()["num_tables"], timeout=20)
+    out = run_in_fork(lambda: shm.Segment.attach(server.name).info()["num_tables"], timeout=20)
   finally:
     release.set()
     thread.join(10)
@@ -161,7 +129,7 @@ def test_fork_while_other_threads_hammer_the_table(server):
     t.start()
   try:
     for _ in range(10):
-      out = _in_child(lambda: len(st.sample(8, timeout_ms=5000)), timeout=20)
+      out = run_in_fork(lambda: len(st.sample(8, timeout_ms=5000)), timeout=20)
       assert out == "OK 8", out
   finally:
     stop.set()

@@ -12,6 +12,8 @@ import pytest
 import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors, shm
 
+from conftest import run_in_fork
+
 PACKAGE_DIR = pathlib.Path(reverb_shm.__file__).resolve().parent
 _OTHER_USER = "rvshm_sec_test"
 
@@ -75,30 +77,18 @@ def _other_uid():
 def _attach_as(uid: int, gid: int, name: str) -> str:
   """Forks, drops to uid/gid (no exec: the interpreter may not be readable by that user) and
   tries to attach to server `name`; returns 'ATTACHED' or 'REFUSED <message>'."""
-  read_end, write_end = os.pipe()
-  pid = os.fork()
-  if pid == 0:  # child
-    code = 1
+  def attach():
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
     try:
-      os.close(read_end)
-      os.setgroups([])
-      os.setgid(gid)
-      os.setuid(uid)
-      try:
-        shm.Segment.attach(name)
-        out = "ATTACHED"
-      except errors.ServerUnavailableError as e:
-        out = f"REFUSED {e}"
-      os.write(write_end, out.encode())
-      code = 0
-    finally:
-      os._exit(code)  # pylint: disable=protected-access
-  os.close(write_end)
-  with os.fdopen(read_end, "rb") as f:
-    out = f.read().decode()
-  _, status = os.waitpid(pid, 0)
-  assert os.waitstatus_to_exitcode(status) == 0
-  return out
+      shm.Segment.attach(name)
+    except errors.ServerUnavailableError as e:
+      return f"REFUSED {e}"
+    return "ATTACHED"
+  out = run_in_fork(attach)
+  assert out.startswith("OK "), out
+  return out[3:]
 
 
 @pytest.mark.timeout(120)
