@@ -7,7 +7,9 @@
  * rs_segment_size and rs_segment_init always agree.
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <string.h>
 
 #include "rs_internal.h"
@@ -259,4 +261,16 @@ int rs_table_blob(void *base, uint32_t table, uint64_t *off_out, uint32_t *len_o
   *off_out = rs_table(base, table)->blob_off;
   *len_out = rs_table(base, table)->blob_len;
   return RS_OK;
+}
+
+int rs_owner_check(void *base) {
+  rs_seg_hdr *h = rs_seg(base);
+  int32_t pid = h->owner_pid;
+  int dead = pid <= 0 || (kill(pid, 0) == -1 && errno == ESRCH);
+  if (!dead && h->owner_start_time != 0) dead = rs_proc_start_time(pid) != h->owner_start_time;
+  if (!dead) return RS_OK;
+  return rs_set_error(RS_EDEADOWNER,
+                      "the server process (pid %d) that owns this segment is dead; data already "
+                      "mapped stays readable, but blocking calls cannot complete: restart the server "
+                      "(which reclaims the stale segment) or run `reverb-shm gc`", (int)pid);
 }

@@ -185,6 +185,12 @@ void rs_tunlock(void *base, uint32_t t);
 int rs_alock(void *base);
 void rs_aunlock(void *base);
 
+/* ------------------------------------------------------------------ layout.c (issue 4) */
+/* RS_OK while the segment's owner (the server process) lives, else RS_EDEADOWNER with a message
+ * naming the dead pid and the way out. Cheap (kill(pid, 0) + /proc/<pid>/stat); blocked calls
+ * run it once per wait slice so a waiter never sleeps forever on a dead server. */
+int rs_owner_check(void *base);
+
 /* ------------------------------------------------------------------ table.c (and friends) */
 uint64_t rs_table_region_size(const rs_table_config *cfg);
 /* Lay out one table region at `off` (zero-filled memory). */

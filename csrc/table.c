@@ -304,7 +304,9 @@ static int op_wait(op_t *op) {
     return rc;
   }
   if (op->slice_end >= 0 && now >= op->slice_end) {
-    int rc = blocked_error(op, RS_EAGAIN);
+    /* Once per slice: a dead server would otherwise leave this waiter retrying forever. */
+    int rc = rs_owner_check(op->base);
+    if (rc == RS_OK) rc = blocked_error(op, RS_EAGAIN);
     op_unlock(op);
     return rc;
   }

@@ -225,7 +225,9 @@ class Chunk:
     if self._generation != self._seg.generation:
       raise errors.TableClosedError(
           f"chunk {self.off} of server {self._seg.name!r} can no longer be written: this "
-          "process's registration ended (server stopped or segment closed)")
+          "process's registration ended (server stopped or segment closed), or this is a "
+          "forked child of the process that allocated it: re-attach after fork (create a new "
+          "Client / TrajectoryWriter in the child)")
     check(lib.rs_chunk_publish_rows(self._seg.base, self.off, rows), "publishing chunk rows")
     self.rows = rows
 

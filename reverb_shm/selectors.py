@@ -81,6 +81,8 @@ class Prioritized(ItemSelector):
     if isinstance(priority_exponent, bool):
       raise TypeError("priority_exponent must be a float, got a bool")
     self.exponent = float(priority_exponent)
+    if not 0 <= self.exponent < float("inf"):   # also rejects NaN
+      raise ValueError(f"priority_exponent must be finite and >= 0, got {priority_exponent!r}")
 
   @property
   def priority_exponent(self) -> float:

@@ -48,6 +48,14 @@ class Server:
     max_procs: maximum number of processes attached at once.
     bridge: a reverb_shm.bridge.BridgeConfig to also serve the tables over gRPC in this
       process (needs the `bridge` extra); see `bridge_address`.
+    mode: permission bits of the segment and port alias: 0o600 (default: only this user's
+      processes may attach) or 0o660 (also processes of the file's group). Other bits are
+      refused.
+
+  If the server process dies (SIGKILL), processes already attached keep working on the mapped
+  tables (the server does no per-request work), but a blocked insert or sample fails with
+  DeadOwnerError within one wait slice (0.1 s), and new attaches fail with DeadOwnerError.
+  `reverb-shm gc`, or starting a server of the same name, removes the stale segment.
 
   Raises:
     ValueError: no tables, duplicate table names, bad name, port unavailable.
@@ -57,7 +65,8 @@ class Server:
 
   def __init__(self, tables: Sequence[table_lib.Table] = None, port: Optional[int] = None,
                checkpointer=None, *, name: Optional[str] = None,
-               arena_bytes: int = DEFAULT_ARENA_BYTES, max_procs: int = 128, bridge=None):
+               arena_bytes: int = DEFAULT_ARENA_BYTES, max_procs: int = 128,
+               mode: int = 0o600, bridge=None):
     self._stopped = True
     self._bridge = None
     self._pid = os.getpid()
@@ -73,18 +82,19 @@ class Server:
       raise ValueError(f"Table names must be unique; duplicated: {dupes}")
     if name is not None:
       shm.validate_server_name(name)
+    shm.validate_mode(mode)
     self._socket = self._bind_port(port)
     self._port = self._socket.getsockname()[1]
     self._name = name if name is not None else f"reverb_{self._port}"
     try:
       shm.validate_server_name(self._name)
       self._segment = shm.Segment.create(self._name, tables, arena_bytes=arena_bytes,
-                                         max_procs=max_procs)
+                                         max_procs=max_procs, mode=mode)
     except BaseException:
       self._socket.close()
       raise
     try:
-      shm.register_port(self._port, self._name)
+      shm.register_port(self._port, self._name, mode)
     except BaseException:
       self._segment.unlink()
       self._socket.close()

@@ -24,7 +24,7 @@ import posix_ipc
 from reverb_shm import errors
 from reverb_shm._lib import check, ffi, last_error, lib
 
-__all__ = ["Segment", "validate_server_name", "register_port", "unregister_port",
+__all__ = ["Segment", "validate_server_name", "validate_mode", "register_port", "unregister_port",
            "prune_stale_aliases", "list_segments", "remove_stale",
            "resolve_address", "segment_path", "SHM_DIR"]
 
@@ -32,6 +32,7 @@ SHM_DIR = "/dev/shm"
 _PREFIX = "rvshm."
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _MiB = 1 << 20
+_MIN_SEGMENT_BYTES = 64
 
 
 def validate_server_name(name: str) -> str:
@@ -40,6 +41,17 @@ def validate_server_name(name: str) -> str:
     raise ValueError(f"invalid server name {name!r}: expected 1 to 64 characters from "
                      "[A-Za-z0-9_.-] (no '/')")
   return name
+
+
+_MODES = (0o600, 0o660)
+
+
+def validate_mode(mode: int) -> int:
+  """Returns `mode` if it is 0o600 (owner only) or 0o660 (owner and group); else ValueError."""
+  if isinstance(mode, bool) or not isinstance(mode, int) or mode not in _MODES:
+    raise ValueError(f"segment mode must be 0o600 (owner only) or 0o660 (owner and group), "
+                     f"got {mode!r}")
+  return mode
 
 
 def _shm_name(name: str) -> str:
@@ -116,7 +128,7 @@ class Segment:
   # ---- creation / attachment
   @classmethod
   def create(cls, name: str, tables: Sequence, *, arena_bytes: int, max_procs: int = 128,
-             pins_per_proc: int = 65536, mode: int = 0o600) -> "Segment":
+             pins_per_proc: int = 16384, mode: int = 0o600) -> "Segment":
     """Creates and initialises the segment of server `name` holding `tables`.
 
     Args:
@@ -125,7 +137,7 @@ class Segment:
       arena_bytes: bytes for chunk data and item descriptors.
       max_procs: maximum number of processes attached at once.
       pins_per_proc: maximum chunks/items one process may pin at once.
-      mode: permission bits of the segment.
+      mode: permission bits of the segment: 0o600 (default) or 0o660 (group may attach).
 
     Raises:
       ValueError: bad name or configuration.
@@ -133,6 +145,7 @@ class Segment:
       SegmentInUseError: a live server owns a segment of that name.
     """
     validate_server_name(name)
+    validate_mode(mode)
     for arg, value in (("arena_bytes", arena_bytes), ("max_procs", max_procs),
                        ("pins_per_proc", pins_per_proc)):
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -217,8 +230,9 @@ class Segment:
     """The mapping of server `name` in this process (cached per process).
 
     Raises:
-      ServerUnavailableError: no running server of that name.
-      CorruptError: the segment's layout does not match this build.
+      ServerUnavailableError: no running server of that name (or no permission to open it).
+      CorruptError: the segment's layout does not match this build, or it is truncated.
+      DeadOwnerError: the segment exists but the server that created it was killed.
     """
     validate_server_name(name)
     key = (name, os.getpid())
@@ -233,12 +247,24 @@ class Segment:
             f"no reverb_shm server named {name!r} is running (no {segment_path(name)})") from None
       except posix_ipc.PermissionsError as e:
         raise errors.ServerUnavailableError(
-            f"cannot open segment of server {name!r}: {e}") from None
+            f"cannot open segment of server {name!r}: {e} (segments admit their creator's "
+            "user only, or also its group when the server was created with mode=0o660)") from None
       try:
+        if mem.size < _MIN_SEGMENT_BYTES:   # mmap of an empty or tiny file: fail clearly
+          raise errors.CorruptError(
+              f"segment {segment_path(name)} of server {name!r} holds {mem.size} bytes, smaller "
+              f"than a segment header: truncated, or its creator is still initialising it")
         seg = cls(name, mem.fd, mem.size, owner=False)
       finally:
         mem.close_fd()
       check(lib.rs_segment_validate(seg.base, seg.size), f"attaching to server {name!r}")
+      info = seg.info()
+      if not _owner_alive(info["owner_pid"], info["owner_start_time"]):
+        seg._closed = True
+        raise errors.DeadOwnerError(
+            f"server {name!r} is dead (owner pid {info['owner_pid']} is gone) but its segment "
+            f"{segment_path(name)} remains: restart the server (it reclaims the name) or run "
+            "`reverb-shm gc`")
       cls._cache[key] = seg
       return seg
 
@@ -401,6 +427,9 @@ _segments = weakref.WeakSet()
 
 
 def _reset_locks_in_child() -> None:
+  # A thread of the parent may have held the cache lock at fork time: it would never be
+  # released in the child, whose only thread is the forking one.
+  Segment._cache_lock = threading.Lock()  # pylint: disable=protected-access
   for seg in list(_segments):
     seg._after_fork_in_child()  # pylint: disable=protected-access
 
@@ -443,8 +472,11 @@ def prune_stale_aliases(dry_run: bool = False) -> List[str]:
   return removed
 
 
-def register_port(port: int, name: str) -> None:
-  """Maps `port` to server `name` for this host (replaces a stale alias of a dead owner)."""
+def register_port(port: int, name: str, mode: int = 0o600) -> None:
+  """Maps `port` to server `name` for this host (replaces a stale alias of a dead owner).
+
+  `mode` (0o600 or 0o660, as the segment's) are the alias file's permission bits.
+  """
   prune_stale_aliases()
   path = _alias_path(port)
   pid = os.getpid()
@@ -462,6 +494,7 @@ def register_port(port: int, name: str) -> None:
       except FileNotFoundError:
         pass
       continue
+    os.fchmod(fd, validate_mode(mode))
     with os.fdopen(fd, "wb") as f:
       f.write(data)
     return

@@ -1,6 +1,8 @@
 """Shared fixtures: servers with unique names that are always stopped (segments unlinked)."""
 import itertools
 import os
+import signal
+import time
 
 import pytest
 
@@ -48,3 +50,41 @@ def uniform_table():
   """A Uniform/Fifo table of 1000 items with MinSize(1)."""
   return reverb_shm.Table("uniform", selectors.Uniform(), selectors.Fifo(), 1000,
                           rate_limiters.MinSize(1))
+
+
+def run_in_fork(fn, timeout: float = 30):
+  """Runs fn() in a forked child and returns "OK <result>" or "ERR <Type>: <message>".
+
+  Raises AssertionError if the child crashes or does not finish within `timeout` seconds (it
+  is then killed): a hang never blocks the test run.
+  """
+  read_end, write_end = os.pipe()
+  pid = os.fork()
+  if pid == 0:  # child
+    code = 1
+    try:
+      os.close(read_end)
+      try:
+        out = "OK " + str(fn())
+      except Exception as e:  # pylint: disable=broad-except
+        out = f"ERR {type(e).__name__}: {e}"
+      os.write(write_end, out.encode())
+      code = 0
+    finally:
+      os._exit(code)  # pylint: disable=protected-access
+  os.close(write_end)
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+      break
+    time.sleep(0.01)
+  else:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(read_end)
+    raise AssertionError(f"forked child hung for {timeout} s")
+  with os.fdopen(read_end, "rb") as f:
+    out = f.read().decode()
+  assert os.waitstatus_to_exitcode(status) == 0, out
+  return out
