@@ -128,7 +128,7 @@ class Segment:
   # ---- creation / attachment
   @classmethod
   def create(cls, name: str, tables: Sequence, *, arena_bytes: int, max_procs: int = 128,
-             pins_per_proc: int = 16384, mode: int = 0o600) -> "Segment":
+             pins_per_proc: int = 65536, mode: int = 0o600) -> "Segment":
     """Creates and initialises the segment of server `name` holding `tables`.
 
     Args:
