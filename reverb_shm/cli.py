@@ -5,6 +5,8 @@ Sub-commands:
   reverb-shm info NAME       segment and per-table statistics of server NAME
   reverb-shm check NAME      run the C invariant checker over every table of NAME (exit 1 on violation)
   reverb-shm gc [--dry-run]  remove segments and port aliases whose owner process is dead
+  reverb-shm checkpoint NAME write a checkpoint of server NAME with its checkpointer (progress bar
+                             with the `progress` extra, tqdm; log lines otherwise)
 """
 import argparse
 import os
@@ -62,6 +64,39 @@ def _cmd_gc(args) -> int:
   return 0
 
 
+def _progress_bars():
+  """A checkpoint Progress callback drawing tqdm bars, or None when tqdm is not installed."""
+  try:
+    import tqdm  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  bars = {}
+
+  def report(phase: str, done: int, total: int) -> None:
+    bar = bars.get(phase)
+    if bar is None:
+      scale = phase != "items"
+      bar = bars[phase] = tqdm.tqdm(total=total, desc=phase, unit="B" if scale else "item",
+                                    unit_scale=scale, unit_divisor=1024, file=sys.stderr)
+    bar.update(done - bar.n)
+    if done >= total:
+      bar.close()
+
+  return report
+
+
+def _cmd_checkpoint(args) -> int:
+  import logging  # pylint: disable=g-import-not-at-top
+  from reverb_shm import checkpointers  # pylint: disable=g-import-not-at-top
+  seg = shm.Segment.attach(args.name)
+  progress = _progress_bars()
+  if progress is None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+  path = checkpointers.for_server(args.name).save(seg, progress=progress)
+  print(path)
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="reverb-shm", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("gc", help="remove segments of dead servers")
   p.add_argument("--dry-run", action="store_true")
   p.set_defaults(func=_cmd_gc)
+  p = sub.add_parser("checkpoint", help="write a checkpoint of a server")
+  p.add_argument("name")
+  p.set_defaults(func=_cmd_checkpoint)
   return parser
 
 
