@@ -240,3 +240,65 @@ int rs_table_get(void *base, uint32_t table, uint64_t key, rs_item_rec *out);
 /* Take every lock and verify every invariant (see csrc/check.c); on violation returns
  * RS_ECORRUPT and writes a report (NUL-terminated) into report[0..report_len). */
 int rs_check(void *base, char *report, uint64_t report_len);
+
+/* ================================================================ issue 5: checkpoint support
+ * A snapshot lists every table's items, descriptors and counters under all table locks (taken
+ * in index order, held only for the listing) and keeps every referenced chunk alive through
+ * "holds": descriptor blocks naming up to a few thousand chunks each, pinned once each by the
+ * snapshotting process. A hold is an ordinary pinned descriptor, so a dead process's holds are
+ * reclaimed by rs_reap's recount like any pin, and one pin covers thousands of chunks (a 1M-item
+ * table needs a few hundred pins, far below pins_per_proc). Restore rebuilds tables from saved
+ * records, bypassing the rate limiter and keeping keys, priorities, times_sampled and the
+ * insertion/update order. */
+
+/* Counters of one table. */
+typedef struct rs_table_counters {
+  int64_t size;
+  int64_t inserts; int64_t samples; int64_t deletes;
+  int64_t num_episodes; int64_t num_deleted_episodes; int64_t num_unique_samples;
+} rs_table_counters;
+
+typedef struct rs_snapshot_table {
+  rs_table_counters counters;
+  uint64_t n_items;
+  rs_item_rec *items;      /* insertion order; desc_off = byte offset of the item's descriptor in descs */
+  uint64_t descs_len;
+  uint8_t *descs;          /* descriptor copies (8-byte aligned), each slice's chunk_off replaced by the
+                            * chunk's id: its index in rs_snapshot.chunk_offs */
+} rs_snapshot_table;
+
+/* Process-local (malloc'd) result of rs_snapshot_take; free with rs_snapshot_release. */
+typedef struct rs_snapshot {
+  uint32_t num_tables;
+  uint32_t num_holds;
+  uint64_t n_chunks;
+  uint64_t *chunk_offs;    /* chunk id -> chunk offset; every chunk stays alive until release */
+  uint32_t *hold_pins;     /* pins of `slot` holding the chunks */
+  rs_snapshot_table *tables;
+  int64_t locked_ns;       /* how long every table lock was held (the pause others saw) */
+} rs_snapshot;
+
+/* Consistent snapshot of every table (see above). RS_ENOSPC if the arena cannot hold the hold
+ * descriptors (about 32 bytes per distinct chunk), RS_EFULL without free pins. */
+int rs_snapshot_take(void *base, uint32_t slot, rs_snapshot **out);
+/* Drop the snapshot's holds (chunks whose items are gone are freed) and free its memory. */
+int rs_snapshot_release(void *base, uint32_t slot, rs_snapshot *snap);
+/* Keep n live chunks alive with one pin of `slot` (*pin_out; release with rs_unpin). */
+int rs_hold_chunks(void *base, uint32_t slot, uint32_t n, const uint64_t *chunk_offs,
+                   uint32_t *pin_out);
+/* Restore n items into EMPTY table `table`, bypassing the rate limiter: item i gets key,
+ * priority, times_sampled, insert_seq, update_seq and inserted_at_ns of items[i]; its descriptor
+ * is at descs + items[i].desc_off with chunk ids (indexes into chunk_map, which gives live chunk
+ * offsets). Everything is validated first (keys distinct, n <= max_size, priorities valid for
+ * the selectors, times_sampled below max_times_sampled, descriptors well formed); nothing
+ * changes on error. Limiter counters become inserts = n, samples = deletes = 0. */
+int rs_restore_items(void *base, uint32_t table, uint64_t n, const rs_item_rec *items,
+                     const uint8_t *descs, uint64_t descs_len, const uint64_t *chunk_map,
+                     uint64_t n_chunks);
+/* Set inserts, samples, deletes, num_deleted_episodes, num_unique_samples (size and
+ * num_episodes are derived from the items and must equal the table's). Wakes waiters. */
+int rs_restore_counters(void *base, uint32_t table, const rs_table_counters *c);
+/* Forget the limiter history without dropping items: inserts = size, deletes = 0 and samples
+ * the smallest count >= 0 that puts inserts * samples_per_insert - samples within
+ * [min_diff, max_diff] (as if the items had just been inserted). Wakes waiters. */
+int rs_table_reset_limiter(void *base, uint32_t table);

@@ -2,8 +2,10 @@
 
 `import reverb_shm as reverb` runs Reverb programs; tables live in shared memory on one host.
 """
+from reverb_shm import checkpointers
 from reverb_shm import errors
 from reverb_shm import item_selectors
+from reverb_shm import platform
 from reverb_shm import rate_limiters
 from reverb_shm import selectors
 from reverb_shm import structure
@@ -30,7 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BoundedTensorSpec", "Client", "DeadlineExceededError", "ReplaySample", "ReverbError",
     "SampleInfo", "Server", "SharedTable", "Table", "TableInfo", "TensorSpec",
-    "TrajectoryColumn", "TrajectoryWriter", "errors", "item_selectors", "rate_limiters",
+    "TrajectoryColumn", "TrajectoryWriter", "checkpointers", "errors", "item_selectors", "platform", "rate_limiters",
     "selectors", "structure",
     # issue 3
     "StructuredWriter", "Writer", "structured", "structured_writer",

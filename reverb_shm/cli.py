@@ -7,9 +7,11 @@ Sub-commands:
   reverb-shm gc [--dry-run]  remove segments and port aliases whose owner process is dead
   reverb-shm serve --config FILE [--name NAME] [--arena-mib N]
                              run a server from a ReverbServerConfig text file until Ctrl-C
+  reverb-shm bridge NAME --port P   serve server NAME's tables over gRPC (extra `bridge`)
+  reverb-shm checkpoint NAME write a checkpoint of server NAME with its checkpointer (progress bar
+                             with the `progress` extra, tqdm; log lines otherwise)
 
 `reverb_server --config "<textproto>"` (Reverb's console script) is :func:`reverb_server_main`.
-  reverb-shm bridge NAME --port P   serve server NAME's tables over gRPC (extra `bridge`)
 """
 import argparse
 import os
@@ -136,6 +138,36 @@ def _cmd_bridge(args) -> int:
     server.wait()
   except KeyboardInterrupt:
     pass
+def _progress_bars():
+  """A checkpoint Progress callback drawing tqdm bars, or None when tqdm is not installed."""
+  try:
+    import tqdm  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  bars = {}
+
+  def report(phase: str, done: int, total: int) -> None:
+    bar = bars.get(phase)
+    if bar is None:
+      scale = phase != "items"
+      bar = bars[phase] = tqdm.tqdm(total=total, desc=phase, unit="B" if scale else "item",
+                                    unit_scale=scale, unit_divisor=1024, file=sys.stderr)
+    bar.update(done - bar.n)
+    if done >= total:
+      bar.close()
+
+  return report
+
+
+def _cmd_checkpoint(args) -> int:
+  import logging  # pylint: disable=g-import-not-at-top
+  from reverb_shm import checkpointers  # pylint: disable=g-import-not-at-top
+  seg = shm.Segment.attach(args.name)
+  progress = _progress_bars()
+  if progress is None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+  path = checkpointers.for_server(args.name).save(seg, progress=progress)
+  print(path)
   return 0
 
 
@@ -171,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-stream-chunks", type=int, default=1 << 16,
                  help="chunks one writer stream may hold")
   p.set_defaults(func=_cmd_bridge)
+  p = sub.add_parser("checkpoint", help="write a checkpoint of a server")
+  p.add_argument("name")
+  p.set_defaults(func=_cmd_checkpoint)
   return parser
 
 

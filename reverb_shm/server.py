@@ -13,7 +13,7 @@ import threading
 import weakref
 from typing import Optional, Sequence
 
-from reverb_shm import shm
+from reverb_shm import checkpointers, shm
 from reverb_shm import table as table_lib
 from reverb_shm._lib import check, ffi, lib
 
@@ -42,7 +42,11 @@ class Server:
   Args:
     tables: the tables (at least one, unique names).
     port: TCP port to reserve and register as the server's address; None picks a free one.
-    checkpointer: stored for checkpointing (not used yet).
+    checkpointer: a checkpointers.CheckpointerBase; None -> checkpointers.default_checkpointer().
+      The newest complete checkpoint (else its fallback) is restored before the server starts.
+    on_config_mismatch: when a restored table's configuration in code differs from the
+      checkpoint's: 'error' (ValueError naming the fields), 'prefer_code' or
+      'prefer_checkpoint'. server_info() shows the effective configuration.
     name: server name (the segment is /dev/shm/rvshm.NAME); default f"reverb_{port}".
     arena_bytes: bytes of shared memory for chunk data and item descriptors.
     max_procs: maximum number of processes attached at once.
@@ -58,7 +62,8 @@ class Server:
   `reverb-shm gc`, or starting a server of the same name, removes the stale segment.
 
   Raises:
-    ValueError: no tables, duplicate table names, bad name, port unavailable.
+    ValueError: no tables, duplicate table names, bad name, port unavailable, a checkpoint
+      that does not fit the tables (see on_config_mismatch).
     ResourceExhaustedError: /dev/shm cannot hold the segment.
     SegmentInUseError: a live server already uses that name.
   """
@@ -66,7 +71,7 @@ class Server:
   def __init__(self, tables: Sequence[table_lib.Table] = None, port: Optional[int] = None,
                checkpointer=None, *, name: Optional[str] = None,
                arena_bytes: int = DEFAULT_ARENA_BYTES, max_procs: int = 128,
-               mode: int = 0o600, bridge=None):
+               mode: int = 0o600, bridge=None, on_config_mismatch: str = "error"):
     self._stopped = True
     self._bridge = None
     self._pid = os.getpid()
@@ -83,19 +88,31 @@ class Server:
     if name is not None:
       shm.validate_server_name(name)
     shm.validate_mode(mode)
+    if checkpointer is None:
+      checkpointer = checkpointers.default_checkpointer()
+    # Table configs are fixed when the segment is created: read the checkpoint first.
+    restoring = checkpointer.load_latest()
+    created_tables, restore_indices = tables, {}
+    if restoring is not None:
+      created_tables, restore_indices = checkpointers.effective_tables(tables, restoring,
+                                                                       on_config_mismatch)
     self._socket = self._bind_port(port)
     self._port = self._socket.getsockname()[1]
     self._name = name if name is not None else f"reverb_{self._port}"
     try:
       shm.validate_server_name(self._name)
-      self._segment = shm.Segment.create(self._name, tables, arena_bytes=arena_bytes,
+      self._segment = shm.Segment.create(self._name, created_tables, arena_bytes=arena_bytes,
                                          max_procs=max_procs, mode=mode)
     except BaseException:
       self._socket.close()
       raise
     try:
+      if restoring is not None:
+        checkpointers.restore_into(self._segment, restoring, restore_indices)
       shm.register_port(self._port, self._name, mode)
+      checkpointers.publish(self._name, checkpointer)
     except BaseException:
+      self._segment.close()
       self._segment.unlink()
       self._socket.close()
       raise
@@ -171,6 +188,26 @@ class Server:
     table_name = table.name if isinstance(table, table_lib.Table) else table
     return SharedTable(self._segment, self._segment.table_index(table_name))
 
+  def checkpoint(self) -> str:
+    """Writes a checkpoint with the server's checkpointer; returns its path (see
+    Client.checkpoint)."""
+    return self._checkpointer.save(self._segment)
+
+  def reset_rate_limiter(self, table) -> None:
+    """Forgets the rate-limiter history of `table` (name or Table) without dropping items.
+
+    For a table restored with counters that no longer suit the code (e.g. another limiter):
+    afterwards inserts = size, deletes = 0 and samples is the smallest count that puts the
+    limiter inside its [min_diff, max_diff] band, as if the items had just been inserted.
+
+    Raises:
+      UnknownTableError: no such table.
+    """
+    table_name = table.name if isinstance(table, table_lib.Table) else table
+    index = self._segment.table_index(table_name)
+    check(lib.rs_table_reset_limiter(self._segment.base, index),
+          f"resetting the rate limiter of table {table_name!r}")
+
   # ---- lifecycle
   def stop(self) -> None:
     """Closes every table (blocked calls in every process fail with TableClosedError), stops
@@ -190,6 +227,7 @@ class Server:
     for t in self._tables:
       t._unbind()  # pylint: disable=protected-access
     shm.unregister_port(self._port, self._name)
+    checkpointers.unpublish(self._name)
     self._segment.unlink()
     self._segment.close()
     self._socket.close()

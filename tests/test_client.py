@@ -1,6 +1,8 @@
 """Client (SPEC §5): insert, sample, mutate_priorities, reset, server_info, pickling."""
 import multiprocessing
+import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -237,6 +239,7 @@ def test_bytes_and_str_columns_round_trip(client):
   assert s.tolist() == ["h\u00e9llo".encode()]
 
 
-def test_checkpoint_is_not_implemented_yet(client):
-  with pytest.raises(NotImplementedError, match="checkpoint"):
-    client.checkpoint()
+def test_checkpoint_returns_the_new_checkpoint_directory(client):
+  path = client.checkpoint()   # the default TempDirCheckpointer (tests/test_checkpoint.py: more)
+  assert os.path.isfile(os.path.join(path, "MANIFEST"))
+  shutil.rmtree(os.path.dirname(path))
