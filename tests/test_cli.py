@@ -55,10 +55,12 @@ def test_gc_removes_segment_of_a_killed_server(server_name, capsys):
   assert cli.main(["list"]) == 0
   listing = capsys.readouterr().out
   assert server_name in listing and "STALE" in listing
-  assert cli.main(["gc", "--dry-run"]) == 0
+  # Only this test's server: the suite never removes other people's stale segments.
+  assert cli.main(["gc", server_name, "--dry-run"]) == 0
   assert os.path.exists(path)
-  assert cli.main(["gc"]) == 0
+  assert cli.main(["gc", server_name]) == 0
   out = capsys.readouterr().out
   assert path in out and f"/dev/shm/rvshm.port.{port}" in out
+  assert "removed 2 stale object(s)" in out     # nothing but this server's segment and alias
   assert not os.path.exists(path)
   assert not os.path.exists(f"/dev/shm/rvshm.port.{port}")
