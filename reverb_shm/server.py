@@ -80,6 +80,8 @@ class Server:
     dupes = sorted(n for n, c in collections.Counter(t.name for t in tables).items() if c > 1)
     if dupes:
       raise ValueError(f"Table names must be unique; duplicated: {dupes}")
+    for t in tables:
+      t._check_unbound()  # pylint: disable=protected-access
     if name is not None:
       shm.validate_server_name(name)
     shm.validate_mode(mode)

@@ -17,6 +17,7 @@ Port aliases (``Client('localhost:PORT')``) are small files ``/dev/shm/rvshm.por
 mode 0600, holding the server name and owner pid.
 """
 import fcntl
+import ipaddress
 import mmap
 import os
 import re
@@ -33,7 +34,7 @@ from reverb_shm import errors
 from reverb_shm._lib import check, ffi, last_error, lib
 
 __all__ = ["Segment", "validate_server_name", "validate_mode", "register_port", "unregister_port",
-           "prune_stale_aliases", "list_segments", "remove_stale",
+           "prune_stale_aliases", "list_segments", "remove_stale", "is_local_host",
            "resolve_address", "segment_path", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"
@@ -595,6 +596,27 @@ def _local_hosts():
   return hosts
 
 
+def is_local_host(host: str) -> bool:
+  """Whether `host` names this host: a local name, or an IP address of one of its interfaces.
+
+  An IP literal is local when a socket can bind to it (no DNS lookup is made).
+  """
+  host = host.lower()
+  if host in _local_hosts():
+    return True
+  try:
+    ip = ipaddress.ip_address(host.strip("[]"))
+  except ValueError:
+    return False
+  family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+      sock.bind((str(ip), 0))
+    return True
+  except OSError:
+    return False
+
+
 def resolve_address(address: str) -> str:
   """Server name for `address`: 'shm://NAME', or 'HOST:PORT' with HOST this host.
 
@@ -609,7 +631,7 @@ def resolve_address(address: str) -> str:
   host, sep, port = address.rpartition(":")
   if not sep or not port.isdigit():
     raise ValueError(f"invalid server address {address!r}: expected 'HOST:PORT' or 'shm://NAME'")
-  if host.lower() not in _local_hosts():
+  if not is_local_host(host):
     raise ValueError(f"server address {address!r} is not on this host; reverb_shm serves "
                      "processes on one host (use the gRPC bridge for remote clients)")
   alias = _read_alias(_alias_path(int(port)))

@@ -177,7 +177,7 @@ _SMALL_TMPFS = textwrap.dedent("""
     a = reverb_shm.Server([t], name="fits", arena_bytes=5 << 20, **kw)   # 16 MiB tmpfs: fits
     for arena in (12 << 20, 64 << 20):
       try:
-        reverb_shm.Server([t], name=f"nofit{arena}", arena_bytes=arena, **kw)
+        reverb_shm.Server([t.replace()], name=f"nofit{arena}", arena_bytes=arena, **kw)
       except errors.ResourceExhaustedError as e:
         print("REFUSED", e, flush=True)
       assert not os.path.exists(f"/dev/shm/rvshm.nofit{arena}")
