@@ -20,6 +20,7 @@ import signal
 import sys
 
 from reverb_shm import errors, shm
+from reverb_shm.server import PIN_ENTRY_BYTES
 
 _MiB = float(1 << 20)
 
@@ -44,6 +45,12 @@ def _cmd_info(args) -> int:
         f"{info['live_procs']}/{info['max_procs']} process slots in use")
   print(f"arena: {info['arena_used'] / _MiB:.1f} MiB used of {info['arena_size'] / _MiB:.1f} MiB, "
         f"{info['num_chunks']} chunks, {info['num_descs']} item descriptors")
+  pin_logs = info["max_procs"] * info["pins_per_proc"] * PIN_ENTRY_BYTES
+  rest = info["total_size"] - info["arena_size"] - pin_logs
+  print(f"segment: {info['total_size'] / _MiB:.1f} MiB = arena {info['arena_size'] / _MiB:.1f} MiB"
+        f" + pin logs {pin_logs / _MiB:.1f} MiB ({info['max_procs']} process slots x "
+        f"{info['pins_per_proc']} pins x {PIN_ENTRY_BYTES} bytes) + tables' metadata and header "
+        f"{rest / _MiB:.1f} MiB")
   for index, name in enumerate(seg.table_names()):
     st = seg.stats(index)
     print(f"  table {name!r}: size {st['size']}/{st['max_size']}, inserts {st['inserts']}, "
