@@ -4,6 +4,7 @@ The creating process is slowed down at a chosen point of Segment.create (a patch
 posix_fallocate or flock that sleeps) while this process runs gc against that name only, so
 the suite never touches other people's segments in the shared /dev/shm.
 """
+import contextlib
 import os
 import subprocess
 import sys
@@ -63,6 +64,17 @@ def _start(name, stage):
   return proc
 
 
+@contextlib.contextmanager
+def _creating(name, stage):
+  """The creating process, paused at `stage`; killed on exit if still running."""
+  proc = _start(name, stage)
+  try:
+    yield proc
+  finally:
+    proc.kill()
+    proc.wait(timeout=10)
+
+
 def _gc_during(name, seconds, capsys):
   """Runs `reverb-shm gc NAME` repeatedly for `seconds`; returns the paths it removed."""
   removed = []
@@ -89,8 +101,7 @@ def _assert_serves(proc, name):
 
 
 def test_gc_leaves_a_segment_whose_creator_holds_the_creation_lock(server_name, capsys):
-  proc = _start(server_name, "fallocate")
-  try:
+  with _creating(server_name, "fallocate") as proc:
     assert os.path.exists(shm.segment_path(server_name))
     assert [row["state"] for row in shm.list_segments([server_name])] == ["starting"]
     assert _gc_during(server_name, 1.0, capsys) == []
@@ -98,21 +109,14 @@ def test_gc_leaves_a_segment_whose_creator_holds_the_creation_lock(server_name, 
     with pytest.raises(errors.SegmentInUseError, match="another process is creating"):
       reverb_shm.Server([reverb_shm.Table.queue("q", 1)], name=server_name, arena_bytes=1 << 20)
     _assert_serves(proc, server_name)
-  finally:
-    proc.kill()
-    proc.wait(timeout=10)
 
 
 def test_creator_recovers_when_gc_wins_the_instant_before_its_lock(server_name, capsys):
-  proc = _start(server_name, "flock")
-  try:
+  with _creating(server_name, "flock") as proc:
     # Created but not yet locked nor initialised: gc may judge it stale and unlink it ...
     assert _gc_during(server_name, 0.5, capsys) == [shm.segment_path(server_name)]
     # ... and the creator notices the name no longer refers to its file and creates it again.
     _assert_serves(proc, server_name)
-  finally:
-    proc.kill()
-    proc.wait(timeout=10)
 
 
 def test_segment_of_a_creator_that_died_mid_creation_is_stale(server_name, capsys):
