@@ -9,13 +9,16 @@ Every payload row is 64 bytes: 60 random bytes followed by their CRC32, so any t
 overwritten row is detected by whoever samples it.
 
 The controller keeps `workers` processes alive, SIGKILLs a random one every 0..2*`kill_every`
-seconds and starts a replacement. At the end the survivors are told to stop (they must exit by
+seconds and starts a replacement, for `seconds`, or until `kills` workers were killed if that
+comes first (tests ask for a number of kills: on a loaded machine the kill loop slows down, and
+a wall-clock run may kill too few workers to mean anything). At the end the survivors are told to stop (they must exit by
 themselves within a timeout: no hang), the dead are reaped, and the run checks:
   - rs_check passes (Segment.check),
   - every item the controller samples is intact,
   - no chunk or pin leaked: descriptors == items, and after reset() the arena is empty.
 
-Usage: python bench/torture.py [--seconds 120] [--workers 6] [--kill-every 0.02] [--json out]
+Usage: python bench/torture.py [--seconds 120] [--kills N] [--workers 6] [--kill-every 0.02]
+                               [--json out]
 """
 import argparse
 import json
@@ -148,8 +151,14 @@ def _reap(server) -> int:
 
 
 def run(seconds: float = 20.0, workers: int = 6, kill_every: float = 0.02, seed: int = 0,
-        arena_bytes: int = 64 << 20, name: str = None, log=None) -> dict:
-  """Runs the campaign; returns figures. Raises AssertionError on any violation."""
+        arena_bytes: int = 64 << 20, name: str = None, log=None, kills: int = None) -> dict:
+  """Runs the campaign; returns figures. Raises AssertionError on any violation.
+
+  Args:
+    seconds: longest duration of the kill phase.
+    kills: end the kill phase as soon as this many workers were SIGKILLed (None: run for
+      `seconds`). The figures report the kills made and the seconds taken.
+  """
   rnd = random.Random(seed)
   name = name or f"torture_{os.getpid()}"
   stop_path = f"/tmp/{name}.stop"
@@ -158,14 +167,15 @@ def run(seconds: float = 20.0, workers: int = 6, kill_every: float = 0.02, seed:
   server = reverb_shm.Server(make_tables(), name=name, arena_bytes=arena_bytes, max_procs=64,
                              port=None)
   live = {}          # pid -> role
-  kills = {role: 0 for role in ROLES}
+  target, kills = kills, {role: 0 for role in ROLES}
   crashed = []       # (pid, role, exit code) of workers that died on their own
   try:
     for i in range(workers):
       role = ROLES[i % len(ROLES)]
       live[_spawn(server, role, stop_path)] = role
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    start = time.monotonic()
+    end = start + seconds
+    while time.monotonic() < end and (target is None or sum(kills.values()) < target):
       time.sleep(rnd.uniform(0, 2 * kill_every))
       pid = rnd.choice(sorted(live))
       os.kill(pid, signal.SIGKILL)
@@ -181,6 +191,7 @@ def run(seconds: float = 20.0, workers: int = 6, kill_every: float = 0.02, seed:
         if done:
           crashed.append((other, live.pop(other), os.waitstatus_to_exitcode(status)))
           live[_spawn(server, role, stop_path)] = role
+    kill_seconds = time.monotonic() - start
     # Survivors must finish their current call and exit by themselves: no hang.
     with open(stop_path, "w"):
       pass
@@ -229,7 +240,7 @@ def run(seconds: float = 20.0, workers: int = 6, kill_every: float = 0.02, seed:
     assert info["num_chunks"] == 0 and info["num_descs"] == 0 and info["arena_used"] == 0, (
         f"leak after reset: {info}")
     seg.check()
-    result = {"seconds": seconds, "workers": workers, "kills": sum(kills.values()),
+    result = {"seconds": round(kill_seconds, 1), "workers": workers, "kills": sum(kills.values()),
               "kills_by_role": kills, "table_repairs": repairs, "items_at_end": sizes}
     if log:
       log(result)
@@ -246,6 +257,8 @@ def run(seconds: float = 20.0, workers: int = 6, kill_every: float = 0.02, seed:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seconds", type=float, default=120.0)
+  parser.add_argument("--kills", type=int, default=None,
+                      help="stop after this many kills (if before --seconds)")
   parser.add_argument("--workers", type=int, default=6)
   parser.add_argument("--kill-every", type=float, default=0.02,
                       help="mean seconds between two kills")
@@ -253,7 +266,7 @@ def main(argv=None) -> int:
   parser.add_argument("--json", help="write the figures to this file")
   args = parser.parse_args(argv)
   t0 = time.monotonic()
-  result = run(args.seconds, args.workers, args.kill_every, args.seed)
+  result = run(args.seconds, args.workers, args.kill_every, args.seed, kills=args.kills)
   result["wall_seconds"] = round(time.monotonic() - t0, 1)
   print(json.dumps(result, indent=2))
   if args.json:

@@ -6,6 +6,7 @@
 #ifndef RS_SELECTORS_H
 #define RS_SELECTORS_H
 
+#include <float.h>
 #include <math.h>
 
 #include "rs_internal.h"
@@ -18,6 +19,12 @@ static inline int rs_sel_is_heap(int kind) { return kind == RS_SEL_MINHEAP || ki
 /* Prioritized weight: 0 if priority == 0 (whatever the exponent), else priority**exponent. */
 static inline double rs_sel_weight(double exponent, double priority) {
   return priority == 0 ? 0.0 : pow(priority, exponent);
+}
+
+/* Largest Prioritized weight a table accepts: the sum of `tree_leaves` such weights (the tree
+ * total) stays finite with a factor 2 to spare, so sampling never meets an infinite total. */
+static inline double rs_sel_weight_cap(uint32_t tree_leaves) {
+  return DBL_MAX / (2.0 * (double)tree_leaves);
 }
 
 /* Heap order: (sign * priority, update_seq) ascending, sign +1 for MinHeap, -1 for MaxHeap. */

@@ -88,8 +88,9 @@ int rs_proc_register(void *base, int32_t pid, uint64_t start_time, uint32_t *slo
   registry_unlock(base);
   if (rc) return rc;
   return rs_set_error(RS_EFULL,
-                      "all %u process slots are in use (max_procs=%u): raise max_procs when creating the"
-                      " server, or reap dead processes (rs_reap / `reverb-shm gc`)",
+                      "all %u process slots are in use (max_procs=%u): raise max_procs when creating the "
+                      "server; the server frees the slot of a process that exited within about "
+                      "0.5 s, so retrying may succeed if processes are coming and going",
                       h->max_procs, h->max_procs);
 }
 

@@ -196,7 +196,8 @@ static int has_prioritized(const rs_table_hdr *th) {
 }
 
 /* Priorities must be finite; >= 0 with a Prioritized sampler or remover, whose weight
- * priority**exponent must also be finite (SPEC "Our decisions" 4). */
+ * priority**exponent must also be at most rs_sel_weight_cap (SPEC "Our decisions" 4): finite
+ * weights could otherwise sum to an infinite tree total. */
 static int check_priorities(const rs_table_hdr *th, uint32_t n, const double *p, const char *what) {
   for (uint32_t i = 0; i < n; i++) {
     if (!isfinite(p[i]))
@@ -209,11 +210,13 @@ static int check_priorities(const rs_table_hdr *th, uint32_t n, const double *p,
                           "needs priorities >= 0", th->name, what, i, p[i]);
     for (int si = 0; si < 2; si++) {
       if (th->sel[si].kind != RS_SEL_PRIORITIZED) continue;
-      if (!isfinite(rs_sel_weight(th->sel[si].exponent, p[i])))
+      double cap = rs_sel_weight_cap(th->tree_leaves);
+      if (!(rs_sel_weight(th->sel[si].exponent, p[i]) <= cap))
         return rs_set_error(RS_EINVAL,
-                            "table '%s': %s priority [%u] = %g overflows priority**%g; expected a "
-                            "priority whose weight is a finite float64", th->name, what, i, p[i],
-                            th->sel[si].exponent);
+                            "table '%s': %s priority [%u] = %g gives weight priority**%g above the "
+                            "cap %g of this table (float64 max / (2 * %u sum-tree leaves), so the "
+                            "weights' total stays finite); expected a smaller priority", th->name,
+                            what, i, p[i], th->sel[si].exponent, cap, th->tree_leaves);
     }
   }
   return RS_OK;

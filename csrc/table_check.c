@@ -132,6 +132,9 @@ static void check_selector(void *base, rs_table_hdr *th, int si, report_t *rep) 
     for (uint32_t node = 1; node < L; node++)
       if (tree[node] != tree[2 * node] + tree[2 * node + 1])
         fail(rep, "selector %d: sum-tree node %u (%.17g) != sum of children", si, node, tree[node]);
+    if (L > 0 && !isfinite(tree[1]))
+      fail(rep, "selector %d: sum-tree total is %g, expected a finite sum of weights <= %g", si,
+           tree[1], rs_sel_weight_cap(L));
   }
 }
 

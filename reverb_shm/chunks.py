@@ -9,6 +9,7 @@ Layouts shared with the C core (csrc/rs_api.h):
 """
 import itertools
 import math
+import os
 import struct
 from typing import List, Optional, Sequence, Tuple
 
@@ -157,6 +158,7 @@ class Chunk:
     meta = _ChunkMeta(seg, off)
     self._seg = seg
     self._generation = generation
+    self._pid = os.getpid()
     self.off = off
     self.capacity = meta.capacity
     self.rows = meta.rows
@@ -223,11 +225,15 @@ class Chunk:
         this process, or a fork child): its pin is gone and the rows may have been freed.
     """
     if self._generation != self._seg.generation:
+      if self._pid != os.getpid():
+        raise errors.TableClosedError(
+            f"this writer's chunk (server {self._seg.name!r}) belongs to process {self._pid}, "
+            f"which forked this process ({os.getpid()}): a writer cannot be shared across a "
+            "fork; re-attach after fork: create a new Client / TrajectoryWriter in the child")
       raise errors.TableClosedError(
           f"chunk {self.off} of server {self._seg.name!r} can no longer be written: this "
-          "process's registration ended (server stopped or segment closed), or this is a "
-          "forked child of the process that allocated it: re-attach after fork (create a new "
-          "Client / TrajectoryWriter in the child)")
+          "process's registration ended (the server stopped, or the segment "
+          "was closed in this process)")
     check(lib.rs_chunk_publish_rows(self._seg.base, self.off, rows), "publishing chunk rows")
     self.rows = rows
 

@@ -4,7 +4,10 @@ Sub-commands:
   reverb-shm list            servers whose segments exist in /dev/shm, with owner state
   reverb-shm info NAME       segment and per-table statistics of server NAME
   reverb-shm check NAME      run the C invariant checker over every table of NAME (exit 1 on violation)
-  reverb-shm gc [--dry-run]  remove segments and port aliases whose owner process is dead
+  reverb-shm gc [NAME ...] [--dry-run]
+                             remove segments and port aliases whose owner process is dead
+                             (of servers NAME only, if given); a segment still being created
+                             counts as live
   reverb-shm serve --config FILE [--name NAME] [--arena-mib N]
                              run a server from a ReverbServerConfig text file until Ctrl-C
   reverb-shm bridge NAME --port P   serve server NAME's tables over gRPC (extra `bridge`)
@@ -19,6 +22,7 @@ import signal
 import sys
 
 from reverb_shm import errors, shm
+from reverb_shm.server import PIN_ENTRY_BYTES
 
 _MiB = float(1 << 20)
 
@@ -30,7 +34,8 @@ def _cmd_list(args) -> int:
     return 0
   print(f"{'server':32} {'size MiB':>10} {'owner pid':>10}  state")
   for row in rows:
-    state = "live" if row["alive"] else "STALE (owner dead; `reverb-shm gc` removes it)"
+    state = {"live": "live", "starting": "starting (being created)"}.get(
+        row["state"], "STALE (owner dead; `reverb-shm gc` removes it)")
     print(f"{row['name']:32} {row['size'] / _MiB:10.1f} {row['pid']:10d}  {state}")
   return 0
 
@@ -42,6 +47,12 @@ def _cmd_info(args) -> int:
         f"{info['live_procs']}/{info['max_procs']} process slots in use")
   print(f"arena: {info['arena_used'] / _MiB:.1f} MiB used of {info['arena_size'] / _MiB:.1f} MiB, "
         f"{info['num_chunks']} chunks, {info['num_descs']} item descriptors")
+  pin_logs = info["max_procs"] * info["pins_per_proc"] * PIN_ENTRY_BYTES
+  rest = info["total_size"] - info["arena_size"] - pin_logs
+  print(f"segment: {info['total_size'] / _MiB:.1f} MiB = arena {info['arena_size'] / _MiB:.1f} MiB"
+        f" + pin logs {pin_logs / _MiB:.1f} MiB ({info['max_procs']} process slots x "
+        f"{info['pins_per_proc']} pins x {PIN_ENTRY_BYTES} bytes) + tables' metadata and header "
+        f"{rest / _MiB:.1f} MiB")
   for index, name in enumerate(seg.table_names()):
     st = seg.stats(index)
     print(f"  table {name!r}: size {st['size']}/{st['max_size']}, inserts {st['inserts']}, "
@@ -62,7 +73,7 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_gc(args) -> int:
-  removed = shm.remove_stale(dry_run=args.dry_run)
+  removed = shm.remove_stale(dry_run=args.dry_run, names=args.names or None)
   verb = "would remove" if args.dry_run else "removed"
   for path in removed:
     print(f"{verb} {path}")
@@ -182,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("name")
   p.set_defaults(func=_cmd_check)
   p = sub.add_parser("gc", help="remove segments of dead servers")
+  p.add_argument("names", nargs="*", metavar="NAME",
+                 help="only consider the segments of these servers (default: all)")
   p.add_argument("--dry-run", action="store_true")
   p.set_defaults(func=_cmd_gc)
   p = sub.add_parser("serve", help="serve tables from a ReverbServerConfig text file")

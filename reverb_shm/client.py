@@ -4,6 +4,7 @@ A Client names a server by address ('localhost:PORT', 'HOST:PORT' of this host, 
 'shm://NAME'). It attaches lazily on first use and again after a fork; it pickles as its
 address, so it can be handed to spawned processes.
 """
+import collections.abc
 import os
 import time
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
@@ -88,7 +89,8 @@ class Client:
       ServerUnavailableError: no server answers to the address.
     """
     seg = self._seg
-    if seg is None or self._seg_pid != os.getpid():
+    # A segment closed in this process (its Server stopped here) is never used again.
+    if seg is None or self._seg_pid != os.getpid() or seg._closed:  # pylint: disable=protected-access
       seg = shm.Segment.attach(shm.resolve_address(self._address))
       self._seg, self._seg_pid, self._handles = seg, os.getpid(), {}
     return seg
@@ -113,7 +115,8 @@ class Client:
     return SharedTable(seg, seg.table_index(table))
 
   # ---- insert
-  def insert(self, data: Any, priorities: Dict[str, float]) -> None:
+  def insert(self, data: Any, priorities: Dict[str, float],
+             timeout_ms: Optional[float] = None) -> None:
     """Inserts `data` as one single-step item into each table of `priorities`.
 
     The data is written to shared memory once and referenced by every table's item; each
@@ -123,8 +126,12 @@ class Client:
     Args:
       data: nest of arrays / Python values (one step).
       priorities: table name -> priority (finite; >= 0 for Prioritized tables).
+      timeout_ms: None (default, as Reverb) waits for the rate limiters forever; else the
+        milliseconds all tables together may wait (0: do not wait) (reverb_shm extension).
 
     Raises:
+      DeadlineExceededError: a rate limiter did not admit the item in time; the items of the
+        tables named before it in `priorities` stay inserted.
       ValueError: empty `priorities`, empty data, None leaves, unsupported dtypes, bad
         priorities, data not matching a table's signature, or an unknown table (an
         UnknownTableError naming the available tables). Nothing is inserted then.
@@ -136,6 +143,7 @@ class Client:
     if not isinstance(priorities, dict):
       raise TypeError(f"priorities must be a dict table -> priority, got "
                       f"{type(priorities).__name__}")
+    deadline = timeouts.deadline_from_ms(timeout_ms)
     handles = [self._table_handle(name) for name in priorities]
     prios = np.array([trajectory_writer_lib.check_priority(p, h.name, h.prioritized)
                       for h, p in zip(handles, priorities.values())], dtype=np.float64)
@@ -146,7 +154,10 @@ class Client:
     for i, leaf in enumerate(leaves):
       if leaf is None:
         raise ValueError(f"data leaf {i} is None; every field of an inserted step needs a value")
-      arr = structure.to_array(leaf)
+      try:
+        arr = structure.to_array(leaf)
+      except ValueError as e:
+        raise ValueError(f"data leaf {i}: {e}") from None
       trajectory_writer_lib.check_supported_dtype(arr.dtype, i)
       arrays.append(arr)
     columns = [(a.dtype, (1,) + a.shape) for a in arrays]
@@ -168,7 +179,7 @@ class Client:
       offs = np.array([0, len(blob)], np.uint64)
       for h, prio in zip(handles, prios):
         key = np.array([trajectory_writer_lib.random_u64.one()], np.uint64)
-        h.table.insert_descriptors(key, prio[None], blob, offs)
+        h.table.insert_descriptors(key, prio[None], blob, offs, timeouts.remaining_ms(deadline))
     finally:
       for c in written:
         c.release()
@@ -233,11 +244,26 @@ class Client:
     Returns:
       (number of priorities updated, number of items deleted).
 
+    Args:
+      table: table name.
+      updates: dict item key -> new priority, or None.
+      deletes: sequence (or other iterable) of item keys, or None.
+
     Raises:
       UnknownTableError: no such table.
-      ValueError: a NaN/infinite priority, or a negative one on a Prioritized table.
+      TypeError: `updates` is not a dict or `deletes` not an iterable of keys.
+      ValueError: a key outside [0, 2**64); a NaN/infinite priority, or a negative one on a
+        Prioritized table.
       TableClosedError: the server stopped.
     """
+    if updates is not None and not isinstance(updates, collections.abc.Mapping):
+      raise TypeError(f"updates must be a dict item key -> priority, got "
+                      f"{type(updates).__name__} {updates!r:.60}")
+    if deletes is not None:
+      if isinstance(deletes, (str, bytes)) or not isinstance(deletes, collections.abc.Iterable):
+        raise TypeError(f"deletes must be a sequence of item keys, got "
+                        f"{type(deletes).__name__} {deletes!r:.60}")
+      deletes = list(deletes)
     st = self._table_handle(table).table
     # Python ints above 2**63 would make numpy guess float64: pass uint64 scalars instead.
     if updates:
@@ -270,6 +296,9 @@ class Client:
     while True:
       try:
         seg = self._segment()
+        if seg.is_closed():      # stopped by another process: look for a new server
+          self._seg = None
+          raise errors.ServerUnavailableError(f"the server at {self._address!r} stopped")
         break
       except errors.ServerUnavailableError as e:
         now = time.monotonic()

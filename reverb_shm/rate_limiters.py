@@ -4,6 +4,7 @@ The formulas run in the C core. Objects are immutable configuration and thread-s
 object may configure several tables (SPEC "Our decisions" 6).
 """
 import logging
+import math
 import sys
 from typing import Tuple, Union
 
@@ -36,7 +37,8 @@ class RateLimiter:
     max_diff: float, upper bound of inserts*spi - samples.
 
   Raises:
-    ValueError: samples_per_insert <= 0, min_size_to_sample <= 0, min_diff > max_diff or NaN.
+    ValueError: samples_per_insert <= 0 or not finite, min_size_to_sample <= 0,
+      min_diff > max_diff or NaN.
   """
 
   def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float,
@@ -47,8 +49,8 @@ class RateLimiter:
       raise ValueError(f"min_size_to_sample must be an integer, got {min_size_to_sample!r}")
     min_diff = float(_number(min_diff, "min_diff"))
     max_diff = float(_number(max_diff, "max_diff"))
-    if not spi > 0:
-      raise ValueError(f"samples_per_insert must be > 0, got {samples_per_insert}")
+    if not 0 < spi < float("inf"):
+      raise ValueError(f"samples_per_insert must be finite and > 0, got {samples_per_insert}")
     if min_size <= 0:
       raise ValueError(f"min_size_to_sample must be >= 1, got {min_size_to_sample}")
     if min_diff != min_diff or max_diff != max_diff:
@@ -106,7 +108,7 @@ class SampleToInsertRatio(RateLimiter):
       (min_diff, max_diff) pair.
 
   Raises:
-    ValueError: spi <= 0; max_diff - min_diff < 2*max(1, spi); min_diff > spi*min_size;
+    ValueError: spi <= 0 or infinite; a NaN or infinite error_buffer; max_diff - min_diff < 2*max(1, spi); min_diff > spi*min_size;
       min_size_to_sample < 1. (max_diff < spi*min_size only logs a warning: it can deadlock
       unless inserts and samples run concurrently.)
   """
@@ -114,8 +116,8 @@ class SampleToInsertRatio(RateLimiter):
   def __init__(self, samples_per_insert: float, min_size_to_sample: int,
                error_buffer: Union[float, Tuple[float, float]]):
     spi = float(_number(samples_per_insert, "samples_per_insert"))
-    if not spi > 0:
-      raise ValueError(f"samples_per_insert ({samples_per_insert}) must be > 0")
+    if not 0 < spi < float("inf"):
+      raise ValueError(f"samples_per_insert ({samples_per_insert}) must be finite and > 0")
     offset = spi * min_size_to_sample
     if isinstance(error_buffer, (int, float)) and not isinstance(error_buffer, bool):
       min_diff, max_diff = offset - error_buffer, offset + error_buffer
@@ -125,6 +127,9 @@ class SampleToInsertRatio(RateLimiter):
       except (TypeError, ValueError):
         raise ValueError("error_buffer must be a number or a (min_diff, max_diff) pair, got "
                          f"{error_buffer!r}") from None
+    if not (math.isfinite(min_diff) and math.isfinite(max_diff)):
+      raise ValueError(f"error_buffer must be finite, got {error_buffer!r} (min_diff={min_diff}, "
+                       f"max_diff={max_diff})")
     if max_diff - min_diff < 2 * max(1.0, spi):
       raise ValueError(
           f"The size of the error buffer ({max_diff - min_diff}, from min_diff={min_diff} to "

@@ -17,9 +17,11 @@ from reverb_shm import checkpointers, shm
 from reverb_shm import table as table_lib
 from reverb_shm._lib import check, ffi, lib
 
-__all__ = ["Server", "DEFAULT_ARENA_BYTES"]
+__all__ = ["Server", "DEFAULT_ARENA_BYTES", "DEFAULT_PINS_PER_PROC", "PIN_ENTRY_BYTES"]
 
 DEFAULT_ARENA_BYTES = 256 << 20
+DEFAULT_PINS_PER_PROC = 65536
+PIN_ENTRY_BYTES = 12          # one pin-log entry (u64 entry + u32 free-stack slot)
 _REAP_INTERVAL_S = 0.5
 
 # Servers of this process still running; stopped at interpreter exit so that a script that
@@ -50,11 +52,21 @@ class Server:
     name: server name (the segment is /dev/shm/rvshm.NAME); default f"reverb_{port}".
     arena_bytes: bytes of shared memory for chunk data and item descriptors.
     max_procs: maximum number of processes attached at once.
+    pins_per_proc: most chunks and sampled items one process may hold pinned at once (live
+      sample views and chunks being written), 16..2**20; a batch needing more fails with
+      ResourceExhaustedError. Each process slot reserves a pin log of pins_per_proc x 12 bytes.
     bridge: a reverb_shm.bridge.BridgeConfig to also serve the tables over gRPC in this
       process (needs the `bridge` extra); see `bridge_address`.
     mode: permission bits of the segment and port alias: 0o600 (default: only this user's
       processes may attach) or 0o660 (also processes of the file's group). Other bits are
       refused.
+
+  Segment size: the segment /dev/shm/rvshm.NAME is reserved in full at creation and holds
+    arena_bytes (chunk data and item descriptors)
+    + the tables' metadata (records, key index, selector structures: roughly 150 to 350 bytes
+      per unit of max_size, as some arrays are rounded up to powers of two)
+    + pin logs: max_procs x pins_per_proc x 12 bytes (96 MiB at the defaults 128 x 65536).
+  Lower max_procs or pins_per_proc to shrink it; `reverb-shm info NAME` prints the breakdown.
 
   If the server process dies (SIGKILL), processes already attached keep working on the mapped
   tables (the server does no per-request work), but a blocked insert or sample fails with
@@ -71,7 +83,8 @@ class Server:
   def __init__(self, tables: Sequence[table_lib.Table] = None, port: Optional[int] = None,
                checkpointer=None, *, name: Optional[str] = None,
                arena_bytes: int = DEFAULT_ARENA_BYTES, max_procs: int = 128,
-               mode: int = 0o600, bridge=None, on_config_mismatch: str = "error"):
+               pins_per_proc: int = DEFAULT_PINS_PER_PROC, mode: int = 0o600, bridge=None,
+               on_config_mismatch: str = "error"):
     self._stopped = True
     self._bridge = None
     self._pid = os.getpid()
@@ -85,6 +98,8 @@ class Server:
     dupes = sorted(n for n, c in collections.Counter(t.name for t in tables).items() if c > 1)
     if dupes:
       raise ValueError(f"Table names must be unique; duplicated: {dupes}")
+    for t in tables:
+      t._check_unbound()  # pylint: disable=protected-access
     if name is not None:
       shm.validate_server_name(name)
     shm.validate_mode(mode)
@@ -102,7 +117,8 @@ class Server:
     try:
       shm.validate_server_name(self._name)
       self._segment = shm.Segment.create(self._name, created_tables, arena_bytes=arena_bytes,
-                                         max_procs=max_procs, mode=mode)
+                                         max_procs=max_procs, pins_per_proc=pins_per_proc,
+                                         mode=mode)
     except BaseException:
       self._socket.close()
       raise

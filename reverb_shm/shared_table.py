@@ -276,13 +276,22 @@ class SharedTable:
     """rs_table_stats of the table as a dict."""
     return self._seg.stats(self._index)
 
+  def _open_stats(self) -> dict:
+    stats = self.stats()
+    if stats["closed"]:
+      raise errors.TableClosedError(f"table {self._name!r} of server {self._seg.name!r} is "
+                                    "closed (the server stopped)")
+    return stats
+
   @property
   def info(self) -> table_lib.TableInfo:
-    return table_lib.table_info(self._name, self.stats(), self.signature)
+    """Live TableInfo. Raises TableClosedError once the server stopped."""
+    return table_lib.table_info(self._name, self._open_stats(), self.signature)
 
   @property
   def size(self) -> int:
-    return int(self.stats()["size"])
+    """Items in the table now. Raises TableClosedError once the server stopped."""
+    return int(self._open_stats()["size"])
 
   def _count(self, n, what) -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):

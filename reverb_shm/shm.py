@@ -6,9 +6,18 @@ size reserved up front. Its lifetime belongs to the server (unlinked on stop); a
 processes never unlink it. posix_ipc does not register segments with multiprocessing's
 resource tracker, so an attaching process exiting leaves the segment alone.
 
+Creation protocol: the creator holds an exclusive flock(2) on the new segment's file from just
+after O_CREAT|O_EXCL until rs_segment_init has written the owner's pid and start time. Anyone
+about to unlink a segment it judges stale (``reverb-shm gc``, a creator reclaiming the name)
+first takes that lock without waiting: a segment whose lock is held is being created and counts
+as live. A gc may still take the lock in the instant between the creator's O_EXCL open and its
+flock; the creator then finds the name no longer refers to its file and creates it afresh.
+
 Port aliases (``Client('localhost:PORT')``) are small files ``/dev/shm/rvshm.port.<PORT>``,
 mode 0600, holding the server name and owner pid.
 """
+import fcntl
+import ipaddress
 import mmap
 import os
 import re
@@ -16,7 +25,7 @@ import secrets
 import socket
 import threading
 import weakref
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import msgpack
 import posix_ipc
@@ -25,7 +34,7 @@ from reverb_shm import errors
 from reverb_shm._lib import check, ffi, last_error, lib
 
 __all__ = ["Segment", "validate_server_name", "validate_mode", "register_port", "unregister_port",
-           "prune_stale_aliases", "list_segments", "remove_stale",
+           "prune_stale_aliases", "list_segments", "remove_stale", "is_local_host",
            "resolve_address", "segment_path", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"
@@ -72,22 +81,58 @@ def _owner_alive(pid: int, start_time: int) -> bool:
   return pid > 0 and lib.rs_proc_start_time(pid) == start_time and start_time != 0
 
 
-def _read_owner(shm_name: str):
-  """(pid, start_time) from the header of an existing segment, or None if unreadable."""
+def _header_owner(mem) -> Tuple[int, int]:
+  """(pid, start_time) from the header of open segment `mem`; (0, 0) before initialisation."""
+  if mem.size < 48:
+    return (0, 0)
+  with mmap.mmap(mem.fd, 48, prot=mmap.PROT_READ) as mm:
+    header = bytes(mm[:48])
+  pid = int.from_bytes(header[32:36], "little", signed=True)
+  start_time = int.from_bytes(header[40:48], "little")
+  return (pid, start_time)
+
+
+def _names_file(fd: int, name: str) -> bool:
+  """True if the segment name of server `name` still refers to the file open as `fd`."""
+  try:
+    st = os.stat(segment_path(name))
+  except FileNotFoundError:
+    return False
+  fst = os.fstat(fd)
+  return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def _examine(name: str, reclaim: bool = False) -> Optional[dict]:
+  """Owner state of the segment of server `name`, unlinking it if stale and `reclaim`.
+
+  Returns None if there is no such segment, else a dict: pid (owner, 0 if not initialised),
+  state ("live", "starting": its creator holds the creation lock, or "stale": owner dead or
+  creator died before initialising it) and removed (True if this call unlinked it). The
+  verdict and the unlink happen under the segment's creation lock (see the module docstring).
+  """
+  shm_name = _shm_name(name)
   try:
     mem = posix_ipc.SharedMemory(shm_name)
   except posix_ipc.ExistentialError:
     return None
   try:
-    if mem.size < 48:
-      return (0, 0)
-    with mmap.mmap(mem.fd, 48, prot=mmap.PROT_READ) as mm:
-      header = bytes(mm[:48])
+    try:
+      fcntl.flock(mem.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      return {"pid": _header_owner(mem)[0], "state": "starting", "removed": False}
+    if not _names_file(mem.fd, name):
+      return None                   # unlinked (and maybe re-created) since we opened it
+    pid, start_time = _header_owner(mem)
+    if _owner_alive(pid, start_time):
+      return {"pid": pid, "state": "live", "removed": False}
+    if reclaim:
+      try:
+        posix_ipc.unlink_shared_memory(shm_name)
+      except posix_ipc.ExistentialError:
+        pass
+    return {"pid": pid, "state": "stale", "removed": reclaim}
   finally:
-    mem.close_fd()
-  pid = int.from_bytes(header[32:36], "little", signed=True)
-  start_time = int.from_bytes(header[40:48], "little")
-  return (pid, start_time)
+    mem.close_fd()                  # releases the lock
 
 
 class Segment:
@@ -179,7 +224,7 @@ class Segment:
           f"cannot create segment for server {name!r}: need {size / _MiB:.1f} MiB, "
           f"{SHM_DIR} has {free / _MiB:.1f} MiB free")
     shm_name = _shm_name(name)
-    mem = cls._create_exclusive(name, shm_name, mode)
+    mem = cls._create_exclusive(name, shm_name, mode)   # creation lock held until close_fd
     try:
       os.fchmod(mem.fd, mode)
       try:
@@ -189,41 +234,54 @@ class Segment:
             f"cannot reserve segment for server {name!r}: need {size / _MiB:.1f} MiB, "
             f"{SHM_DIR} has {_free_bytes() / _MiB:.1f} MiB free ({e.strerror})") from None
       seg = cls(name, mem.fd, size, owner=True)
+      try:
+        pid = os.getpid()
+        check(lib.rs_segment_init(seg.base, size, cfgs, len(tables), max_procs, pins_per_proc,
+                                  arena_bytes, pid, lib.rs_proc_start_time(pid),
+                                  secrets.randbits(64)),
+              f"initialising segment of server {name!r}")
+      except BaseException:
+        seg._closed = True
+        raise
     except BaseException:
-      mem.close_fd()
       posix_ipc.unlink_shared_memory(shm_name)
       raise
-    mem.close_fd()
-    try:
-      pid = os.getpid()
-      check(lib.rs_segment_init(seg.base, size, cfgs, len(tables), max_procs, pins_per_proc,
-                                arena_bytes, pid, lib.rs_proc_start_time(pid),
-                                secrets.randbits(64)),
-            f"initialising segment of server {name!r}")
-    except BaseException:
-      seg.unlink()
-      raise
+    finally:
+      # Explicitly: the mapping holds a dup of the fd, which would keep the lock (and pass it
+      # to forked children) after close_fd.
+      fcntl.flock(mem.fd, fcntl.LOCK_UN)
+      mem.close_fd()
     with cls._cache_lock:
       cls._cache[(name, os.getpid())] = seg
     return seg
 
   @staticmethod
   def _create_exclusive(name: str, shm_name: str, mode: int):
-    for _ in range(3):
+    """The new segment `shm_name`, opened with its creation lock held (see module docstring).
+
+    Reclaims the name from a stale segment (dead owner, or creator died mid-creation).
+    """
+    for _ in range(5):
       try:
-        return posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=mode)
+        mem = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=mode)
       except posix_ipc.ExistentialError:
-        owner = _read_owner(shm_name)
-        if owner is not None and _owner_alive(*owner):
+        found = _examine(name, reclaim=True)
+        if found is not None and found["state"] == "live":
           raise errors.SegmentInUseError(
               f"a server named {name!r} is already running (segment {segment_path(name)} "
-              f"owned by live pid {owner[0]}); choose another name or stop it") from None
-        try:  # Stale: its owner died without unlinking it. Reclaim the name.
-          posix_ipc.unlink_shared_memory(shm_name)
-        except posix_ipc.ExistentialError:
-          pass
+              f"owned by live pid {found['pid']}); choose another name or stop it") from None
+        if found is not None and found["state"] == "starting":
+          raise errors.SegmentInUseError(
+              f"another process is creating a server named {name!r} (segment "
+              f"{segment_path(name)}); choose another name") from None
+        continue
+      fcntl.flock(mem.fd, fcntl.LOCK_EX)      # waits only for a gc's brief look
+      if _names_file(mem.fd, name):
+        return mem
+      mem.close_fd()    # a gc judged it stale before we locked it and unlinked it: again
     raise errors.SegmentInUseError(f"could not create segment {segment_path(name)}: it keeps "
-                                   "reappearing (another process is creating it)")
+                                   "reappearing or vanishing (other processes create or remove "
+                                   "it concurrently)")
 
   @classmethod
   def attach(cls, name: str) -> "Segment":
@@ -451,8 +509,14 @@ def _alias_path(port: int) -> str:
   return os.path.join(SHM_DIR, f"{_PREFIX}port.{int(port)}")
 
 
-def prune_stale_aliases(dry_run: bool = False) -> List[str]:
-  """Removes port aliases whose owner process is dead; returns their paths."""
+def prune_stale_aliases(dry_run: bool = False, names: Optional[Iterable[str]] = None) -> List[str]:
+  """Removes port aliases whose owner process is dead; returns their paths.
+
+  Args:
+    dry_run: only report what would be removed.
+    names: if given, only aliases naming one of these servers are considered.
+  """
+  names = None if names is None else set(names)
   removed = []
   try:
     entries = os.listdir(SHM_DIR)
@@ -462,7 +526,8 @@ def prune_stale_aliases(dry_run: bool = False) -> List[str]:
     if entry.startswith(_PREFIX + "port."):
       path = os.path.join(SHM_DIR, entry)
       alias = _read_alias(path)
-      if alias is not None and not _owner_alive(alias[1], alias[2]):
+      if (alias is not None and (names is None or alias[0] in names)
+          and not _owner_alive(alias[1], alias[2])):
         removed.append(path)
         if not dry_run:
           try:
@@ -531,6 +596,27 @@ def _local_hosts():
   return hosts
 
 
+def is_local_host(host: str) -> bool:
+  """Whether `host` names this host: a local name, or an IP address of one of its interfaces.
+
+  An IP literal is local when a socket can bind to it (no DNS lookup is made).
+  """
+  host = host.lower()
+  if host in _local_hosts():
+    return True
+  try:
+    ip = ipaddress.ip_address(host.strip("[]"))
+  except ValueError:
+    return False
+  family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+      sock.bind((str(ip), 0))
+    return True
+  except OSError:
+    return False
+
+
 def resolve_address(address: str) -> str:
   """Server name for `address`: 'shm://NAME', or 'HOST:PORT' with HOST this host.
 
@@ -545,7 +631,7 @@ def resolve_address(address: str) -> str:
   host, sep, port = address.rpartition(":")
   if not sep or not port.isdigit():
     raise ValueError(f"invalid server address {address!r}: expected 'HOST:PORT' or 'shm://NAME'")
-  if host.lower() not in _local_hosts():
+  if not is_local_host(host):
     raise ValueError(f"server address {address!r} is not on this host; reverb_shm serves "
                      "processes on one host (use the gRPC bridge for remote clients)")
   alias = _read_alias(_alias_path(int(port)))
@@ -555,40 +641,55 @@ def resolve_address(address: str) -> str:
   return alias[0]
 
 
-def list_segments() -> List[dict]:
-  """Segments of this host: dicts with name, path, size (bytes), pid (owner) and alive."""
-  rows = []
+def _segment_names(names: Optional[Iterable[str]]) -> List[str]:
+  if names is not None:
+    return sorted({validate_server_name(name) for name in names})
   try:
     entries = sorted(os.listdir(SHM_DIR))
   except OSError:
-    return rows
-  for entry in entries:
-    if not entry.startswith(_PREFIX) or entry.startswith(_PREFIX + "port."):
-      continue
-    name = entry[len(_PREFIX):]
-    path = os.path.join(SHM_DIR, entry)
-    owner = _read_owner(_shm_name(name))
-    if owner is None:
-      continue
+    return []
+  return [entry[len(_PREFIX):] for entry in entries
+          if entry.startswith(_PREFIX) and not entry.startswith(_PREFIX + "port.")]
+
+
+def _scan(names: Optional[Iterable[str]], reclaim: bool) -> List[dict]:
+  rows = []
+  for name in _segment_names(names):
+    path = segment_path(name)
     try:
       size = os.stat(path).st_size
     except OSError:
       continue
-    rows.append({"name": name, "path": path, "size": size, "pid": owner[0],
-                 "alive": _owner_alive(*owner)})
+    found = _examine(name, reclaim)
+    if found is not None:
+      rows.append({"name": name, "path": path, "size": size, "pid": found["pid"],
+                   "state": found["state"], "alive": found["state"] != "stale"})
   return rows
 
 
-def remove_stale(dry_run: bool = False) -> List[str]:
-  """Unlinks segments and port aliases whose owner process is dead; returns their paths."""
-  removed = []
-  for row in list_segments():
-    if row["alive"]:
-      continue
-    removed.append(row["path"])
-    if not dry_run:
-      try:
-        posix_ipc.unlink_shared_memory(_shm_name(row["name"]))
-      except posix_ipc.ExistentialError:
-        pass
-  return removed + prune_stale_aliases(dry_run)
+def list_segments(names: Optional[Iterable[str]] = None) -> List[dict]:
+  """Segments of this host (or only of servers `names`).
+
+  Returns:
+    dicts with name, path, size (bytes), pid (owner; 0 while starting), state ("live",
+    "starting": being created, "stale": owner dead) and alive (state != "stale").
+  """
+  return _scan(names, reclaim=False)
+
+
+def remove_stale(dry_run: bool = False, names: Optional[Iterable[str]] = None) -> List[str]:
+  """Unlinks segments and port aliases whose owner process is dead; returns their paths.
+
+  A segment still being created counts as live (see the module docstring).
+
+  Args:
+    dry_run: only report what would be removed.
+    names: if given, only the segments and port aliases of these servers are considered.
+
+  Raises:
+    ValueError: a name in `names` is not a valid server name.
+  """
+  if names is not None:
+    names = _segment_names(names)
+  removed = [row["path"] for row in _scan(names, reclaim=not dry_run) if not row["alive"]]
+  return removed + prune_stale_aliases(dry_run, names)

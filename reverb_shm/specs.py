@@ -40,8 +40,11 @@ def _as_shape(shape: Any) -> Optional[tuple]:
     d = getattr(d, "value", d)  # TF1 Dimension
     if d is not None:
       d = int(d)
-      if d < 0:
+      if d == -1:
         d = None
+      elif d < 0:
+        raise ValueError(f"invalid dimension {d} in shape {shape!r}: dims are sizes >= 0, or "
+                         "None / -1 for an unknown size")
     dims.append(d)
   return tuple(dims)
 
@@ -50,9 +53,13 @@ class TensorSpec:
   """Shape and numpy dtype of a tensor.
 
   Args:
-    shape: sequence of dims; a dim of None matches any size; shape None matches any rank.
+    shape: sequence of dims; a dim of None (or -1) matches any size; shape None matches any
+      rank.
     dtype: anything `np.dtype` accepts, or a TF DType. String tensors use `object`.
     name: optional name.
+
+  Raises:
+    ValueError: a dim below -1.
 
   Immutable and thread-safe.
   """

@@ -34,7 +34,13 @@ def structure_of(nest: Any) -> optree.PyTreeSpec:
 
 
 def _encode_str(x):
-  return x.encode("utf-8") if isinstance(x, str) else x
+  if isinstance(x, str):
+    return x.encode("utf-8")
+  if isinstance(x, int) and not isinstance(x, bool) and not -2**63 <= x < 2**64:
+    # numpy keeps such ints as Python objects, which no column type can store.
+    raise ValueError(f"integer {x} does not fit int64 or uint64; pass a float or a numpy "
+                     "array of an explicit dtype")
+  return x
 
 
 def to_array(leaf: Any) -> np.ndarray:
@@ -43,6 +49,9 @@ def to_array(leaf: Any) -> np.ndarray:
   Strings, bytes and object arrays become numpy object arrays of `bytes` (str is UTF-8
   encoded), which is how Reverb returns string tensors. TensorFlow/JAX arrays are converted
   through `np.asarray`.
+
+  Raises:
+    ValueError: a Python int outside [-2**63, 2**64).
   """
   if isinstance(leaf, np.ndarray) and leaf.dtype.kind not in "USO":
     return leaf

@@ -4,6 +4,7 @@ A :class:`Table` built by the user is configuration. Once a :class:`~reverb_shm.
 it, `info`, `can_sample` and `can_insert` read the live table in shared memory. Thread-safe.
 """
 import dataclasses
+import warnings
 from typing import Any, Sequence
 
 import msgpack
@@ -13,9 +14,11 @@ from reverb_shm import selectors as selectors_lib
 from reverb_shm import specs
 
 __all__ = ["Table", "TableInfo", "RateLimiterInfo", "RateLimiterCallStats", "TableWorkerTime",
-           "table_info", "MAX_NAME_BYTES"]
+           "table_info", "MAX_NAME_BYTES", "MAX_SIZE"]
 
 MAX_NAME_BYTES = 63
+# Largest max_size the C core lays out (its record capacity, max_size + 1, is at most 2**30).
+MAX_SIZE = 2**30 - 1
 _BLOB_VERSION = 1
 
 
@@ -87,15 +90,18 @@ class Table:
     name: unique within its server; 1..63 UTF-8 bytes, no '/'.
     sampler: selector choosing sampled items (see :mod:`reverb_shm.selectors`).
     remover: selector choosing the item evicted when the table exceeds `max_size`.
-    max_size: maximum number of items, >= 1.
+    max_size: maximum number of items, 1..MAX_SIZE (2**30 - 1).
     rate_limiter: a :class:`~reverb_shm.rate_limiters.RateLimiter`.
     max_times_sampled: items are removed after this many samples; < 1 means unlimited.
     extensions: accepted for compatibility and stored (not run).
     signature: optional nest of TensorSpec-like objects; items inserted into the table are
       checked against it and sampled data is unflattened to it.
 
+  A rate limiter whose min_size_to_sample exceeds max_size is accepted, as Reverb does, with a
+  UserWarning: the table can never hold that many items, so sampling would wait forever.
+
   Raises:
-    ValueError: empty name, max_size <= 0, unsupported signature leaf.
+    ValueError: empty name, max_size outside 1..MAX_SIZE, unsupported signature leaf.
     TypeError: sampler/remover/rate_limiter of the wrong type.
   """
 
@@ -114,8 +120,13 @@ class Table:
     max_size = _check_int(max_size, "max_size")
     if max_size <= 0:
       raise ValueError(f"max_size must be > 0, got {max_size}")
-    if max_size >= 2**31:
-      raise ValueError(f"max_size must be < 2**31, got {max_size}")
+    if max_size > MAX_SIZE:
+      raise ValueError(f"max_size must be <= {MAX_SIZE} (2**30 - 1, the largest table the "
+                       f"shared-memory layout holds), got {max_size}")
+    if rate_limiter.min_size_to_sample > max_size:
+      warnings.warn(f"table {name!r}: min_size_to_sample ({rate_limiter.min_size_to_sample}) > "
+                    f"max_size ({max_size}): the table never holds that many items, so sampling "
+                    "from it will wait forever", UserWarning, stacklevel=2)
     max_times_sampled = _check_int(max_times_sampled, "max_times_sampled")
     self._sampler = sampler
     self._remover = remover
@@ -157,7 +168,16 @@ class Table:
                          use_bin_type=True)
 
   # ---- live binding (used by Server)
+  def _check_unbound(self) -> None:
+    """ValueError if a running server owns this table (a Table serves one server at a time)."""
+    if self._live is not None:
+      raise ValueError(
+          f"table {self._name!r} already belongs to running server {self._live[0].name!r}: a "
+          "Table object serves one server at a time; stop that server first, or pass "
+          "table.replace() (a new table with the same configuration)")
+
   def _bind(self, segment, index: int) -> None:
+    self._check_unbound()
     self._live = (segment, index)
 
   def _unbind(self) -> None:

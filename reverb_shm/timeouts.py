@@ -1,9 +1,14 @@
-"""Timeout arguments (SPEC "Our decisions" 2): None waits forever, 0 polls, negative is an error."""
+"""Timeout arguments (SPEC "Our decisions" 2): None waits forever, 0 polls, negative is an error.
+
+A timeout so large that its deadline does not fit CLOCK_MONOTONIC nanoseconds in int64 (about
+292 years from boot), float('inf') included, also waits forever; NaN is an error.
+"""
 import time
 from typing import Optional
 
 # Blocking C calls return RS_EAGAIN after this slice so Python can handle signals (Ctrl-C).
 SLICE_NS = 100_000_000
+_MAX_DEADLINE_NS = 2**63 - 1
 
 
 def deadline_from_ms(timeout_ms: Optional[float], name: str = "timeout_ms") -> int:
@@ -14,7 +19,8 @@ def deadline_from_ms(timeout_ms: Optional[float], name: str = "timeout_ms") -> i
     name: argument name used in the error message.
 
   Returns:
-    -1 for no deadline, else the deadline in monotonic nanoseconds.
+    -1 for no deadline (None, or a timeout too large for an int64 deadline, inf included),
+    else the deadline in monotonic nanoseconds.
 
   Raises:
     ValueError: `timeout_ms` is negative or not a number.
@@ -30,4 +36,14 @@ def deadline_from_ms(timeout_ms: Optional[float], name: str = "timeout_ms") -> i
   if not timeout_ms >= 0:
     raise ValueError(f"{name} must be None (wait forever) or >= 0 milliseconds, got {timeout_ms}")
   # time.monotonic_ns reads CLOCK_MONOTONIC, the clock of rs_now_ns().
-  return time.monotonic_ns() + int(timeout_ms * 1_000_000)
+  now = time.monotonic_ns()
+  if timeout_ms >= (_MAX_DEADLINE_NS - now) / 1_000_000:
+    return -1
+  return now + int(timeout_ms * 1_000_000)
+
+
+def remaining_ms(deadline_ns: int) -> Optional[float]:
+  """The timeout_ms left until `deadline_ns` (from deadline_from_ms): None if -1, else >= 0."""
+  if deadline_ns == -1:
+    return None
+  return max(0.0, (deadline_ns - time.monotonic_ns()) / 1_000_000)

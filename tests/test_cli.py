@@ -28,6 +28,21 @@ def test_info_and_check_on_a_live_server(server_factory, capsys):
   assert "all invariants hold" in capsys.readouterr().out
 
 
+def test_info_prints_the_segment_breakdown_and_pins_per_proc_shrinks_it(server_factory, capsys):
+  small = server_factory([_table()], max_procs=8, pins_per_proc=1024, arena_bytes=4 << 20)
+  default = server_factory([_table()], max_procs=8, arena_bytes=4 << 20)
+  pin_logs = 8 * 1024 * 12
+  assert default.segment.size - small.segment.size == 8 * (65536 - 1024) * 12
+  assert small.segment.info()["pins_per_proc"] == 1024
+  assert cli.main(["info", small.name]) == 0
+  out = capsys.readouterr().out
+  rest = small.segment.size - (4 << 20) - pin_logs
+  assert (f"segment: {small.segment.size / 2**20:.1f} MiB = arena 4.0 MiB + pin logs "
+          f"{pin_logs / 2**20:.1f} MiB (8 process slots x 1024 pins x 12 bytes) + tables' metadata "
+          f"and header {rest / 2**20:.1f} MiB") in out
+  assert 0 < rest < 1 << 20
+
+
 def test_unknown_server_is_a_clear_error(capsys):
   assert cli.main(["info", "no_such_server_xyz"]) == 2
   assert "no reverb_shm server named 'no_such_server_xyz'" in capsys.readouterr().err
@@ -55,10 +70,12 @@ def test_gc_removes_segment_of_a_killed_server(server_name, capsys):
   assert cli.main(["list"]) == 0
   listing = capsys.readouterr().out
   assert server_name in listing and "STALE" in listing
-  assert cli.main(["gc", "--dry-run"]) == 0
+  # Only this test's server: the suite never removes other people's stale segments.
+  assert cli.main(["gc", server_name, "--dry-run"]) == 0
   assert os.path.exists(path)
-  assert cli.main(["gc"]) == 0
+  assert cli.main(["gc", server_name]) == 0
   out = capsys.readouterr().out
   assert path in out and f"/dev/shm/rvshm.port.{port}" in out
+  assert "removed 2 stale object(s)" in out     # nothing but this server's segment and alias
   assert not os.path.exists(path)
   assert not os.path.exists(f"/dev/shm/rvshm.port.{port}")

@@ -1,4 +1,4 @@
-"""Kill -9 torture (CI share ~25 s): hundreds of SIGKILLs at random moments inside inserts,
+"""Kill -9 torture (CI share ~15 s): hundreds of SIGKILLs at random moments inside inserts,
 chunk writes, samples, priority updates and blocked waits; then the invariant checker passes,
 survivors exit on request (nobody hangs), every sampled payload is intact (CRC32 per row) and
 no chunk, descriptor or pin leaks once the dead are reaped. The campaign lives in
@@ -26,11 +26,14 @@ def test_checksums_detect_a_single_flipped_bit():
   assert not torture.rows_intact(rows)
 
 
-@pytest.mark.timeout(150)
+# The campaign runs to a number of kills, not for a fixed time: on a loaded machine the kill loop
+# once made only 84 kills in 20 s (it takes ~10 s for 300 when the machine is idle). 150 s is
+# the starved machine's budget.
+@pytest.mark.timeout(300)
 def test_hundreds_of_kills_leave_consistent_tables_and_no_leak():
-  result = torture.run(seconds=20, workers=6, kill_every=0.02, seed=1,
+  result = torture.run(seconds=150, kills=300, workers=6, kill_every=0.02, seed=1,
                        name=unique_server_name("torture"))
-  assert result["kills"] >= 200, result
+  assert result["kills"] == 300, result
   assert all(n > 0 for n in result["kills_by_role"].values()), result
   assert all(n > 0 for n in result["items_at_end"].values()), result
 

@@ -5,7 +5,8 @@ No grpc import here: local programs never need the optional `bridge` extra.
 Rules (`Client(address)`):
   * a list/tuple of addresses -> a ShardedClient over them;
   * 'shm://NAME' -> local;
-  * 'HOST:PORT' with HOST naming this host: local if a reverb_shm server is registered on PORT,
+  * 'HOST:PORT' with HOST naming this host (a local name, or an IP of one of its interfaces):
+    local if a reverb_shm server is registered on PORT,
     remote if something else listens on PORT (a bridge), else local (a server may start later;
     Client.server_info waits for it);
   * any other HOST -> remote; a HOST that resolves to several IPv4 (or, lacking those, IPv6)
@@ -45,7 +46,7 @@ def is_local(address: str) -> bool:
   if address.startswith("shm://"):
     return True
   host, port = split(address)
-  if host.lower() not in shm._local_hosts():  # pylint: disable=protected-access
+  if not shm.is_local_host(host):
     return False
   return _is_registered(port) or not _listening(host, port)
 
