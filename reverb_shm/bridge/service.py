@@ -191,7 +191,8 @@ class Bridge:
 
   # ---- unary RPCs
   def _server_info(self, request, context):
-    def body(_):
+    def body(msg):
+      wire.no_fields(msg, "ServerInfo")
       tables = []
       for index, name in enumerate(self._seg.table_names()):
         st = self._table(name)
@@ -217,7 +218,8 @@ class Bridge:
     return self._unary(request, context, body)
 
   def _checkpoint(self, request, context):
-    def body(_):
+    def body(msg):
+      wire.no_fields(msg, "Checkpoint")
       from reverb_shm.client import Client  # pylint: disable=g-import-not-at-top
       return {"path": Client(f"shm://{self._seg.name}").checkpoint()}
     return self._unary(request, context, body)

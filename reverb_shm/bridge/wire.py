@@ -63,6 +63,13 @@ def get(msg: dict, key: str, kind, *, optional: bool = False, what: str = "messa
   return value
 
 
+def no_fields(msg: dict, what: str = "message") -> dict:
+  """Returns `msg` if it is empty (requests that take no arguments); BadMessage otherwise."""
+  if msg:
+    raise BadMessage(f"{what} takes no fields, got {sorted(map(repr, msg))[:5]}")
+  return msg
+
+
 def get_int(msg: dict, key: str, lo: int, hi: int, *, optional: bool = False,
             what: str = "message") -> Optional[int]:
   """An int field in [lo, hi]."""
