@@ -18,7 +18,7 @@ import numpy as np
 from reverb_shm import errors
 from reverb_shm._lib import check, ffi, lib
 
-__all__ = ["Chunk", "Pins", "alloc_chunk", "object_chunk", "encode_descriptor",
+__all__ = ["Chunk", "ColumnWriter", "Pins", "alloc_chunk", "object_chunk", "encode_descriptor",
            "join_descriptors", "encode_row_descriptors", "read_item", "read_items",
            "gather_column", "item_columns", "DESC_HDR", "DESC_COL", "DESC_SLICE", "SAMPLE_REC",
            "ITEM_REC"]
@@ -295,6 +295,79 @@ def alloc_chunk(seg, dtype, shape: Sequence[int], capacity: int, episode_id: int
   return Chunk(seg, off, pin, generation)
 
 
+class ColumnWriter:
+  """Writes `rows` rows of each of a fixed set of numeric columns into fresh chunks.
+
+  The hot path of Client.insert and SharedTable.insert: two C calls per column (allocate,
+  publish) and one memmove, with the C chunk headers prepared once; no Chunk objects.
+
+  Args:
+    columns: (dtype, element shape) per column; numeric dtypes only (see alloc_chunk).
+
+  Raises:
+    ValueError: an unsupported dtype or a rank above 8.
+  """
+
+  __slots__ = ("_metas", "_row_bytes")
+
+  def __init__(self, columns: Sequence[Tuple[np.dtype, tuple]]):
+    self._metas = ffi.new("rs_chunk_hdr[]", len(columns))
+    self._row_bytes = []
+    for c, (dtype, shape) in enumerate(columns):
+      meta = self._metas + c
+      dtype = np.dtype(dtype)
+      if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None:
+        raise ValueError(f"ColumnWriter takes numeric columns only, got dtype {dtype}")
+      if len(shape) > 8:
+        raise ValueError(f"element rank must be <= 8, got shape {shape}")
+      row_bytes = dtype.itemsize * math.prod(shape)
+      meta.row_bytes = row_bytes
+      meta.ndim = len(shape)
+      for i, d in enumerate(shape):
+        meta.shape[i] = d
+      meta.dtype = dtype.str.encode()
+      self._row_bytes.append(row_bytes)
+
+  def write(self, seg, arrays: Sequence[np.ndarray], rows: int,
+            episode_id: int = 0) -> Tuple[List[int], Pins]:
+    """Allocates one chunk of `rows` rows per column, copies arrays[c] in and publishes it.
+
+    Args:
+      seg: the Segment.
+      arrays: one C-contiguous array per column holding exactly rows x row bytes, with the
+        column's dtype (the caller has checked dtypes and shapes).
+      rows: rows per chunk, >= 1.
+      episode_id: episode id stored in every chunk header.
+
+    Returns:
+      (chunk offsets, Pins holding the chunks); release the pins once items reference them.
+
+    Raises:
+      ResourceExhaustedError: the arena is full (chunks already allocated are released).
+    """
+    slot, generation = seg.registration()
+    base, address = seg.base, seg.address
+    off_c, pin_c = ffi.new("uint64_t *"), ffi.new("uint32_t *")
+    offs, pins = [], []
+    try:
+      for c, (row_bytes, a) in enumerate(zip(self._row_bytes, arrays)):
+        meta = self._metas + c
+        meta.episode_id = episode_id
+        meta.capacity = rows
+        meta.nbytes = row_bytes * rows
+        check(lib.rs_chunk_alloc(base, slot, meta, off_c, pin_c), "allocating chunk")
+        off = off_c[0]
+        pins.append(pin_c[0])
+        offs.append(off)
+        data = ffi.cast("rs_chunk_hdr *", address + off).data_offset
+        ffi.memmove(ffi.cast("uint8_t *", address + off + data), a, row_bytes * rows)
+        check(lib.rs_chunk_publish_rows(base, off, rows), "publishing chunk rows")
+    except BaseException:
+      Pins(seg, generation, np.array(pins, np.uint32)).release()
+      raise
+    return offs, Pins(seg, generation, np.array(pins, np.uint32))
+
+
 def _pack_row(row) -> bytes:
   arr = np.asarray(row, dtype=object)
   return msgpack.packb([x.item() if isinstance(x, np.generic) else x
@@ -390,6 +463,9 @@ def encode_row_descriptors(chunk_offs: Sequence[int], n: int,
   Vectorised: no per-item Python work.
   """
   ncols = len(chunk_offs)
+  if n == 1:  # a single item: one cached Struct beats building a structured array
+    blob = encode_descriptor([([(off, 0, 1)], squeeze) for off in chunk_offs])
+    return blob, np.array([0, len(blob)], np.uint64)
   item_dt = np.dtype([("hdr", DESC_HDR), ("cols", DESC_COL, (ncols,)),
                       ("slices", DESC_SLICE, (ncols,))])
   arr = np.zeros(n, item_dt)

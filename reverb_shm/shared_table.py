@@ -41,6 +41,7 @@ class SharedTable:
     self._signature_loaded = False
     self._signature_tree = None   # (number of leaves, treedef) of the signature
     self._validates_negative = None
+    self._column_writers = {}     # (dtype, shape) per column -> chunks.ColumnWriter
 
   @classmethod
   def attach(cls, name: str) -> "SharedTable":
@@ -186,9 +187,14 @@ class SharedTable:
       deadline_ns = timeouts.deadline_from_ms(timeout_ms)
     if n == 0:
       return 0
+    return self._insert_validated(n, _as_u64(keys), ffi.from_buffer("double[]", prios),
+                                  ffi.from_buffer("uint8_t[]", blob), _as_u64(offs),
+                                  deadline_ns, timeout_ms)
+
+  def _insert_validated(self, n: int, keys_c, prios_c, blob_c, offs_c, deadline_ns: int,
+                        timeout_ms) -> int:
+    """insert_descriptors after validation: C buffers of n keys/priorities, blob, n+1 offsets."""
     slot = self._seg.slot
-    blob_c = ffi.from_buffer("uint8_t[]", blob)
-    keys_c, prios_c, offs_c = _as_u64(keys), ffi.from_buffer("double[]", prios), _as_u64(offs)
     done = ffi.new("uint32_t *")
     total = 0
     while True:
@@ -371,6 +377,18 @@ class SharedTable:
     else:
       keys = self._keys(keys, b)
     timeouts.deadline_from_ms(timeout_ms)  # validate before allocating
+    if not any(a.dtype.kind == "O" for a in arrays):  # the fast path: no Chunk objects
+      columns = tuple((a.dtype, a.shape[1:]) for a in arrays)
+      writer = self._column_writers.get(columns)
+      if writer is None:
+        writer = self._column_writers[columns] = chunks.ColumnWriter(columns)
+      offs, pins = writer.write(self._seg, [np.ascontiguousarray(a) for a in arrays], b)
+      try:
+        blob, desc_offs = chunks.encode_row_descriptors(offs, b)
+        self.insert_descriptors(keys, prios, blob, desc_offs, timeout_ms)
+      finally:
+        pins.release()
+      return keys
     written = []
     try:
       for a in arrays:
