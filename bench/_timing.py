@@ -1,4 +1,5 @@
 """Timing helpers shared by every benchmark runner (stdlib only: peers import it too)."""
+import argparse
 import json
 import sys
 import time
@@ -50,3 +51,35 @@ def common_args(parser) -> None:
   parser.add_argument("--items", type=int, default=1_000_000, help="items in sampled tables")
   parser.add_argument("--frames", type=int, default=4_000, help="frames in the W5 table")
   parser.add_argument("--scales", type=int, nargs="*", default=[])
+
+
+def pair_items_op(writer, table: str, steps: list, episode_steps: int = 1000):
+  """W2's loop body (identical Reverb calls on every library): append each step and create an
+  item over the last 2 steps; end the episode every `episode_steps` steps."""
+  count = [0]
+
+  def op():
+    for data in steps:
+      writer.append(data)
+      count[0] += 1
+      if count[0] >= 2:
+        writer.create_item(table, 1.0, {k: v[-2:] for k, v in writer.history.items()})
+    if count[0] >= episode_steps:
+      writer.end_episode()
+      count[0] = 0
+    return len(steps)
+  return op
+
+
+def run_main(doc: str, workloads: dict, add_args=None) -> None:
+  """Command line of a runner: runs the named workloads and emits their rows."""
+  p = argparse.ArgumentParser(description=doc.splitlines()[0])
+  common_args(p)
+  if add_args:
+    add_args(p)
+  args = p.parse_args()
+  rows = []
+  for w in args.workloads:
+    if w in workloads:
+      rows += workloads[w](args)
+  emit(rows)

@@ -6,7 +6,6 @@ Prints one `RESULTS [json rows]` line. Variants name the buffer class: ReplayBuf
 PrioritizedReplayBuffer (single process) and MPPrioritizedReplayBuffer (multi-process, used
 here from one process: the cost of its shared-memory locking is what is measured).
 """
-import argparse
 import os
 import sys
 
@@ -15,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpprb  # noqa: E402
 import numpy as np  # noqa: E402
 
-from _timing import FRAME_BYTES, FRAME_SHAPE, common_args, emit, row, timed  # noqa: E402
+from _timing import FRAME_BYTES, FRAME_SHAPE, row, run_main, timed  # noqa: E402
 
 ENV = {"obs": {"shape": 8, "dtype": np.float32}, "action": {"dtype": np.int64},
        "reward": {"dtype": np.float32}}
@@ -98,16 +97,7 @@ def scaling(args):
 WORKLOADS = {"W1": w1, "W3": w3, "W4": w4, "W5": w5, "scaling": scaling}
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  common_args(p)
-  args = p.parse_args()
-  rows = []
-  for w in args.workloads:
-    if w in WORKLOADS:
-      rows += WORKLOADS[w](args)
-  emit(rows)
 
 
 if __name__ == "__main__":
-  main()
+  run_main(__doc__, WORKLOADS)

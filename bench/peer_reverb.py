@@ -7,7 +7,6 @@ variant "reverb_api" uses the same Reverb client calls a drop-in user of reverb_
 (Client.insert, Client.sample, Client.mutate_priorities) and variant "fastest" uses Reverb's
 fastest path (TrajectoryWriter for writing, TrajectoryDataset for sampling).
 """
-import argparse
 import os
 import sys
 
@@ -18,7 +17,8 @@ import numpy as np  # noqa: E402
 import reverb  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from _timing import FRAME_BYTES, FRAME_SHAPE, common_args, emit, row, timed  # noqa: E402
+from _timing import (FRAME_BYTES, FRAME_SHAPE, pair_items_op, row, run_main,  # noqa: E402
+                     timed)
 
 TABLE = "bench"
 STEP_SIG = {"obs": tf.TensorSpec([8], tf.float32), "action": tf.TensorSpec([], tf.int64),
@@ -72,20 +72,8 @@ def w1(args):
 def w2(args):
   sig = {k: tf.TensorSpec([2] + s.shape.as_list(), s.dtype) for k, s in STEP_SIG.items()}
   srv, client = server(reverb.selectors.Uniform(), 1_000_000, sig)
-  steps = [step(i) for i in range(100)]
   with client.trajectory_writer(num_keep_alive_refs=2) as w:
-    count = [0]
-
-    def op():
-      for data in steps:
-        w.append(data)
-        count[0] += 1
-        if count[0] >= 2:
-          w.create_item(TABLE, 1.0, {k: v[-2:] for k, v in w.history.items()})
-      if count[0] >= 1000:
-        w.end_episode()
-        count[0] = 0
-      return len(steps)
+    op = pair_items_op(w, TABLE, [step(i) for i in range(100)])
     rate = timed(op, args.duration, args.warmup)[0]
   srv.stop()
   # The same Reverb calls are Reverb's fastest path here: one row serves both variants.
@@ -158,18 +146,10 @@ WORKLOADS = {
 }
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  common_args(p)
+def _peer_args(p):
   p.add_argument("--peer-items", type=int, default=200_000,
                  help="cap on Reverb's sampled table size (filling runs at ~8k items/s)")
-  args = p.parse_args()
-  rows = []
-  for w in args.workloads:
-    if w in WORKLOADS:
-      rows += WORKLOADS[w](args)
-  emit(rows)
 
 
 if __name__ == "__main__":
-  main()
+  run_main(__doc__, WORKLOADS, _peer_args)

@@ -6,7 +6,6 @@ Prints one `RESULTS [json rows]` line. Variant "reverb_api" makes the same Rever
 as bench/peer_reverb.py (what a drop-in user gets); "fastest" uses reverb_shm's fastest path
 for the workload (batched writer calls, SharedTable batch sampling into caller buffers).
 """
-import argparse
 import multiprocessing
 import os
 import sys
@@ -18,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 import reverb_shm as reverb  # noqa: E402
-from _timing import FRAME_BYTES, FRAME_SHAPE, common_args, emit, row, timed  # noqa: E402
+from _timing import (FRAME_BYTES, FRAME_SHAPE, pair_items_op, row, run_main,  # noqa: E402
+                     timed)
 
 TABLE = "bench"
 STEP_BYTES = 8 * 4 + 8 + 4   # payload of one step
@@ -74,19 +74,7 @@ def w2(args):
   with server(reverb.selectors.Uniform(), 1_000_000) as srv:
     client = srv.localhost_client()
     writer = client.trajectory_writer(num_keep_alive_refs=2)
-    data = [step(i) for i in range(100)]
-    count = [0]
-
-    def api():
-      for d in data:
-        writer.append(d)
-        count[0] += 1
-        if count[0] >= 2:
-          writer.create_item(TABLE, 1.0, {k: v[-2:] for k, v in writer.history.items()})
-      if count[0] >= 1000:
-        writer.end_episode()
-        count[0] = 0
-      return len(data)
+    api = pair_items_op(writer, TABLE, [step(i) for i in range(100)])
     rows.append(row("W2", "reverb_api", "TrajectoryWriter append + create_item(last 2)",
                     timed(api, args.duration, args.warmup)[0]))
     writer.end_episode()
@@ -275,16 +263,7 @@ WORKLOADS = {
 }
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  common_args(p)
-  args = p.parse_args()
-  rows = []
-  for w in args.workloads:
-    if w in WORKLOADS:
-      rows += WORKLOADS[w](args)
-  emit(rows)
 
 
 if __name__ == "__main__":
-  main()
+  run_main(__doc__, WORKLOADS)
