@@ -298,21 +298,23 @@ def alloc_chunk(seg, dtype, shape: Sequence[int], capacity: int, episode_id: int
 class ColumnWriter:
   """Writes `rows` rows of each of a fixed set of numeric columns into fresh chunks.
 
-  The hot path of Client.insert and SharedTable.insert: two C calls per column (allocate,
-  publish) and one memmove, with the C chunk headers prepared once; no Chunk objects.
+  The hot path of Client.insert and SharedTable.insert: one C call (rs_write_chunks) allocates,
+  fills and publishes every column's chunk, with the C chunk headers prepared once.
 
   Args:
     columns: (dtype, element shape) per column; numeric dtypes only (see alloc_chunk).
 
   Raises:
-    ValueError: an unsupported dtype or a rank above 8.
+    ValueError: an unsupported dtype, a rank above 8 or more than 64 columns.
   """
 
-  __slots__ = ("_metas", "_row_bytes")
+  __slots__ = ("_metas", "ncols", "slices", "squeeze_flags")
 
   def __init__(self, columns: Sequence[Tuple[np.dtype, tuple]]):
-    self._metas = ffi.new("rs_chunk_hdr[]", len(columns))
-    self._row_bytes = []
+    if not 1 <= len(columns) <= 64:
+      raise ValueError(f"ColumnWriter takes 1..64 columns, got {len(columns)}")
+    self.ncols = len(columns)
+    self._metas = ffi.new("rs_chunk_hdr[]", self.ncols)
     for c, (dtype, shape) in enumerate(columns):
       meta = self._metas + c
       dtype = np.dtype(dtype)
@@ -320,16 +322,17 @@ class ColumnWriter:
         raise ValueError(f"ColumnWriter takes numeric columns only, got dtype {dtype}")
       if len(shape) > 8:
         raise ValueError(f"element rank must be <= 8, got shape {shape}")
-      row_bytes = dtype.itemsize * math.prod(shape)
-      meta.row_bytes = row_bytes
+      meta.row_bytes = dtype.itemsize * math.prod(shape)
       meta.ndim = len(shape)
       for i, d in enumerate(shape):
         meta.shape[i] = d
       meta.dtype = dtype.str.encode()
-      self._row_bytes.append(row_bytes)
+    # One single-row item over every column's row 0 (Client.insert): chunk offsets set per write.
+    self.slices = ffi.new("rs_desc_slice[]", [(0, 0, 1)] * self.ncols)
+    self.squeeze_flags = {flag: ffi.new("uint32_t[]", [flag] * self.ncols) for flag in (0, SQUEEZE)}
 
   def write(self, seg, arrays: Sequence[np.ndarray], rows: int,
-            episode_id: int = 0) -> Tuple[List[int], Pins]:
+            episode_id: int = 0) -> Tuple[list, Pins]:
     """Allocates one chunk of `rows` rows per column, copies arrays[c] in and publishes it.
 
     Args:
@@ -343,29 +346,15 @@ class ColumnWriter:
       (chunk offsets, Pins holding the chunks); release the pins once items reference them.
 
     Raises:
-      ResourceExhaustedError: the arena is full (chunks already allocated are released).
+      ResourceExhaustedError: the arena is full (nothing stays allocated).
     """
     slot, generation = seg.registration()
-    base, address = seg.base, seg.address
-    off_c, pin_c = ffi.new("uint64_t *"), ffi.new("uint32_t *")
-    offs, pins = [], []
-    try:
-      for c, (row_bytes, a) in enumerate(zip(self._row_bytes, arrays)):
-        meta = self._metas + c
-        meta.episode_id = episode_id
-        meta.capacity = rows
-        meta.nbytes = row_bytes * rows
-        check(lib.rs_chunk_alloc(base, slot, meta, off_c, pin_c), "allocating chunk")
-        off = off_c[0]
-        pins.append(pin_c[0])
-        offs.append(off)
-        data = ffi.cast("rs_chunk_hdr *", address + off).data_offset
-        ffi.memmove(ffi.cast("uint8_t *", address + off + data), a, row_bytes * rows)
-        check(lib.rs_chunk_publish_rows(base, off, rows), "publishing chunk rows")
-    except BaseException:
-      Pins(seg, generation, np.array(pins, np.uint32)).release()
-      raise
-    return offs, Pins(seg, generation, np.array(pins, np.uint32))
+    buffers = [ffi.from_buffer("uint8_t[]", a) for a in arrays]   # alive during the call
+    offs = ffi.new("uint64_t[]", self.ncols)
+    pins = np.empty(self.ncols, np.uint32)
+    check(lib.rs_write_chunks(seg.base, slot, self.ncols, self._metas, buffers, rows, episode_id,
+                              0, offs, ffi.from_buffer("uint32_t[]", pins)), "writing chunks")
+    return list(offs), Pins(seg, generation, pins)
 
 
 def _pack_row(row) -> bytes:

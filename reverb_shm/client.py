@@ -173,13 +173,12 @@ class Client:
       writer = self._column_writers[columns] = chunks.ColumnWriter(columns)
     offs, pins = writer.write(seg, [np.ascontiguousarray(a) for a in arrays], 1, episode_id)
     try:
-      blob = chunks.encode_descriptor([([(off, 0, 1)], False) for off in offs])
-      blob_c = ffi.from_buffer("uint8_t[]", blob)
-      offs_c = ffi.new("uint64_t[2]", [0, len(blob)])
-      for h, prio in zip(handles, prios.tolist()):
-        key_c = ffi.new("uint64_t[1]", [trajectory_writer_lib.random_u64.one()])
-        h.table._insert_validated(1, key_c, ffi.new("double[1]", [prio]), blob_c, offs_c, -1,
-                                  None)
+      slices = writer.slices
+      for c, off in enumerate(offs):
+        slices[c].chunk_off = off
+      for h, prio in zip(handles, prios.tolist()):   # random keys drawn in C
+        h.table._insert_slices_validated(1, ffi.NULL, ffi.new("double *", prio), writer, slices, 0,
+                                         -1, None)
     finally:
       pins.release()
 

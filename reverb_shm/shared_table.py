@@ -21,6 +21,9 @@ from reverb_shm.shm import Segment
 __all__ = ["SharedTable"]
 
 
+_U8, _I8, _F8, _I4 = (np.dtype(t) for t in ("<u8", "<i8", "<f8", "<i4"))
+
+
 def _as_u64(ptr_array):
   return ffi.from_buffer("uint64_t[]", ptr_array)
 
@@ -42,6 +45,8 @@ class SharedTable:
     self._signature_tree = None   # (number of leaves, treedef) of the signature
     self._validates_negative = None
     self._column_writers = {}     # (dtype, shape) per column -> chunks.ColumnWriter
+    self._gather_layout = None    # ((dtype, item shape, bytes) per column) of sampled items
+    self._out_cache = None        # (layout, out, leaves, rows, rs_gather_col[]) of sample_batch
 
   @classmethod
   def attach(cls, name: str) -> "SharedTable":
@@ -201,6 +206,28 @@ class SharedTable:
       rc = lib.rs_insert(self._seg.base, slot, self._index, n - total, keys_c + total,
                          prios_c + total, blob_c, offs_c + total, deadline_ns,
                          timeouts.SLICE_NS, done)
+      total += done[0]
+      if rc == lib.RS_OK and total >= n:
+        return n
+      if rc == lib.RS_ETIMEDOUT:
+        raise errors.DeadlineExceededError(
+            f"{self._limiter_message('insert', timeout_ms)}; {total} of {n} items inserted",
+            inserted=total)
+      if rc != lib.RS_EAGAIN and rc != lib.RS_OK:
+        check(rc, f"inserting into table {self._name!r} ({total} of {n} items inserted)")
+
+  def _insert_slices_validated(self, n: int, keys_c, prios_c, writer: chunks.ColumnWriter,
+                               slices_c, squeeze: int, deadline_ns: int, timeout_ms) -> int:
+    """rs_insert_slices of n validated items (keys_c NULL: random keys); as _insert_validated."""
+    base, slot, ncols = self._seg.base, self._seg.slot, writer.ncols
+    flags = writer.squeeze_flags[squeeze]
+    done = ffi.new("uint32_t *")
+    total = 0
+    while True:
+      rc = lib.rs_insert_slices(base, slot, self._index, n - total,
+                                keys_c if keys_c == ffi.NULL else keys_c + total, prios_c + total,
+                                ncols, slices_c + total * ncols, flags, deadline_ns,
+                                timeouts.SLICE_NS, done)
       total += done[0]
       if rc == lib.RS_OK and total >= n:
         return n
@@ -382,10 +409,21 @@ class SharedTable:
       writer = self._column_writers.get(columns)
       if writer is None:
         writer = self._column_writers[columns] = chunks.ColumnWriter(columns)
+      deadline = timeouts.deadline_from_ms(timeout_ms)
       offs, pins = writer.write(self._seg, [np.ascontiguousarray(a) for a in arrays], b)
       try:
-        blob, desc_offs = chunks.encode_row_descriptors(offs, b)
-        self.insert_descriptors(keys, prios, blob, desc_offs, timeout_ms)
+        if b == 1:
+          slices = writer.slices
+          for c, off in enumerate(offs):
+            slices[c].chunk_off = off
+        else:  # item i is row i of every chunk
+          arr = np.empty((b, len(offs)), chunks.DESC_SLICE)
+          arr["chunk_off"] = offs
+          arr["row_offset"] = np.arange(b, dtype=np.uint32)[:, None]
+          arr["nrows"] = 1
+          slices = ffi.cast("rs_desc_slice *", ffi.from_buffer(arr))
+        self._insert_slices_validated(b, _as_u64(keys), ffi.from_buffer("double[]", prios),
+                                      writer, slices, chunks.SQUEEZE, deadline, timeout_ms)
       finally:
         pins.release()
       return keys
@@ -434,16 +472,90 @@ class SharedTable:
   def sample_batch(self, n: int, timeout_ms=None, out=None) -> ReplaySample:
     """Samples up to n items and gathers each column into one (B, ...) array.
 
+    After the first call has learnt the items' column layout (dtype and item shape per column),
+    one C call samples, gathers every column into the output arrays and releases the items;
+    items with another layout then raise ValueError.
+
     Args:
       n: batch size requested.
       timeout_ms: rate limiter wait (flexible batch: B < n only at the deadline).
-      out: optional nest (same as the returned data) of arrays of shape (n, ...) to fill; the
-        returned arrays are out[:B].
+      out: optional nest (same as the returned data) of arrays of shape (>= n, ...) to fill; the
+        returned arrays are out[:B]. Pass the same arrays on every call: they are validated
+        once.
 
     Returns:
-      ReplaySample whose info fields are arrays of length B and whose data is the signature
+      ReplaySample whose info fields are arrays of length B (key uint64, probability float64,
+      table_size int64, priority float64, times_sampled int32) and whose data is the signature
       nest (if the table has one) or a flat list of arrays.
+
+    Raises:
+      ValueError: n < 1, `out` not matching the items' columns, or items of different layouts.
+      DeadlineExceededError: no item could be sampled before the deadline.
+      TableClosedError: the server stopped.
     """
+    layout = self._gather_layout
+    if layout is None:
+      return self._sample_batch_first(n, timeout_ms, out)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n < 2**31:
+      raise ValueError(f"number of samples must be an int >= 1, got {n!r}")
+    if out is None:
+      targets = [np.empty((n,) + shape, dtype) for dtype, shape, _ in layout]
+      cols = _gather_cols(layout, targets)
+    else:
+      targets, cols = self._out_plan(out, layout, n)
+    # The five info arrays share one allocation (the layout rs_sample_gather writes).
+    buf = np.empty((9 * n + 1) // 2, np.uint64)   # 36 * n bytes, 8-byte aligned
+    deadline = -1 if timeout_ms is None else timeouts.deadline_from_ms(timeout_ms)
+    got = ffi.new("uint32_t *", 0)
+    base, slot, info = self._seg.base, self._seg.slot, ffi.from_buffer(buf)
+    rc = lib.RS_EAGAIN
+    while rc == lib.RS_EAGAIN:
+      rc = lib.rs_sample_gather(base, slot, self._index, n, deadline, timeouts.SLICE_NS,
+                                len(layout), cols, info, got)
+    b = got[0]
+    key = np.ndarray(b, _U8, buf, 0)
+    probability = np.ndarray(b, _F8, buf, 8 * n)
+    table_size = np.ndarray(b, _I8, buf, 16 * n)
+    priority = np.ndarray(b, _F8, buf, 24 * n)
+    times_sampled = np.ndarray(b, _I4, buf, 32 * n)
+    if rc == lib.RS_ETIMEDOUT and b == 0:
+      raise errors.DeadlineExceededError(self._limiter_message("sample", timeout_ms))
+    if rc == lib.RS_EINVAL:
+      self._gather_layout = None   # relearn on the next call
+    if rc != lib.RS_OK and rc != lib.RS_ETIMEDOUT:
+      check(rc, f"sampling from table {self._name!r}")
+    data = [t if len(t) == b else t[:b] for t in targets]
+    return ReplaySample(SampleInfo(key, probability, table_size, priority, times_sampled),
+                        self._structure(data))
+
+  def _out_plan(self, out, layout, n: int):
+    """(target arrays, rs_gather_col array) for `out`, validated once per (out, layout)."""
+    plan = self._out_cache
+    if plan is not None and plan[0] is layout and plan[1] is out:
+      leaves = plan[2]
+      same = (type(out) in (list, tuple) and len(out) == len(leaves) and
+              all(a is b for a, b in zip(out, leaves)))
+      if not same:
+        same = all(a is b for a, b in zip(structure.flatten(out)[0], leaves))
+      if same and plan[3] >= n:
+        return plan[2], plan[4]
+    leaves, _ = structure.flatten(out)
+    if len(leaves) != len(layout):
+      raise ValueError(f"out has {len(leaves)} arrays, items have {len(layout)} columns")
+    for i, (o, (dtype, shape, _)) in enumerate(zip(leaves, layout)):
+      if (not isinstance(o, np.ndarray) or o.dtype != dtype or o.shape[1:] != shape
+          or o.ndim == 0 or o.shape[0] < n or not o.flags.writeable
+          or not o.flags.c_contiguous):
+        raise ValueError(f"out leaf {i} must be a writeable C-contiguous array of dtype {dtype} "
+                         f"and shape ({n} or more, *{shape}), got dtype "
+                         f"{getattr(o, 'dtype', type(o).__name__)} and shape "
+                         f"{getattr(o, 'shape', None)}")
+    cols = _gather_cols(layout, leaves)
+    self._out_cache = (layout, out, list(leaves), min(o.shape[0] for o in leaves), cols)
+    return self._out_cache[2], cols
+
+  def _sample_batch_first(self, n: int, timeout_ms, out) -> ReplaySample:
+    """sample_batch through sample_records + gather_column; learns the column layout."""
     out_leaves = None
     if out is not None:
       out_leaves, _ = structure.flatten(out)
@@ -464,6 +576,23 @@ class SharedTable:
         cols.append(chunks.gather_column(self._seg, desc, c, target))
     finally:
       pins.release()
+    if all(c.dtype.kind != "O" for c in cols):
+      self._gather_layout = tuple((c.dtype, c.shape[1:], c.dtype.itemsize * math.prod(c.shape[1:]))
+                                  for c in cols)
     info = SampleInfo(recs["key"].copy(), recs["probability"].copy(), recs["table_size"].copy(),
                       recs["priority"].copy(), recs["times_sampled"].copy())
     return ReplaySample(info, self._structure(cols))
+
+
+def _gather_cols(layout, targets):
+  """rs_gather_col[] writing column c of sampled item i to row i of targets[c] (C-contiguous).
+
+  The pointers are only valid while `targets` live: callers keep them.
+  """
+  cols = ffi.new("rs_gather_col[]", len(layout))
+  for g, (dtype, _, col_bytes), t in zip(cols, layout, targets):
+    g.out = ffi.cast("uint8_t *", ffi.from_buffer(t, require_writable=True))
+    g.stride = col_bytes
+    g.col_bytes = col_bytes
+    g.dtype = dtype.str.encode()
+  return cols
