@@ -6,6 +6,7 @@ address, so it can be handed to spawned processes.
 """
 import os
 import time
+from itertools import repeat
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -22,6 +23,9 @@ __all__ = ["Client"]
 
 # Polling interval while server_info waits for a server to appear.
 _SERVER_POLL_S = 0.02
+# Client.sample decodes up to this many items per batch (the first waits, the rest are taken
+# only if the rate limiter allows them right away).
+_SAMPLE_AHEAD = 256
 
 
 class _TableHandle:
@@ -223,22 +227,36 @@ class Client:
 
   @staticmethod
   def _sample_gen(handle, num_samples, emit_timesteps, treedef, timeout_ms):
+    """Yields num_samples items: each batch starts with one item sampled as Reverb does
+    (waiting up to timeout_ms for the rate limiter), then takes up to _SAMPLE_AHEAD - 1 more
+    that the limiter allows right away (never more than remain), decoded together."""
     seg, st = handle.seg, handle.table
-    for _ in range(num_samples):
+    remaining = num_samples
+    while remaining:
       recs, pins = st.sample_records(1, timeout_ms)
-      key, probability, table_size, priority, times_sampled, _, desc_off = recs[0].tolist()
-      info = SampleInfo(key, probability, table_size, priority, times_sampled)
-      data = chunks.read_item(seg, desc_off, pins)
-      del pins  # the views keep it (and the item) alive as long as they live
-      if not emit_timesteps:
-        yield ReplaySample(info, _unpack(treedef, data))
+      items = [chunks.read_item(seg, int(recs["desc_off"][0]), pins)]
+      more_pins = None
+      if remaining > 1:
+        more, more_pins = st._sample_now(min(remaining - 1, _SAMPLE_AHEAD - 1))
+        if len(more):
+          recs = np.concatenate([recs, more])
+          items += chunks.read_items(seg, more["desc_off"], more_pins)
+      del pins, more_pins   # the views keep their pins (and items) alive as long as they live
+      remaining -= len(recs)
+      infos = map(SampleInfo, recs["key"].tolist(), recs["probability"].tolist(),
+                  recs["table_size"].tolist(), recs["priority"].tolist(),
+                  recs["times_sampled"].tolist())
+      if not emit_timesteps:   # no Python frame per item
+        yield from map(ReplaySample, infos,
+                       items if treedef is None else map(_unpack, repeat(treedef), items))
         continue
-      lengths = {col.shape[0] if col.ndim else None for col in data}
-      if len(lengths) != 1 or None in lengths:
-        raise ValueError("Can't split non timestep trajectory into timesteps.")
-      steps = lengths.pop()
-      yield [ReplaySample(info, _unpack(treedef, [col[t] for col in data]))
-             for t in range(steps)]
+      for info, data in zip(infos, items):
+        lengths = {col.shape[0] if col.ndim else None for col in data}
+        if len(lengths) != 1 or None in lengths:
+          raise ValueError("Can't split non timestep trajectory into timesteps.")
+        steps = lengths.pop()
+        yield [ReplaySample(info, _unpack(treedef, [col[t] for col in data]))
+               for t in range(steps)]
 
   # ---- mutation
   def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,

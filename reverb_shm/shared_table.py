@@ -270,6 +270,26 @@ class SharedTable:
     check(rc, f"sampling from table {self._name!r}")
     raise AssertionError(f"rs_sample returned {rc}")
 
+  def _sample_now(self, n: int) -> Tuple[np.ndarray, Optional[chunks.Pins]]:
+    """Samples up to n >= 1 items that the rate limiter allows without waiting (maybe none).
+
+    Returns:
+      (records of dtype chunks.SAMPLE_REC, their Pins or None when no item was sampled).
+    """
+    slot, generation = self._seg.registration()
+    recs = np.empty(n, chunks.SAMPLE_REC)
+    got = ffi.new("uint32_t *", 0)
+    rc = lib.rs_sample(self._seg.base, slot, self._index, n, 0, 0,
+                       ffi.cast("rs_sample_rec *", ffi.from_buffer(recs, require_writable=True)),
+                       got)
+    b = got[0]
+    pins = chunks.Pins(self._seg, generation, recs["pin"][:b]) if b else None
+    if rc != lib.RS_OK and rc != lib.RS_ETIMEDOUT:
+      if pins is not None:
+        pins.release()
+      check(rc, f"sampling from table {self._name!r}")
+    return recs[:b], pins
+
   def mutate(self, updates: Optional[Dict[int, float]] = None,
              deletes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
     """Deletes then updates (unknown keys ignored); all-or-nothing validation.
