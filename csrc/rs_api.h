@@ -255,15 +255,19 @@ typedef struct rs_gather_col {
 
 /* rs_sample, then copy every column of the sampled items into caller buffers: rounds of up to
  * 256 items are sampled and pinned under the table lock, gathered with no lock held and unpinned.
- * Items must have exactly ncols columns matching cols[] (else RS_EINVAL naming the item and
- * column; the items of that round were sampled and counted, their outputs are undefined).
+ * Only items with exactly ncols columns matching cols[] are taken (checked under the lock before
+ * anything changes): an item of another layout stays unsampled and, when it is the first pick of
+ * a round, the call returns RS_EINVAL naming it (the *got_io items gathered before are valid).
  * `info` (8-byte aligned, 36 * n bytes) receives the info of sampled item i at index i of five
  * arrays laid out one after the other: uint64 key[n], double probability[n], int64 table_size[n],
  * double priority[n], int32 times_sampled[n] (one caller buffer instead of five).
- * *got_io, return codes and flexible batches as rs_sample. */
-int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, int64_t deadline_ns,
-                     int64_t slice_ns, uint32_t ncols, const rs_gather_col *cols, void *info,
-                     uint32_t *got_io);
+ * It waits (deadline, slice) only while *got_io < wait_n (0..n); past that it takes just what the
+ * rate limiter allows right away and returns RS_OK, so wait_n = n behaves as rs_sample and
+ * wait_n = 1 is Reverb's client: one item when available, plus whatever else is ready.
+ * *got_io, the other return codes and flexible batches as rs_sample. */
+int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint32_t wait_n,
+                     int64_t deadline_ns, int64_t slice_ns, uint32_t ncols,
+                     const rs_gather_col *cols, void *info, uint32_t *got_io);
 
 /* rs_insert of n items whose every column is a single slice: column c of item i is
  * slices[i * ncols + c], squeezed (no time dim) when col_flags[c] & 1. The descriptors are built

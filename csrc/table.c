@@ -513,7 +513,29 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
 
 /* Take up to `want` samples now (no waiting) into out[]. Returns the number taken (0 when the
  * limiter blocks) or a negative error code. */
-static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *out) {
+/* Does the item at desc_off have exactly the columns `cols` describe (bytes and dtype)? */
+static int layout_ok(void *base, uint64_t desc_off, uint32_t ncols, const rs_gather_col *cols) {
+  const rs_desc_hdr *d = rs_desc_blob(base, desc_off);
+  if (d->ncols != ncols) return 0;
+  const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
+  const rs_desc_slice *s = rs_desc_slices(d);
+  for (uint32_t c = 0; c < ncols; c++) {
+    uint64_t bytes = 0;
+    for (uint32_t j = dc[c].first_slice, end = j + dc[c].nslices; j < end; j++) {
+      const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
+      if (ch->row_bytes == 0 || memcmp(ch->dtype, cols[c].dtype, sizeof ch->dtype)) return 0;
+      bytes += (uint64_t)s[j].nrows * ch->row_bytes;
+    }
+    if (bytes != cols[c].col_bytes) return 0;
+  }
+  return 1;
+}
+
+/* Take up to `want` samples now (no waiting) into out[]. With `cols` (rs_sample_gather), only
+ * items of that layout are taken: the round stops before the first other one, which stays
+ * unsampled (RS_EINVAL if it is the first pick). */
+static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *out,
+                        uint32_t ncols, const rs_gather_col *cols) {
   void *base = op->base;
   rs_table_hdr *th = op->th;
   rs_seg_hdr *h = rs_seg(base);
@@ -543,6 +565,20 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
       __builtin_prefetch(&recs[picks[j]], 1);
       __builtin_prefetch((const char *)&recs[picks[j]] + sizeof(rs_rec) - 1, 1);
     }
+    int other_layout = 0;
+    if (cols) {
+      uint32_t good = 0;
+      while (good < m && layout_ok(base, recs[picks[k + good]].desc_off, ncols, cols)) good++;
+      if (good < m) {
+        other_layout = 1;
+        m = good;
+        if (k + m == 0)
+          return rs_set_error(RS_EINVAL, "table '%s': sampled item %llu does not have the expected "
+                              "column layout (%u columns of the given dtypes and sizes); it was "
+                              "left unsampled", th->name,
+                              (unsigned long long)recs[picks[k]].key, ncols);
+      }
+    }
     for (uint32_t j = k; j < k + m; j++) {
       rs_rec *rec = &recs[picks[j]];
       /* ... and the descriptor (block header + blob) that pinning and gathering read next */
@@ -565,6 +601,7 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
       }
     }
     k += m;
+    if (other_layout) break;
   }
   if (k == 0) return 0;
   op->dirty = 1;
@@ -600,7 +637,7 @@ int rs_sample(void *base, uint32_t slot, uint32_t table, uint32_t n, int64_t dea
   rc = op_lock(&op);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     int took = 0;
-    while (*got_io < n && (took = sample_round(&op, slot, n - *got_io, out + *got_io)) > 0)
+    while (*got_io < n && (took = sample_round(&op, slot, n - *got_io, out + *got_io, 0, NULL)) > 0)
       *got_io += (uint32_t)took;
     if (*got_io == n || took < 0) {
       rc = *got_io == n ? RS_OK : took;
@@ -889,16 +926,16 @@ static sample_info sample_info_at(void *info, uint32_t n) {
   return si;
 }
 
-static int gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
-                        uint32_t ncols, const rs_gather_col *cols, const sample_info *info) {
+static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
+                         uint32_t ncols, const rs_gather_col *cols, const sample_info *info) {
   /* Rows of random items are cache misses: request the first row of every column of every item
-   * up front (descriptors are trusted only in the validated pass below). */
+   * up front. Every item's layout was checked against cols by sample_round (descriptors and
+   * chunk headers never change once written). */
   for (uint32_t i = 0; i < n; i++) {
     const rs_desc_hdr *d = rs_desc_blob(base, recs[i].desc_off);
     const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
     const rs_desc_slice *s = rs_desc_slices(d);
-    for (uint32_t c = 0; c < ncols && c < d->ncols; c++) {
-      if (dc[c].first_slice >= d->nslices) break;
+    for (uint32_t c = 0; c < ncols; c++) {
       const rs_desc_slice *sl = &s[dc[c].first_slice];
       const rs_chunk_hdr *ch = rs_chunk(base, sl->chunk_off);
       __builtin_prefetch((const char *)ch + ch->data_offset + (uint64_t)sl->row_offset * ch->row_bytes, 0);
@@ -906,26 +943,14 @@ static int gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint3
   }
   for (uint32_t i = 0; i < n; i++) {
     const rs_desc_hdr *d = rs_desc_blob(base, recs[i].desc_off);
-    if (d->ncols != ncols)
-      return rs_set_error(RS_EINVAL, "rs_sample_gather: sampled item %llu has %u columns, expected %u",
-                          (unsigned long long)recs[i].key, d->ncols, ncols);
     const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
     const rs_desc_slice *s = rs_desc_slices(d);
     uint64_t row = (uint64_t)first + i;
     for (uint32_t c = 0; c < ncols; c++) {
-      const rs_gather_col *g = &cols[c];
-      uint8_t *dst = g->out + row * g->stride;
-      uint64_t left = g->col_bytes;
+      uint8_t *dst = cols[c].out + row * cols[c].stride;
       for (uint32_t j = dc[c].first_slice, end = j + dc[c].nslices; j < end; j++) {
         const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
         uint64_t nb = (uint64_t)s[j].nrows * ch->row_bytes;
-        if (ch->row_bytes == 0 || nb > left || memcmp(ch->dtype, g->dtype, sizeof ch->dtype))
-          return rs_set_error(RS_EINVAL,
-                              "rs_sample_gather: column %u of sampled item %llu does not match the "
-                              "expected layout (dtype '%.16s', %llu bytes): found dtype '%.16s' with "
-                              "rows of %llu bytes", c, (unsigned long long)recs[i].key, g->dtype,
-                              (unsigned long long)g->col_bytes, ch->dtype,
-                              (unsigned long long)ch->row_bytes);
         const char *src = (const char *)ch + ch->data_offset + (uint64_t)s[j].row_offset * ch->row_bytes;
         switch (nb) { /* inline the common scalar sizes instead of calling memcpy */
           case 4: memcpy(dst, src, 4); break;
@@ -933,12 +958,7 @@ static int gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint3
           default: memcpy(dst, src, nb);
         }
         dst += nb;
-        left -= nb;
       }
-      if (left)
-        return rs_set_error(RS_EINVAL, "rs_sample_gather: column %u of sampled item %llu holds %llu "
-                            "bytes, expected %llu", c, (unsigned long long)recs[i].key,
-                            (unsigned long long)(g->col_bytes - left), (unsigned long long)g->col_bytes);
     }
     info->key[row] = recs[i].key;
     info->probability[row] = recs[i].probability;
@@ -946,20 +966,20 @@ static int gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint3
     info->priority[row] = recs[i].priority;
     info->times_sampled[row] = recs[i].times_sampled;
   }
-  return RS_OK;
 }
 
-int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, int64_t deadline_ns,
-                     int64_t slice_ns, uint32_t ncols, const rs_gather_col *cols, void *info,
-                     uint32_t *got_io) {
+int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint32_t wait_n,
+                     int64_t deadline_ns, int64_t slice_ns, uint32_t ncols,
+                     const rs_gather_col *cols, void *info, uint32_t *got_io) {
   rs_table_hdr *th = NULL;
   int rc = table_arg(base, table, &th);
   if (rc) return rc;
   if (!got_io || !info || (uintptr_t)info % 8)
     return rs_set_error(RS_EINVAL, "rs_sample_gather: got_io must be non-NULL and info non-NULL and "
                         "8-byte aligned");
-  if (*got_io > n)
-    return rs_set_error(RS_EINVAL, "rs_sample_gather: *got_io (%u) exceeds n (%u)", *got_io, n);
+  if (*got_io > n || wait_n > n)
+    return rs_set_error(RS_EINVAL, "rs_sample_gather: *got_io (%u) and wait_n (%u) must not exceed "
+                        "n (%u)", *got_io, wait_n, n);
   if (ncols == 0 || !cols) return rs_set_error(RS_EINVAL, "rs_sample_gather: expected >= 1 column");
   for (uint32_t c = 0; c < ncols; c++)
     if (!cols[c].out || cols[c].stride < cols[c].col_bytes || !memchr(cols[c].dtype, 0, sizeof cols[c].dtype))
@@ -977,7 +997,11 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, int6
           slice_ns);
   rc = op_lock(&op);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
-    int took = sample_round(&op, slot, n - *got_io, recs);
+    int took = sample_round(&op, slot, n - *got_io, recs, ncols, cols);
+    if (took == 0 && *got_io >= wait_n) { /* enough: take no more than what is ready */
+      op_unlock(&op);
+      break;
+    }
     if (took == 0) {
       rc = op_wait(&op);
       continue;
@@ -988,11 +1012,10 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, int6
       break;
     }
     /* Pinned: copy the payload with no lock held, then drop the pins. */
-    rc = gather_round(base, recs, (uint32_t)took, *got_io, ncols, cols, &si);
+    gather_round(base, recs, (uint32_t)took, *got_io, ncols, cols, &si);
     uint32_t pins[SAMPLE_ROUND];
     for (int j = 0; j < took; j++) pins[j] = recs[j].pin;
-    int urc = rs_unpin(base, slot, (uint32_t)took, pins);
-    if (rc == RS_OK) rc = urc;
+    rc = rs_unpin(base, slot, (uint32_t)took, pins);
     if (rc) break;
     *got_io += (uint32_t)took;
     if (*got_io == n) break;

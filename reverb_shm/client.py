@@ -204,8 +204,11 @@ class Client:
         (reverb_shm extension).
 
     Yields:
-      list[ReplaySample] (emit_timesteps) or ReplaySample. Numeric columns are read-only
-      zero-copy views of shared memory that stay valid while any of them lives.
+      list[ReplaySample] (emit_timesteps) or ReplaySample. Items are sampled ahead in batches
+      (see _SAMPLE_AHEAD); once the table's column layout is known, a batch is copied into
+      private arrays by one C call and each item's columns are views of them (Reverb returns
+      copies too); otherwise numeric columns are read-only zero-copy views of shared memory
+      that stay valid while any of them lives.
 
     Raises:
       UnknownTableError (a RuntimeError and ValueError): no such table, raised at the call.
@@ -232,7 +235,21 @@ class Client:
     that the limiter allows right away (never more than remain), decoded together."""
     seg, st = handle.seg, handle.table
     remaining = num_samples
+    deadline = None
     while remaining:
+      if st._gather_layout is not None:   # one C call gathers the batch into private arrays
+        if deadline is None or timeout_ms is not None:
+          deadline = timeouts.deadline_from_ms(timeout_ms)
+        batch = st._gather_fresh(min(remaining, _SAMPLE_AHEAD), 1, deadline, timeout_ms)
+        if batch is not None and len(batch[0].key):   # else: another layout came up
+          infos, columns = batch
+          remaining -= len(infos.key)
+          infos = map(SampleInfo, *(field.tolist() for field in infos))
+          # Row views of the private batch arrays (0-d views for scalar columns).
+          items = [list(item) for item in zip(*[
+              list(c) if c.ndim > 1 else [c[i, ...] for i in range(len(c))] for c in columns])]
+          yield from Client._emit(infos, items, emit_timesteps, treedef)
+          continue
       recs, pins = st.sample_records(1, timeout_ms)
       items = [chunks.read_item(seg, int(recs["desc_off"][0]), pins)]
       more_pins = None
@@ -243,20 +260,26 @@ class Client:
           items += chunks.read_items(seg, more["desc_off"], more_pins)
       del pins, more_pins   # the views keep their pins (and items) alive as long as they live
       remaining -= len(recs)
+      st._learn_layout([(col.dtype, col.shape) for col in items[0]])
       infos = map(SampleInfo, recs["key"].tolist(), recs["probability"].tolist(),
                   recs["table_size"].tolist(), recs["priority"].tolist(),
                   recs["times_sampled"].tolist())
-      if not emit_timesteps:   # no Python frame per item
-        yield from map(ReplaySample, infos,
-                       items if treedef is None else map(_unpack, repeat(treedef), items))
-        continue
-      for info, data in zip(infos, items):
-        lengths = {col.shape[0] if col.ndim else None for col in data}
-        if len(lengths) != 1 or None in lengths:
-          raise ValueError("Can't split non timestep trajectory into timesteps.")
-        steps = lengths.pop()
-        yield [ReplaySample(info, _unpack(treedef, [col[t] for col in data]))
-               for t in range(steps)]
+      yield from Client._emit(infos, items, emit_timesteps, treedef)
+
+  @staticmethod
+  def _emit(infos, items, emit_timesteps, treedef):
+    """Yields ReplaySample (or, with emit_timesteps, lists of them) of each (info, columns)."""
+    if not emit_timesteps:   # no Python frame per item
+      yield from map(ReplaySample, infos,
+                     items if treedef is None else map(_unpack, repeat(treedef), items))
+      return
+    for info, data in zip(infos, items):
+      lengths = {col.shape[0] if col.ndim else None for col in data}
+      if len(lengths) != 1 or None in lengths:
+        raise ValueError("Can't split non timestep trajectory into timesteps.")
+      steps = lengths.pop()
+      yield [ReplaySample(info, _unpack(treedef, [col[t] for col in data]))
+             for t in range(steps)]
 
   # ---- mutation
   def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,

@@ -523,30 +523,66 @@ class SharedTable:
       cols = _gather_cols(layout, targets)
     else:
       targets, cols = self._out_plan(out, layout, n)
+    deadline = -1 if timeout_ms is None else timeouts.deadline_from_ms(timeout_ms)
+    info = self._gather(n, n, deadline, timeout_ms, layout, cols)
+    b = len(info.key)
+    data = [t if len(t) == b else t[:b] for t in targets]
+    return ReplaySample(info, self._structure(data))
+
+  def _gather(self, n: int, wait_n: int, deadline_ns: int, timeout_ms, layout, cols,
+              stop_at_other_layout: bool = False) -> SampleInfo:
+    """rs_sample_gather of up to n items (waiting only for the first wait_n) into `cols`.
+
+    An item of another layout is left unsampled and the layout forgotten (to be learnt again);
+    then the items gathered before it are returned if `stop_at_other_layout` (maybe none),
+    else ValueError is raised.
+
+    Returns:
+      SampleInfo of arrays of length B, the items gathered into rows [0, B) of the targets.
+
+    Raises:
+      DeadlineExceededError: no item before the deadline. ValueError: an item of another
+      layout (see above). TableClosedError: the server stopped.
+    """
     # The five info arrays share one allocation (the layout rs_sample_gather writes).
     buf = np.empty((9 * n + 1) // 2, np.uint64)   # 36 * n bytes, 8-byte aligned
-    deadline = -1 if timeout_ms is None else timeouts.deadline_from_ms(timeout_ms)
     got = ffi.new("uint32_t *", 0)
     base, slot, info = self._seg.base, self._seg.slot, ffi.from_buffer(buf)
     rc = lib.RS_EAGAIN
     while rc == lib.RS_EAGAIN:
-      rc = lib.rs_sample_gather(base, slot, self._index, n, deadline, timeouts.SLICE_NS,
-                                len(layout), cols, info, got)
+      rc = lib.rs_sample_gather(base, slot, self._index, n, wait_n, deadline_ns,
+                                timeouts.SLICE_NS, len(layout), cols, info, got)
     b = got[0]
-    key = np.ndarray(b, _U8, buf, 0)
-    probability = np.ndarray(b, _F8, buf, 8 * n)
-    table_size = np.ndarray(b, _I8, buf, 16 * n)
-    priority = np.ndarray(b, _F8, buf, 24 * n)
-    times_sampled = np.ndarray(b, _I4, buf, 32 * n)
     if rc == lib.RS_ETIMEDOUT and b == 0:
       raise errors.DeadlineExceededError(self._limiter_message("sample", timeout_ms))
     if rc == lib.RS_EINVAL:
       self._gather_layout = None   # relearn on the next call
+      if stop_at_other_layout:
+        rc = lib.RS_OK
     if rc != lib.RS_OK and rc != lib.RS_ETIMEDOUT:
       check(rc, f"sampling from table {self._name!r}")
-    data = [t if len(t) == b else t[:b] for t in targets]
-    return ReplaySample(SampleInfo(key, probability, table_size, priority, times_sampled),
-                        self._structure(data))
+    return SampleInfo(np.ndarray(b, _U8, buf, 0), np.ndarray(b, _F8, buf, 8 * n),
+                      np.ndarray(b, _I8, buf, 16 * n), np.ndarray(b, _F8, buf, 24 * n),
+                      np.ndarray(b, _I4, buf, 32 * n))
+
+  def _learn_layout(self, columns: Sequence[Tuple[np.dtype, tuple]]) -> None:
+    """Remembers the (dtype, item shape, bytes) of each column of a sampled item, unless a
+    column holds objects (those items are never gathered in C)."""
+    if all(dtype.kind != "O" for dtype, _ in columns):
+      self._gather_layout = tuple((dtype, shape, dtype.itemsize * math.prod(shape))
+                                  for dtype, shape in columns)
+
+  def _gather_fresh(self, n: int, wait_n: int, deadline_ns: int, timeout_ms):
+    """(SampleInfo, columns) of up to n items gathered into new arrays, stopping before an item
+    of another layout (see _gather); None while no layout is known."""
+    layout = self._gather_layout
+    if layout is None:
+      return None
+    targets = [np.empty((n,) + shape, dtype) for dtype, shape, _ in layout]
+    info = self._gather(n, wait_n, deadline_ns, timeout_ms, layout, _gather_cols(layout, targets),
+                        stop_at_other_layout=True)
+    b = len(info.key)
+    return info, [t if b == n else t[:b] for t in targets]
 
   def _out_plan(self, out, layout, n: int):
     """(target arrays, rs_gather_col array) for `out`, validated once per (out, layout)."""
@@ -596,9 +632,7 @@ class SharedTable:
         cols.append(chunks.gather_column(self._seg, desc, c, target))
     finally:
       pins.release()
-    if all(c.dtype.kind != "O" for c in cols):
-      self._gather_layout = tuple((c.dtype, c.shape[1:], c.dtype.itemsize * math.prod(c.shape[1:]))
-                                  for c in cols)
+    self._learn_layout([(c.dtype, c.shape[1:]) for c in cols])
     info = SampleInfo(recs["key"].copy(), recs["probability"].copy(), recs["table_size"].copy(),
                       recs["priority"].copy(), recs["times_sampled"].copy())
     return ReplaySample(info, self._structure(cols))

@@ -194,3 +194,35 @@ def test_client_sample_blocks_per_item_and_times_out(server_factory):
   with pytest.raises(errors.DeadlineExceededError):
     next(gen)
   assert server.shared_table("t").stats()["samples"] == 3
+
+
+def test_client_sample_over_mixed_layouts_loses_no_item(server_factory):
+  server = server_factory([_table()])
+  client = server.localhost_client()
+  for i in range(20):   # two layouts: 2- and 3-element observations
+    client.insert({"obs": np.full(2 + i % 2, i, np.float32), "act": np.int64(i)}, {"t": 1.0})
+  got = list(client.sample("t", 500, emit_timesteps=False))
+  assert len(got) == 500
+  assert server.shared_table("t").stats()["samples"] == 500   # every sampled item was yielded
+  for s in got:
+    act = int(s.data[0][0])
+    assert s.data[1].shape == (1, 2 + act % 2) and (s.data[1] == act).all()
+  st = server.shared_table("t")
+  st.sample_batch(1)                      # learns one of the two layouts
+  with pytest.raises(ValueError, match="layout"):
+    for _ in range(50):                   # the other layout comes up: rejected, not lost
+      st.sample_batch(16)
+  st.check()
+
+
+def test_client_sample_emit_timesteps_on_the_gather_path(server_factory):
+  server = server_factory([_table()])
+  client = server.localhost_client()
+  with client.trajectory_writer(3) as writer:
+    for i in range(3):
+      writer.append({"x": np.float32(i), "y": np.arange(2, dtype=np.int8) + i})
+    writer.create_item("t", 1.0, {"x": writer.history["x"][:], "y": writer.history["y"][:]})
+  for _ in range(3):   # the first call learns the layout, the next ones gather in C
+    steps = next(client.sample("t", 1))
+    assert [float(s.data[0]) for s in steps] == [0.0, 1.0, 2.0]
+    assert [s.data[1].tolist() for s in steps] == [[0, 1], [1, 2], [2, 3]]
