@@ -889,30 +889,42 @@ class TrajectoryWriter:
       holder_sets.append(holders)
     if not descs:
       return
-    if len(descs) == 1 and not self._pending and self._insert_now(handle, prios[0], descs[0]):
-      return
+    blobs = [chunks.encode_descriptor(desc) for desc in descs]
+    if not self._pending:   # nothing queued: insert what the limiter admits now, queue the rest
+      done = self._insert_now(handle, prios, blobs)
+      if done == len(blobs):
+        return
+      prios, blobs, holder_sets = prios[done:], blobs[done:], holder_sets[done:]
     items = []
-    for desc, prio, holders in zip(descs, prios, holder_sets):
+    for blob, prio, holders in zip(blobs, prios, holder_sets):
       for h in holders:
         h.pending += 1
-      items.append(_Pending(handle.table, random_u64.one(), prio,
-                            chunks.encode_descriptor(desc), holders))
+      items.append(_Pending(handle.table, random_u64.one(), prio, blob, holders))
     self._pending.extend(items)
     self._drain(0, 0)     # whatever the limiters admit right now, in FIFO order
     while len(self._pending) > _MAX_PENDING:
       self._drain(len(self._pending) - 1, -1)
 
-  def _insert_now(self, handle, priority: float, desc) -> bool:
-    """Inserts one item if its table's rate limiter admits it without waiting (the common case,
-    with no queue: one C call, no queue bookkeeping). False when the limiter blocks."""
-    blob = chunks.encode_descriptor(desc)
+  @staticmethod
+  def _insert_now(handle, priorities: List[float], blobs: List[bytes]) -> int:
+    """Inserts the leading items that the table's rate limiter admits without waiting, with one
+    C call and no queue bookkeeping (the common case). Returns how many were inserted; 0 also
+    when an item is invalid (the queue path then finds and reports it)."""
+    n = len(blobs)
+    if n == 1:   # create_item: no numpy on the way
+      blob, offs = blobs[0], ffi.new("uint64_t[2]", [0, len(blobs[0])])
+      keys = ffi.new("uint64_t *", random_u64.one())
+    else:
+      blob, offs = chunks.join_descriptors(blobs)
+      offs, keys = ffi.from_buffer("uint64_t[]", offs), ffi.from_buffer("uint64_t[]", random_u64(n))
     try:
-      handle.table._insert_validated(  # pylint: disable=protected-access
-          1, ffi.new("uint64_t *", random_u64.one()), ffi.new("double *", priority),
-          ffi.from_buffer("uint8_t[]", blob), ffi.new("uint64_t[2]", [0, len(blob)]), 0, 0)
-    except errors.DeadlineExceededError:
-      return False
-    return True
+      return handle.table._insert_validated(  # pylint: disable=protected-access
+          n, keys, ffi.new("double[]", priorities), ffi.from_buffer("uint8_t[]", blob), offs, 0,
+          0)
+    except errors.DeadlineExceededError as e:
+      return e.inserted
+    except errors.InvalidArgumentError:
+      return 0
 
   def _encode_item(self, handle, trajectory):
     leaves, _ = structure.flatten(trajectory)
