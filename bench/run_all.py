@@ -173,20 +173,25 @@ def main(argv=None):
   runners = [("shm", sys.executable, "shm_workloads.py", None),
              ("reverb", args.reverb_python, "peer_reverb.py", "reverb"),
              ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb")]
-  results, notes = {}, []
+  notes = []
+  available = []
   for name, python, script, module in runners:
     if module and not peer_available(python, module):
       notes.append(f"{name} skipped: {python} cannot import {module} "
                    "(create it with bench/make_peer_venvs.sh)")
-      continue
-    runs = []
-    for i in range(args.repeat):
+    else:
+      available.append((name, python, script))
+  # Repeats go round the runners (shm, peers, shm, peers, ...) so that a noisy spell on a shared
+  # machine hits every runner's median alike instead of one runner's three runs.
+  runs = {name: [] for name, _, _ in available}
+  for i in range(args.repeat):
+    for name, python, script in available:
       print(f"running {name} ({i + 1}/{args.repeat}) ...", flush=True)
       rows, note = run_runner(python, script, args, workloads, timeout=3600)
       if note:
         notes.append(note)
-      runs.append(rows)
-    results[name] = median_rows(runs)
+      runs[name].append(rows)
+  results = {name: median_rows(r) for name, r in runs.items()}
   ratio_rows = ratios(results)
   print_table(results, ratio_rows, notes)
   RESULTS.mkdir(exist_ok=True)

@@ -199,35 +199,32 @@ class SharedTable:
   def _insert_validated(self, n: int, keys_c, prios_c, blob_c, offs_c, deadline_ns: int,
                         timeout_ms) -> int:
     """insert_descriptors after validation: C buffers of n keys/priorities, blob, n+1 offsets."""
-    slot = self._seg.slot
-    done = ffi.new("uint32_t *")
-    total = 0
-    while True:
-      rc = lib.rs_insert(self._seg.base, slot, self._index, n - total, keys_c + total,
-                         prios_c + total, blob_c, offs_c + total, deadline_ns,
-                         timeouts.SLICE_NS, done)
-      total += done[0]
-      if rc == lib.RS_OK and total >= n:
-        return n
-      if rc == lib.RS_ETIMEDOUT:
-        raise errors.DeadlineExceededError(
-            f"{self._limiter_message('insert', timeout_ms)}; {total} of {n} items inserted",
-            inserted=total)
-      if rc != lib.RS_EAGAIN and rc != lib.RS_OK:
-        check(rc, f"inserting into table {self._name!r} ({total} of {n} items inserted)")
+    base, slot, table = self._seg.base, self._seg.slot, self._index
+    return self._insert_loop(n, lambda i, done: lib.rs_insert(
+        base, slot, table, n - i, keys_c + i, prios_c + i, blob_c, offs_c + i, deadline_ns,
+        timeouts.SLICE_NS, done), timeout_ms)
 
   def _insert_slices_validated(self, n: int, keys_c, prios_c, writer: chunks.ColumnWriter,
                                slices_c, squeeze: int, deadline_ns: int, timeout_ms) -> int:
     """rs_insert_slices of n validated items (keys_c NULL: random keys); as _insert_validated."""
-    base, slot, ncols = self._seg.base, self._seg.slot, writer.ncols
+    base, slot, table, ncols = self._seg.base, self._seg.slot, self._index, writer.ncols
     flags = writer.squeeze_flags[squeeze]
+    return self._insert_loop(n, lambda i, done: lib.rs_insert_slices(
+        base, slot, table, n - i, keys_c if keys_c == ffi.NULL else keys_c + i, prios_c + i,
+        ncols, slices_c + i * ncols, flags, deadline_ns, timeouts.SLICE_NS, done), timeout_ms)
+
+  def _insert_loop(self, n: int, insert_from, timeout_ms) -> int:
+    """Calls insert_from(i, done) -- one C insert of items [i, n) reporting progress in
+    done[0] -- again after each wait slice (RS_EAGAIN) until all n are in; returns n.
+
+    Raises:
+      DeadlineExceededError: with `inserted` = items inserted before the deadline.
+      ReverbError: the C core's error (via _lib.check).
+    """
     done = ffi.new("uint32_t *")
     total = 0
     while True:
-      rc = lib.rs_insert_slices(base, slot, self._index, n - total,
-                                keys_c if keys_c == ffi.NULL else keys_c + total, prios_c + total,
-                                ncols, slices_c + total * ncols, flags, deadline_ns,
-                                timeouts.SLICE_NS, done)
+      rc = insert_from(total, done)
       total += done[0]
       if rc == lib.RS_OK and total >= n:
         return n
