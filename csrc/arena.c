@@ -929,3 +929,67 @@ int rs_arena_check(void *base, char *report_buf, uint64_t report_len) {
     report(&r, "arena: refcounts are marked suspect after a dead process (rs_reap recounts them)");
   return r.errors ? RS_ECORRUPT : RS_OK;
 }
+
+/* ------------------------------------------------------------------ issue 6: rs_write_chunks */
+
+#define WRITE_CHUNKS_MAX 64   /* columns per rs_write_chunks call (stack bookkeeping) */
+
+int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hdr *metas,
+                    const uint8_t *const *data, uint32_t rows, uint64_t episode_id,
+                    uint64_t start_step, uint64_t *offs_out, uint32_t *pins_out) {
+  if (!base || (ncols && (!metas || !data || !offs_out || !pins_out)))
+    return rs_set_error(RS_EINVAL, "rs_write_chunks: NULL argument");
+  if (ncols > WRITE_CHUNKS_MAX)
+    return rs_set_error(RS_EINVAL, "rs_write_chunks: %u columns, expected <= %d", ncols, WRITE_CHUNKS_MAX);
+  if (rows < 1) return rs_set_error(RS_EINVAL, "rs_write_chunks: rows must be >= 1, got 0");
+  uint64_t need[WRITE_CHUNKS_MAX], nbytes[WRITE_CHUNKS_MAX];
+  for (uint32_t c = 0; c < ncols; c++) {
+    rs_chunk_hdr m = metas[c];
+    m.capacity = rows;
+    int rc = chunk_meta_check(&m, &nbytes[c]);
+    if (rc == RS_OK && is_object_dtype(m.dtype))
+      rc = rs_set_error(RS_EINVAL, "rs_write_chunks: column %u is an object column; expected "
+                        "fixed-size rows", c);
+    if (rc) return rc;
+    if (!data[c] && nbytes[c]) return rs_set_error(RS_EINVAL, "rs_write_chunks: data[%u] is NULL", c);
+    need[c] = nbytes[c] > UINT64_MAX / 2 ? (UINT64_MAX / 2) & ~TYPE_MASK
+                                          : rs_align_up(RS_ALIGN + CHUNK_DATA_OFF + nbytes[c], RS_ALIGN);
+  }
+  int rc = rs_alock(base);
+  if (rc) return rc;
+  rc = slot_check(base, slot);
+  if (rc == RS_OK && rs_slots(base)[slot].free_top < ncols) rc = pins_full(base, slot, ncols);
+  uint32_t made = 0;
+  for (; rc == RS_OK && made < ncols; made++) {
+    uint64_t off = block_alloc(base, need[made], RS_BLOCK_CHUNK, (int32_t)slot);
+    if (!off) {
+      rc = RS_ENOSPC;   /* block_alloc set the message */
+      break;
+    }
+    offs_out[made] = off + RS_ALIGN;
+  }
+  if (rc != RS_OK) {
+    for (uint32_t c = 0; c < made; c++) decref(base, offs_out[c]);   /* refcount 1 -> freed */
+    rs_aunlock(base);
+    return rc;
+  }
+  for (uint32_t c = 0; c < ncols; c++) {
+    rs_chunk_hdr *h = rs_chunk(base, offs_out[c]);
+    memcpy(h, &metas[c], sizeof *h);
+    h->capacity = rows;
+    h->nbytes = nbytes[c];
+    h->data_offset = CHUNK_DATA_OFF;
+    h->rows = 0;
+    h->episode_id = episode_id;
+    h->start_step = start_step;
+    pins_out[c] = pin_push(base, slot, offs_out[c]);   /* holds the refcount of 1 */
+  }
+  rs_aunlock(base);
+  /* The chunks are private to this writer until published: copy without any lock. */
+  for (uint32_t c = 0; c < ncols; c++) {
+    rs_chunk_hdr *h = rs_chunk(base, offs_out[c]);
+    memcpy((char *)h + CHUNK_DATA_OFF, data[c], nbytes[c]);
+    __atomic_store_n(&h->rows, rows, __ATOMIC_RELEASE);
+  }
+  return RS_OK;
+}

@@ -302,3 +302,47 @@ int rs_restore_counters(void *base, uint32_t table, const rs_table_counters *c);
  * the smallest count >= 0 that puts inserts * samples_per_insert - samples within
  * [min_diff, max_diff] (as if the items had just been inserted). Wakes waiters. */
 int rs_table_reset_limiter(void *base, uint32_t table);
+
+/* ---- issue 6: batched fast paths (one C call per batch) ---- */
+
+/* Where rs_sample_gather copies column c of the i-th sampled item: out + i * stride, exactly
+ * col_bytes bytes (rows x row_bytes, all slices concatenated). Every chunk the column reads must
+ * have dtype `dtype` (rs_chunk_hdr.dtype, compared over all 16 bytes). */
+typedef struct rs_gather_col {
+  uint8_t *out;
+  uint64_t stride;
+  uint64_t col_bytes;
+  char dtype[16];
+} rs_gather_col;
+
+/* rs_sample, then copy every column of the sampled items into caller buffers: rounds of up to
+ * 256 items are sampled and pinned under the table lock, gathered with no lock held and unpinned.
+ * Only items with exactly ncols columns matching cols[] are taken (checked under the lock before
+ * anything changes): an item of another layout stays unsampled and, when it is the first pick of
+ * a round, the call returns RS_EINVAL naming it (the *got_io items gathered before are valid).
+ * `info` (8-byte aligned, 36 * n bytes) receives the info of sampled item i at index i of five
+ * arrays laid out one after the other: uint64 key[n], double probability[n], int64 table_size[n],
+ * double priority[n], int32 times_sampled[n] (one caller buffer instead of five).
+ * It waits (deadline, slice) only while *got_io < wait_n (0..n); past that it takes just what the
+ * rate limiter allows right away and returns RS_OK, so wait_n = n behaves as rs_sample and
+ * wait_n = 1 is Reverb's client: one item when available, plus whatever else is ready.
+ * *got_io, the other return codes and flexible batches as rs_sample. */
+int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint32_t wait_n,
+                     int64_t deadline_ns, int64_t slice_ns, uint32_t ncols,
+                     const rs_gather_col *cols, void *info, uint32_t *got_io);
+
+/* rs_insert of n items whose every column is a single slice: column c of item i is
+ * slices[i * ncols + c], squeezed (no time dim) when col_flags[c] & 1. The descriptors are built
+ * in C; validation, blocking and *done_out as rs_insert. keys NULL: random keys (rs_rand_u64). */
+int rs_insert_slices(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint64_t *keys,
+                     const double *priorities, uint32_t ncols, const rs_desc_slice *slices,
+                     const uint32_t *col_flags, int64_t deadline_ns, int64_t slice_ns,
+                     uint32_t *done_out);
+
+/* Allocate one chunk per column (header metas[c] with capacity = rows, nbytes = rows x row_bytes
+ * and episode_id / start_step set here), copy rows x row_bytes bytes from data[c] and publish the
+ * rows. All or nothing: on error no chunk stays allocated. The chunks are held by `slot` through
+ * pins_out[c] (release with rs_unpin once items reference them); offsets in offs_out[c]. */
+int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hdr *metas,
+                    const uint8_t *const *data, uint32_t rows, uint64_t episode_id,
+                    uint64_t start_step, uint64_t *offs_out, uint32_t *pins_out);

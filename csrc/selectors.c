@@ -125,8 +125,13 @@ void rs_sel_pick(void *base, rs_table_hdr *th, int si, uint32_t k, uint32_t *rec
       /* every weight is 0: uniform over all items */
     } /* fall through */
     case RS_SEL_UNIFORM:
+      /* positions first, so the scattered dense[] reads are all in flight at once */
       for (uint32_t j = 0; j < k; j++) {
-        recs_out[j] = dense[uniform_index(n)];
+        recs_out[j] = uniform_index(n);
+        __builtin_prefetch(&dense[recs_out[j]], 0);
+      }
+      for (uint32_t j = 0; j < k; j++) {
+        recs_out[j] = dense[recs_out[j]];
         probs[j] = 1.0 / n;
       }
       return;

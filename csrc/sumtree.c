@@ -12,9 +12,11 @@ void rs_sumtree_set(double *tree, uint32_t leaves, uint32_t i, double w) {
 static inline uint32_t step(const double *tree, uint32_t node, double *target) {
   uint32_t l = 2 * node;
   double lw = tree[l], rw = tree[l + 1];
-  if ((*target < lw && lw > 0) || rw <= 0) return l;
-  *target -= lw;
-  return l + 1;
+  /* branch-free: random targets make the direction unpredictable, and a mispredicted branch
+   * would discard the other descents' loads in flight (weights are finite, so lw * 0 == 0) */
+  uint32_t right = !(((*target < lw) & (lw > 0)) | (rw <= 0));
+  *target -= lw * (double)right;
+  return l + right;
 }
 
 uint32_t rs_sumtree_find(const double *tree, uint32_t leaves, double u) {
@@ -38,7 +40,10 @@ void rs_sumtree_find_many(const double *tree, uint32_t leaves, uint32_t k, const
       node[j] = 1;
     }
     for (uint32_t level = leaves; level > 1; level >>= 1)
-      for (uint32_t j = 0; j < m; j++) node[j] = step(tree, node[j], &target[j]);
+      for (uint32_t j = 0; j < m; j++) {
+        node[j] = step(tree, node[j], &target[j]);
+        __builtin_prefetch(&tree[2 * node[j]], 0);   /* the children read at the next level */
+      }
     for (uint32_t j = 0; j < m; j++) out[b + j] = node[j] - leaves;
   }
 }

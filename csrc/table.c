@@ -518,7 +518,29 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
 
 /* Take up to `want` samples now (no waiting) into out[]. Returns the number taken (0 when the
  * limiter blocks) or a negative error code. */
-static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *out) {
+/* Does the item at desc_off have exactly the columns `cols` describe (bytes and dtype)? */
+static int layout_ok(void *base, uint64_t desc_off, uint32_t ncols, const rs_gather_col *cols) {
+  const rs_desc_hdr *d = rs_desc_blob(base, desc_off);
+  if (d->ncols != ncols) return 0;
+  const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
+  const rs_desc_slice *s = rs_desc_slices(d);
+  for (uint32_t c = 0; c < ncols; c++) {
+    uint64_t bytes = 0;
+    for (uint32_t j = dc[c].first_slice, end = j + dc[c].nslices; j < end; j++) {
+      const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
+      if (ch->row_bytes == 0 || memcmp(ch->dtype, cols[c].dtype, sizeof ch->dtype)) return 0;
+      bytes += (uint64_t)s[j].nrows * ch->row_bytes;
+    }
+    if (bytes != cols[c].col_bytes) return 0;
+  }
+  return 1;
+}
+
+/* Take up to `want` samples now (no waiting) into out[]. With `cols` (rs_sample_gather), only
+ * items of that layout are taken: the round stops before the first other one, which stays
+ * unsampled (RS_EINVAL if it is the first pick). */
+static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *out,
+                        uint32_t ncols, const rs_gather_col *cols) {
   void *base = op->base;
   rs_table_hdr *th = op->th;
   rs_seg_hdr *h = rs_seg(base);
@@ -543,8 +565,31 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
     uint32_t m = rs_limiter_sample_budget(th, batch < limit - k ? batch : limit - k);
     if (m == 0) break;
     rs_sel_pick(base, th, 0, m, picks + k, probs + k);
+    /* The records are scattered: request them all before the first is needed. */
+    for (uint32_t j = k; j < k + m; j++) {
+      __builtin_prefetch(&recs[picks[j]], 1);
+      __builtin_prefetch((const char *)&recs[picks[j]] + sizeof(rs_rec) - 1, 1);
+    }
+    int other_layout = 0;
+    if (cols) {
+      uint32_t good = 0;
+      while (good < m && layout_ok(base, recs[picks[k + good]].desc_off, ncols, cols)) good++;
+      if (good < m) {
+        other_layout = 1;
+        m = good;
+        if (k + m == 0)
+          return rs_set_error(RS_EINVAL, "table '%s': sampled item %llu does not have the expected "
+                              "column layout (%u columns of the given dtypes and sizes); it was "
+                              "left unsampled", th->name,
+                              (unsigned long long)recs[picks[k]].key, ncols);
+      }
+    }
     for (uint32_t j = k; j < k + m; j++) {
       rs_rec *rec = &recs[picks[j]];
+      /* ... and the descriptor (block header + blob) that pinning and gathering read next */
+      __builtin_prefetch(rs_at(base, rec->desc_off - RS_ALIGN), 1);
+      __builtin_prefetch(rs_desc_blob(base, rec->desc_off), 0);
+      __builtin_prefetch((const char *)rs_desc_blob(base, rec->desc_off) + RS_ALIGN, 0);
       rec->times_sampled++;
       if (rec->times_sampled == 1) th->num_unique_samples++;
       th->samples++;
@@ -561,6 +606,7 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
       }
     }
     k += m;
+    if (other_layout) break;
   }
   if (k == 0) return 0;
   op->dirty = 1;
@@ -596,7 +642,7 @@ int rs_sample(void *base, uint32_t slot, uint32_t table, uint32_t n, int64_t dea
   rc = op_lock(&op);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     int took = 0;
-    while (*got_io < n && (took = sample_round(&op, slot, n - *got_io, out + *got_io)) > 0)
+    while (*got_io < n && (took = sample_round(&op, slot, n - *got_io, out + *got_io, 0, NULL)) > 0)
       *got_io += (uint32_t)took;
     if (*got_io == n || took < 0) {
       rc = *got_io == n ? RS_OK : took;
@@ -863,4 +909,180 @@ void rs_table_repair(void *base, uint32_t t) {
     rs_sel_pick(base, th, 1, 1, &victim, &prob);
     item_remove(base, th, victim, 0);
   }
+}
+
+/* ================================================================== issue 6: batched fast paths */
+
+/* Copy every column of `n` pinned items (recs) into cols[] at rows first..first+n and their info
+ * into info at the same rows. Validates each item's layout against cols[] as it goes. */
+/* The five info arrays of rs_sample_gather's `info` buffer for a batch of n items. */
+typedef struct sample_info {
+  uint64_t *key;
+  double *probability;
+  int64_t *table_size;
+  double *priority;
+  int32_t *times_sampled;
+} sample_info;
+
+static sample_info sample_info_at(void *info, uint32_t n) {
+  uint64_t *w = info;
+  sample_info si = {w, (double *)(w + n), (int64_t *)(w + 2ull * n), (double *)(w + 3ull * n),
+                    (int32_t *)(w + 4ull * n)};
+  return si;
+}
+
+static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
+                         uint32_t ncols, const rs_gather_col *cols, const sample_info *info) {
+  /* Rows of random items are cache misses: request the first row of every column of every item
+   * up front. Every item's layout was checked against cols by sample_round (descriptors and
+   * chunk headers never change once written). */
+  for (uint32_t i = 0; i < n; i++) {
+    const rs_desc_hdr *d = rs_desc_blob(base, recs[i].desc_off);
+    const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
+    const rs_desc_slice *s = rs_desc_slices(d);
+    for (uint32_t c = 0; c < ncols; c++) {
+      const rs_desc_slice *sl = &s[dc[c].first_slice];
+      const rs_chunk_hdr *ch = rs_chunk(base, sl->chunk_off);
+      __builtin_prefetch((const char *)ch + ch->data_offset + (uint64_t)sl->row_offset * ch->row_bytes, 0);
+    }
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    const rs_desc_hdr *d = rs_desc_blob(base, recs[i].desc_off);
+    const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
+    const rs_desc_slice *s = rs_desc_slices(d);
+    uint64_t row = (uint64_t)first + i;
+    for (uint32_t c = 0; c < ncols; c++) {
+      uint8_t *dst = cols[c].out + row * cols[c].stride;
+      for (uint32_t j = dc[c].first_slice, end = j + dc[c].nslices; j < end; j++) {
+        const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
+        uint64_t nb = (uint64_t)s[j].nrows * ch->row_bytes;
+        const char *src = (const char *)ch + ch->data_offset + (uint64_t)s[j].row_offset * ch->row_bytes;
+        switch (nb) { /* inline the common scalar sizes instead of calling memcpy */
+          case 4: memcpy(dst, src, 4); break;
+          case 8: memcpy(dst, src, 8); break;
+          default: memcpy(dst, src, nb);
+        }
+        dst += nb;
+      }
+    }
+    info->key[row] = recs[i].key;
+    info->probability[row] = recs[i].probability;
+    info->table_size[row] = recs[i].table_size;
+    info->priority[row] = recs[i].priority;
+    info->times_sampled[row] = recs[i].times_sampled;
+  }
+}
+
+int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint32_t wait_n,
+                     int64_t deadline_ns, int64_t slice_ns, uint32_t ncols,
+                     const rs_gather_col *cols, void *info, uint32_t *got_io) {
+  rs_table_hdr *th = NULL;
+  int rc = table_arg(base, table, &th);
+  if (rc) return rc;
+  if (!got_io || !info || (uintptr_t)info % 8)
+    return rs_set_error(RS_EINVAL, "rs_sample_gather: got_io must be non-NULL and info non-NULL and "
+                        "8-byte aligned");
+  if (*got_io > n || wait_n > n)
+    return rs_set_error(RS_EINVAL, "rs_sample_gather: *got_io (%u) and wait_n (%u) must not exceed "
+                        "n (%u)", *got_io, wait_n, n);
+  if (ncols == 0 || !cols) return rs_set_error(RS_EINVAL, "rs_sample_gather: expected >= 1 column");
+  for (uint32_t c = 0; c < ncols; c++)
+    if (!cols[c].out || cols[c].stride < cols[c].col_bytes || !memchr(cols[c].dtype, 0, sizeof cols[c].dtype))
+      return rs_set_error(RS_EINVAL, "rs_sample_gather: column %u needs a non-NULL out, stride >= "
+                          "col_bytes (%llu >= %llu) and a NUL-terminated dtype", c,
+                          (unsigned long long)cols[c].stride, (unsigned long long)cols[c].col_bytes);
+  rc = slot_arg(base, slot);
+  if (rc) return rc;
+  if (*got_io == n) return RS_OK;
+
+  rs_sample_rec recs[SAMPLE_ROUND];
+  sample_info si = sample_info_at(info, n);
+  op_t op;
+  op_init(&op, base, table, "sample", &th->sampling_ns, &th->waiting_for_inserts_ns, deadline_ns,
+          slice_ns);
+  rc = op_lock(&op);
+  while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
+    int took = sample_round(&op, slot, n - *got_io, recs, ncols, cols);
+    if (took == 0 && *got_io >= wait_n) { /* enough: take no more than what is ready */
+      op_unlock(&op);
+      break;
+    }
+    if (took == 0) {
+      rc = op_wait(&op);
+      continue;
+    }
+    op_unlock(&op);
+    if (took < 0) {
+      rc = took;
+      break;
+    }
+    /* Pinned: copy the payload with no lock held, then drop the pins. */
+    gather_round(base, recs, (uint32_t)took, *got_io, ncols, cols, &si);
+    uint32_t pins[SAMPLE_ROUND];
+    for (int j = 0; j < took; j++) pins[j] = recs[j].pin;
+    rc = rs_unpin(base, slot, (uint32_t)took, pins);
+    if (rc) break;
+    *got_io += (uint32_t)took;
+    if (*got_io == n) break;
+    rc = op_lock(&op);
+  }
+  return rc;
+}
+
+#define DESC_STACK_BYTES 4096   /* descriptors of rs_insert_slices built on the stack up to this */
+
+int rs_insert_slices(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint64_t *keys,
+                     const double *priorities, uint32_t ncols, const rs_desc_slice *slices,
+                     const uint32_t *col_flags, int64_t deadline_ns, int64_t slice_ns,
+                     uint32_t *done_out) {
+  if (!done_out) return rs_set_error(RS_EINVAL, "rs_insert_slices: done_out is NULL");
+  *done_out = 0;
+  if (n == 0) return RS_OK;
+  if (!priorities) return rs_set_error(RS_EINVAL, "rs_insert_slices: priorities is NULL");
+  if (ncols == 0 || ncols > (1u << 16) || !slices || !col_flags)
+    return rs_set_error(RS_EINVAL, "rs_insert_slices: expected 1..65536 columns with slices and "
+                        "col_flags, got %u", ncols);
+  uint64_t item = sizeof(rs_desc_hdr) + (uint64_t)ncols * (sizeof(rs_desc_col) + sizeof(rs_desc_slice));
+  uint64_t total = item * n;
+  if (total / n != item || total > (1ull << 32))
+    return rs_set_error(RS_EINVAL, "rs_insert_slices: %u items of %u columns exceed 4 GiB of "
+                        "descriptors", n, ncols);
+  uint8_t stack_blob[DESC_STACK_BYTES];
+  uint64_t stack_offs[DESC_STACK_BYTES / 64 + 1], stack_keys[DESC_STACK_BYTES / 64];
+  int small = total <= sizeof stack_blob && n < sizeof stack_keys / sizeof *stack_keys;
+  uint8_t *blob = small ? stack_blob : malloc(total);
+  uint64_t *offs = small ? stack_offs : malloc((n + 1ull) * sizeof *offs);
+  uint64_t *random_keys = keys ? NULL : small ? stack_keys : malloc(n * sizeof *random_keys);
+  if (!blob || !offs || (!keys && !random_keys)) {
+    if (!small) { free(blob); free(offs); free(random_keys); }
+    return rs_set_error(RS_ESYS, "rs_insert_slices: out of memory for %llu descriptor bytes",
+                        (unsigned long long)total);
+  }
+  if (!keys) {
+    for (uint32_t i = 0; i < n; i++) random_keys[i] = rs_rand_u64();
+    keys = random_keys;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    uint8_t *p = blob + item * i;
+    rs_desc_hdr *d = (rs_desc_hdr *)p;
+    d->ncols = d->nslices = ncols;
+    rs_desc_col *dc = (rs_desc_col *)(d + 1);
+    for (uint32_t c = 0; c < ncols; c++) {
+      dc[c].first_slice = c;
+      dc[c].nslices = 1;
+      dc[c].flags = col_flags[c] & 1u;
+      dc[c]._pad = 0;
+    }
+    memcpy(dc + ncols, slices + (uint64_t)i * ncols, ncols * sizeof *slices);
+    offs[i] = item * i;
+  }
+  offs[n] = total;
+  int rc = rs_insert(base, slot, table, n, keys, priorities, blob, offs, deadline_ns, slice_ns,
+                     done_out);
+  if (!small) {
+    free(blob);
+    free(offs);
+    free(random_keys);
+  }
+  return rc;
 }

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <pthread.h>
 #include <sys/random.h>
 
 #include "rs_internal.h"
@@ -33,10 +34,15 @@ int64_t rs_realtime_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* xoshiro256** (Blackman & Vigna), one state per thread, reseeded when the pid changes so a
- * forked child never replays its parent's stream. */
+/* xoshiro256** (Blackman & Vigna), one state per thread, reseeded in a forked child so it never
+ * replays its parent's stream: a fork handler clears the forking thread's `seeded` flag (the only
+ * thread the child has), which costs nothing per number, unlike a getpid() per call. */
 static __thread uint64_t rng_s[4];
-static __thread pid_t rng_pid;
+static __thread int rng_seeded;
+static pthread_once_t rng_once = PTHREAD_ONCE_INIT;
+
+static void rng_child_after_fork(void) { rng_seeded = 0; }
+static void rng_register_fork_handler(void) { pthread_atfork(NULL, NULL, rng_child_after_fork); }
 
 static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
@@ -52,11 +58,12 @@ static void rng_seed(void) {
   if (getrandom(&seed, sizeof seed, 0) != (ssize_t)sizeof seed)
     seed = (uint64_t)rs_now_ns() ^ ((uint64_t)getpid() << 32);
   for (int i = 0; i < 4; i++) rng_s[i] = splitmix(&seed);
-  rng_pid = getpid();
+  pthread_once(&rng_once, rng_register_fork_handler);
+  rng_seeded = 1;
 }
 
 uint64_t rs_rand_u64(void) {
-  if (rng_pid != getpid()) rng_seed();
+  if (__builtin_expect(!rng_seeded, 0)) rng_seed();
   uint64_t *s = rng_s;
   const uint64_t result = rotl(s[1] * 5, 7) * 9;
   const uint64_t t = s[1] << 17;

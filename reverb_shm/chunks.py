@@ -19,7 +19,7 @@ import numpy as np
 from reverb_shm import errors
 from reverb_shm._lib import check, ffi, lib
 
-__all__ = ["Chunk", "Pins", "alloc_chunk", "object_chunk", "encode_descriptor",
+__all__ = ["Chunk", "ColumnWriter", "Pins", "alloc_chunk", "object_chunk", "encode_descriptor",
            "join_descriptors", "encode_row_descriptors", "read_item", "read_items",
            "gather_column", "item_columns", "DESC_HDR", "DESC_COL", "DESC_SLICE", "SAMPLE_REC",
            "ITEM_REC"]
@@ -303,6 +303,68 @@ def alloc_chunk(seg, dtype, shape: Sequence[int], capacity: int, episode_id: int
   return Chunk(seg, off, pin, generation)
 
 
+class ColumnWriter:
+  """Writes `rows` rows of each of a fixed set of numeric columns into fresh chunks.
+
+  The hot path of Client.insert and SharedTable.insert: one C call (rs_write_chunks) allocates,
+  fills and publishes every column's chunk, with the C chunk headers prepared once.
+
+  Args:
+    columns: (dtype, element shape) per column; numeric dtypes only (see alloc_chunk).
+
+  Raises:
+    ValueError: an unsupported dtype, a rank above 8 or more than 64 columns.
+  """
+
+  __slots__ = ("_metas", "ncols", "slices", "squeeze_flags")
+
+  def __init__(self, columns: Sequence[Tuple[np.dtype, tuple]]):
+    if not 1 <= len(columns) <= 64:
+      raise ValueError(f"ColumnWriter takes 1..64 columns, got {len(columns)}")
+    self.ncols = len(columns)
+    self._metas = ffi.new("rs_chunk_hdr[]", self.ncols)
+    for c, (dtype, shape) in enumerate(columns):
+      meta = self._metas + c
+      dtype = np.dtype(dtype)
+      if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None:
+        raise ValueError(f"ColumnWriter takes numeric columns only, got dtype {dtype}")
+      if len(shape) > 8:
+        raise ValueError(f"element rank must be <= 8, got shape {shape}")
+      meta.row_bytes = dtype.itemsize * math.prod(shape)
+      meta.ndim = len(shape)
+      for i, d in enumerate(shape):
+        meta.shape[i] = d
+      meta.dtype = dtype.str.encode()
+    # One single-row item over every column's row 0 (Client.insert): chunk offsets set per write.
+    self.slices = ffi.new("rs_desc_slice[]", [(0, 0, 1)] * self.ncols)
+    self.squeeze_flags = {flag: ffi.new("uint32_t[]", [flag] * self.ncols) for flag in (0, SQUEEZE)}
+
+  def write(self, seg, arrays: Sequence[np.ndarray], rows: int,
+            episode_id: int = 0) -> Tuple[list, Pins]:
+    """Allocates one chunk of `rows` rows per column, copies arrays[c] in and publishes it.
+
+    Args:
+      seg: the Segment.
+      arrays: one C-contiguous array per column holding exactly rows x row bytes, with the
+        column's dtype (the caller has checked dtypes and shapes).
+      rows: rows per chunk, >= 1.
+      episode_id: episode id stored in every chunk header.
+
+    Returns:
+      (chunk offsets, Pins holding the chunks); release the pins once items reference them.
+
+    Raises:
+      ResourceExhaustedError: the arena is full (nothing stays allocated).
+    """
+    slot, generation = seg.registration()
+    buffers = [ffi.from_buffer("uint8_t[]", a) for a in arrays]   # alive during the call
+    offs = ffi.new("uint64_t[]", self.ncols)
+    pins = np.empty(self.ncols, np.uint32)
+    check(lib.rs_write_chunks(seg.base, slot, self.ncols, self._metas, buffers, rows, episode_id,
+                              0, offs, ffi.from_buffer("uint32_t[]", pins)), "writing chunks")
+    return list(offs), Pins(seg, generation, pins)
+
+
 def _pack_row(row) -> bytes:
   arr = np.asarray(row, dtype=object)
   return msgpack.packb([x.item() if isinstance(x, np.generic) else x
@@ -398,6 +460,9 @@ def encode_row_descriptors(chunk_offs: Sequence[int], n: int,
   Vectorised: no per-item Python work.
   """
   ncols = len(chunk_offs)
+  if n == 1:  # a single item: one cached Struct beats building a structured array
+    blob = encode_descriptor([([(off, 0, 1)], squeeze) for off in chunk_offs])
+    return blob, np.array([0, len(blob)], np.uint64)
   item_dt = np.dtype([("hdr", DESC_HDR), ("cols", DESC_COL, (ncols,)),
                       ("slices", DESC_SLICE, (ncols,))])
   arr = np.zeros(n, item_dt)

@@ -7,11 +7,13 @@ address, so it can be handed to spawned processes.
 import collections.abc
 import os
 import time
+from itertools import repeat
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from reverb_shm import chunks, errors, shm, structure, timeouts
+from reverb_shm._lib import ffi
 from reverb_shm import table as table_lib
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
@@ -22,6 +24,9 @@ __all__ = ["Client"]
 
 # Polling interval while server_info waits for a server to appear.
 _SERVER_POLL_S = 0.02
+# Client.sample decodes up to this many items per batch (the first waits, the rest are taken
+# only if the rate limiter allows them right away).
+_SAMPLE_AHEAD = 256
 
 
 class _TableHandle:
@@ -70,6 +75,7 @@ class Client:
     self._seg = None
     self._seg_pid = None
     self._handles: Dict[str, _TableHandle] = {}
+    self._column_writers = {}   # (dtype, shape) per column -> chunks.ColumnWriter
 
   def __reduce__(self):
     return Client, (self._address,)
@@ -166,6 +172,9 @@ class Client:
                                             allow_unbatched=True)
     seg = self._segment()
     episode_id = trajectory_writer_lib.random_u64.one()
+    if not any(a.dtype.kind == "O" for a in arrays):
+      self._insert_numeric(seg, handles, prios, arrays, episode_id)
+      return
     written = []
     try:
       for a in arrays:
@@ -183,6 +192,23 @@ class Client:
     finally:
       for c in written:
         c.release()
+
+  def _insert_numeric(self, seg, handles, prios, arrays, episode_id) -> None:
+    """Client.insert's hot path for numeric steps: one ColumnWriter call, one rs_insert per table."""
+    columns = tuple((a.dtype, a.shape) for a in arrays)
+    writer = self._column_writers.get(columns)
+    if writer is None:
+      writer = self._column_writers[columns] = chunks.ColumnWriter(columns)
+    offs, pins = writer.write(seg, [np.ascontiguousarray(a) for a in arrays], 1, episode_id)
+    try:
+      slices = writer.slices
+      for c, off in enumerate(offs):
+        slices[c].chunk_off = off
+      for h, prio in zip(handles, prios.tolist()):   # random keys drawn in C
+        h.table._insert_slices_validated(1, ffi.NULL, ffi.new("double *", prio), writer, slices, 0,
+                                         -1, None)
+    finally:
+      pins.release()
 
   # ---- sample
   def sample(self, table: str, num_samples: int = 1, *, emit_timesteps: bool = True,
@@ -202,8 +228,11 @@ class Client:
         (reverb_shm extension).
 
     Yields:
-      list[ReplaySample] (emit_timesteps) or ReplaySample. Numeric columns are read-only
-      zero-copy views of shared memory that stay valid while any of them lives.
+      list[ReplaySample] (emit_timesteps) or ReplaySample. Items are sampled ahead in batches
+      (see _SAMPLE_AHEAD); once the table's column layout is known, a batch is copied into
+      private arrays by one C call and each item's columns are views of them (Reverb returns
+      copies too); otherwise numeric columns are read-only zero-copy views of shared memory
+      that stay valid while any of them lives.
 
     Raises:
       UnknownTableError (a RuntimeError and ValueError): no such table, raised at the call.
@@ -225,14 +254,51 @@ class Client:
 
   @staticmethod
   def _sample_gen(handle, num_samples, emit_timesteps, treedef, timeout_ms):
+    """Yields num_samples items: each batch starts with one item sampled as Reverb does
+    (waiting up to timeout_ms for the rate limiter), then takes up to _SAMPLE_AHEAD - 1 more
+    that the limiter allows right away (never more than remain), decoded together."""
     seg, st = handle.seg, handle.table
-    for _ in range(num_samples):
+    remaining = num_samples
+    deadline = None
+    while remaining:
+      if st._gather_layout is not None:   # one C call gathers the batch into private arrays
+        if deadline is None or timeout_ms is not None:
+          deadline = timeouts.deadline_from_ms(timeout_ms)
+        batch = st._gather_fresh(min(remaining, _SAMPLE_AHEAD), 1, deadline, timeout_ms)
+        if batch is not None and len(batch[0].key):   # else: another layout came up
+          infos, columns = batch
+          remaining -= len(infos.key)
+          infos = map(SampleInfo, *(field.tolist() for field in infos))
+          # Row views of the private batch arrays (0-d views for scalar columns).
+          items = [list(item) for item in zip(*[
+              list(c) if c.ndim > 1 else [c[i, ...] for i in range(len(c))] for c in columns])]
+          yield from Client._emit(infos, items, emit_timesteps, treedef)
+          continue
       recs, pins = st.sample_records(1, timeout_ms)
-      key, probability, table_size, priority, times_sampled, _, desc_off = recs[0].tolist()
-      info = SampleInfo(key, probability, table_size, priority, times_sampled)
-      data = chunks.read_item(seg, desc_off, pins)
-      del pins  # the views keep it (and the item) alive as long as they live
-      yield to_samples(info, data, emit_timesteps, treedef)
+      items = [chunks.read_item(seg, int(recs["desc_off"][0]), pins)]
+      more_pins = None
+      if remaining > 1:
+        more, more_pins = st._sample_now(min(remaining - 1, _SAMPLE_AHEAD - 1))
+        if len(more):
+          recs = np.concatenate([recs, more])
+          items += chunks.read_items(seg, more["desc_off"], more_pins)
+      del pins, more_pins   # the views keep their pins (and items) alive as long as they live
+      remaining -= len(recs)
+      st._learn_layout([(col.dtype, col.shape) for col in items[0]])
+      infos = map(SampleInfo, recs["key"].tolist(), recs["probability"].tolist(),
+                  recs["table_size"].tolist(), recs["priority"].tolist(),
+                  recs["times_sampled"].tolist())
+      yield from Client._emit(infos, items, emit_timesteps, treedef)
+
+  @staticmethod
+  def _emit(infos, items, emit_timesteps, treedef):
+    """Yields ReplaySample (or, with emit_timesteps, lists of them) of each (info, columns)."""
+    if not emit_timesteps:   # no Python frame per item
+      yield from map(ReplaySample, infos,
+                     items if treedef is None else map(_unpack, repeat(treedef), items))
+      return
+    for info, data in zip(infos, items):
+      yield to_samples(info, data, True, treedef)
 
   # ---- mutation
   def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,

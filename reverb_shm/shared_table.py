@@ -21,6 +21,9 @@ from reverb_shm.shm import Segment
 __all__ = ["SharedTable"]
 
 
+_U8, _I8, _F8, _I4 = (np.dtype(t) for t in ("<u8", "<i8", "<f8", "<i4"))
+
+
 def _as_u64(ptr_array):
   return ffi.from_buffer("uint64_t[]", ptr_array)
 
@@ -41,6 +44,9 @@ class SharedTable:
     self._signature_loaded = False
     self._signature_tree = None   # (number of leaves, treedef) of the signature
     self._validates_negative = None
+    self._column_writers = {}     # (dtype, shape) per column -> chunks.ColumnWriter
+    self._gather_layout = None    # ((dtype, item shape, bytes) per column) of sampled items
+    self._out_cache = None        # (layout, out, leaves, rows, rs_gather_col[]) of sample_batch
 
   @classmethod
   def attach(cls, name: str) -> "SharedTable":
@@ -186,15 +192,39 @@ class SharedTable:
       deadline_ns = timeouts.deadline_from_ms(timeout_ms)
     if n == 0:
       return 0
-    slot = self._seg.slot
-    blob_c = ffi.from_buffer("uint8_t[]", blob)
-    keys_c, prios_c, offs_c = _as_u64(keys), ffi.from_buffer("double[]", prios), _as_u64(offs)
+    return self._insert_validated(n, _as_u64(keys), ffi.from_buffer("double[]", prios),
+                                  ffi.from_buffer("uint8_t[]", blob), _as_u64(offs),
+                                  deadline_ns, timeout_ms)
+
+  def _insert_validated(self, n: int, keys_c, prios_c, blob_c, offs_c, deadline_ns: int,
+                        timeout_ms) -> int:
+    """insert_descriptors after validation: C buffers of n keys/priorities, blob, n+1 offsets."""
+    base, slot, table = self._seg.base, self._seg.slot, self._index
+    return self._insert_loop(n, lambda i, done: lib.rs_insert(
+        base, slot, table, n - i, keys_c + i, prios_c + i, blob_c, offs_c + i, deadline_ns,
+        timeouts.SLICE_NS, done), timeout_ms)
+
+  def _insert_slices_validated(self, n: int, keys_c, prios_c, writer: chunks.ColumnWriter,
+                               slices_c, squeeze: int, deadline_ns: int, timeout_ms) -> int:
+    """rs_insert_slices of n validated items (keys_c NULL: random keys); as _insert_validated."""
+    base, slot, table, ncols = self._seg.base, self._seg.slot, self._index, writer.ncols
+    flags = writer.squeeze_flags[squeeze]
+    return self._insert_loop(n, lambda i, done: lib.rs_insert_slices(
+        base, slot, table, n - i, keys_c if keys_c == ffi.NULL else keys_c + i, prios_c + i,
+        ncols, slices_c + i * ncols, flags, deadline_ns, timeouts.SLICE_NS, done), timeout_ms)
+
+  def _insert_loop(self, n: int, insert_from, timeout_ms) -> int:
+    """Calls insert_from(i, done) -- one C insert of items [i, n) reporting progress in
+    done[0] -- again after each wait slice (RS_EAGAIN) until all n are in; returns n.
+
+    Raises:
+      DeadlineExceededError: with `inserted` = items inserted before the deadline.
+      ReverbError: the C core's error (via _lib.check).
+    """
     done = ffi.new("uint32_t *")
     total = 0
     while True:
-      rc = lib.rs_insert(self._seg.base, slot, self._index, n - total, keys_c + total,
-                         prios_c + total, blob_c, offs_c + total, deadline_ns,
-                         timeouts.SLICE_NS, done)
+      rc = insert_from(total, done)
       total += done[0]
       if rc == lib.RS_OK and total >= n:
         return n
@@ -236,6 +266,26 @@ class SharedTable:
       raise errors.DeadlineExceededError(self._limiter_message("sample", timeout_ms))
     check(rc, f"sampling from table {self._name!r}")
     raise AssertionError(f"rs_sample returned {rc}")
+
+  def _sample_now(self, n: int) -> Tuple[np.ndarray, Optional[chunks.Pins]]:
+    """Samples up to n >= 1 items that the rate limiter allows without waiting (maybe none).
+
+    Returns:
+      (records of dtype chunks.SAMPLE_REC, their Pins or None when no item was sampled).
+    """
+    slot, generation = self._seg.registration()
+    recs = np.empty(n, chunks.SAMPLE_REC)
+    got = ffi.new("uint32_t *", 0)
+    rc = lib.rs_sample(self._seg.base, slot, self._index, n, 0, 0,
+                       ffi.cast("rs_sample_rec *", ffi.from_buffer(recs, require_writable=True)),
+                       got)
+    b = got[0]
+    pins = chunks.Pins(self._seg, generation, recs["pin"][:b]) if b else None
+    if rc != lib.RS_OK and rc != lib.RS_ETIMEDOUT:
+      if pins is not None:
+        pins.release()
+      check(rc, f"sampling from table {self._name!r}")
+    return recs[:b], pins
 
   def mutate(self, updates: Optional[Dict[int, float]] = None,
              deletes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
@@ -380,6 +430,29 @@ class SharedTable:
     else:
       keys = self._keys(keys, b)
     timeouts.deadline_from_ms(timeout_ms)  # validate before allocating
+    if not any(a.dtype.kind == "O" for a in arrays):  # the fast path: no Chunk objects
+      columns = tuple((a.dtype, a.shape[1:]) for a in arrays)
+      writer = self._column_writers.get(columns)
+      if writer is None:
+        writer = self._column_writers[columns] = chunks.ColumnWriter(columns)
+      deadline = timeouts.deadline_from_ms(timeout_ms)
+      offs, pins = writer.write(self._seg, [np.ascontiguousarray(a) for a in arrays], b)
+      try:
+        if b == 1:
+          slices = writer.slices
+          for c, off in enumerate(offs):
+            slices[c].chunk_off = off
+        else:  # item i is row i of every chunk
+          arr = np.empty((b, len(offs)), chunks.DESC_SLICE)
+          arr["chunk_off"] = offs
+          arr["row_offset"] = np.arange(b, dtype=np.uint32)[:, None]
+          arr["nrows"] = 1
+          slices = ffi.cast("rs_desc_slice *", ffi.from_buffer(arr))
+        self._insert_slices_validated(b, _as_u64(keys), ffi.from_buffer("double[]", prios),
+                                      writer, slices, chunks.SQUEEZE, deadline, timeout_ms)
+      finally:
+        pins.release()
+      return keys
     written = []
     try:
       for a in arrays:
@@ -425,16 +498,126 @@ class SharedTable:
   def sample_batch(self, n: int, timeout_ms=None, out=None) -> ReplaySample:
     """Samples up to n items and gathers each column into one (B, ...) array.
 
+    After the first call has learnt the items' column layout (dtype and item shape per column),
+    one C call samples, gathers every column into the output arrays and releases the items;
+    items with another layout then raise ValueError.
+
     Args:
       n: batch size requested.
       timeout_ms: rate limiter wait (flexible batch: B < n only at the deadline).
-      out: optional nest (same as the returned data) of arrays of shape (n, ...) to fill; the
-        returned arrays are out[:B].
+      out: optional nest (same as the returned data) of arrays of shape (>= n, ...) to fill; the
+        returned arrays are out[:B]. Pass the same arrays on every call: they are validated
+        once.
 
     Returns:
-      ReplaySample whose info fields are arrays of length B and whose data is the signature
+      ReplaySample whose info fields are arrays of length B (key uint64, probability float64,
+      table_size int64, priority float64, times_sampled int32) and whose data is the signature
       nest (if the table has one) or a flat list of arrays.
+
+    Raises:
+      ValueError: n < 1, `out` not matching the items' columns, or items of different layouts.
+      DeadlineExceededError: no item could be sampled before the deadline.
+      TableClosedError: the server stopped.
     """
+    layout = self._gather_layout
+    if layout is None:
+      return self._sample_batch_first(n, timeout_ms, out)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n < 2**31:
+      raise ValueError(f"number of samples must be an int >= 1, got {n!r}")
+    if out is None:
+      targets = [np.empty((n,) + shape, dtype) for dtype, shape, _ in layout]
+      cols = _gather_cols(layout, targets)
+    else:
+      targets, cols = self._out_plan(out, layout, n)
+    deadline = -1 if timeout_ms is None else timeouts.deadline_from_ms(timeout_ms)
+    info = self._gather(n, n, deadline, timeout_ms, layout, cols)
+    b = len(info.key)
+    data = [t if len(t) == b else t[:b] for t in targets]
+    return ReplaySample(info, self._structure(data))
+
+  def _gather(self, n: int, wait_n: int, deadline_ns: int, timeout_ms, layout, cols,
+              stop_at_other_layout: bool = False) -> SampleInfo:
+    """rs_sample_gather of up to n items (waiting only for the first wait_n) into `cols`.
+
+    An item of another layout is left unsampled and the layout forgotten (to be learnt again);
+    then the items gathered before it are returned if `stop_at_other_layout` (maybe none),
+    else ValueError is raised.
+
+    Returns:
+      SampleInfo of arrays of length B, the items gathered into rows [0, B) of the targets.
+
+    Raises:
+      DeadlineExceededError: no item before the deadline. ValueError: an item of another
+      layout (see above). TableClosedError: the server stopped.
+    """
+    # The five info arrays share one allocation (the layout rs_sample_gather writes).
+    buf = np.empty((9 * n + 1) // 2, np.uint64)   # 36 * n bytes, 8-byte aligned
+    got = ffi.new("uint32_t *", 0)
+    base, slot, info = self._seg.base, self._seg.slot, ffi.from_buffer(buf)
+    rc = lib.RS_EAGAIN
+    while rc == lib.RS_EAGAIN:
+      rc = lib.rs_sample_gather(base, slot, self._index, n, wait_n, deadline_ns,
+                                timeouts.SLICE_NS, len(layout), cols, info, got)
+    b = got[0]
+    if rc == lib.RS_ETIMEDOUT and b == 0:
+      raise errors.DeadlineExceededError(self._limiter_message("sample", timeout_ms))
+    if rc == lib.RS_EINVAL:
+      self._gather_layout = None   # relearn on the next call
+      if stop_at_other_layout:
+        rc = lib.RS_OK
+    if rc != lib.RS_OK and rc != lib.RS_ETIMEDOUT:
+      check(rc, f"sampling from table {self._name!r}")
+    return SampleInfo(np.ndarray(b, _U8, buf, 0), np.ndarray(b, _F8, buf, 8 * n),
+                      np.ndarray(b, _I8, buf, 16 * n), np.ndarray(b, _F8, buf, 24 * n),
+                      np.ndarray(b, _I4, buf, 32 * n))
+
+  def _learn_layout(self, columns: Sequence[Tuple[np.dtype, tuple]]) -> None:
+    """Remembers the (dtype, item shape, bytes) of each column of a sampled item, unless a
+    column holds objects (those items are never gathered in C)."""
+    if all(dtype.kind != "O" for dtype, _ in columns):
+      self._gather_layout = tuple((dtype, shape, dtype.itemsize * math.prod(shape))
+                                  for dtype, shape in columns)
+
+  def _gather_fresh(self, n: int, wait_n: int, deadline_ns: int, timeout_ms):
+    """(SampleInfo, columns) of up to n items gathered into new arrays, stopping before an item
+    of another layout (see _gather); None while no layout is known."""
+    layout = self._gather_layout
+    if layout is None:
+      return None
+    targets = [np.empty((n,) + shape, dtype) for dtype, shape, _ in layout]
+    info = self._gather(n, wait_n, deadline_ns, timeout_ms, layout, _gather_cols(layout, targets),
+                        stop_at_other_layout=True)
+    b = len(info.key)
+    return info, [t if b == n else t[:b] for t in targets]
+
+  def _out_plan(self, out, layout, n: int):
+    """(target arrays, rs_gather_col array) for `out`, validated once per (out, layout)."""
+    plan = self._out_cache
+    if plan is not None and plan[0] is layout and plan[1] is out:
+      leaves = plan[2]
+      same = (type(out) in (list, tuple) and len(out) == len(leaves) and
+              all(a is b for a, b in zip(out, leaves)))
+      if not same:
+        same = all(a is b for a, b in zip(structure.flatten(out)[0], leaves))
+      if same and plan[3] >= n:
+        return plan[2], plan[4]
+    leaves, _ = structure.flatten(out)
+    if len(leaves) != len(layout):
+      raise ValueError(f"out has {len(leaves)} arrays, items have {len(layout)} columns")
+    for i, (o, (dtype, shape, _)) in enumerate(zip(leaves, layout)):
+      if (not isinstance(o, np.ndarray) or o.dtype != dtype or o.shape[1:] != shape
+          or o.ndim == 0 or o.shape[0] < n or not o.flags.writeable
+          or not o.flags.c_contiguous):
+        raise ValueError(f"out leaf {i} must be a writeable C-contiguous array of dtype {dtype} "
+                         f"and shape ({n} or more, *{shape}), got dtype "
+                         f"{getattr(o, 'dtype', type(o).__name__)} and shape "
+                         f"{getattr(o, 'shape', None)}")
+    cols = _gather_cols(layout, leaves)
+    self._out_cache = (layout, out, list(leaves), min(o.shape[0] for o in leaves), cols)
+    return self._out_cache[2], cols
+
+  def _sample_batch_first(self, n: int, timeout_ms, out) -> ReplaySample:
+    """sample_batch through sample_records + gather_column; learns the column layout."""
     out_leaves = None
     if out is not None:
       out_leaves, _ = structure.flatten(out)
@@ -455,6 +638,21 @@ class SharedTable:
         cols.append(chunks.gather_column(self._seg, desc, c, target))
     finally:
       pins.release()
+    self._learn_layout([(c.dtype, c.shape[1:]) for c in cols])
     info = SampleInfo(recs["key"].copy(), recs["probability"].copy(), recs["table_size"].copy(),
                       recs["priority"].copy(), recs["times_sampled"].copy())
     return ReplaySample(info, self._structure(cols))
+
+
+def _gather_cols(layout, targets):
+  """rs_gather_col[] writing column c of sampled item i to row i of targets[c] (C-contiguous).
+
+  The pointers are only valid while `targets` live: callers keep them.
+  """
+  cols = ffi.new("rs_gather_col[]", len(layout))
+  for g, (dtype, _, col_bytes), t in zip(cols, layout, targets):
+    g.out = ffi.cast("uint8_t *", ffi.from_buffer(t, require_writable=True))
+    g.stride = col_bytes
+    g.col_bytes = col_bytes
+    g.dtype = dtype.str.encode()
+  return cols

@@ -16,6 +16,7 @@ within it whose step has left the keep-alive window, came before the column exis
 the column read as None, which a TrajectoryColumn rejects with ValueError (SPEC §6).
 """
 import collections
+import itertools
 import math
 import os
 import warnings
@@ -24,6 +25,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from reverb_shm import chunks, errors, structure, timeouts
+from reverb_shm._lib import ffi
 
 __all__ = ["TrajectoryWriter", "TrajectoryColumn", "CellRef"]
 
@@ -347,6 +349,9 @@ class _ColumnHistory:
 
   def _positions(self, s: slice) -> range:
     n = self._column.n
+    start = s.start
+    if s.stop is None and s.step is None and type(start) is int and -n <= start <= n:
+      return range(start + n if start < 0 else start, n)   # the usual history[col][-k:]
     for bound in (s.start, s.stop, s.step):
       if bound is not None and (isinstance(bound, bool) or
                                 not isinstance(bound, (int, np.integer))):
@@ -364,8 +369,14 @@ class _ColumnHistory:
   def __getitem__(self, index) -> "TrajectoryColumn":
     column = self._column
     if isinstance(index, slice):
-      return TrajectoryColumn([column.get(p) for p in self._positions(index)],
-                              path=column.path + (index,))
+      positions = self._positions(index)
+      first = column.n - len(column.entries)   # position of entries[0]
+      if positions.step == 1 and positions.stop >= positions.start >= first:
+        refs = list(itertools.islice(column.entries, positions.start - first,
+                                     positions.stop - first))
+      else:
+        refs = [column.get(p) for p in positions]
+      return TrajectoryColumn(refs, path=column.path + (index,))
     if isinstance(index, list):
       return TrajectoryColumn([column.get(self._position(i)) for i in index],
                               path=column.path + (tuple(index),))
@@ -396,7 +407,7 @@ class TrajectoryColumn:
   def __init__(self, data_references: Sequence[Optional[CellRef]], *, squeeze: bool = False,
                path: Optional[tuple] = None):
     refs = list(data_references)
-    if any(r is None for r in refs):
+    if None in refs:   # CellRefs compare by identity
       raise ValueError(
           f"TrajectoryColumns cannot contain any None data references, got {refs} for "
           f"TrajectoryColumn at path {path}: the selected steps expired (left the keep-alive "
@@ -878,16 +889,42 @@ class TrajectoryWriter:
       holder_sets.append(holders)
     if not descs:
       return
+    blobs = [chunks.encode_descriptor(desc) for desc in descs]
+    if not self._pending:   # nothing queued: insert what the limiter admits now, queue the rest
+      done = self._insert_now(handle, prios, blobs)
+      if done == len(blobs):
+        return
+      prios, blobs, holder_sets = prios[done:], blobs[done:], holder_sets[done:]
     items = []
-    for desc, prio, holders in zip(descs, prios, holder_sets):
+    for blob, prio, holders in zip(blobs, prios, holder_sets):
       for h in holders:
         h.pending += 1
-      items.append(_Pending(handle.table, random_u64.one(), prio,
-                            chunks.encode_descriptor(desc), holders))
+      items.append(_Pending(handle.table, random_u64.one(), prio, blob, holders))
     self._pending.extend(items)
     self._drain(0, 0)     # whatever the limiters admit right now, in FIFO order
     while len(self._pending) > _MAX_PENDING:
       self._drain(len(self._pending) - 1, -1)
+
+  @staticmethod
+  def _insert_now(handle, priorities: List[float], blobs: List[bytes]) -> int:
+    """Inserts the leading items that the table's rate limiter admits without waiting, with one
+    C call and no queue bookkeeping (the common case). Returns how many were inserted; 0 also
+    when an item is invalid (the queue path then finds and reports it)."""
+    n = len(blobs)
+    if n == 1:   # create_item: no numpy on the way
+      blob, offs = blobs[0], ffi.new("uint64_t[2]", [0, len(blobs[0])])
+      keys = ffi.new("uint64_t *", random_u64.one())
+    else:
+      blob, offs = chunks.join_descriptors(blobs)
+      offs, keys = ffi.from_buffer("uint64_t[]", offs), ffi.from_buffer("uint64_t[]", random_u64(n))
+    try:
+      return handle.table._insert_validated(  # pylint: disable=protected-access
+          n, keys, ffi.new("double[]", priorities), ffi.from_buffer("uint8_t[]", blob), offs, 0,
+          0)
+    except errors.DeadlineExceededError as e:
+      return e.inserted
+    except errors.InvalidArgumentError:
+      return 0
 
   def _encode_item(self, handle, trajectory):
     leaves, _ = structure.flatten(trajectory)
@@ -904,22 +941,29 @@ class TrajectoryWriter:
       if not refs:
         raise ValueError(f"Error in column {i}: the column references no steps.")
       first = refs[0]
+      first_column = first._column
+      if first_column.writer is not self:
+        raise ValueError(f"Error in column {i}: the column references data of another "
+                         "TrajectoryWriter.")
       for ref in refs:
         if ref._expired:
           raise ValueError(f"Error in column {i}: Column contains expired CellRef.")
-        if ref._column.writer is not self:
-          raise ValueError(f"Error in column {i}: the column references data of another "
-                           "TrajectoryWriter.")
-        if ref._column.dtype != first._column.dtype:
-          raise ValueError(f"Error in column {i}: Column contains mixed dtypes "
-                           f"({first.dtype} and {ref.dtype}).")
-        if ref._column.shape != first._column.shape:
-          raise ValueError(f"Error in column {i}: Column contains incompatible shapes "
-                           f"({list(first.shape)} and {list(ref.shape)}).")
+        column = ref._column
+        if column is not first_column:   # refs of one column agree by construction
+          if column.writer is not self:
+            raise ValueError(f"Error in column {i}: the column references data of another "
+                             "TrajectoryWriter.")
+          if column.dtype != first_column.dtype:
+            raise ValueError(f"Error in column {i}: Column contains mixed dtypes "
+                             f"({first.dtype} and {ref.dtype}).")
+          if column.shape != first_column.shape:
+            raise ValueError(f"Error in column {i}: Column contains incompatible shapes "
+                             f"({list(first.shape)} and {list(ref.shape)}).")
         holders[id(ref._holder)] = ref._holder
       desc_columns.append((_column_slices(refs), leaf._squeeze))
-      shapes.append((first.dtype, leaf.shape))
-    if self._validate_items:
+      if self._validate_items and handle.flat_signature is not None:
+        shapes.append((first_column.dtype, leaf.shape))
+    if shapes:
       check_signature(handle.name, handle.flat_signature, shapes)
     return desc_columns, tuple(holders.values())
 

@@ -1,0 +1,214 @@
+"""Runs every workload on reverb_shm and, in the same run, on the installed peers; prints the
+table with ratios, writes JSON and a plot of the scaling curves to bench/results/.
+
+    python bench/run_all.py                 # full run (~15 min; fills 1M-item tables)
+    python bench/run_all.py --quick         # smoke run (small tables, short durations)
+    python bench/run_all.py --repeat 3      # every runner 3 times; the table shows the medians
+
+Peers run in their own venvs (bench/make_peer_venvs.sh creates them): --reverb-python (dm-reverb
+0.14 + tensorflow) and --cpprb-python (cpprb 11); a peer whose interpreter is missing or cannot
+import it is skipped with a note. Workloads: see README (W1-W6, scaling, metadata).
+"""
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+SCALES = [1_000, 10_000, 100_000, 1_000_000, 10_000_000]
+
+# (name, target) of every ratio the issue asks for: (label, numerator, denominator, target).
+# A side is (runner, workload, variant).
+RATIOS = [
+    *[(f"{w} vs dm-reverb, {v}", ("shm", w, v), ("reverb", w, v), 30.0)
+      for w in ("W1", "W2", "W3", "W4") for v in ("reverb_api", "fastest")],
+    ("W1 vs cpprb ReplayBuffer", ("shm", "W1", "fastest"), ("cpprb", "W1", "ReplayBuffer"), 1.0),
+    ("W3 vs cpprb ReplayBuffer", ("shm", "W3", "fastest"), ("cpprb", "W3", "ReplayBuffer"), 1.0),
+    ("W4 vs cpprb PrioritizedReplayBuffer", ("shm", "W4", "fastest"),
+     ("cpprb", "W4", "PrioritizedReplayBuffer"), 1.0),
+    ("W5 insert vs cpprb ReplayBuffer", ("shm", "W5_insert", "fastest"),
+     ("cpprb", "W5_insert", "ReplayBuffer"), 1.0),
+    ("W5 sample vs cpprb ReplayBuffer", ("shm", "W5_sample", "fastest"),
+     ("cpprb", "W5_sample", "ReplayBuffer"), 1.0),
+    ("W4 vs cpprb MPPrioritizedReplayBuffer", ("shm", "W4", "fastest"),
+     ("cpprb", "W4", "MPPrioritizedReplayBuffer"), 10.0),
+    ("W5 sample vs numpy copy bandwidth", ("shm", "W5_sample", "fastest"),
+     ("shm", "W5_copy", "numpy"), 0.6),
+    ("W6 cross-process vs in-process", ("shm", "W6", "cross_process"),
+     ("shm", "W6", "in_process"), 0.8),
+]
+
+
+def run_runner(python, script, args, workloads, timeout):
+  """Runs one runner script; returns (rows, note)."""
+  cmd = [python, str(HERE / script), "--workloads", *workloads, "--duration", str(args.duration),
+         "--warmup", str(args.warmup), "--items", str(args.items), "--frames", str(args.frames),
+         "--scales", *map(str, args.scales)]
+  env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return [], f"{script}: {e}"
+  for line in proc.stdout.splitlines():
+    if line.startswith("RESULTS "):
+      return json.loads(line[len("RESULTS "):]), None
+  return [], f"{script} failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}"
+
+
+def peer_available(python, module):
+  try:
+    return subprocess.run([python, "-c", f"import {module}"], capture_output=True,
+                          timeout=300).returncode == 0
+  except (OSError, subprocess.TimeoutExpired):
+    return False
+
+
+def median_rows(runs):
+  """Rows of several runs of one runner merged: numeric fields are medians."""
+  merged = {}
+  for rows in runs:
+    for r in rows:
+      merged.setdefault((r["workload"], r["variant"]), []).append(r)
+  out = []
+  for group in merged.values():
+    r = dict(group[0])
+    for k, v in r.items():
+      if isinstance(v, float):
+        r[k] = statistics.median(g[k] for g in group)
+    r["runs"] = len(group)
+    out.append(r)
+  return out
+
+
+def lookup(results, side):
+  runner, workload, variant = side
+  for r in results.get(runner, []):
+    if r["workload"] == workload and r["variant"] == variant:
+      return r.get("mb_per_s", r["items_per_s"]) if "mb_per_s" in r else r["items_per_s"]
+  return None
+
+
+def ratios(results):
+  out = []
+  for label, num, den, target in RATIOS:
+    a, b = lookup(results, num), lookup(results, den)
+    ratio = a / b if a and b else None
+    out.append({"ratio": label, "value": ratio, "target": target,
+                "met": None if ratio is None else ratio >= target})
+  sc = {r["table_items"]: r["us_per_item"] for r in results.get("shm", [])
+        if r["workload"].startswith("scale_")}
+  if 10_000 in sc and max(sc) > 10_000:
+    v = sc[max(sc)] / sc[10_000]
+    out.append({"ratio": f"W4 cost at {max(sc):.0e} items / cost at 1e4 (lower is better)",
+                "value": v, "target": 3.0, "met": v <= 3.0})
+  for r in results.get("shm", []):
+    if r["workload"] == "metadata":
+      out.append({"ratio": "metadata bytes per item beyond payload (lower is better)",
+                  "value": r["bytes_per_item"], "target": 128, "met": r["bytes_per_item"] <= 128})
+  return out
+
+
+def print_table(results, ratio_rows, notes):
+  print(f"\n{'runner':<7} {'workload':<12} {'variant':<26} {'items/s':>13} {'MB/s':>8}  api")
+  for runner, rows in results.items():
+    for r in rows:
+      mb = f"{r['mb_per_s']:8.0f}" if "mb_per_s" in r else " " * 8
+      extra = f"  [{r['table_items']:,} items]" if "table_items" in r else ""
+      print(f"{runner:<7} {r['workload']:<12} {r['variant']:<26} {r['items_per_s']:13,.0f} {mb}"
+            f"  {r['api']}{extra}")
+  print(f"\n{'ratio':<62} {'value':>9} {'target':>8}  met")
+  for r in ratio_rows:
+    v = "n/a" if r["value"] is None else f"{r['value']:9.2f}"
+    met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
+    print(f"{r['ratio']:<62} {v:>9} {r['target']:>8}  {met}")
+  for n in notes:
+    print("note:", n)
+
+
+def plot(results, path):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return "matplotlib not installed (pip install 'reverb_shm[bench]'): no plot"
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for runner, rows in results.items():
+    pts = sorted((r["table_items"], 1e6 / r["items_per_s"]) for r in rows
+                 if r["workload"].startswith("scale_"))
+    if pts:
+      ax.plot(*zip(*pts), marker="o", label={"shm": "reverb_shm SharedTable",
+                                             "cpprb": "cpprb PrioritizedReplayBuffer"}[runner])
+  ax.set(xscale="log", yscale="log", xlabel="items in table",
+         ylabel="µs per item (sample 256 + priority update)", title="W4 scaling")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path)
+  return None
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--repeat", type=int, default=1)
+  p.add_argument("--only", nargs="+", help="workloads (W1..W6, scaling, metadata)")
+  p.add_argument("--reverb-python", default=os.environ.get("REVERB_PYTHON",
+                                                           "/tmp/refvenv/bin/python"))
+  p.add_argument("--cpprb-python", default=os.environ.get("CPPRB_PYTHON",
+                                                          "/tmp/refvenv/bin/python"))
+  args = p.parse_args(argv)
+  args.duration = 0.5 if args.quick else 2.0
+  args.warmup = 0.1 if args.quick else 0.3
+  args.items = 20_000 if args.quick else 1_000_000
+  args.frames = 500 if args.quick else 4_000
+  args.scales = SCALES[:3] if args.quick else SCALES
+  workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata"]
+  runners = [("shm", sys.executable, "shm_workloads.py", None),
+             ("reverb", args.reverb_python, "peer_reverb.py", "reverb"),
+             ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb")]
+  notes = []
+  available = []
+  for name, python, script, module in runners:
+    if module and not peer_available(python, module):
+      notes.append(f"{name} skipped: {python} cannot import {module} "
+                   "(create it with bench/make_peer_venvs.sh)")
+    else:
+      available.append((name, python, script))
+  # Repeats go round the runners (shm, peers, shm, peers, ...) so that a noisy spell on a shared
+  # machine hits every runner's median alike instead of one runner's three runs.
+  runs = {name: [] for name, _, _ in available}
+  for i in range(args.repeat):
+    for name, python, script in available:
+      print(f"running {name} ({i + 1}/{args.repeat}) ...", flush=True)
+      rows, note = run_runner(python, script, args, workloads, timeout=3600)
+      if note:
+        notes.append(note)
+      runs[name].append(rows)
+  results = {name: median_rows(r) for name, r in runs.items()}
+  ratio_rows = ratios(results)
+  print_table(results, ratio_rows, notes)
+  RESULTS.mkdir(exist_ok=True)
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
+  note = plot(results, RESULTS / f"scaling-{stamp}.png")
+  if note:
+    notes.append(note)
+    print("note:", note)
+  path = RESULTS / f"run_all-{stamp}.json"
+  path.write_text(json.dumps({
+      "time": stamp, "quick": args.quick, "repeat": args.repeat, "duration_s": args.duration,
+      "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
+                  "cpus": os.cpu_count(), "load": os.getloadavg()},
+      "results": results, "ratios": ratio_rows, "notes": notes}, indent=2))
+  print(f"\nwrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

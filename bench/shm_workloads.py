@@ -1,0 +1,269 @@
+"""reverb_shm side of the benchmark suite (run with the project's Python).
+
+    python bench/shm_workloads.py --workloads W1 W2 W3 W4 W5 W6 scaling metadata
+
+Prints one `RESULTS [json rows]` line. Variant "reverb_api" makes the same Reverb client calls
+as bench/peer_reverb.py (what a drop-in user gets); "fastest" uses reverb_shm's fastest path
+for the workload (batched writer calls, SharedTable batch sampling into caller buffers).
+"""
+import multiprocessing
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import reverb_shm as reverb  # noqa: E402
+from _timing import (FRAME_BYTES, FRAME_SHAPE, pair_items_op, row, run_main,  # noqa: E402
+                     timed)
+
+TABLE = "bench"
+STEP_BYTES = 8 * 4 + 8 + 4   # payload of one step
+
+
+def step(i):
+  return {"obs": np.full(8, i, np.float32), "action": np.int64(i), "reward": np.float32(i)}
+
+
+def steps(n, start=0):
+  """n steps with a leading batch/time dimension."""
+  v = np.arange(start, start + n)
+  return {"obs": np.repeat(v[:, None], 8, axis=1).astype(np.float32),
+          "action": v.astype(np.int64), "reward": v.astype(np.float32)}
+
+
+def server(sampler, max_size, item_bytes=STEP_BYTES, limiter=None):
+  table = reverb.Table(TABLE, sampler=sampler, remover=reverb.selectors.Fifo(), max_size=max_size,
+                       rate_limiter=limiter or reverb.rate_limiters.MinSize(1))
+  return reverb.Server([table], arena_bytes=max(256 << 20, 2 * max_size * (item_bytes + 256)))
+
+
+def fill(table, n, block=100_000):
+  for s in range(0, n, block):
+    b = min(block, n - s)
+    table.insert(steps(b, s), np.random.default_rng(s).random(b) + 0.1)
+
+
+def w1(args):
+  with server(reverb.selectors.Uniform(), 1_000_000) as srv:
+    client = srv.localhost_client()
+    table = srv.shared_table(TABLE)
+    data = step(1)
+
+    def api():
+      for _ in range(100):
+        client.insert(data, {TABLE: 1.0})
+      return 100
+    rows = [row("W1", "reverb_api", "Client.insert", timed(api, args.duration, args.warmup)[0])]
+    one = steps(1)
+
+    def fastest():
+      for _ in range(100):
+        table.insert(one, 1.0)
+      return 100
+    rows.append(row("W1", "fastest", "SharedTable.insert (1 step per call)",
+                    timed(fastest, args.duration, args.warmup)[0]))
+  return rows
+
+
+def w2(args):
+  rows = []
+  with server(reverb.selectors.Uniform(), 1_000_000) as srv:
+    client = srv.localhost_client()
+    writer = client.trajectory_writer(num_keep_alive_refs=2)
+    api = pair_items_op(writer, TABLE, [step(i) for i in range(100)])
+    rows.append(row("W2", "reverb_api", "TrajectoryWriter append + create_item(last 2)",
+                    timed(api, args.duration, args.warmup)[0]))
+    writer.end_episode()
+    writer.close()
+
+    writer = client.trajectory_writer(num_keep_alive_refs=128)
+    block = steps(100)
+    prios = [1.0] * 99
+
+    def fastest():
+      writer.extend(block)
+      h = writer.history
+      cols = [h[k] for k in ("obs", "action", "reward")]
+      writer.create_items(TABLE, prios, [{"obs": cols[0][t:t + 2], "action": cols[1][t:t + 2],
+                                         "reward": cols[2][t:t + 2]}
+                                        for t in range(len(cols[0]) - 100, len(cols[0]) - 1)])
+      writer.end_episode()
+      return 99
+    rows.append(row("W2", "fastest", "TrajectoryWriter extend(100) + create_items(99)",
+                    timed(fastest, args.duration, args.warmup)[0]))
+    writer.close()
+  return rows
+
+
+def sampling(args, workload, sampler, update, n=None, variants=("reverb_api", "fastest")):
+  n = n or args.items
+  rows = []
+  with server(sampler, n) as srv:
+    table = srv.shared_table(TABLE)
+    client = srv.localhost_client()
+    fill(table, n)
+    rng = np.random.default_rng(0)
+    if "reverb_api" in variants:
+      def api():
+        keys = [s.info.key for s in client.sample(TABLE, 256, emit_timesteps=False)]
+        if update:
+          client.mutate_priorities(TABLE, dict(zip(keys, (rng.random(len(keys)) + 0.1).tolist())))
+        return len(keys)
+      rows.append(row(workload, "reverb_api", "Client.sample(256)" +
+                      (" + mutate_priorities" if update else ""),
+                      timed(api, args.duration, args.warmup)[0], table_items=n))
+    out = [np.empty(256, np.int64), np.empty((256, 8), np.float32), np.empty(256, np.float32)]  # sorted keys
+
+    def fastest():
+      keys = table.sample_batch(256, out=out).info.key
+      if update:
+        table.update_priorities(keys, rng.random(len(keys)) + 0.1)
+      return len(keys)
+    rows.append(row(workload, "fastest", "SharedTable.sample_batch(256, out=)" +
+                    (" + update_priorities" if update else ""),
+                    timed(fastest, args.duration, args.warmup)[0], table_items=n))
+  return rows
+
+
+def w5(args):
+  rows = []
+  frame = np.random.default_rng(0).integers(0, 256, FRAME_SHAPE, dtype=np.uint8)
+  with server(reverb.selectors.Uniform(), args.frames, FRAME_BYTES) as srv:
+    client, table = srv.localhost_client(), srv.shared_table(TABLE)
+
+    def api():
+      for _ in range(16):
+        client.insert({"frame": frame}, {TABLE: 1.0})
+      return 16
+    rows.append(row("W5_insert", "reverb_api", "Client.insert (1 frame per call)",
+                    timed(api, args.duration, args.warmup)[0], FRAME_BYTES))
+    one = {"frame": frame[None]}
+
+    def fastest():
+      for _ in range(16):
+        table.insert(one, 1.0)
+      return 16
+    rows.append(row("W5_insert", "fastest", "SharedTable.insert (1 frame per call)",
+                    timed(fastest, args.duration, args.warmup)[0], FRAME_BYTES))
+    while table.size < args.frames:
+      fastest()
+    out = [np.empty((64,) + FRAME_SHAPE, np.uint8)]
+    rows.append(row("W5_sample", "fastest", "SharedTable.sample_batch(64, out=)",
+                    timed(lambda: len(table.sample_batch(64, out=out).info.key), args.duration,
+                          args.warmup)[0], FRAME_BYTES))
+  src = np.ones(64 << 20, np.uint8)
+  dst = np.empty_like(src)
+
+  def copy():
+    np.copyto(dst, src)
+    return src.nbytes / FRAME_BYTES
+  rows.append(row("W5_copy", "numpy", "np.copyto of 64 MiB (memory bandwidth reference)",
+                  timed(copy, args.duration, args.warmup)[0], FRAME_BYTES))
+  return rows
+
+
+# ---- W6: 2 writer processes + 1 sampler process under SampleToInsertRatio
+W6_BATCH = 64
+
+
+def _w6_writer(name, batches, start):
+  table = reverb.SharedTable.attach(name)
+  data = steps(W6_BATCH)
+  start.wait()
+  for _ in range(batches):
+    table.insert(data, 1.0)
+
+
+def _w6_sampler(name, samples, start):
+  table = reverb.SharedTable.attach(name)
+  out = [np.empty(W6_BATCH, np.int64), np.empty((W6_BATCH, 8), np.float32),
+         np.empty(W6_BATCH, np.float32)]
+  start.wait()
+  got = 0
+  while got < samples:
+    got += len(table.sample_batch(min(W6_BATCH, samples - got), out=out).info.key)
+
+
+def w6(args):
+  batches = max(50, int(args.duration * 2000))  # per writer
+  total = 2 * batches * W6_BATCH
+  limiter = reverb.rate_limiters.SampleToInsertRatio(1.0, 1, 4096)
+  rows = []
+  with server(reverb.selectors.Uniform(), 100_000, limiter=limiter) as srv:
+    name = srv.shared_table_name(TABLE)
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(4)
+    procs = [ctx.Process(target=_w6_writer, args=(name, batches, start)) for _ in range(2)]
+    procs.append(ctx.Process(target=_w6_sampler, args=(name, total, start)))
+    for p in procs:
+      p.start()
+    start.wait(timeout=120)
+    t0 = time.perf_counter()
+    for p in procs:
+      p.join(timeout=600)
+    seconds = time.perf_counter() - t0
+    if any(p.exitcode != 0 for p in procs):
+      raise RuntimeError(f"W6 process failed: exit codes {[p.exitcode for p in procs]}")
+    rows.append(row("W6", "cross_process", "2 writer + 1 sampler processes, insert(64) / "
+                    "sample_batch(64), SampleToInsertRatio(1)", total / seconds))
+  with server(reverb.selectors.Uniform(), 100_000, limiter=limiter) as srv:
+    table = srv.shared_table(TABLE)
+    data = steps(W6_BATCH)
+    out = [np.empty(W6_BATCH, np.int64), np.empty((W6_BATCH, 8), np.float32),
+           np.empty(W6_BATCH, np.float32)]
+    t0 = time.perf_counter()
+    for _ in range(2 * batches):
+      table.insert(data, 1.0)
+      got = 0
+      while got < W6_BATCH:
+        got += len(table.sample_batch(W6_BATCH - got, out=out).info.key)
+    rows.append(row("W6", "in_process", "the same inserts and samples in one process",
+                    total / (time.perf_counter() - t0)))
+  return rows
+
+
+def scaling(args):
+  rows = []
+  for n in args.scales:
+    r = sampling(args, f"scale_{n}", reverb.selectors.Prioritized(0.6), True, n,
+                 variants=("fastest",))[0]
+    r["us_per_item"] = 1e6 / r["items_per_s"]
+    rows.append(r)
+  return rows
+
+
+def metadata(args):
+  """Bytes per item beyond payload: table structures (per max_size) + arena blocks per item."""
+  n = 200_000
+  small = reverb.Server([reverb.Table(TABLE, reverb.selectors.Prioritized(0.6),
+                                      reverb.selectors.Fifo(), 1000,
+                                      reverb.rate_limiters.MinSize(1))], arena_bytes=256 << 20)
+  base = small._segment.info()["total_size"]
+  small.stop()
+  with server(reverb.selectors.Prioritized(0.6), n) as srv:
+    seg = srv._segment
+    table_bytes = (seg.info()["total_size"] - base) / (n - 1000)
+    used0 = seg.info()["arena_used"]
+    fill(srv.shared_table(TABLE), n, block=10_000)
+    arena_bytes = (seg.info()["arena_used"] - used0) / n - STEP_BYTES
+  return [row("metadata", "fastest", "SharedTable.insert(10k) of 1-step items", 0,
+              table_bytes_per_item=table_bytes, arena_bytes_per_item=arena_bytes,
+              bytes_per_item=table_bytes + arena_bytes)]
+
+
+WORKLOADS = {
+    "W1": w1, "W2": w2,
+    "W3": lambda a: sampling(a, "W3", reverb.selectors.Uniform(), False),
+    "W4": lambda a: sampling(a, "W4", reverb.selectors.Prioritized(0.6), True),
+    "W5": w5, "W6": w6, "scaling": scaling, "metadata": metadata,
+}
+
+
+
+
+if __name__ == "__main__":
+  run_main(__doc__, WORKLOADS)

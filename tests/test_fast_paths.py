@@ -1,0 +1,228 @@
+"""Issue 6 fast paths against the slow paths they replace: rs_sample_gather (sample_batch),
+rs_insert_slices (SharedTable.insert, Client.insert) and Client.sample's batched generator."""
+import gc
+
+import numpy as np
+import pytest
+
+import reverb_shm
+from reverb_shm import chunks, errors, rate_limiters, selectors
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _table(name="t", sampler=None, max_size=10_000, **kwargs):
+  return reverb_shm.Table(name, sampler or selectors.Uniform(), selectors.Fifo(), max_size,
+                          rate_limiters.MinSize(1), **kwargs)
+
+
+def _steps(start, n):
+  v = np.arange(start, start + n)
+  return {"obs": np.repeat(v[:, None], 3, axis=1).astype(np.float32),
+          "act": v.astype(np.int64), "rew": (v * 0.5).astype(np.float32)}
+
+
+def _slow_batch(st, n):
+  """sample_batch as before issue 6: sample_records, then one gather per column."""
+  recs, pins = st.sample_records(n)
+  try:
+    desc = np.ascontiguousarray(recs["desc_off"])
+    ncols = len(chunks.item_columns(st.segment, int(desc[0])))
+    cols = [chunks.gather_column(st.segment, desc, c) for c in range(ncols)]
+  finally:
+    pins.release()
+  return recs, cols
+
+
+def test_sample_batch_matches_the_slow_path_item_for_item(server_factory):
+  # Fifo sampling with max_times_sampled=1 makes both servers sample the same sequence.
+  servers = [server_factory([_table(sampler=selectors.Fifo(), max_times_sampled=1)])
+             for _ in range(2)]
+  fast, slow = (s.shared_table("t") for s in servers)
+  keys = np.arange(1, 701, dtype=np.uint64)
+  for st in (fast, slow):
+    st.insert(_steps(0, 700), np.linspace(0.5, 2.0, 700), keys=keys)
+  fast.sample_batch(1)   # learns the layout (slow path)
+  slow.sample_records(1)[1].release()
+  batch = fast.sample_batch(600)   # three rounds of <= 256 in C
+  recs, cols = _slow_batch(slow, 600)
+  assert fast._gather_layout is not None
+  for field in ("key", "probability", "table_size", "priority", "times_sampled"):
+    np.testing.assert_array_equal(getattr(batch.info, field), recs[field], err_msg=field)
+    assert getattr(batch.info, field).dtype == recs[field].dtype
+  for got, want in zip(batch.data, cols):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+  assert fast.stats()["samples"] == slow.stats()["samples"] == 601
+  fast.check()
+  assert fast.segment.info()["arena_used"] == slow.segment.info()["arena_used"]
+
+
+def test_uniform_sample_batch_data_belongs_to_the_sampled_keys(server_factory):
+  st = server_factory([_table()]).shared_table("t")
+  keys = st.insert(_steps(0, 1000), 1.0)
+  index = {int(k): i for i, k in enumerate(keys)}
+  out = [np.empty(300, np.int64), np.empty((300, 3), np.float32), np.empty(300, np.float32)]
+  for call in range(4):
+    batch = st.sample_batch(300, out=out if call % 2 else None)
+    rows = np.array([index[k] for k in batch.info.key.tolist()])
+    np.testing.assert_array_equal(batch.data[0], rows)                 # act
+    np.testing.assert_array_equal(batch.data[1], np.repeat(rows[:, None], 3, 1))
+    np.testing.assert_array_equal(batch.data[2], rows * 0.5)
+    np.testing.assert_array_equal(batch.info.probability, 1 / 1000)
+    np.testing.assert_array_equal(batch.info.table_size, 1000)
+    if call % 2:
+      assert np.shares_memory(batch.data[1], out[1])
+  assert st.stats()["samples"] == 1200
+  assert st.segment.info()["live_procs"] >= 1
+  st.check()
+
+
+def test_sample_batch_flexible_batch_and_deadline(server_factory):
+  st = server_factory([_table(sampler=selectors.Fifo(), max_times_sampled=1)]).shared_table("t")
+  st.insert(_steps(0, 6), 1.0)
+  st.sample_batch(2)                       # slow path, learns the layout
+  batch = st.sample_batch(8, timeout_ms=50)
+  assert batch.info.key.shape == (4,) and batch.data[1].shape == (4, 3)
+  np.testing.assert_array_equal(batch.data[0], [2, 3, 4, 5])
+  with pytest.raises(errors.DeadlineExceededError):
+    st.sample_batch(8, timeout_ms=20)
+
+
+def test_sample_batch_rejects_items_of_another_layout_then_relearns(server_factory):
+  st = server_factory([_table()]).shared_table("t")
+  st.insert(_steps(0, 10), 1.0)
+  st.sample_batch(4)
+  st.reset()
+  st.insert({"obs": np.zeros((10, 2), np.float64)}, 1.0)
+  with pytest.raises(ValueError, match="columns|layout"):
+    st.sample_batch(4)
+  batch = st.sample_batch(4)               # relearnt from the new items
+  assert batch.data[0].shape == (4, 2) and batch.data[0].dtype == np.float64
+  batch = st.sample_batch(4)               # and the fast path uses the new layout
+  assert batch.data[0].shape == (4, 2)
+
+
+def test_sample_batch_validates_out_before_sampling(server_factory):
+  st = server_factory([_table()]).shared_table("t")
+  st.insert(_steps(0, 10), 1.0)
+  st.sample_batch(4)
+  used = st.stats()["samples"]
+  bad = [np.empty(4, np.int32), np.empty((4, 3), np.float32), np.empty(4, np.float32)]
+  with pytest.raises(ValueError, match="dtype"):
+    st.sample_batch(4, out=bad)
+  with pytest.raises(ValueError, match="3 columns"):
+    st.sample_batch(4, out=bad[:2])
+  short = [np.empty(2, np.int64), np.empty((4, 3), np.float32), np.empty(4, np.float32)]
+  with pytest.raises(ValueError, match="shape"):
+    st.sample_batch(4, out=short)
+  assert st.stats()["samples"] == used
+
+
+def test_insert_builds_the_same_items_as_encoded_descriptors(server_factory):
+  server = server_factory([_table("a"), _table("b")])
+  fast, slow = server.shared_table("a"), server.shared_table("b")
+  data = _steps(0, 5)
+  keys = fast.insert(data, [1, 2, 3, 4, 5])
+  arrays = [data["act"], data["obs"], data["rew"]]
+  written = [chunks.alloc_chunk(server.segment, a.dtype, a.shape[1:], 5) for a in arrays]
+  for c, a in zip(written, arrays):
+    c.write_rows(a)
+  blob, offs = chunks.encode_row_descriptors([c.off for c in written], 5)
+  slow.insert_descriptors(keys, [1, 2, 3, 4, 5], blob, offs)
+  for c in written:
+    c.release()
+  items_fast, items_slow = fast.items(), slow.items()
+  np.testing.assert_array_equal(items_fast["key"], items_slow["key"])
+  np.testing.assert_array_equal(items_fast["priority"], items_slow["priority"])
+  for df, ds in zip(items_fast["desc_off"].tolist(), items_slow["desc_off"].tolist()):
+    cols_f = chunks.item_columns(server.segment, df)
+    cols_s = chunks.item_columns(server.segment, ds)
+    assert [(s["row_offset"].tolist(), s["nrows"].tolist(), q) for s, q in cols_f] == \
+        [(s["row_offset"].tolist(), s["nrows"].tolist(), q) for s, q in cols_s]
+  for a, b in zip(fast.sample_batch(5).data, slow.sample_batch(5).data):
+    assert a.dtype == b.dtype and a.shape == b.shape
+  server.segment.check()
+
+
+def test_client_insert_into_several_tables_shares_one_write(server_factory):
+  server = server_factory([_table("a"), _table("b")])
+  client = server.localhost_client()
+  before = server.segment.info()["arena_used"]
+  client.insert({"x": np.arange(4, dtype=np.int16), "y": 2.5}, {"a": 1.0, "b": 3.0})
+  for name, prio in (("a", 1.0), ("b", 3.0)):
+    [sample] = client.sample(name, 1, emit_timesteps=False)
+    assert sample.info.priority == prio and sample.info.key != 0
+    np.testing.assert_array_equal(sample.data[0], [[0, 1, 2, 3]])
+    np.testing.assert_array_equal(sample.data[1], [2.5])
+  info = server.segment.info()
+  assert info["num_chunks"] == 2 and info["num_descs"] == 2 and info["arena_used"] > before
+  with pytest.raises(ValueError, match="nan"):
+    client.insert({"x": np.arange(4, dtype=np.int16), "y": 2.5}, {"a": float("nan")})
+  assert server.segment.info()["num_chunks"] == 2   # nothing written for a rejected insert
+  server.segment.check()
+
+
+def test_client_sample_yields_exactly_num_samples_and_counts_only_them(server_factory):
+  server = server_factory([_table()])
+  client = server.localhost_client()
+  server.shared_table("t").insert(_steps(0, 50), 1.0)
+  got = list(client.sample("t", 300, emit_timesteps=False))
+  assert len(got) == 300
+  assert server.shared_table("t").stats()["samples"] == 300
+  for s in got:
+    assert s.data[0] == int(s.data[2] * 2)       # act and rew of the same step
+  gen = client.sample("t", 1000, emit_timesteps=False)
+  next(gen)
+  gen.close()      # items sampled ahead are released with the generator
+  del gen, got, s
+  gc.collect()
+  server.shared_table("t").reset()
+  # Nothing pins the items any more: resetting the table freed every chunk and descriptor.
+  info = server.segment.info()
+  assert (info["num_chunks"], info["num_descs"], info["arena_used"]) == (0, 0, 0)
+  server.segment.check()
+
+
+def test_client_sample_blocks_per_item_and_times_out(server_factory):
+  server = server_factory([_table(sampler=selectors.Fifo(), max_times_sampled=1)])
+  client = server.localhost_client()
+  server.shared_table("t").insert(_steps(0, 3), 1.0)
+  gen = client.sample("t", 5, emit_timesteps=False, rate_limiter_timeout_ms=50)
+  acts = [int(next(gen).data[0]) for _ in range(3)]
+  assert acts == [0, 1, 2]
+  with pytest.raises(errors.DeadlineExceededError):
+    next(gen)
+  assert server.shared_table("t").stats()["samples"] == 3
+
+
+def test_client_sample_over_mixed_layouts_loses_no_item(server_factory):
+  server = server_factory([_table()])
+  client = server.localhost_client()
+  for i in range(20):   # two layouts: 2- and 3-element observations
+    client.insert({"obs": np.full(2 + i % 2, i, np.float32), "act": np.int64(i)}, {"t": 1.0})
+  got = list(client.sample("t", 500, emit_timesteps=False))
+  assert len(got) == 500
+  assert server.shared_table("t").stats()["samples"] == 500   # every sampled item was yielded
+  for s in got:
+    act = int(s.data[0][0])
+    assert s.data[1].shape == (1, 2 + act % 2) and (s.data[1] == act).all()
+  st = server.shared_table("t")
+  st.sample_batch(1)                      # learns one of the two layouts
+  with pytest.raises(ValueError, match="layout"):
+    for _ in range(50):                   # the other layout comes up: rejected, not lost
+      st.sample_batch(16)
+  st.check()
+
+
+def test_client_sample_emit_timesteps_on_the_gather_path(server_factory):
+  server = server_factory([_table()])
+  client = server.localhost_client()
+  with client.trajectory_writer(3) as writer:
+    for i in range(3):
+      writer.append({"x": np.float32(i), "y": np.arange(2, dtype=np.int8) + i})
+    writer.create_item("t", 1.0, {"x": writer.history["x"][:], "y": writer.history["y"][:]})
+  for _ in range(3):   # the first call learns the layout, the next ones gather in C
+    steps = next(client.sample("t", 1))
+    assert [float(s.data[0]) for s in steps] == [0.0, 1.0, 2.0]
+    assert [s.data[1].tolist() for s in steps] == [[0, 1], [1, 2], [2, 3]]
