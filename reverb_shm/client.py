@@ -173,7 +173,7 @@ class Client:
     seg = self._segment()
     episode_id = trajectory_writer_lib.random_u64.one()
     if not any(a.dtype.kind == "O" for a in arrays):
-      self._insert_numeric(seg, handles, prios, arrays, episode_id)
+      self._insert_numeric(seg, handles, prios, arrays, episode_id, deadline, timeout_ms)
       return
     written = []
     try:
@@ -193,7 +193,7 @@ class Client:
       for c in written:
         c.release()
 
-  def _insert_numeric(self, seg, handles, prios, arrays, episode_id) -> None:
+  def _insert_numeric(self, seg, handles, prios, arrays, episode_id, deadline, timeout_ms) -> None:
     """Client.insert's hot path for numeric steps: one ColumnWriter call, one rs_insert per table."""
     columns = tuple((a.dtype, a.shape) for a in arrays)
     writer = self._column_writers.get(columns)
@@ -206,7 +206,7 @@ class Client:
         slices[c].chunk_off = off
       for h, prio in zip(handles, prios.tolist()):   # random keys drawn in C
         h.table._insert_slices_validated(1, ffi.NULL, ffi.new("double *", prio), writer, slices, 0,
-                                         -1, None)
+                                         deadline, timeout_ms)
     finally:
       pins.release()
 

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -115,7 +116,10 @@ class Segment:
     out, got = ffi.new("rs_sample_rec[]", n), ffi.new("uint32_t *")
     rc = lib.rs_sample(self.base, self.slot, table, n, lib.rs_now_ns() + 10**9, 10**9, out, got)
     assert rc == lib.RS_OK, err()
-    return [out[i] for i in range(got[0])]
+    # Copies: an element of a cffi array does not keep the array (owned by `out`) alive.
+    fields = [name for name, _ in ffi.typeof("rs_sample_rec").fields]
+    return [types.SimpleNamespace(**{f: getattr(out[i], f) for f in fields})
+            for i in range(got[0])]
 
   def validate(self, blob):
     """rs_desc_validate is internal: reach it through an insert, then undo a success."""
