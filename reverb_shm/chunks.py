@@ -272,7 +272,8 @@ def _alloc(seg, dtype_code: bytes, shape: tuple, row_bytes: int, nbytes: int, ca
   meta.dtype = dtype_code
   slot, generation = seg.registration()
   off, pin = ffi.new("uint64_t *"), ffi.new("uint32_t *")
-  check(lib.rs_chunk_alloc(seg.base, slot, meta, off, pin), "allocating chunk")
+  check(lib.rs_chunk_alloc(seg.base, slot, meta, off, pin),
+        "allocating chunk" + seg.arena_hint)
   return off[0], pin[0], generation
 
 
@@ -601,3 +602,29 @@ def gather_column(seg, desc_offs: np.ndarray, col: int,
       raise ValueError(f"out for column {col} must be writeable and C-contiguous")
   _gather(seg, desc_offs, col, out, col_bytes)
   return out
+
+
+# ---------------------------------------------------------------- chunk readers (issue 7b)
+# Public readers of a chunk by arena offset, for processes that forward chunks they wrote
+# (the gRPC bridge's remote client reads its staging arena with these).
+
+
+def chunk_header(seg, off: int) -> _ChunkMeta:
+  """Header of the chunk at arena offset `off`.
+
+  The result has attributes dtype (np.dtype; object for str/bytes chunks), shape (element
+  shape, tuple), capacity and rows (ints), row_bytes (0 for object chunks), episode_id and
+  start_step. The caller must hold the chunk (a pin) while it reads it.
+  """
+  return _ChunkMeta(seg, int(off))
+
+
+def chunk_row_bytes(seg, header: _ChunkMeta, first: int, last: int) -> bytes:
+  """A copy of rows [first, last) of a numeric chunk, C order ((last - first) * row_bytes)."""
+  start = header.data_address - seg.address
+  return bytes(seg.buf[start + first * header.row_bytes:start + last * header.row_bytes])
+
+
+def object_chunk_rows(seg, header: _ChunkMeta, first: int, nrows: int) -> np.ndarray:
+  """Rows [first, first + nrows) of an object chunk as an object array (nrows, *shape)."""
+  return _read_object_rows(seg, header, int(first), int(nrows))
