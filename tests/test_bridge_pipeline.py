@@ -4,7 +4,6 @@ The bridge runs in this process on loopback; tables are inspected through shared
 """
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -96,19 +95,37 @@ def test_a_bridge_side_error_surfaces_at_flush(server_factory):
   writer.close()
 
 
-def test_client_insert_sends_one_message_for_every_table(server_factory, monkeypatch):
+def test_client_insert_is_one_message_for_every_table(server_factory, monkeypatch):
   server = server_factory([_uniform("a"), _uniform("b")], bridge=BridgeConfig())
   client = _remote(server)
-  client.insert(np.zeros(1), {"a": 1.0})      # opens the stream
-  sends = []
-  original = writes._Stream.send  # pylint: disable=protected-access
-  monkeypatch.setattr(writes._Stream, "send",  # pylint: disable=protected-access
-                      lambda self, ops: (sends.append([op["op"] for op in ops]),
-                                         original(self, ops)))
+  calls = []
+  original = service._WriteStream.handle_message  # pylint: disable=protected-access
+
+  def spy(self, msg):
+    calls.append([op["op"] for op in msg["ops"]])
+    return original(self, msg)
+  monkeypatch.setattr(service._WriteStream, "handle_message", spy)  # pylint: disable=protected-access
   client.insert({"x": np.arange(3), "y": np.float32(1)}, {"a": 1.0, "b": 2.0})
-  assert sends == [["chunk", "chunk", "items", "items", "drop", "drop"]]
+  assert calls == [["chunk", "chunk", "items", "items"]]   # the data once, for both tables
   infos = server.localhost_client().server_info()
-  assert (infos["a"].current_size, infos["b"].current_size) == (2, 1)
+  assert (infos["a"].current_size, infos["b"].current_size) == (1, 1)
+  sample = next(server.localhost_client().sample("b", emit_timesteps=False))
+  assert sample.data[0].tolist() == [[0, 1, 2]] and sample.info.priority == 2.0
+
+
+def test_client_insert_waits_for_its_rate_limiter(server_factory):
+  server = server_factory([reverb_shm.Table.queue("queue", 1)], bridge=BridgeConfig())
+  client = _remote(server)
+  client.insert(np.int32(0), {"queue": 1.0})
+  done = threading.Event()
+  t = threading.Thread(target=lambda: (client.insert(np.int32(1), {"queue": 1.0}), done.set()))
+  t.start()
+  assert not done.wait(0.3)          # blocked on the full queue, at the bridge
+  local = server.localhost_client()
+  assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 0
+  assert done.wait(10)
+  t.join(timeout=10)
+  assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 1
 
 
 def test_samples_arrive_in_batches_within_the_credit(server_factory, monkeypatch):
@@ -179,9 +196,7 @@ def test_sampling_from_a_dead_bridge_raises_a_clear_error(server_factory):
 
 def test_staging_exhaustion_names_its_setting(server_factory):
   server = server_factory([_uniform()], bridge=BridgeConfig())
-  client = _remote(server, staging_bytes=2 << 20)
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", RuntimeWarning)
-    with pytest.raises(errors.ResourceExhaustedError,
-                       match="REVERB_SHM_STAGING_MB.*staging_bytes"):
-      client.insert(np.zeros(1 << 20, np.float32), {"dist": 1.0})
+  writer = _remote(server, staging_bytes=2 << 20).trajectory_writer(1)
+  with pytest.raises(errors.ResourceExhaustedError, match="REVERB_SHM_STAGING_MB.*staging_bytes"):
+    writer.append({"x": np.zeros(1 << 20, np.float32)})   # 4 MiB > the 2 MiB staging arena
+  writer.close()

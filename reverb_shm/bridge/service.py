@@ -7,6 +7,9 @@ it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm
   Mutate      unary           {"table", "upd_keys", "upd_prios", "del_keys"} -> {"updated", "deleted"}
   Reset       unary           {"table"} -> {}
   Checkpoint  unary           {} -> {"path"}
+  Insert      unary           {"ops": [...]} as one Write message (chunks and items of one
+                              Client.insert) -> the ack {"upto", "errs"}; its chunks are
+                              released at the end of the call
   Sample      stream-stream   first {"table", "n", "timeout_ms", "credit", "batch"}, then
                               {"credit"}; replies carry up to `batch` samples each
                               ({"n", "keys", "probs", "sizes", "prios", "times", "cols"|"items"})
@@ -116,6 +119,7 @@ class Bridge:
         "Mutate": grpc.unary_unary_rpc_method_handler(self._mutate),
         "Reset": grpc.unary_unary_rpc_method_handler(self._reset),
         "Checkpoint": grpc.unary_unary_rpc_method_handler(self._checkpoint),
+        "Insert": grpc.unary_unary_rpc_method_handler(self._insert),
         "Sample": grpc.stream_stream_rpc_method_handler(self._sample),
         "Write": grpc.stream_stream_rpc_method_handler(self._write),
     }
@@ -229,6 +233,17 @@ class Bridge:
       return {"path": Client(f"shm://{self._seg.name}").checkpoint()}
     return self._unary(request, context, body)
 
+  def _insert(self, request, context):
+    def body(msg):
+      stream = _WriteStream(self, context, lambda: False)
+      try:
+        for _ in stream.handle_message(msg):
+          pass      # nobody to confirm earlier items to before the end
+        return stream.ack() or {"upto": 0, "errs": []}
+      finally:
+        stream.close()
+    return self._unary(request, context, body)
+
   # ---- sampling
   def _sample(self, request_iterator, context):
     self._authorize(context)
@@ -307,7 +322,7 @@ class Bridge:
   def _write(self, request_iterator, context):
     self._authorize(context)
     inbox = _Inbox(request_iterator, self._config.max_message_bytes)
-    stream = _WriteStream(self, context, inbox)
+    stream = _WriteStream(self, context, lambda: inbox.closed)
     try:
       while True:
         msgs = inbox.take()
@@ -422,11 +437,11 @@ class _WriteStream:
   """State of one Write stream: the chunks it wrote, by the client's chunk ids, and the
   outcome of the "items" ops since the last acknowledgement."""
 
-  def __init__(self, bridge: Bridge, context, inbox: _Inbox):
+  def __init__(self, bridge: Bridge, context, closing):
     self._bridge = bridge
     self._seg = bridge._seg  # pylint: disable=protected-access
     self._context = context
-    self._inbox = inbox
+    self._closing = closing   # () -> whether the client closed its side
     self._max_chunks = bridge._config.max_stream_chunks  # pylint: disable=protected-access
     self._chunks: Dict[int, chunks.Chunk] = {}
     self._failed: Dict[int, BaseException] = {}
@@ -619,7 +634,7 @@ class _WriteStream:
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
     done = 0
     while True:
-      if self._inbox.closed:
+      if self._closing():
         deadline = time.monotonic()
       wait_ms = _SLICE_MS if deadline is None else max(
           0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))

@@ -1,10 +1,11 @@
 """Pipelined inserts over a bridge's Write stream (the remote client's side).
 
-A WriteSession owns one Write stream. `insert` turns items whose descriptors point into this
-process's staging segment into ops (each staging chunk is sent once, its new rows as they are
-first needed) and hands them to the stream without waiting; the bridge confirms the items in
-batches. Ops queued while the stream is busy travel together as one message. `await_inserts`
-waits for confirmations (Client.insert, flush, end_episode) within a deadline; `close`
+A WriteSession (one per TrajectoryWriter) owns one Write stream. `insert` turns items whose
+descriptors point into this process's staging segment into ops (each staging chunk is sent
+once, its new rows as they are first needed) and hands them to the stream without waiting; the
+bridge confirms the items in batches. Ops queued within a couple of milliseconds travel
+together as one message. `await_inserts` waits for confirmations (flush, end_episode) within
+a deadline; `close`
 half-closes the stream, after which the bridge inserts what the rate limiters admit at once,
 and reports items it could not insert. An error the bridge reports for an item is raised by
 the session's next call.
@@ -15,8 +16,8 @@ with exponential backoff for up to `reconnect_timeout_s` and re-sends every unco
 with its chunks and original keys (re-inserting a key only updates that item's priority).
 """
 import collections
-import contextlib
 import itertools
+import sys
 import threading
 import time
 import warnings
@@ -35,6 +36,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 MAX_IN_FLIGHT_ITEMS = 4096        # unconfirmed items before insert waits for confirmations
 MAX_IN_FLIGHT_BYTES = 32 << 20    # chunk bytes of unconfirmed items, likewise
 _CLOSE_GRACE_S = 5.0              # close() waits this long for the last confirmations
+_LINGER_S, _LINGER_OPS = 0.002, 256   # a message waits this long for more ops, unless this many
 
 
 class _SentChunk:
@@ -81,8 +83,9 @@ class _Stream:
 
   def send(self, ops: list) -> None:
     with self._cond:
+      if not self._out:
+        self._cond.notify()   # else the sender is awake already
       self._out.extend(ops)
-      self._cond.notify()
 
   def half_close(self) -> None:
     with self._cond:
@@ -100,6 +103,8 @@ class _Stream:
           self._cond.wait()
         if not self._out:
           return
+        if not self._closing and len(self._out) < _LINGER_OPS:
+          self._cond.wait(_LINGER_S)   # let a burst of ops gather into one message
         ops, self._out = self._out, []
       yield from wire.frames(wire.pack(ops[0] if len(ops) == 1 else {"ops": ops}))
 
@@ -174,7 +179,6 @@ class WriteSession:
     self._dropped = 0                    # items the bridge did not insert after close
     self._give_up = None                 # monotonic time when reconnecting stops
     self._backoff = BACKOFF_START_S
-    self._collect = None                 # ops of a one_message() block
     self._stale = []                     # chunks of failed items (the bridge may lack them)
 
   # ---- public
@@ -221,37 +225,8 @@ class WriteSession:
         self._unconfirmed[batch.seq] = batch
         self._in_flight_items += n
         self._in_flight_bytes += batch.nbytes
-      if self._collect is not None:
-        self._collect.extend(ops)
-      else:
-        self._stream.send(ops)
+      self._stream.send(ops)
       return n
-
-  @contextlib.contextmanager
-  def one_message(self):
-    """Within the block, inserts are collected and then sent as one message; at its end the
-    session waits for their confirmation (no deadline) and drops their chunks on the bridge.
-
-    Raises (at the end): the bridge's error for an item; ServerUnavailableError.
-    """
-    with self._lock:
-      self._ensure_stream()
-      self._raise_error()
-      first_seq = next(self._seqs)
-      self._collect = collected = []
-      sent_before = {id(chunk) for chunk in self._sent.values()}
-      try:
-        yield
-      except BaseException:
-        self._collect = None
-        self._forget_since(first_seq)
-        raise
-      self._collect = None
-      for chunk in [c for c in self._sent.values() if id(c) not in sent_before]:
-        self._drop(chunk, collected)   # one-shot chunks: the bridge frees them
-      if collected:
-        self._stream.send(collected)
-      self.await_inserts(0, -1, None, "insert")
 
   def await_inserts(self, until: int, deadline_ns: int, timeout_ms, what: str) -> None:
     """Waits until at most `until` sent items are unconfirmed.
@@ -280,12 +255,16 @@ class WriteSession:
         return
       with self._cond:
         self._closing = True
+        if sys.is_finalizing():   # gRPC's threads are gone: do not wait on them
+          self._stream = None
+          return
+        stream.half_close()       # the bridge ends the stream once it handled every op
         if self._unconfirmed and not stream.ended:
-          stream.half_close()
           self._cond.wait_for(lambda: stream.ended, _CLOSE_GRACE_S)
         lost = self._dropped + self._in_flight_items
-        self._stream = None
-      stream.cancel()
+        self._stream = None       # (acks were counted until now)
+      if lost:
+        stream.cancel()
     if lost:
       warnings.warn(f"TrajectoryWriter closed with {lost} items sent to bridge "
                     f"{self._address} that their rate limiter did not admit; they were "
@@ -303,23 +282,8 @@ class WriteSession:
       self._drop(chunk, ops)
       chunk = None
     if chunk is None:
-      if header.dtype.kind == "O":
-        rows = chunks.object_chunk_rows(staging, header, 0, header.rows)
-        flat = [[x.item() if isinstance(x, np.generic) else x for x in np.asarray(r).reshape(-1)]
-                for r in rows]
-        op = {"op": "obj", "s": list(header.shape), "rows": flat, "ep": header.episode_id,
-              "step": header.start_step}
-        chunk = _SentChunk(off, identity, op, max(1, 64 * len(flat)))
-        chunk.rows = header.rows
-      else:
-        op = {"op": "chunk", "d": header.dtype.str, "s": list(header.shape),
-              "cap": header.capacity, "ep": header.episode_id, "step": header.start_step}
-        chunk = _SentChunk(off, identity, op, max(1, header.capacity * header.row_bytes))
-        data = chunks.chunk_row_bytes(staging, header, 0, header.rows)
-        if data:
-          chunk.parts.append(data)
-          batch.nbytes += len(data)
-        chunk.rows = header.rows
+      chunk = _new_chunk(staging, off, header, identity)
+      batch.nbytes += sum(map(len, chunk.parts))
       self._send_chunk(chunk, ops)
       self._sent[off] = chunk
       self._sent_bytes += chunk.size
@@ -355,18 +319,6 @@ class WriteSession:
       self._sent_bytes -= chunk.size
       if chunk.gen == self._stream.gen:
         ops.append({"op": "drop", "ids": [chunk.cid]})
-
-  def _forget_since(self, first_seq: int) -> None:
-    """Unsends the batches of an aborted one_message() block (none of their ops left)."""
-    with self._cond:
-      for seq in [s for s in self._unconfirmed if s >= first_seq]:
-        batch = self._unconfirmed.pop(seq)
-        self._in_flight_items -= batch.n
-        self._in_flight_bytes -= batch.nbytes
-    ops = []
-    for chunk in list(self._sent.values()):   # their chunks may not exist on the bridge
-      self._drop(chunk, ops)
-    self._stream.send(ops)
 
   # ---- the stream
   def _ensure_stream(self) -> None:
@@ -494,6 +446,92 @@ class WriteSession:
     with self._cond:
       stream.error, stream.ended = error, True
       self._cond.notify_all()
+
+
+def _new_chunk(staging, off: int, header, identity: tuple) -> _SentChunk:
+  """The sent state of staging chunk `off` with every row it holds (not sent yet)."""
+  if header.dtype.kind == "O":
+    rows = chunks.object_chunk_rows(staging, header, 0, header.rows)
+    flat = [[x.item() if isinstance(x, np.generic) else x for x in np.asarray(r).reshape(-1)]
+            for r in rows]
+    op = {"op": "obj", "s": list(header.shape), "rows": flat, "ep": header.episode_id,
+          "step": header.start_step}
+    chunk = _SentChunk(off, identity, op, max(1, 64 * len(flat)))
+  else:
+    op = {"op": "chunk", "d": header.dtype.str, "s": list(header.shape),
+          "cap": header.capacity, "ep": header.episode_id, "step": header.start_step}
+    chunk = _SentChunk(off, identity, op, max(1, header.capacity * header.row_bytes))
+    data = chunks.chunk_row_bytes(staging, header, 0, header.rows)
+    if data:
+      chunk.parts.append(data)
+  chunk.rows = header.rows
+  return chunk
+
+
+class OneMessageInserter:
+  """Client.insert's path: the ops of one call (its chunks, whole, and its items) travel as
+  one unary Insert call (or, above one frame, over a Write stream of their own); `send`
+  returns when the bridge confirmed them. Retried with backoff while the bridge is
+  unreachable, for up to `reconnect_timeout_s` (a re-sent item keeps its key).
+  """
+
+  def __init__(self, address: str, connection: Callable, reconnect_timeout_s: float,
+               rpc_error: Callable):
+    self._address = address
+    self._connection = connection
+    self._reconnect_s = reconnect_timeout_s
+    self._rpc_error = rpc_error
+
+  def send(self, ops: list) -> None:
+    """Sends Write ops (ids and seqs local to them) as one message; waits for the ack.
+
+    Raises:
+      The bridge's error for an item; ServerUnavailableError.
+    """
+    payload = wire.pack({"ops": ops})
+    give_up = time.monotonic() + self._reconnect_s
+    backoff = BACKOFF_START_S
+    while True:
+      conn = self._connection()
+      try:
+        if len(payload) <= wire.FRAME_BYTES:
+          ack = wire.unpack(conn.method("Insert")(payload, metadata=conn.metadata))
+        else:
+          ack = self._send_framed(conn, payload)
+        break
+      except grpc.RpcError as e:
+        now = time.monotonic()
+        if e.code() not in RETRYABLE:
+          raise self._rpc_error(e, self._address) from None
+        if now >= give_up:
+          raise errors.ServerUnavailableError(
+              f"could not insert into bridge {self._address} within reconnect_timeout_s="
+              f"{self._reconnect_s}: {self._rpc_error(e, self._address)}") from None
+        time.sleep(min(backoff, give_up - now))
+        backoff = min(2 * backoff, BACKOFF_MAX_S)
+    for err in ack.get("errs") or ():
+      if isinstance(err, list) and len(err) == 4:
+        raise wire.make_error(err[2], err[3], inserted=err[1])
+
+  @staticmethod
+  def _send_framed(conn, payload: bytes) -> dict:
+    """Sends one large message over a Write stream of its own; returns the bridge's ack."""
+    done = threading.Event()
+
+    def requests():   # stays open until the ack: a half-closed stream stops waiting
+      yield from wire.frames(payload)
+      done.wait()
+    call = conn.method("Write", "stream_stream")(requests(), metadata=conn.metadata)
+    asm = wire.Reassembler()
+    try:
+      for frame in call:
+        ack = asm.feed(frame)
+        if ack is not None:
+          return ack
+    finally:
+      done.set()
+      call.cancel()
+    return {}
 
 
 def _items_op(batch: _Batch) -> dict:
