@@ -424,13 +424,18 @@ _DESC_BODY_STRUCTS = {}  # (ncols, nslices) -> Struct of the rs_desc_col and rs_
 
 def _decode_descriptor(seg, desc_off: int) -> List[Tuple[List[tuple], bool]]:
   """Per column ([(chunk_off, row_offset, nrows), ...], squeeze), as Python ints."""
-  start = desc_off + _DESC_DATA_OFFSET
-  ncols, nslices = _DESC_HDR_STRUCT.unpack_from(seg.buf, start)
+  return decode_descriptor(seg.buf, desc_off + _DESC_DATA_OFFSET)
+
+
+def decode_descriptor(buf, start: int = 0) -> List[Tuple[List[tuple], bool]]:
+  """Per column ([(chunk_off, row_offset, nrows), ...], squeeze), as Python ints, of the
+  descriptor at buf[start:] (as encode_descriptor wrote it)."""
+  ncols, nslices = _DESC_HDR_STRUCT.unpack_from(buf, start)
   body = _DESC_BODY_STRUCTS.get((ncols, nslices))
   if body is None:
     body = _DESC_BODY_STRUCTS[(ncols, nslices)] = struct.Struct(
         "<" + "IIII" * ncols + "QII" * nslices)
-  words = body.unpack_from(seg.buf, start + _DESC_HDR_STRUCT.size)
+  words = body.unpack_from(buf, start + _DESC_HDR_STRUCT.size)
   slices = [words[i:i + 3] for i in range(4 * ncols, len(words), 3)]
   return [(slices[words[i]:words[i] + words[i + 1]], bool(words[i + 2] & SQUEEZE))
           for i in range(0, 4 * ncols, 4)]
@@ -617,6 +622,13 @@ def chunk_header(seg, off: int) -> _ChunkMeta:
   start_step. The caller must hold the chunk (a pin) while it reads it.
   """
   return _ChunkMeta(seg, int(off))
+
+
+def chunk_state(seg, off: int) -> tuple:
+  """(episode_id, start_step, capacity, row_bytes, rows) of the chunk at `off`: what changes
+  when its block is reused, and its published rows (cheaper than chunk_header)."""
+  h = ffi.cast("rs_chunk_hdr *", seg.address + off)
+  return h.episode_id, h.start_step, h.capacity, h.row_bytes, h.rows
 
 
 def chunk_row_bytes(seg, header: _ChunkMeta, first: int, last: int) -> bytes:

@@ -113,7 +113,12 @@ class Bridge:
         concurrent.futures.ThreadPoolExecutor(max_workers=config.max_concurrent_rpcs,
                                               thread_name_prefix="reverb_shm-bridge"),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        options=[("grpc.so_reuseport", 0)])
+        options=[("grpc.so_reuseport", 0),
+                 # Accept the remote clients' keepalive pings (every 10 s, also when idle)
+                 # instead of answering them with GOAWAY "too_many_pings".
+                 ("grpc.keepalive_permit_without_calls", 1),
+                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                 ("grpc.http2.max_ping_strikes", 0)])
     handlers = {
         "ServerInfo": grpc.unary_unary_rpc_method_handler(self._server_info),
         "Mutate": grpc.unary_unary_rpc_method_handler(self._mutate),

@@ -42,10 +42,11 @@ _LINGER_S, _LINGER_OPS = 0.002, 256   # a message waits this long for more ops, 
 class _SentChunk:
   """A staging chunk as sent on the stream: its header op and the row bytes sent so far."""
 
-  __slots__ = ("off", "identity", "cid", "gen", "header", "parts", "rows", "size")
+  __slots__ = ("off", "meta", "identity", "cid", "gen", "header", "parts", "rows", "size")
 
-  def __init__(self, off: int, identity: tuple, header: dict, size: int):
+  def __init__(self, off: int, meta, identity: tuple, header: dict, size: int):
     self.off = off
+    self.meta = meta         # chunks.chunk_header of the staging chunk
     self.identity = identity
     self.cid = 0
     self.gen = -1            # generation of the stream it was last sent on
@@ -210,9 +211,9 @@ class WriteSession:
                      np.ascontiguousarray(prios, "<f8").tobytes(), n)
       ops = []
       staging = self._staging()
-      for i in range(n):
+      for start in offs[:-1].tolist():
         item = []
-        for slices, squeeze in _decode_descriptor(blob[int(offs[i]):int(offs[i + 1])]):
+        for slices, squeeze in chunks.decode_descriptor(blob, start):
           column = []
           for off, row, nrows in slices:
             chunk = self._chunk(staging, off, row + nrows, ops, batch)
@@ -274,15 +275,16 @@ class WriteSession:
   # ---- chunks
   def _chunk(self, staging, off: int, rows_needed: int, ops: list, batch: _Batch) -> _SentChunk:
     """The sent state of staging chunk `off`, sending it (or its new rows) first if needed."""
-    header = chunks.chunk_header(staging, off)
-    identity = (header.dtype.str, header.shape, header.capacity, header.episode_id,
-                header.start_step)
+    state = chunks.chunk_state(staging, off)
+    identity, rows = state[:4], state[4]
     chunk = self._sent.get(off)
-    if chunk is not None and chunk.identity != identity:   # the staging block was reused
+    # A writer never allocates two chunks of one (episode, start step) at one offset: a
+    # different identity means the block was freed and reused.
+    if chunk is not None and chunk.identity != identity:
       self._drop(chunk, ops)
       chunk = None
     if chunk is None:
-      chunk = _new_chunk(staging, off, header, identity)
+      chunk = _new_chunk(staging, off, chunks.chunk_header(staging, off), identity)
       batch.nbytes += sum(map(len, chunk.parts))
       self._send_chunk(chunk, ops)
       self._sent[off] = chunk
@@ -290,10 +292,10 @@ class WriteSession:
     else:
       self._sent.move_to_end(off)
     if chunk.rows < rows_needed:
-      data = chunks.chunk_row_bytes(staging, header, chunk.rows, header.rows)
+      data = chunks.chunk_row_bytes(staging, chunk.meta, chunk.rows, rows)
       ops.append({"op": "rows", "id": chunk.cid, "first": chunk.rows, "b": data})
       chunk.parts.append(data)
-      chunk.rows = header.rows
+      chunk.rows = rows
       batch.nbytes += len(data)
     batch.chunks[id(chunk)] = chunk
     return chunk
@@ -456,11 +458,11 @@ def _new_chunk(staging, off: int, header, identity: tuple) -> _SentChunk:
             for r in rows]
     op = {"op": "obj", "s": list(header.shape), "rows": flat, "ep": header.episode_id,
           "step": header.start_step}
-    chunk = _SentChunk(off, identity, op, max(1, 64 * len(flat)))
+    chunk = _SentChunk(off, header, identity, op, max(1, 64 * len(flat)))
   else:
     op = {"op": "chunk", "d": header.dtype.str, "s": list(header.shape),
           "cap": header.capacity, "ep": header.episode_id, "step": header.start_step}
-    chunk = _SentChunk(off, identity, op, max(1, header.capacity * header.row_bytes))
+    chunk = _SentChunk(off, header, identity, op, max(1, header.capacity * header.row_bytes))
     data = chunks.chunk_row_bytes(staging, header, 0, header.rows)
     if data:
       chunk.parts.append(data)
@@ -540,13 +542,3 @@ def _items_op(batch: _Batch) -> dict:
             for column, squeeze in item] for item in batch.descs]
   return {"op": "items", "seq": batch.seq, "table": batch.table, "keys": batch.keys,
           "prios": batch.prios, "descs": descs, "timeout_ms": None}
-
-
-def _decode_descriptor(blob: bytes):
-  """[(slices [(chunk_off, row, nrows)], squeeze)] of one descriptor from encode_descriptor."""
-  ncols, nslices = np.frombuffer(blob, chunks.DESC_HDR, 1)[0].tolist()
-  cols = np.frombuffer(blob, chunks.DESC_COL, ncols, chunks.DESC_HDR.itemsize)
-  slices = np.frombuffer(blob, chunks.DESC_SLICE, nslices,
-                         chunks.DESC_HDR.itemsize + ncols * chunks.DESC_COL.itemsize).tolist()
-  return [(slices[first:first + n], bool(flags & chunks.SQUEEZE))
-          for first, n, flags, _ in cols.tolist()]
