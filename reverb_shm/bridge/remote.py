@@ -295,27 +295,7 @@ class RemoteClient(client_lib.Client):
       As Client.insert; ServerUnavailableError when the bridge stays unreachable for
       reconnect_timeout_s.
     """
-    if not priorities:
-      raise ValueError("priorities must not be empty: name at least one table to insert into")
-    if not isinstance(priorities, dict):
-      raise TypeError(f"priorities must be a dict table -> priority, got "
-                      f"{type(priorities).__name__}")
-    handles = [self._table_handle(name) for name in priorities]
-    prios = [tw.check_priority(p, h.name, h.prioritized)
-             for h, p in zip(handles, priorities.values())]
-    leaves, _ = structure.flatten(data)
-    if not leaves:
-      raise ValueError("data must contain at least one value")
-    arrays = []
-    for i, leaf in enumerate(leaves):
-      if leaf is None:
-        raise ValueError(f"data leaf {i} is None; every field of an inserted step needs a value")
-      arr = structure.to_array(leaf)
-      tw.check_supported_dtype(arr.dtype, i)
-      arrays.append(arr)
-    columns = [(a.dtype, (1,) + a.shape) for a in arrays]
-    for h in handles:
-      tw.check_signature(h.name, h.flat_signature, columns, allow_unbatched=True)
+    handles, prios, arrays = client_lib.checked_insert(self, data, priorities)
     episode_id = tw.random_u64.one()
     ops = []
     for cid, a in enumerate(arrays, 1):
