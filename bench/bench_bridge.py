@@ -8,12 +8,15 @@ Workloads (steps are {'obs': float32[8], 'action': int64, 'reward': float32}):
   sample   Client.sample(table, N) streaming one item at a time
 
 Each runs through (a) reverb_shm's local shared memory, (b) reverb_shm's gRPC bridge on
-127.0.0.1 (same process, like dm-reverb's in-process server) and (c) dm-reverb's own gRPC path
-in a subprocess of /tmp/refvenv/bin/python (skipped when absent). Rates are items/s.
+127.0.0.1 in the benchmark's process (like dm-reverb's in-process server, but sharing the
+client's GIL), (c) the bridge as its own process (`reverb-shm bridge NAME`, the deployed
+form) and (d) dm-reverb's own gRPC path in a subprocess of /tmp/refvenv/bin/python (skipped
+when absent). Rates are items/s.
 """
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -76,6 +79,21 @@ _REF_SCRIPT = _WORKLOADS + textwrap.dedent("""
 """)
 
 
+def _bridge_process(name: str):
+  """(process, address) of `reverb-shm bridge NAME` on a free loopback port."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  proc = subprocess.Popen([sys.executable, "-m", "reverb_shm.cli", "bridge", name, "--port",
+                           str(port)], stdout=subprocess.PIPE, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  line = proc.stdout.readline()
+  if "listening" not in line:
+    proc.kill()
+    raise RuntimeError(f"bridge process did not start: {line!r}")
+  return proc, f"127.0.0.1:{port}"
+
+
 def _reverb_shm(seconds: float) -> dict:
   import reverb_shm as reverb  # pylint: disable=g-import-not-at-top
   from reverb_shm.bridge import BridgeConfig, RemoteClient  # pylint: disable=g-import-not-at-top
@@ -87,9 +105,15 @@ def _reverb_shm(seconds: float) -> dict:
   try:
     local = scope["run_all"](reverb, server.localhost_client(), seconds)
     remote = scope["run_all"](reverb, RemoteClient(server.bridge_address), seconds)
+    proc, address = _bridge_process(server.name)
+    try:
+      own = scope["run_all"](reverb, RemoteClient(address), seconds)
+    finally:
+      proc.terminate()
+      proc.wait(timeout=30)
   finally:
     server.stop()
-  return {"local": local, "bridge": remote}
+  return {"local": local, "bridge": remote, "own": own}
 
 
 def _dm_reverb(seconds: float):
@@ -110,14 +134,15 @@ def main() -> None:
   args = parser.parse_args()
   ours = _reverb_shm(args.seconds)
   ref = _dm_reverb(args.seconds)
-  print(f"{'workload':10} {'shm local':>12} {'bridge':>12} {'dm-reverb':>12} "
-        f"{'bridge/dm':>10} {'hop cost':>10}")
+  print(f"{'workload':10} {'shm local':>10} {'bridge':>10} {'bridge/own':>10} {'dm-reverb':>10} "
+        f"{'bridge/dm':>10} {'own/dm':>8} {'hop cost':>9}")
   for w in ("insert", "writer", "sample"):
-    local, bridge = ours["local"][w], ours["bridge"][w]
+    local, bridge, own = ours["local"][w], ours["bridge"][w], ours["own"][w]
     dm = ref[w] if ref else float("nan")
-    print(f"{w:10} {local:12.0f} {bridge:12.0f} {dm:12.0f} {bridge / dm:9.2f}x "
-          f"{local / bridge:9.1f}x")
-  print("rates in items/s; hop cost = local shared memory rate / bridge rate")
+    print(f"{w:10} {local:10.0f} {bridge:10.0f} {own:10.0f} {dm:10.0f} {bridge / dm:9.2f}x "
+          f"{own / dm:7.2f}x {local / bridge:8.1f}x")
+  print("rates in items/s; bridge = in this process, bridge/own = `reverb-shm bridge` process;\n"
+        "hop cost = local shared memory rate / in-process bridge rate")
 
 
 if __name__ == "__main__":

@@ -280,7 +280,8 @@ def _alloc(seg, dtype_code: bytes, shape: tuple, row_bytes: int, nbytes: int, ca
   meta.dtype = dtype_code
   slot, generation = seg.registration()
   off, pin = ffi.new("uint64_t *"), ffi.new("uint32_t *")
-  check(lib.rs_chunk_alloc(seg.base, slot, meta, off, pin), "allocating chunk")
+  check(lib.rs_chunk_alloc(seg.base, slot, meta, off, pin),
+        "allocating chunk" + seg.arena_hint)
   return off[0], pin[0], generation
 
 
@@ -496,13 +497,18 @@ _DESC_BODY_STRUCTS = {}  # (ncols, nslices) -> Struct of the rs_desc_col and rs_
 
 def _decode_descriptor(seg, desc_off: int) -> List[Tuple[List[tuple], bool]]:
   """Per column ([(chunk_off, row_offset, nrows), ...], squeeze), as Python ints."""
-  start = desc_off + _DESC_DATA_OFFSET
-  ncols, nslices = _DESC_HDR_STRUCT.unpack_from(seg.buf, start)
+  return decode_descriptor(seg.buf, desc_off + _DESC_DATA_OFFSET)
+
+
+def decode_descriptor(buf, start: int = 0) -> List[Tuple[List[tuple], bool]]:
+  """Per column ([(chunk_off, row_offset, nrows), ...], squeeze), as Python ints, of the
+  descriptor at buf[start:] (as encode_descriptor wrote it)."""
+  ncols, nslices = _DESC_HDR_STRUCT.unpack_from(buf, start)
   body = _DESC_BODY_STRUCTS.get((ncols, nslices))
   if body is None:
     body = _DESC_BODY_STRUCTS[(ncols, nslices)] = struct.Struct(
         "<" + "IIII" * ncols + "QII" * nslices)
-  words = body.unpack_from(seg.buf, start + _DESC_HDR_STRUCT.size)
+  words = body.unpack_from(buf, start + _DESC_HDR_STRUCT.size)
   slices = [words[i:i + 3] for i in range(4 * ncols, len(words), 3)]
   return [(slices[words[i]:words[i] + words[i + 1]], bool(words[i + 2] & SQUEEZE))
           for i in range(0, 4 * ncols, 4)]
@@ -674,3 +680,36 @@ def gather_column(seg, desc_offs: np.ndarray, col: int,
       raise ValueError(f"out for column {col} must be writeable and C-contiguous")
   _gather(seg, desc_offs, col, out, col_bytes)
   return out
+
+
+# ---------------------------------------------------------------- chunk readers (issue 7b)
+# Public readers of a chunk by arena offset, for processes that forward chunks they wrote
+# (the gRPC bridge's remote client reads its staging arena with these).
+
+
+def chunk_header(seg, off: int) -> _ChunkMeta:
+  """Header of the chunk at arena offset `off`.
+
+  The result has attributes dtype (np.dtype; object for str/bytes chunks), shape (element
+  shape, tuple), capacity and rows (ints), row_bytes (0 for object chunks), episode_id and
+  start_step. The caller must hold the chunk (a pin) while it reads it.
+  """
+  return _ChunkMeta(seg, int(off))
+
+
+def chunk_state(seg, off: int) -> tuple:
+  """(episode_id, start_step, capacity, row_bytes, rows) of the chunk at `off`: what changes
+  when its block is reused, and its published rows (cheaper than chunk_header)."""
+  h = ffi.cast("rs_chunk_hdr *", seg.address + off)
+  return h.episode_id, h.start_step, h.capacity, h.row_bytes, h.rows
+
+
+def chunk_row_bytes(seg, header: _ChunkMeta, first: int, last: int) -> bytes:
+  """A copy of rows [first, last) of a numeric chunk, C order ((last - first) * row_bytes)."""
+  start = header.data_address - seg.address
+  return bytes(seg.buf[start + first * header.row_bytes:start + last * header.row_bytes])
+
+
+def object_chunk_rows(seg, header: _ChunkMeta, first: int, nrows: int) -> np.ndarray:
+  """Rows [first, first + nrows) of an object chunk as an object array (nrows, *shape)."""
+  return _read_object_rows(seg, header, int(first), int(nrows))

@@ -144,32 +144,8 @@ class Client:
       ResourceExhaustedError: the chunk arena is full.
       TableClosedError: the server stopped.
     """
-    if not priorities:
-      raise ValueError("priorities must not be empty: name at least one table to insert into")
-    if not isinstance(priorities, dict):
-      raise TypeError(f"priorities must be a dict table -> priority, got "
-                      f"{type(priorities).__name__}")
+    handles, prios, arrays = checked_insert(self, data, priorities)
     deadline = timeouts.deadline_from_ms(timeout_ms)
-    handles = [self._table_handle(name) for name in priorities]
-    prios = np.array([trajectory_writer_lib.check_priority(p, h.name, h.prioritized)
-                      for h, p in zip(handles, priorities.values())], dtype=np.float64)
-    leaves, _ = structure.flatten(data)
-    if not leaves:
-      raise ValueError("data must contain at least one value")
-    arrays = []
-    for i, leaf in enumerate(leaves):
-      if leaf is None:
-        raise ValueError(f"data leaf {i} is None; every field of an inserted step needs a value")
-      try:
-        arr = structure.to_array(leaf)
-      except ValueError as e:
-        raise ValueError(f"data leaf {i}: {e}") from None
-      trajectory_writer_lib.check_supported_dtype(arr.dtype, i)
-      arrays.append(arr)
-    columns = [(a.dtype, (1,) + a.shape) for a in arrays]
-    for h in handles:
-      trajectory_writer_lib.check_signature(h.name, h.flat_signature, columns,
-                                            allow_unbatched=True)
     seg = self._segment()
     episode_id = trajectory_writer_lib.random_u64.one()
     if not any(a.dtype.kind == "O" for a in arrays):
@@ -440,6 +416,39 @@ class Client:
     from reverb_shm import checkpointers  # pylint: disable=g-import-not-at-top
     seg = self._segment()
     return checkpointers.for_server(seg.name).save(seg)
+
+
+def checked_insert(client, data: Any, priorities: Dict[str, float]):
+  """(table handles, float64 priorities, column arrays) of a valid Client.insert call.
+
+  Shared with the bridge's RemoteClient.insert (issue 7b). Raises as Client.insert.
+  """
+  if not priorities:
+    raise ValueError("priorities must not be empty: name at least one table to insert into")
+  if not isinstance(priorities, dict):
+    raise TypeError(f"priorities must be a dict table -> priority, got "
+                    f"{type(priorities).__name__}")
+  handles = [client._table_handle(name) for name in priorities]  # pylint: disable=protected-access
+  prios = np.array([trajectory_writer_lib.check_priority(p, h.name, h.prioritized)
+                    for h, p in zip(handles, priorities.values())], dtype=np.float64)
+  leaves, _ = structure.flatten(data)
+  if not leaves:
+    raise ValueError("data must contain at least one value")
+  arrays = []
+  for i, leaf in enumerate(leaves):
+    if leaf is None:
+      raise ValueError(f"data leaf {i} is None; every field of an inserted step needs a value")
+    try:
+      arr = structure.to_array(leaf)
+    except ValueError as e:
+      raise ValueError(f"data leaf {i}: {e}") from None
+    trajectory_writer_lib.check_supported_dtype(arr.dtype, i)
+    arrays.append(arr)
+  columns = [(a.dtype, (1,) + a.shape) for a in arrays]
+  for h in handles:
+    trajectory_writer_lib.check_signature(h.name, h.flat_signature, columns,
+                                          allow_unbatched=True)
+  return handles, prios, arrays
 
 
 def _key(key) -> np.uint64:

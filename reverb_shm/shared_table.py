@@ -142,6 +142,10 @@ class SharedTable:
                        f"got {arr.shape}")
     return arr
 
+  def limiter_message(self, side: str, timeout_ms) -> str:
+    """Why `side` ('insert' / 'sample') timed out after `timeout_ms`: the limiter's counters."""
+    return self._limiter_message(side, timeout_ms)
+
   def _limiter_message(self, side: str, timeout_ms) -> str:
     s = self._seg.stats(self._index)
     return (f"Rate limiter timeout on table {self._name!r}: {side} blocked for {timeout_ms} ms "

@@ -169,6 +169,9 @@ class Segment:
     self._table_names = None
     self._configs = {}
     self._closed = False
+    # Appended to "arena full" errors: which setting sizes this arena (issue 7b; the bridge's
+    # staging segments name theirs).
+    self.arena_hint = ""
 
   # ---- creation / attachment
   @classmethod
@@ -584,6 +587,17 @@ def _read_alias(path: str):
     return lines[0], int(lines[1]), int(lines[2])
   except (FileNotFoundError, ValueError, IndexError):
     return None
+
+
+def local_hosts() -> set:
+  """Lower-case names and addresses that mean this host ('localhost', its hostname, ...)."""
+  return _local_hosts()
+
+
+def port_is_registered(port: int) -> bool:
+  """Whether a live reverb_shm server of this host is registered on `port`."""
+  alias = _read_alias(_alias_path(port))
+  return alias is not None and _owner_alive(alias[1], alias[2])
 
 
 def _local_hosts():

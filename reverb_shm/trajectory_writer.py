@@ -566,7 +566,7 @@ class TrajectoryWriter:
   def __init__(self, client, num_keep_alive_refs: int, *, validate_items: bool = True):
     self._closed = True   # until fully constructed (so __del__ is harmless)
     num_keep_alive_refs = _check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
-    self._client = client
+    self._client = _writer_client(client)
     self._segment = client._segment()  # pylint: disable=protected-access
     self._default_keep_alive = num_keep_alive_refs
     self._validate_items = bool(validate_items)
@@ -610,7 +610,7 @@ class TrajectoryWriter:
   @property
   def num_pending_items(self) -> int:
     """Items created but not yet admitted by their table's rate limiter (reverb_shm extension)."""
-    return len(self._pending)
+    return len(self._pending) + _in_flight(self._client)
 
   # ---- appending
 
@@ -1063,6 +1063,10 @@ class TrajectoryWriter:
     deadline = timeouts.deadline_from_ms(timeout_ms)
     if not self._drain(int(block_until_num_items), deadline, timeout_ms):
       raise self._deadline_error("flush", timeout_ms)
+    timeout_error = _await_inserts(self._client, int(block_until_num_items) - len(self._pending),
+                                   deadline, timeout_ms, "flush")
+    if timeout_error is not None:
+      raise timeout_error
 
   def _deadline_error(self, what: str, timeout_ms) -> errors.DeadlineExceededError:
     return errors.DeadlineExceededError(
@@ -1090,8 +1094,12 @@ class TrajectoryWriter:
     deadline = timeouts.deadline_from_ms(timeout_ms)
     try:
       reached = self._drain(0, deadline, timeout_ms)
+      timeout_error = reached and _await_inserts(self._client, 0, deadline, timeout_ms,
+                                                 "end_episode")
     finally:
       self._new_episode(bool(clear_buffers))
+    if timeout_error:
+      raise errors.DeadlineExceededError(f"{timeout_error} The episode was ended anyway.")
     if not reached:
       raise errors.DeadlineExceededError(
           f"{self._deadline_error('end_episode', timeout_ms)} The episode was ended anyway.")
@@ -1152,6 +1160,7 @@ class TrajectoryWriter:
     except errors.ReverbError:
       pass      # server stopped or an item was rejected: the queue is dropped below
     finally:
+      _close_inserts(self._client)
       self._release_all()
 
   def _release_all(self) -> None:
@@ -1188,6 +1197,36 @@ class TrajectoryWriter:
   def __repr__(self):
     return (f"TrajectoryWriter(columns={len(self._columns)}, episode_steps={self._episode_steps}"
             f", pending_items={len(self._pending)}, closed={self._closed})")
+
+
+# --------------------------------------------------------------------------------------------
+# Asynchronous clients (issue 7b). A client may offer `writer_session()`: the client object a
+# new writer then uses (with `_segment` and `_table_handle`), whose tables confirm inserts
+# asynchronously; it offers `in_flight()` (items sent, not yet confirmed), `await_inserts(until,
+# deadline_ns, timeout_ms, what)` (returns a DeadlineExceededError on timeout, raises the tables'
+# errors) and `close_inserts()`. Local clients offer none of these: the hooks do nothing then.
+
+
+def _writer_client(client):
+  session = getattr(client, "writer_session", None)
+  return client if session is None else session()
+
+
+def _in_flight(client) -> int:
+  in_flight = getattr(client, "in_flight", None)
+  return 0 if in_flight is None else in_flight()
+
+
+def _await_inserts(client, until: int, deadline_ns: int, timeout_ms,
+                   what: str) -> Optional[errors.DeadlineExceededError]:
+  wait = getattr(client, "await_inserts", None)
+  return None if wait is None else wait(until, deadline_ns, timeout_ms, what)
+
+
+def _close_inserts(client) -> None:
+  close = getattr(client, "close_inserts", None)
+  if close is not None:
+    close()
 
 
 def _object_row(value, shape):

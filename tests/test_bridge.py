@@ -177,8 +177,8 @@ def test_writer_survives_bridge_restart_and_tables_are_unaffected(server_factory
   writer.append({"x": np.float32(0)})
   writer.append({"x": np.float32(1)})
   writer.create_item("dist", 1.0, {"x": writer.history["x"][-2:]})
-  bridge.stop()
-  assert server.localhost_client().server_info()["dist"].current_size == 1
+  bridge.stop()   # the item may still be unconfirmed: the writer re-sends it
+  assert server.localhost_client().server_info()["dist"].current_size in (0, 1)
   bridge = Bridge(server.name, BridgeConfig(port=port))
   try:
     writer.append({"x": np.float32(2)})
@@ -311,8 +311,10 @@ def test_fuzzed_messages_get_error_statuses_and_change_nothing(fuzz_target, meth
     call = channel.stream_stream(path)(iter(messages), timeout=5)
     try:
       replies = list(call)
-      # A Write stream answers only "items" ops; any answer it gives must be an error reply.
-      assert all(b"err" in r for r in replies)
+      if method == "Write":   # acks of "items" ops: a fuzzed item can only have failed
+        for reply in replies:
+          ack = wire.unpack(reply[1:])
+          assert [e[0] for e in ack["errs"]][-1:] == [ack["upto"]]
     except grpc.RpcError as e:
       assert e.code() is not grpc.StatusCode.INTERNAL, e.details()
   else:

@@ -28,11 +28,6 @@ def split(address: str):
   return host, int(port)
 
 
-def _is_registered(port: int) -> bool:
-  alias = shm._read_alias(shm._alias_path(port))  # pylint: disable=protected-access
-  return alias is not None and shm._owner_alive(alias[1], alias[2])  # pylint: disable=protected-access
-
-
 def _listening(host: str, port: int) -> bool:
   try:
     with socket.create_connection((host.strip("[]"), port), timeout=_PROBE_TIMEOUT_S):
@@ -48,7 +43,7 @@ def is_local(address: str) -> bool:
   host, port = split(address)
   if not shm.is_local_host(host):
     return False
-  return _is_registered(port) or not _listening(host, port)
+  return shm.port_is_registered(port) or not _listening(host, port)
 
 
 def shard_targets(address: str) -> List[str]:

@@ -3,33 +3,32 @@
 Writers are not re-implemented: a RemoteClient hands the ordinary Client.insert and
 TrajectoryWriter a private *staging* segment in this process (unlinked at once, so nothing
 outlives the process) and `_RemoteTable` handles whose `insert_descriptors` forward items over
-one Write stream per client. Each staging chunk an item refers to is sent once (new rows of
-an open chunk are sent as they are first needed) and named by a stream chunk id; the bridge
-keeps the chunk pinned until the client drops it. Sent chunks are tracked in an LRU bounded by
-`sent_bytes_budget`; an evicted chunk is dropped on the bridge and re-sent if needed again.
+a pipelined Write stream (writes.py): each TrajectoryWriter has a stream of its own, whose items
+are confirmed asynchronously (flush / end_episode / close wait for them); Client.insert sends
+everything of one call as one message and waits for its confirmation.
 
-If the Write stream breaks (bridge died or restarted), the client reconnects with exponential
-backoff for up to `reconnect_timeout_s` and re-sends the unconfirmed items with their original
-keys (re-inserting an existing key only updates its priority), then raises
-ServerUnavailableError. Sampling streams grant the bridge `max_in_flight_samples` credits:
-the bridge never samples further ahead of the consumer.
+Sampling streams grant the bridge credits for `max_in_flight_samples` samples, refilled when
+half of them were consumed; the bridge sends samples in batches and never samples further
+ahead. A sampling stream that breaks is reopened with backoff for up to `reconnect_timeout_s`
+(samples in flight are lost, as if never sampled), then ServerUnavailableError is raised.
 """
-import collections
-import itertools
+import contextlib
+import math
 import os
 import queue
 import secrets
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import grpc
 import numpy as np
 
-from reverb_shm import chunks, errors, shm, specs, structure, timeouts
+from reverb_shm import errors, shm, specs, structure, timeouts
 from reverb_shm import client as client_lib
+from reverb_shm import trajectory_writer as tw
 from reverb_shm import table as table_lib
-from reverb_shm.bridge import security, wire
+from reverb_shm.bridge import security, wire, writes
 from reverb_shm.replay_sample import SampleInfo
 from reverb_shm.selectors import PRIORITIZED
 
@@ -40,8 +39,7 @@ DEFAULT_SENT_BYTES_BUDGET = 64 << 20
 _CHANNEL_OPTIONS = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                     ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_pings_without_data", 0))
-_BACKOFF_START_S, _BACKOFF_MAX_S = 0.05, 1.0
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+_SAMPLE_BATCH = 64      # samples per bridge reply at most
 _CODE_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: errors.UnknownTableError,
@@ -52,21 +50,25 @@ _CODE_ERRORS = {
 }
 
 _staging_lock = threading.Lock()
-_staging: Dict[int, shm.Segment] = {}   # pid -> staging segment of that process
+_staging: Dict[tuple, shm.Segment] = {}   # (pid, arena bytes) -> staging segment
 
 
 def _staging_segment(arena_bytes: int) -> shm.Segment:
-  """This process's staging segment (created on first use; its name is unlinked at once)."""
+  """This process's staging segment of that size (created on first use; its name is unlinked
+  at once)."""
   pid = os.getpid()
   with _staging_lock:
-    seg = _staging.get(pid)
+    seg = _staging.get((pid, arena_bytes))
     if seg is None:
       name = f"stage.{pid}.{secrets.token_hex(4)}"
       seg = shm.Segment.create(name, [table_lib.Table.queue("staging", 1)],
                                arena_bytes=arena_bytes, max_procs=4)
       seg.unlink()
-      _staging.clear()        # a fork child must not use its parent's
-      _staging[pid] = seg
+      seg.arena_hint = (f" (the staging arena of this process's remote client, {arena_bytes} "
+                        "bytes: raise REVERB_SHM_STAGING_MB or RemoteClient(staging_bytes=...))")
+      for key in [k for k in _staging if k[0] != pid]:
+        del _staging[key]     # a fork child must not use its parent's
+      _staging[(pid, arena_bytes)] = seg
     return seg
 
 
@@ -90,7 +92,7 @@ def rpc_error(e: grpc.RpcError, address: str) -> Exception:
 
 
 class _Connection:
-  """A channel to one bridge, and the client's Write stream on it (lazily opened)."""
+  """A channel to one bridge (unary calls retried while it is unreachable)."""
 
   def __init__(self, client: "RemoteClient"):
     self.client = client
@@ -98,25 +100,18 @@ class _Connection:
     self.creds = client._creds  # pylint: disable=protected-access
     self.channel = self.creds.channel(self.address, _CHANNEL_OPTIONS)
     self.metadata = self.creds.metadata()
-    self.lock = threading.RLock()
-    self._ids = itertools.count(1)
-    self._seq = itertools.count(1)
-    self._stream = None
-    self._sent: "collections.OrderedDict[int, list]" = collections.OrderedDict()
-    self._sent_bytes = 0
 
   def method(self, name: str, kind: str = "unary_unary"):
     return getattr(self.channel, kind)(f"/{wire.SERVICE}/{name}")
 
   def close(self) -> None:
-    self._close_stream()
     self.channel.close()
 
   # ---- unary calls (retried while the bridge is unreachable)
   def unary(self, name: str, msg: dict, timeout: Optional[float] = None,
             wait_for_ready: bool = False) -> dict:
     deadline = time.monotonic() + self.client.reconnect_timeout_s
-    backoff = _BACKOFF_START_S
+    backoff = writes.BACKOFF_START_S
     while True:
       try:
         reply = self.method(name)(wire.pack(msg), timeout=timeout, metadata=self.metadata,
@@ -126,166 +121,16 @@ class _Connection:
         if e.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
           raise rpc_error(e, self.address) from None
       time.sleep(backoff)
-      backoff = min(2 * backoff, _BACKOFF_MAX_S)
-
-  # ---- the Write stream
-  def _open_stream(self):
-    requests = queue.SimpleQueue()
-
-    def frames():
-      while True:
-        item = requests.get()
-        if item is None:
-          return
-        yield item
-    responses = self.method("Write", "stream_stream")(frames(), metadata=self.metadata)
-    self._stream = (requests, responses, wire.Reassembler())
-    self._sent.clear()
-    self._sent_bytes = 0
-    return self._stream
-
-  def _close_stream(self) -> None:
-    stream, self._stream = self._stream, None
-    if stream is not None:
-      stream[0].put(None)
-      stream[1].cancel()
-
-  def insert(self, table: str, keys, prios, blob: bytes, offs, deadline_ns: int,
-             timeout_ms) -> int:
-    """Sends the chunks the items need and the items; returns how many were inserted.
-
-    Raises:
-      DeadlineExceededError (with .inserted), the table's errors, ServerUnavailableError.
-    """
-    staging = self.client._segment()  # pylint: disable=protected-access
-    descs = [_decode_descriptor(blob[int(offs[i]):int(offs[i + 1])]) for i in range(len(keys))]
-    backoff = _BACKOFF_START_S
-    give_up = time.monotonic() + self.client.reconnect_timeout_s
-    with self.lock:
-      while True:
-        try:
-          return self._insert_once(staging, table, keys, prios, descs, deadline_ns, timeout_ms)
-        except grpc.RpcError as e:
-          self._close_stream()
-          if e.code() not in _RETRYABLE or time.monotonic() >= give_up:
-            raise errors.ServerUnavailableError(
-                f"lost the Write stream to bridge {self.address} and could not re-send "
-                f"{len(keys)} unconfirmed item(s) within reconnect_timeout_s="
-                f"{self.client.reconnect_timeout_s}: {rpc_error(e, self.address)}") from None
-        time.sleep(backoff)
-        backoff = min(2 * backoff, _BACKOFF_MAX_S)
-
-  def _insert_once(self, staging, table, keys, prios, descs, deadline_ns, timeout_ms) -> int:
-    requests, responses, asm = self._stream or self._open_stream()
-    wire_descs = []
-    in_use = set()
-    for desc in descs:
-      cols = []
-      for slices, squeeze in desc:
-        ids = []
-        for off, row, nrows in slices:
-          ids.append([self._ensure_sent(requests, staging, off, row + nrows, in_use), row, nrows])
-        cols.append([ids, squeeze])
-      wire_descs.append(cols)
-    self._evict(requests, in_use)
-    if deadline_ns < 0:
-      wait = None
-    else:
-      wait = max(0, (deadline_ns - time.monotonic_ns()) // 1_000_000)
-    seq = next(self._seq)
-    msg = {"op": "items", "seq": seq, "table": table,
-           "keys": np.ascontiguousarray(keys, "<u8").tobytes(),
-           "prios": np.ascontiguousarray(prios, "<f8").tobytes(), "descs": wire_descs,
-           "timeout_ms": wait}
-    for frame in wire.frames(wire.pack(msg)):
-      requests.put(frame)
-    while True:
-      reply = asm.feed(next(responses))
-      if reply is not None and reply.get("seq") == seq:
-        break
-    inserted = int(reply.get("n", 0))
-    err = reply.get("err")
-    if err:
-      if isinstance(err, list) and err and err[0] == "DeadlineExceededError":
-        raise errors.DeadlineExceededError(err[1] if len(err) > 1 else "deadline exceeded",
-                                           inserted=inserted)
-      # The bridge may have failed to store a chunk: forget them all, so they are re-sent.
-      for off in in_use:
-        if off in self._sent:
-          self._drop(requests, off)
-      raise wire.make_error(*(list(err) + [""])[:2])
-    return inserted
-
-  def _ensure_sent(self, requests, staging, off: int, rows_needed: int, in_use: set) -> int:
-    """The stream id of staging chunk `off`, sending it (or its new rows) first if needed."""
-    meta = chunks._ChunkMeta(staging, off)  # pylint: disable=protected-access
-    identity = (meta.dtype.str, meta.shape, meta.episode_id, meta.start_step)
-    entry = self._sent.get(off)
-    if entry is not None and entry[1] != identity:   # the staging block was reused
-      self._drop(requests, off)
-      entry = None
-    if entry is None:
-      cid = next(self._ids)
-      size = max(1, meta.capacity * meta.row_bytes)
-      if meta.dtype.kind == "O":
-        rows = chunks._read_object_rows(staging, meta, 0, meta.rows)  # pylint: disable=protected-access
-        flat = [[x.item() if isinstance(x, np.generic) else x for x in np.asarray(r).reshape(-1)]
-                for r in rows]
-        self._put(requests, {"op": "obj", "id": cid, "s": list(meta.shape), "rows": flat,
-                             "ep": meta.episode_id, "step": meta.start_step})
-        entry = [cid, identity, meta.rows, size]
-      else:
-        self._put(requests, {"op": "chunk", "id": cid, "d": meta.dtype.str,
-                             "s": list(meta.shape), "cap": meta.capacity,
-                             "ep": meta.episode_id, "step": meta.start_step})
-        entry = [cid, identity, 0, size]
-      self._sent[off] = entry
-      self._sent_bytes += size
-    self._sent.move_to_end(off)
-    in_use.add(off)
-    if entry[2] < rows_needed:
-      start = meta.data_address - staging.address
-      first, last = entry[2], meta.rows
-      self._put(requests, {"op": "rows", "id": entry[0], "first": first,
-                           "b": bytes(staging.buf[start + first * meta.row_bytes:
-                                                  start + last * meta.row_bytes])})
-      entry[2] = last
-    return entry[0]
-
-  def _evict(self, requests, in_use: set) -> None:
-    budget = self.client.sent_bytes_budget
-    while self._sent_bytes > budget:
-      off = next(iter(self._sent))
-      if off in in_use:
-        break
-      self._drop(requests, off)
-
-  def _drop(self, requests, off: int) -> None:
-    cid, _, _, size = self._sent.pop(off)
-    self._sent_bytes -= size
-    self._put(requests, {"op": "drop", "ids": [cid]})
-
-  @staticmethod
-  def _put(requests, msg: dict) -> None:
-    for frame in wire.frames(wire.pack(msg)):
-      requests.put(frame)
-
-
-def _decode_descriptor(blob: bytes):
-  """[(slices [(chunk_off, row, nrows)], squeeze)] of one descriptor from encode_descriptor."""
-  ncols, nslices = np.frombuffer(blob, chunks.DESC_HDR, 1)[0].tolist()
-  cols = np.frombuffer(blob, chunks.DESC_COL, ncols, chunks.DESC_HDR.itemsize)
-  slices = np.frombuffer(blob, chunks.DESC_SLICE, nslices,
-                         chunks.DESC_HDR.itemsize + ncols * chunks.DESC_COL.itemsize).tolist()
-  return [(slices[first:first + n], bool(flags & chunks.SQUEEZE))
-          for first, n, flags, _ in cols.tolist()]
+      backoff = min(2 * backoff, writes.BACKOFF_MAX_S)
 
 
 class _RemoteTable:
   """The part of SharedTable that Client and TrajectoryWriter use, over the bridge."""
 
-  def __init__(self, client: "RemoteClient", name: str, signature):
+  def __init__(self, client: "RemoteClient", name: str, signature,
+               session: Optional[writes.WriteSession]):
     self._client = client
+    self._session = session
     self.name = name
     self.signature = signature
 
@@ -300,9 +145,10 @@ class _RemoteTable:
       deadline_ns = timeouts.deadline_from_ms(timeout_ms)
     if not len(keys):
       return 0
-    conn = self._client._connection()  # pylint: disable=protected-access
-    return conn.insert(self.name, keys, prios, bytes(blob), np.asarray(offs, np.uint64),
-                       deadline_ns, timeout_ms)
+    if self._session is None:
+      raise NotImplementedError("a RemoteClient inserts through insert() and its writers")
+    return self._session.insert(self.name, keys, prios, bytes(blob),
+                                np.asarray(offs, np.uint64), deadline_ns, timeout_ms)
 
   def mutate(self, updates=None, deletes=None):
     updates = updates or {}
@@ -329,16 +175,57 @@ class _RemoteHandle:
 
   __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized")
 
-  def __init__(self, client: "RemoteClient", index: int, entry: dict):
+  def __init__(self, client: "RemoteClient", index: int, entry: dict,
+               session: Optional[writes.WriteSession]):
     self.name = entry["name"]
     self.index = index
     self.seg = None
     self.signature = specs.decode_signature(entry["signature"])
-    self.table = _RemoteTable(client, self.name, self.signature)
+    self.table = _RemoteTable(client, self.name, self.signature, session)
     self.flat_signature = (None if self.signature is None
                            else structure.flatten(self.signature)[0])
     stats = entry["stats"]
     self.prioritized = PRIORITIZED in (stats["sampler_kind"], stats["remover_kind"])
+
+
+class _WriterClient:
+  """What a TrajectoryWriter needs of a RemoteClient, with a Write stream of its own.
+
+  TrajectoryWriter takes it from `RemoteClient.writer_session()` and calls `await_inserts` /
+  `close_inserts` in flush, end_episode and close (the writers' hooks for asynchronous clients).
+  """
+
+  def __init__(self, client: "RemoteClient"):
+    self._client = client
+    self._session = client._new_session()  # pylint: disable=protected-access
+    self._handles = {}
+
+  def _segment(self) -> shm.Segment:
+    return self._client._segment()  # pylint: disable=protected-access
+
+  def _table_handle(self, table: str) -> _RemoteHandle:
+    handle = self._handles.get(table)
+    if handle is None:
+      index, entry = self._client._table_entry(table)  # pylint: disable=protected-access
+      handle = self._handles[table] = _RemoteHandle(self._client, index, entry, self._session)
+    return handle
+
+  def in_flight(self) -> int:
+    return self._session.in_flight
+
+  def await_inserts(self, until: int, deadline_ns: int, timeout_ms,
+                    what: str) -> Optional[errors.DeadlineExceededError]:
+    try:
+      self._session.await_inserts(until, deadline_ns, timeout_ms, what)
+    except errors.DeadlineExceededError as e:
+      return e
+    return None
+
+  def close_inserts(self) -> None:
+    self._session.close()
+
+  def __getattr__(self, name):   # the rest of the Client API (server_info, ...)
+    return getattr(self._client, name)
 
 
 class RemoteClient(client_lib.Client):
@@ -355,14 +242,15 @@ class RemoteClient(client_lib.Client):
       the least recently used are dropped.
     reconnect_timeout_s: how long a call retries an unreachable bridge before raising
       ServerUnavailableError.
-    max_in_flight_samples: samples a sampling stream may prefetch.
+    max_in_flight_samples: samples a sampling stream may prefetch (credits are refilled when
+      half of them were consumed).
   """
 
   def __init__(self, server_address: str,
                credentials: Optional[security.ClientCredentials] = None, *,
                staging_bytes: Optional[int] = None,
                sent_bytes_budget: int = DEFAULT_SENT_BYTES_BUDGET,
-               reconnect_timeout_s: float = 10.0, max_in_flight_samples: int = 16):
+               reconnect_timeout_s: float = 10.0, max_in_flight_samples: int = 64):
     super().__init__(server_address)
     self._explicit_creds = credentials
     self._creds = credentials or security.ClientCredentials.from_env()
@@ -378,7 +266,9 @@ class RemoteClient(client_lib.Client):
     self._conn = None
     self._conn_pid = None
     self._conn_lock = threading.Lock()
-    self._infos = None
+    self._inserter = writes.OneMessageInserter(server_address, self._connection,
+                                               reconnect_timeout_s, rpc_error)
+    self._entries = {}
 
   def __reduce__(self):
     return _rebuild, (self.server_address, self._explicit_creds, self.staging_bytes,
@@ -395,30 +285,93 @@ class RemoteClient(client_lib.Client):
     if conn is not None and self._conn_pid == os.getpid():
       conn.close()
 
+  def insert(self, data, priorities: Dict[str, float], timeout_ms=None) -> None:
+    """As Client.insert: returns when the bridge confirmed the items.
+
+    Everything of one call (every table's item and the chunks they share) travels to the
+    bridge as one message: one round trip. The data is validated as Client.insert does and
+    encoded straight from the arrays (no staging copy).
+
+    Raises:
+      As Client.insert; ServerUnavailableError when the bridge stays unreachable for
+      reconnect_timeout_s.
+    """
+    handles, prios, arrays = client_lib.checked_insert(self, data, priorities)
+    # Validated here; the bridge applies it (whole milliseconds, None = forever) per table.
+    wire_timeout = (None if timeouts.deadline_from_ms(timeout_ms) < 0
+                    else int(math.ceil(timeout_ms)))
+    episode_id = tw.random_u64.one()
+    ops = []
+    for cid, a in enumerate(arrays, 1):
+      if a.dtype.kind == "O":
+        ops.append({"op": "obj", "id": cid, "s": list(a.shape), "ep": episode_id, "step": 0,
+                    "rows": [[x.item() if isinstance(x, np.generic) else x
+                              for x in a.reshape(-1)]]})
+      else:
+        ops.append({"op": "chunk", "id": cid, "d": a.dtype.str, "s": list(a.shape), "cap": 1,
+                    "ep": episode_id, "step": 0, "b": np.ascontiguousarray(a).tobytes()})
+    desc = [[[[cid, 0, 1]], False] for cid in range(1, len(arrays) + 1)]
+    for seq, (h, prio) in enumerate(zip(handles, prios), 1):
+      ops.append({"op": "items", "seq": seq, "table": h.name,
+                  "keys": np.array([tw.random_u64.one()], "<u8").tobytes(),
+                  "prios": np.array([prio], "<f8").tobytes(), "descs": [desc],
+                  "timeout_ms": wire_timeout})
+    self._inserter.send(ops)
+
+  def writer_session(self) -> _WriterClient:
+    """The client a new TrajectoryWriter uses: its own pipelined Write stream."""
+    return _WriterClient(self)
+
   # ---- plumbing used by Client's methods and TrajectoryWriter
   def _connection(self) -> _Connection:
     with self._conn_lock:
       if self._conn is None or self._conn_pid != os.getpid():
-        self._conn, self._conn_pid, self._handles = _Connection(self), os.getpid(), {}
+        self._conn, self._conn_pid, self._handles, self._entries = (
+            _Connection(self), os.getpid(), {}, {})
       return self._conn
+
+  def _new_session(self) -> writes.WriteSession:
+    return writes.WriteSession(self.server_address, self._connection, self._segment,
+                               self.sent_bytes_budget, self.reconnect_timeout_s, rpc_error,
+                               self._limiter_state)
+
+  def _limiter_state(self, table: str) -> str:
+    """The limiter counters of `table`, for timeout messages ('' if the bridge is down)."""
+    try:
+      info = self.server_info(timeout=1)[table]
+    except errors.ReverbError:
+      return ""
+    rl = info.rate_limiter_info
+    return (f"table {table!r}: size={info.current_size}, inserts="
+            f"{rl.insert_stats.completed}, samples={rl.sample_stats.completed}")
 
   def _segment(self) -> shm.Segment:
     return _staging_segment(self.staging_bytes)
 
-  def _table_handle(self, table: str) -> _RemoteHandle:
-    handle = self._handles.get(table) if self._conn_pid == os.getpid() else None
-    if handle is None:
+  def _table_entry(self, table: str):
+    """(index, ServerInfo entry) of `table`, cached; UnknownTableError if the bridge lacks it."""
+    self._connection()
+    found = self._entries.get(table)
+    if found is None:
       if not isinstance(table, str):
         raise TypeError(f"table name must be a str, got {type(table).__name__}")
       entries = self._fetch_tables()
       for index, entry in enumerate(entries):
         if entry["name"] == table:
-          handle = self._handles[table] = _RemoteHandle(self, index, entry)
+          found = self._entries[table] = (index, entry)
           break
       else:
         raise errors.UnknownTableError(
             f"Could not find table '{table}' at bridge {self.server_address}. Available "
             f"tables: {sorted(e['name'] for e in entries)}")
+    return found
+
+  def _table_handle(self, table: str) -> _RemoteHandle:
+    self._connection()
+    handle = self._handles.get(table)
+    if handle is None:
+      index, entry = self._table_entry(table)
+      handle = self._handles[table] = _RemoteHandle(self, index, entry, None)
     return handle
 
   def _fetch_tables(self, timeout: Optional[float] = None, wait: bool = False) -> list:
@@ -468,17 +421,45 @@ class RemoteClient(client_lib.Client):
 
   def _remote_samples(self, table, n, emit_timesteps, treedef, timeout_ms):
     conn = self._connection()
-    credit = min(n, self.max_in_flight_samples)
+    got = 0
+    give_up = None
+    backoff = writes.BACKOFF_START_S
+    while True:
+      try:
+        with contextlib.closing(self._sample_stream(conn, table, n - got, timeout_ms)) as stream:
+          for info, columns in stream:
+            got += 1
+            give_up = None
+            yield client_lib.to_samples(info, columns, emit_timesteps, treedef)
+        return
+      except grpc.RpcError as e:
+        now = time.monotonic()
+        if give_up is None:
+          give_up, backoff = now + self.reconnect_timeout_s, writes.BACKOFF_START_S
+        if e.code() not in writes.RETRYABLE or conn is not self._conn:   # or close() was called
+          raise rpc_error(e, self.server_address) from None
+        if now >= give_up:
+          raise errors.ServerUnavailableError(
+              f"lost the Sample stream to bridge {self.server_address} after {got} of {n} "
+              f"samples and could not reopen it within reconnect_timeout_s="
+              f"{self.reconnect_timeout_s}: {rpc_error(e, self.server_address)}") from None
+        time.sleep(min(backoff, give_up - now))
+        backoff = min(2 * backoff, writes.BACKOFF_MAX_S)
+
+  def _sample_stream(self, conn: _Connection, table, n, timeout_ms):
+    """(SampleInfo, columns) of up to n samples over one Sample stream (raises RpcError)."""
+    window = self.max_in_flight_samples
+    granted = min(n, window)
     requests = queue.SimpleQueue()
-    requests.put(wire.pack({"table": table, "n": n, "timeout_ms": timeout_ms,
-                            "credit": credit}))
+    requests.put({"table": table, "n": n, "timeout_ms": timeout_ms, "credit": granted,
+                  "batch": min(max(1, window // 2), _SAMPLE_BATCH)})
 
     def frames():
       while True:
         item = requests.get()
         if item is None:
           return
-        yield from wire.frames(item)
+        yield from wire.frames(wire.pack(item))
     call = conn.method("Sample", "stream_stream")(frames(), metadata=conn.metadata)
     asm = wire.Reassembler()
     got = 0
@@ -487,15 +468,16 @@ class RemoteClient(client_lib.Client):
         msg = asm.feed(frame)
         if msg is None:
           continue
-        got += 1
-        if credit < n:
-          requests.put(wire.pack({"credit": 1}))
-          credit += 1
-        yield client_lib.to_samples(_sample_info(msg), _columns(msg), emit_timesteps, treedef)
-        if got == n:
-          break
-    except grpc.RpcError as e:
-      raise rpc_error(e, self.server_address) from None
+        for sample in _decode_samples(msg):
+          got += 1
+          # Refill the bridge's credit once half of the window was consumed.
+          if granted < n and granted - got <= window // 2:
+            more = min(n - granted, window - (granted - got))
+            requests.put({"credit": more})
+            granted += more
+          yield sample
+        if got >= n:
+          return
     finally:
       requests.put(None)
       call.cancel()
@@ -506,20 +488,48 @@ def _rebuild(address, creds, staging_bytes, budget, reconnect_s, in_flight):
                       reconnect_timeout_s=reconnect_s, max_in_flight_samples=in_flight)
 
 
-def _sample_info(msg: dict) -> SampleInfo:
-  info = wire.get_list(msg, "info", 5, what="sample")
-  key, probability, table_size, priority, times_sampled = info
-  return SampleInfo(key, probability, table_size, priority, times_sampled)
+def _decode_samples(msg: dict):
+  """[(SampleInfo, columns)] of one Sample reply (see service.py); BadMessage if malformed."""
+  n = wire.get_int(msg, "n", 1, 1 << 16, what="sample reply")
+  fields = []
+  for key, dtype in _INFO_DTYPES:
+    data = wire.get(msg, key, bytes, what="sample reply")
+    if len(data) != 8 * n:
+      raise wire.BadMessage(f"sample reply field {key!r} must hold {n} 8-byte values")
+    fields.append(np.frombuffer(data, dtype).tolist())
+  infos = [SampleInfo(*info) for info in zip(*fields)]
+  if "items" in msg:
+    items = [_columns(cols) for cols in wire.get_list(msg, "items", n, what="sample reply")]
+  else:
+    per_column = []
+    for col in wire.get_list(msg, "cols", 1 << 16, what="sample reply"):
+      if isinstance(col, dict) and "l" in col:
+        values = [_column(c) for c in wire.get_list(col, "l", n, what="sample column")]
+      else:
+        values = list(wire.decode_array(col, "sample column"))
+      if len(values) != n:
+        raise wire.BadMessage(f"sample column holds {len(values)} items, expected {n}")
+      per_column.append(values)
+    items = [list(cols) for cols in zip(*per_column)] if per_column else [[] for _ in range(n)]
+  if len(items) != n:
+    raise wire.BadMessage(f"sample reply holds {len(items)} items, expected {n}")
+  return list(zip(infos, items))
 
 
-def _columns(msg: dict) -> list:
-  out = []
-  for col in wire.get_list(msg, "cols", 1 << 16, what="sample"):
-    if isinstance(col, dict) and "o" in col:
-      shape = wire.check_shape(col.get("s"), "object column")
-      arr = np.empty(len(col["o"]), dtype=object)
-      arr[:] = col["o"]
-      out.append(arr.reshape(shape))
-    else:
-      out.append(wire.decode_array(col, "sample column"))
-  return out
+_INFO_DTYPES = (("keys", "<u8"), ("probs", "<f8"), ("sizes", "<i8"), ("prios", "<f8"),
+                ("times", "<i8"))
+
+
+def _column(col) -> np.ndarray:
+  if isinstance(col, dict) and "o" in col:
+    shape = wire.check_shape(col.get("s"), "object column")
+    arr = np.empty(len(col["o"]), dtype=object)
+    arr[:] = col["o"]
+    return arr.reshape(shape)
+  return wire.decode_array(col, "sample column")
+
+
+def _columns(cols) -> list:
+  if not isinstance(cols, list):
+    raise wire.BadMessage("sample item must be a list of columns")
+  return [_column(c) for c in cols]

@@ -7,9 +7,17 @@ it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm
   Mutate      unary           {"table", "upd_keys", "upd_prios", "del_keys"} -> {"updated", "deleted"}
   Reset       unary           {"table"} -> {}
   Checkpoint  unary           {} -> {"path"}
-  Sample      stream-stream   first {"table", "n", "timeout_ms", "credit"}, then {"credit"};
-                              replies one sample each (bounded by the credit the client grants)
-  Write       stream-stream   chunk / rows / obj / drop / items ops; one reply per "items" op
+  Insert      unary           {"ops": [...]} as one Write message (chunks and items of one
+                              Client.insert) -> the ack {"upto", "errs"}; its chunks are
+                              released at the end of the call
+  Sample      stream-stream   first {"table", "n", "timeout_ms", "credit", "batch"}, then
+                              {"credit"}; replies carry up to `batch` samples each
+                              ({"n", "keys", "probs", "sizes", "prios", "times", "cols"|"items"})
+                              and never more than the credit the client granted
+  Write       stream-stream   chunk / rows / obj / drop / items ops, one per message or several
+                              as {"ops": [...]}; items ops are confirmed in batches: after each
+                              burst of messages one {"upto": seq, "errs": [[seq, n, error class,
+                              message], ...]} covers every items op up to seq
 
 Every request is validated before it touches a table (wire.py); errors travel as gRPC status
 codes with the reverb_shm error class in the `rs-error` trailing metadata (Write replies carry
@@ -19,6 +27,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
+import threading
 import time
 from typing import Dict, Optional
 
@@ -38,6 +47,7 @@ _SLICE_MS = 100
 _MAX_CREDIT = 1024
 _MAX_KEYS = 1 << 20
 _MAX_ITEMS_PER_OP = 1 << 16
+_MAX_OPS_PER_MESSAGE = 1 << 16
 _MAX_COLUMNS = 4096
 _MAX_SLICES = 1 << 16
 _MAX_CHUNK_ROWS = 1 << 31
@@ -103,12 +113,18 @@ class Bridge:
         concurrent.futures.ThreadPoolExecutor(max_workers=config.max_concurrent_rpcs,
                                               thread_name_prefix="reverb_shm-bridge"),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        options=[("grpc.so_reuseport", 0)])
+        options=[("grpc.so_reuseport", 0),
+                 # Accept the remote clients' keepalive pings (every 10 s, also when idle)
+                 # instead of answering them with GOAWAY "too_many_pings".
+                 ("grpc.keepalive_permit_without_calls", 1),
+                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                 ("grpc.http2.max_ping_strikes", 0)])
     handlers = {
         "ServerInfo": grpc.unary_unary_rpc_method_handler(self._server_info),
         "Mutate": grpc.unary_unary_rpc_method_handler(self._mutate),
         "Reset": grpc.unary_unary_rpc_method_handler(self._reset),
         "Checkpoint": grpc.unary_unary_rpc_method_handler(self._checkpoint),
+        "Insert": grpc.unary_unary_rpc_method_handler(self._insert),
         "Sample": grpc.stream_stream_rpc_method_handler(self._sample),
         "Write": grpc.stream_stream_rpc_method_handler(self._write),
     }
@@ -224,76 +240,131 @@ class Bridge:
       return {"path": Client(f"shm://{self._seg.name}").checkpoint()}
     return self._unary(request, context, body)
 
+  def _insert(self, request, context):
+    def body(msg):
+      stream = _WriteStream(self, context, lambda: False)
+      try:
+        for _ in stream.handle_message(msg):
+          pass      # nobody to confirm earlier items to before the end
+        return stream.ack() or {"upto": 0, "errs": []}
+      finally:
+        stream.close()
+    return self._unary(request, context, body)
+
   # ---- sampling
   def _sample(self, request_iterator, context):
     self._authorize(context)
+    inbox = _Inbox(request_iterator, 1 << 16)
     try:
-      reader = _Reader(request_iterator, 1 << 16)
-      first = reader.next()
-      if first is None:
+      msgs = inbox.take()
+      if not msgs:
         return
+      first = msgs[0]
       st = self._table(wire.get_str(first, "table"))
       n = wire.get_int(first, "n", 1, 2**62)
       timeout_ms = wire.timeout_field(first)
       credit = wire.get_int(first, "credit", 1, _MAX_CREDIT)
-      for _ in range(n):
-        while credit == 0:
-          msg = reader.next()
-          if msg is None:
+      batch = wire.get_int(first, "batch", 1, _MAX_CREDIT, optional=True) or 1
+      credit += _credits(msgs[1:])
+      sent = 0
+      while sent < n:
+        if credit == 0:
+          msgs = inbox.take()
+          if not msgs:
             return     # the client closed its side: it wants no more samples
-          credit += wire.get_int(msg, "credit", 1, _MAX_CREDIT)
-        sample = self._sample_one(st, timeout_ms, context)
-        if sample is None:
+          credit += _credits(msgs)
+        reply = self._sample_batch(st, min(credit, n - sent, batch), timeout_ms, context)
+        if reply is None:
           return       # cancelled
-        yield from wire.frames(wire.pack(sample))
-        credit -= 1
+        yield from wire.frames(wire.pack(reply))
+        credit -= reply["n"]
+        sent += reply["n"]
+        credit += _credits(inbox.take(block=False) or ())
     except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
       self._fail(context, e)
+    finally:
+      inbox.stop()
 
-  def _sample_one(self, st: SharedTable, timeout_ms: Optional[int], context) -> Optional[dict]:
-    """One sample as a wire map; None if the call was cancelled while waiting."""
-    deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-    remaining_call = context.time_remaining()
-    if remaining_call is not None:
-      call_deadline = time.monotonic() + remaining_call
-      deadline = call_deadline if deadline is None else min(deadline, call_deadline)
-    while True:
-      if not context.is_active():
-        return None
-      wait_ms = _SLICE_MS
-      if deadline is not None:
-        wait_ms = max(0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
-      try:
-        recs, pins = st.sample_records(1, wait_ms)
-        break
-      except errors.DeadlineExceededError:
-        if deadline is not None and time.monotonic() >= deadline:
-          raise errors.DeadlineExceededError(
-              st._limiter_message("sample", timeout_ms)) from None  # pylint: disable=protected-access
+  def _sample_batch(self, st: SharedTable, k: int, timeout_ms: Optional[int],
+                    context) -> Optional[dict]:
+    """Up to k samples that the limiter admits now (at least one, waiting for it) as a wire
+    map; None if the call was cancelled while waiting."""
     try:
-      key, probability, table_size, priority, times_sampled, _, desc_off = recs[0].tolist()
-      encoded = [_encode_column(c) for c in chunks.read_item(self._seg, desc_off, pins)]
+      recs, pins = st.sample_records(k, 0)
+    except errors.DeadlineExceededError:
+      deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+      remaining_call = context.time_remaining()
+      if remaining_call is not None:
+        call_deadline = time.monotonic() + remaining_call
+        deadline = call_deadline if deadline is None else min(deadline, call_deadline)
+      while True:
+        if not context.is_active():
+          return None
+        wait_ms = _SLICE_MS
+        if deadline is not None:
+          wait_ms = max(0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
+        try:
+          recs, pins = st.sample_records(1, wait_ms)
+          break
+        except errors.DeadlineExceededError:
+          if deadline is not None and time.monotonic() >= deadline:
+            raise errors.DeadlineExceededError(
+                st.limiter_message("sample", timeout_ms)) from None
+    try:
+      items = chunks.read_items(self._seg, recs["desc_off"], pins)
+      reply = {"n": len(recs)}
+      for field, key, dtype in _INFO_FIELDS:
+        reply[key] = np.ascontiguousarray(recs[field], dtype).tobytes()
+      ncols = {len(item) for item in items}
+      if len(ncols) == 1:
+        reply["cols"] = [_encode_batch_column([item[c] for item in items])
+                         for c in range(ncols.pop())]
+      else:
+        reply["items"] = [[_encode_column(c) for c in item] for item in items]
     finally:
       pins.release()   # the encoded columns are copies
-    return {"info": [key, probability, table_size, priority, times_sampled], "cols": encoded}
+    return reply
 
   # ---- writing
   def _write(self, request_iterator, context):
     self._authorize(context)
-    stream = _WriteStream(self, context)
+    inbox = _Inbox(request_iterator, self._config.max_message_bytes)
+    stream = _WriteStream(self, context, lambda: inbox.closed)
     try:
-      reader = _Reader(request_iterator, self._config.max_message_bytes)
       while True:
-        msg = reader.next()
-        if msg is None:
+        msgs = inbox.take()
+        if not msgs:
           return
-        reply = stream.handle(msg)
-        if reply is not None:
-          yield from wire.frames(wire.pack(reply))
+        for msg in msgs:
+          for early_ack in stream.handle_message(msg):
+            yield from wire.frames(wire.pack(early_ack))
+        ack = stream.ack()
+        if ack is not None:
+          yield from wire.frames(wire.pack(ack))
     except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
       self._fail(context, e)
     finally:
+      inbox.stop()
       stream.close()
+
+
+# Sample reply fields: SAMPLE_REC field, wire key, wire dtype (raw arrays of n values).
+_INFO_FIELDS = (("key", "keys", "<u8"), ("probability", "probs", "<f8"),
+                ("table_size", "sizes", "<i8"), ("priority", "prios", "<f8"),
+                ("times_sampled", "times", "<i8"))
+
+
+def _credits(msgs) -> int:
+  return sum(wire.get_int(m, "credit", 1, _MAX_CREDIT) for m in msgs)
+
+
+def _encode_batch_column(arrays: list) -> dict:
+  """One column of a batch of samples: stacked when every item has the same numeric shape."""
+  first = arrays[0]
+  if first.dtype.kind != "O" and all(
+      a.dtype == first.dtype and a.shape == first.shape for a in arrays):
+    return wire.encode_array(np.stack(arrays))
+  return {"l": [_encode_column(a) for a in arrays]}
 
 
 def _encode_column(col: np.ndarray) -> dict:
@@ -303,41 +374,120 @@ def _encode_column(col: np.ndarray) -> dict:
   return wire.encode_array(col)
 
 
-class _Reader:
-  """Logical messages from a stream of frames (None at the end of the stream)."""
+class _Inbox:
+  """Logical messages of a client stream, read by a thread of their own.
+
+  The handler takes every message that has arrived at once (so it can answer a burst with one
+  reply) and learns when the client closed its side (`closed`) while it is busy.
+  """
+
+  _MAX_QUEUED_BYTES = 64 << 20
 
   def __init__(self, request_iterator, max_bytes: int):
     self._it = request_iterator
     self._asm = wire.Reassembler(max_bytes)
+    self._cond = threading.Condition()
+    self._msgs = []
+    self._queued_bytes = 0
+    self._error = None
+    self._stop = False
+    self.closed = False   # the client half-closed its side, or the call ended
+    threading.Thread(target=self._run, daemon=True, name="reverb_shm-bridge-inbox").start()
 
-  def next(self) -> Optional[dict]:
-    for frame in self._it:
-      msg = self._asm.feed(frame)
-      if msg is not None:
-        return msg
-    return None
+  def _run(self) -> None:
+    error, size = None, 0
+    try:
+      for frame in self._it:
+        size += len(frame)
+        msg = self._asm.feed(frame)
+        if msg is None:
+          continue
+        with self._cond:
+          while self._queued_bytes > self._MAX_QUEUED_BYTES and not self._stop:
+            self._cond.wait()    # back-pressure: the handler is behind
+          if self._stop:
+            return
+          self._msgs.append(msg)
+          self._queued_bytes += size
+          self._cond.notify_all()
+        size = 0
+    except wire.BadMessage as e:
+      error = e
+    except Exception:  # pylint: disable=broad-except  (the call ended: grpc.RpcError)
+      pass
+    with self._cond:
+      self._error, self.closed = error, True
+      self._cond.notify_all()
+
+  def take(self, block: bool = True) -> Optional[list]:
+    """Every message received so far (waiting for one if `block`); None at the end.
+
+    Raises:
+      BadMessage: the client sent a malformed frame (after the messages before it).
+    """
+    with self._cond:
+      while block and not self._msgs and not self.closed:
+        self._cond.wait()
+      msgs, self._msgs, self._queued_bytes = self._msgs, [], 0
+      self._cond.notify_all()
+      if not msgs and self._error is not None:
+        raise self._error
+      return msgs or None
+
+  def stop(self) -> None:
+    with self._cond:
+      self._stop = True
+      self._cond.notify_all()
 
 
 class _WriteStream:
-  """State of one Write stream: the chunks it wrote, by the client's chunk ids."""
+  """State of one Write stream: the chunks it wrote, by the client's chunk ids, and the
+  outcome of the "items" ops since the last acknowledgement."""
 
-  def __init__(self, bridge: Bridge, context):
+  def __init__(self, bridge: Bridge, context, closing):
     self._bridge = bridge
     self._seg = bridge._seg  # pylint: disable=protected-access
     self._context = context
+    self._closing = closing   # () -> whether the client closed its side
     self._max_chunks = bridge._config.max_stream_chunks  # pylint: disable=protected-access
     self._chunks: Dict[int, chunks.Chunk] = {}
     self._failed: Dict[int, BaseException] = {}
+    self._upto = None       # seq of the last "items" op handled since the last ack
+    self._errs = []         # [seq, inserted, error class, message] of failed ones
+
+  def handle_message(self, msg: dict):
+    """Handles one logical message: an op, or {"ops": [op, ...]} in order.
+
+    Yields the acks that must go out before an insert that waits for its rate limiter.
+    """
+    ops = [msg] if "op" in msg else wire.get_list(msg, "ops", _MAX_OPS_PER_MESSAGE)
+    for op in ops:
+      if not isinstance(op, dict):
+        raise wire.BadMessage(f"Write ops must be maps, got {type(op).__name__}")
+      if wire.get_str(op, "op") == "items":
+        yield from self._items(op)
+      else:
+        self.handle(op)
+
+  def ack(self) -> Optional[dict]:
+    """{"upto": seq, "errs": [...]} for the items ops handled since the last ack, or None.
+
+    Every items op up to seq `upto` was handled; those not in `errs` were inserted fully.
+    """
+    if self._upto is None:
+      return None
+    ack = {"upto": self._upto, "errs": self._errs}
+    self._upto, self._errs = None, []
+    return ack
 
   def close(self) -> None:
     for chunk in self._chunks.values():
       chunk.release()
     self._chunks.clear()
 
-  def handle(self, msg: dict) -> Optional[dict]:
+  def handle(self, msg: dict) -> None:
+    """Handles a chunk / rows / obj / drop op."""
     op = wire.get_str(msg, "op")
-    if op == "items":
-      return self._items(msg)
     if op == "drop":
       for cid in wire.get_list(msg, "ids", self._max_chunks):
         if isinstance(cid, int) and not isinstance(cid, bool):
@@ -346,7 +496,7 @@ class _WriteStream:
           if chunk is not None:
             chunk.shrink()
             chunk.release()
-      return None
+      return
     if op not in ("chunk", "rows", "obj"):
       raise wire.BadMessage(f"unknown Write op {op!r}")
     cid = wire.get_int(msg, "id", 0, 2**63)
@@ -361,7 +511,6 @@ class _WriteStream:
       raise
     except errors.ReverbError as e:   # e.g. arena full: reported by the next items op
       self._failed[cid] = e
-    return None
 
   def _check_new_id(self, cid: int) -> None:
     if cid in self._chunks:
@@ -384,6 +533,8 @@ class _WriteStream:
     self._check_new_id(cid)
     self._chunks[cid] = chunks.alloc_chunk(self._seg, dtype, shape, capacity,
                                            episode_id=episode, start_step=step)
+    if msg.get("b") is not None:      # the chunk's first rows, in the same op
+      self._rows(cid, {"first": 0, "b": msg["b"]})
 
   def _rows(self, cid: int, msg: dict) -> None:
     if cid in self._failed:
@@ -426,7 +577,8 @@ class _WriteStream:
     self._chunks[cid] = chunks.object_chunk(self._seg, values, episode_id=episode,
                                             start_step=step)
 
-  def _items(self, msg: dict) -> dict:
+  def _items(self, msg: dict):
+    """Inserts the items of an "items" op; yields the pending ack first if it would wait."""
     seq = wire.get_int(msg, "seq", 0, 2**63)
     try:
       st = self._bridge._table(wire.get_str(msg, "table"))  # pylint: disable=protected-access
@@ -437,14 +589,18 @@ class _WriteStream:
         raise wire.BadMessage(f"{len(keys)} keys for {len(descs)} item descriptors")
       timeout_ms = wire.timeout_field(msg)
       blob, offs = chunks.join_descriptors([self._descriptor(d) for d in descs])
-      inserted = self._insert(st, keys, prios, blob, offs, timeout_ms)
-      return {"seq": seq, "n": inserted}
+      if self._upto is not None and len(keys) and not st.can_insert(len(keys)):
+        yield self.ack()   # confirm the earlier items before waiting for the limiter
+      self._upto = seq
+      self._insert(st, keys, prios, blob, offs, timeout_ms)
     except wire.BadMessage:
       raise
     except errors.DeadlineExceededError as e:
-      return {"seq": seq, "n": e.inserted, "err": [wire.error_name(e), str(e)]}
+      self._upto = seq
+      self._errs.append([seq, e.inserted, wire.error_name(e), str(e)])
     except (errors.ReverbError, ValueError, TypeError) as e:
-      return {"seq": seq, "n": 0, "err": [wire.error_name(e), str(e)]}
+      self._upto = seq
+      self._errs.append([seq, 0, wire.error_name(e), str(e)])
 
   def _descriptor(self, desc) -> bytes:
     """An item descriptor with stream chunk ids replaced by arena offsets (all validated)."""
@@ -476,11 +632,17 @@ class _WriteStream:
     return chunks.encode_descriptor(columns)
 
   def _insert(self, st: SharedTable, keys, prios, blob, offs, timeout_ms) -> int:
-    """Inserts in slices of _SLICE_MS so a cancelled call stops waiting; returns n."""
+    """Inserts in slices of _SLICE_MS so a cancelled call stops waiting; returns n.
+
+    Once the client closed its side, items are inserted only if the limiter admits them at
+    once (as a local writer's close() does).
+    """
     n = len(keys)
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
     done = 0
     while True:
+      if self._closing():
+        deadline = time.monotonic()
       wait_ms = _SLICE_MS if deadline is None else max(
           0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
       start, end = int(offs[done]), int(offs[-1])
@@ -493,5 +655,5 @@ class _WriteStream:
         expired = deadline is not None and time.monotonic() >= deadline
         if expired or not self._context.is_active():
           raise errors.DeadlineExceededError(
-              f"Rate limiter timeout on table {st._name!r}: insert blocked for {timeout_ms} ms; "  # pylint: disable=protected-access
+              f"Rate limiter timeout on table {st.name!r}: insert blocked for {timeout_ms} ms; "
               f"{done} of {n} items inserted ({e})", inserted=done) from None

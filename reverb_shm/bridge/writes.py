@@ -1,0 +1,544 @@
+"""Pipelined inserts over a bridge's Write stream (the remote client's side).
+
+A WriteSession (one per TrajectoryWriter) owns one Write stream. `insert` turns items whose
+descriptors point into this process's staging segment into ops (each staging chunk is sent
+once, its new rows as they are first needed) and hands them to the stream without waiting; the
+bridge confirms the items in batches. Ops queued within a couple of milliseconds travel
+together as one message. `await_inserts` waits for confirmations (flush, end_episode) within
+a deadline; `close`
+half-closes the stream, after which the bridge inserts what the rate limiters admit at once,
+and reports items it could not insert. An error the bridge reports for an item is raised by
+the session's next call.
+
+The bytes sent for a chunk are kept while an unconfirmed item or the LRU of sent chunks
+(bounded by `sent_bytes_budget`) refers to it. If the stream breaks, the session reconnects
+with exponential backoff for up to `reconnect_timeout_s` and re-sends every unconfirmed item
+with its chunks and original keys (re-inserting a key only updates that item's priority).
+"""
+import collections
+import itertools
+import sys
+import threading
+import time
+import warnings
+from typing import Callable, Optional
+
+import grpc
+import numpy as np
+
+from reverb_shm import chunks, errors
+from reverb_shm.bridge import wire
+
+__all__ = ["WriteSession"]
+
+BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+MAX_IN_FLIGHT_ITEMS = 4096        # unconfirmed items before insert waits for confirmations
+MAX_IN_FLIGHT_BYTES = 32 << 20    # chunk bytes of unconfirmed items, likewise
+_CLOSE_GRACE_S = 5.0              # close() waits this long for the last confirmations
+_LINGER_S, _LINGER_OPS = 0.002, 256   # a message waits this long for more ops, unless this many
+
+
+class _SentChunk:
+  """A staging chunk as sent on the stream: its header op and the row bytes sent so far."""
+
+  __slots__ = ("off", "meta", "identity", "cid", "gen", "header", "parts", "rows", "size")
+
+  def __init__(self, off: int, meta, identity: tuple, header: dict, size: int):
+    self.off = off
+    self.meta = meta         # chunks.chunk_header of the staging chunk
+    self.identity = identity
+    self.cid = 0
+    self.gen = -1            # generation of the stream it was last sent on
+    self.header = header     # the chunk/obj op without its id
+    self.parts = []          # row bytes sent, in order (numeric chunks)
+    self.rows = 0
+    self.size = size
+
+
+class _Batch:
+  """Items sent with one "items" op and not confirmed yet."""
+
+  __slots__ = ("seq", "table", "keys", "prios", "descs", "chunks", "n", "nbytes")
+
+  def __init__(self, seq, table, keys, prios, n):
+    self.seq, self.table, self.keys, self.prios, self.n = seq, table, keys, prios, n
+    self.descs = []          # per item, per column: [[(_SentChunk, row, nrows), ...], squeeze]
+    self.chunks = {}         # id(_SentChunk) -> _SentChunk referenced
+    self.nbytes = 0
+
+
+class _Stream:
+  """One Write call: ops queued by `send` leave in as few messages as the stream allows."""
+
+  def __init__(self, conn, gen: int, on_ack: Callable, on_end: Callable):
+    self.gen = gen
+    self.ended = False
+    self.error: Optional[grpc.RpcError] = None
+    self._cond = threading.Condition()
+    self._out = []
+    self._closing = False
+    self.call = conn.method("Write", "stream_stream")(self._requests(), metadata=conn.metadata)
+    self._on_ack, self._on_end = on_ack, on_end
+    threading.Thread(target=self._read, daemon=True, name="reverb_shm-remote-acks").start()
+
+  def send(self, ops: list) -> None:
+    with self._cond:
+      if not self._out:
+        self._cond.notify()   # else the sender is awake already
+      self._out.extend(ops)
+
+  def half_close(self) -> None:
+    with self._cond:
+      self._closing = True
+      self._cond.notify()
+
+  def cancel(self) -> None:
+    self.half_close()
+    self.call.cancel()
+
+  def _requests(self):
+    while True:
+      with self._cond:
+        while not self._out and not self._closing:
+          self._cond.wait()
+        if not self._out:
+          return
+        if not self._closing and len(self._out) < _LINGER_OPS:
+          self._cond.wait(_LINGER_S)   # let a burst of ops gather into one message
+        ops, self._out = self._out, []
+      yield from wire.frames(wire.pack(ops[0] if len(ops) == 1 else {"ops": ops}))
+
+  def _read(self) -> None:
+    asm = wire.Reassembler()
+    error = None
+    try:
+      for frame in self.call:
+        msg = asm.feed(frame)
+        if msg is not None:
+          self._on_ack(self, msg)
+    except grpc.RpcError as e:
+      error = e
+    except wire.BadMessage as e:   # a bridge speaking another protocol
+      error = _LocalRpcError(grpc.StatusCode.INTERNAL, str(e))
+    self._on_end(self, error)
+
+
+class _LocalRpcError(grpc.RpcError):
+  def __init__(self, code, details):
+    super().__init__(details)
+    self._code, self._details = code, details
+
+  def code(self):
+    return self._code
+
+  def details(self):
+    return self._details
+
+  def trailing_metadata(self):
+    return ()
+
+
+class WriteSession:
+  """Inserts over one Write stream of `conn` (see the module docstring).
+
+  Args:
+    address: the bridge's address (for messages).
+    connection: callable returning the client's current connection (channel, metadata).
+    staging: callable returning this process's staging segment.
+    sent_bytes_budget: bytes of sent chunks the bridge keeps for this stream.
+    reconnect_timeout_s: how long a broken stream is retried before ServerUnavailableError.
+    rpc_error: maps a grpc.RpcError to the reverb_shm exception.
+    describe: table name -> its limiter state, for timeout messages.
+
+  Thread-safe (calls are serialised).
+  """
+
+  def __init__(self, address: str, connection: Callable, staging: Callable,
+               sent_bytes_budget: int, reconnect_timeout_s: float, rpc_error: Callable,
+               describe: Callable[[str], str]):
+    self._describe = describe
+    self._address = address
+    self._connection = connection
+    self._staging = staging
+    self._budget = sent_bytes_budget
+    self._reconnect_s = reconnect_timeout_s
+    self._rpc_error = rpc_error
+    self._lock = threading.RLock()       # one caller at a time
+    self._cond = threading.Condition()   # state shared with the ack thread
+    self._stream: Optional[_Stream] = None
+    self._gens = itertools.count()
+    self._ids = itertools.count(1)
+    self._seqs = itertools.count(1)
+    self._sent: "collections.OrderedDict[int, _SentChunk]" = collections.OrderedDict()
+    self._sent_bytes = 0
+    self._unconfirmed: "collections.OrderedDict[int, _Batch]" = collections.OrderedDict()
+    self._in_flight_items = 0
+    self._in_flight_bytes = 0
+    self._error: Optional[Exception] = None
+    self._closing = False
+    self._dropped = 0                    # items the bridge did not insert after close
+    self._give_up = None                 # monotonic time when reconnecting stops
+    self._backoff = BACKOFF_START_S
+    self._stale = []                     # chunks of failed items (the bridge may lack them)
+
+  # ---- public
+  @property
+  def in_flight(self) -> int:
+    """Items sent and not confirmed yet."""
+    return self._in_flight_items
+
+  def insert(self, table: str, keys: np.ndarray, prios: np.ndarray, blob: bytes, offs,
+             deadline_ns: int, timeout_ms) -> int:
+    """Queues n items (uint64 keys, float64 priorities, descriptors into the staging segment)
+    for the bridge; returns n without waiting for their confirmation.
+
+    Raises:
+      DeadlineExceededError (inserted=0): too many items are unconfirmed and none were
+        confirmed before `deadline_ns` (0: do not wait, -1: no deadline).
+      The error the bridge reported for an earlier item; ServerUnavailableError.
+    """
+    n = len(keys)
+    with self._lock:
+      self._wait(lambda: self._in_flight_items == 0 or (
+          self._in_flight_items + n <= MAX_IN_FLIGHT_ITEMS
+          and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES), deadline_ns,
+                 lambda: errors.DeadlineExceededError(
+                     f"{self._in_flight_items} items sent to bridge {self._address} await "
+                     f"confirmation (the bridge's rate limiter is behind); 0 of {n} items sent "
+                     f"within timeout_ms={timeout_ms}", inserted=0))
+      batch = _Batch(next(self._seqs), table, np.ascontiguousarray(keys, "<u8").tobytes(),
+                     np.ascontiguousarray(prios, "<f8").tobytes(), n)
+      ops = []
+      staging = self._staging()
+      for start in offs[:-1].tolist():
+        item = []
+        for slices, squeeze in chunks.decode_descriptor(blob, start):
+          column = []
+          for off, row, nrows in slices:
+            chunk = self._chunk(staging, off, row + nrows, ops, batch)
+            column.append((chunk, row, nrows))
+          item.append((column, squeeze))
+        batch.descs.append(item)
+      self._evict(ops, batch.chunks)
+      ops.append(_items_op(batch))
+      with self._cond:
+        self._unconfirmed[batch.seq] = batch
+        self._in_flight_items += n
+        self._in_flight_bytes += batch.nbytes
+      self._stream.send(ops)
+      return n
+
+  def await_inserts(self, until: int, deadline_ns: int, timeout_ms, what: str) -> None:
+    """Waits until at most `until` sent items are unconfirmed.
+
+    Raises:
+      DeadlineExceededError: not confirmed by `deadline_ns` (0: do not wait, -1: none); the
+        items stay in flight and are inserted when their rate limiter admits them.
+      The bridge's error for an item; ServerUnavailableError (stream lost for good).
+    """
+    until = max(0, int(until))
+    with self._lock:
+      self._wait(lambda: self._in_flight_items <= until, deadline_ns,
+                 lambda: errors.DeadlineExceededError(
+                     f"Timeout exceeded: {what}(timeout_ms={timeout_ms}) gave up with "
+                     f"{self._in_flight_items} items sent to bridge {self._address} but "
+                     "not yet admitted by the rate limiter; they stay in flight and are "
+                     f"inserted when it admits them ({self._waiting_tables()})"))
+      self._raise_error()
+
+  def close(self) -> None:
+    """Half-closes the stream: the bridge inserts the items the limiters admit at once and
+    drops the others (RuntimeWarning). Never raises; idempotent."""
+    with self._lock:
+      stream = self._stream
+      if stream is None:
+        return
+      with self._cond:
+        self._closing = True
+        if sys.is_finalizing():   # gRPC's threads are gone: do not wait on them
+          self._stream = None
+          return
+        stream.half_close()       # the bridge ends the stream once it handled every op
+        if self._unconfirmed and not stream.ended:
+          self._cond.wait_for(lambda: stream.ended, _CLOSE_GRACE_S)
+        lost = self._dropped + self._in_flight_items
+        self._stream = None       # (acks were counted until now)
+      if lost:
+        stream.cancel()
+    if lost:
+      warnings.warn(f"TrajectoryWriter closed with {lost} items sent to bridge "
+                    f"{self._address} that their rate limiter did not admit; they were "
+                    "dropped (call flush() before close() to wait)", RuntimeWarning,
+                    stacklevel=4)
+
+  # ---- chunks
+  def _chunk(self, staging, off: int, rows_needed: int, ops: list, batch: _Batch) -> _SentChunk:
+    """The sent state of staging chunk `off`, sending it (or its new rows) first if needed."""
+    state = chunks.chunk_state(staging, off)
+    identity, rows = state[:4], state[4]
+    chunk = self._sent.get(off)
+    # A writer never allocates two chunks of one (episode, start step) at one offset: a
+    # different identity means the block was freed and reused.
+    if chunk is not None and chunk.identity != identity:
+      self._drop(chunk, ops)
+      chunk = None
+    if chunk is None:
+      chunk = _new_chunk(staging, off, chunks.chunk_header(staging, off), identity)
+      batch.nbytes += sum(map(len, chunk.parts))
+      self._send_chunk(chunk, ops)
+      self._sent[off] = chunk
+      self._sent_bytes += chunk.size
+    else:
+      self._sent.move_to_end(off)
+    if chunk.rows < rows_needed:
+      data = chunks.chunk_row_bytes(staging, chunk.meta, chunk.rows, rows)
+      ops.append({"op": "rows", "id": chunk.cid, "first": chunk.rows, "b": data})
+      chunk.parts.append(data)
+      chunk.rows = rows
+      batch.nbytes += len(data)
+    batch.chunks[id(chunk)] = chunk
+    return chunk
+
+  def _send_chunk(self, chunk: _SentChunk, ops: list) -> None:
+    """Appends the op (re)creating `chunk` with every row sent so far on the current stream."""
+    chunk.cid, chunk.gen = next(self._ids), self._stream.gen
+    op = dict(chunk.header, id=chunk.cid)
+    if chunk.parts:
+      op["b"] = chunk.parts[0] if len(chunk.parts) == 1 else b"".join(chunk.parts)
+    ops.append(op)
+
+  def _evict(self, ops: list, in_use: dict) -> None:
+    while self._sent_bytes > self._budget:
+      chunk = next(iter(self._sent.values()))
+      if id(chunk) in in_use:
+        break
+      self._drop(chunk, ops)
+
+  def _drop(self, chunk: _SentChunk, ops: list) -> None:
+    if self._sent.get(chunk.off) is chunk:
+      del self._sent[chunk.off]
+      self._sent_bytes -= chunk.size
+      if chunk.gen == self._stream.gen:
+        ops.append({"op": "drop", "ids": [chunk.cid]})
+
+  # ---- the stream
+  def _ensure_stream(self) -> None:
+    if self._stream is None:
+      self._open()
+    elif self._stream.ended:
+      self._recover()
+
+  def _open(self) -> None:
+    """A new stream; every unconfirmed batch is sent again on it, in order."""
+    if self._closing:
+      raise RuntimeError("the writer's bridge session is closed")
+    self._stream = _Stream(self._connection(), next(self._gens), self._on_ack, self._on_end)
+    self._sent.clear()
+    self._sent_bytes = 0
+    ops = []
+    with self._cond:
+      batches = list(self._unconfirmed.values())
+    for batch in batches:
+      for chunk in batch.chunks.values():
+        if chunk.gen != self._stream.gen:
+          self._send_chunk(chunk, ops)
+          if chunk.off not in self._sent:
+            self._sent[chunk.off] = chunk
+            self._sent_bytes += chunk.size
+      ops.append(_items_op(batch))
+    if ops:
+      self._stream.send(ops)
+
+  def _recover(self) -> None:
+    """Reopens a broken stream (with backoff) or raises once reconnect_timeout_s passed."""
+    stream = self._stream
+    error = stream.error
+    retryable = error is None or error.code() in RETRYABLE
+    now = time.monotonic()
+    if self._give_up is None:
+      self._give_up, self._backoff = now + self._reconnect_s, BACKOFF_START_S
+    elif retryable and now < self._give_up:
+      time.sleep(min(self._backoff, max(0.0, self._give_up - now)))
+      self._backoff = min(2 * self._backoff, BACKOFF_MAX_S)
+    if not retryable or time.monotonic() >= self._give_up:
+      with self._cond:
+        lost = self._in_flight_items
+        self._unconfirmed.clear()
+        self._in_flight_items = self._in_flight_bytes = 0
+      self._stream, self._give_up = None, None
+      cause = (self._rpc_error(error, self._address) if error is not None else
+               errors.ServerUnavailableError("the bridge ended the stream"))
+      if not retryable:
+        raise cause
+      raise errors.ServerUnavailableError(
+          f"lost the Write stream to bridge {self._address} and could not re-send {lost} "
+          f"unconfirmed item(s) within reconnect_timeout_s={self._reconnect_s}: {cause}")
+    self._open()
+
+  def _wait(self, ready: Callable[[], bool], deadline_ns: int, timeout_error: Callable) -> None:
+    """Waits (reconnecting as needed) until `ready()`; raises timeout_error() at the deadline."""
+    self._ensure_stream()
+    self._raise_error()
+    while True:
+      with self._cond:
+        while not self._stream.ended:
+          if ready():
+            return
+          if self._error is not None:
+            break
+          if deadline_ns == 0:
+            raise timeout_error()
+          wait = None
+          if deadline_ns > 0:
+            wait = (deadline_ns - time.monotonic_ns()) / 1e9
+            if wait <= 0:
+              raise timeout_error()
+          self._cond.wait(wait)
+        if ready():
+          return
+      self._raise_error()
+      self._recover()
+
+  def _waiting_tables(self) -> str:
+    with self._cond:
+      tables = list(dict.fromkeys(batch.table for batch in self._unconfirmed.values()))
+    return "; ".join(filter(None, map(self._describe, tables)))
+
+  def _raise_error(self) -> None:
+    with self._cond:
+      error, self._error = self._error, None
+      stale, self._stale = self._stale, []
+    if stale and self._stream is not None:
+      ops = []
+      for chunk in stale:
+        self._drop(chunk, ops)
+      self._stream.send(ops)
+    if error is not None:
+      raise error
+
+  # ---- called by the stream's ack thread
+  def _on_ack(self, stream: _Stream, msg: dict) -> None:
+    upto = msg.get("upto")
+    errs = {e[0]: e[1:] for e in msg.get("errs") or () if isinstance(e, list) and len(e) == 4}
+    drops = []
+    with self._cond:
+      if stream is not self._stream or not isinstance(upto, int):
+        return
+      while self._unconfirmed:
+        seq, batch = next(iter(self._unconfirmed.items()))
+        if seq > upto:
+          break
+        del self._unconfirmed[seq]
+        self._in_flight_items -= batch.n
+        self._in_flight_bytes -= batch.nbytes
+        err = errs.get(seq)
+        if err is None:
+          continue
+        inserted, name, text = err
+        if self._closing:
+          self._dropped += batch.n - int(inserted)
+        elif self._error is None:
+          self._error = wire.make_error(name, text, inserted=inserted)
+        self._stale.extend(batch.chunks.values())   # re-sent if needed again
+      self._give_up = None
+      self._cond.notify_all()
+
+  def _on_end(self, stream: _Stream, error: Optional[grpc.RpcError]) -> None:
+    with self._cond:
+      stream.error, stream.ended = error, True
+      self._cond.notify_all()
+
+
+def _new_chunk(staging, off: int, header, identity: tuple) -> _SentChunk:
+  """The sent state of staging chunk `off` with every row it holds (not sent yet)."""
+  if header.dtype.kind == "O":
+    rows = chunks.object_chunk_rows(staging, header, 0, header.rows)
+    flat = [[x.item() if isinstance(x, np.generic) else x for x in np.asarray(r).reshape(-1)]
+            for r in rows]
+    op = {"op": "obj", "s": list(header.shape), "rows": flat, "ep": header.episode_id,
+          "step": header.start_step}
+    chunk = _SentChunk(off, header, identity, op, max(1, 64 * len(flat)))
+  else:
+    op = {"op": "chunk", "d": header.dtype.str, "s": list(header.shape),
+          "cap": header.capacity, "ep": header.episode_id, "step": header.start_step}
+    chunk = _SentChunk(off, header, identity, op, max(1, header.capacity * header.row_bytes))
+    data = chunks.chunk_row_bytes(staging, header, 0, header.rows)
+    if data:
+      chunk.parts.append(data)
+  chunk.rows = header.rows
+  return chunk
+
+
+class OneMessageInserter:
+  """Client.insert's path: the ops of one call (its chunks, whole, and its items) travel as
+  one unary Insert call (or, above one frame, over a Write stream of their own); `send`
+  returns when the bridge confirmed them. Retried with backoff while the bridge is
+  unreachable, for up to `reconnect_timeout_s` (a re-sent item keeps its key).
+  """
+
+  def __init__(self, address: str, connection: Callable, reconnect_timeout_s: float,
+               rpc_error: Callable):
+    self._address = address
+    self._connection = connection
+    self._reconnect_s = reconnect_timeout_s
+    self._rpc_error = rpc_error
+
+  def send(self, ops: list) -> None:
+    """Sends Write ops (ids and seqs local to them) as one message; waits for the ack.
+
+    Raises:
+      The bridge's error for an item; ServerUnavailableError.
+    """
+    payload = wire.pack({"ops": ops})
+    give_up = time.monotonic() + self._reconnect_s
+    backoff = BACKOFF_START_S
+    while True:
+      conn = self._connection()
+      try:
+        if len(payload) <= wire.FRAME_BYTES:
+          ack = wire.unpack(conn.method("Insert")(payload, metadata=conn.metadata))
+        else:
+          ack = self._send_framed(conn, payload)
+        break
+      except grpc.RpcError as e:
+        now = time.monotonic()
+        if e.code() not in RETRYABLE:
+          raise self._rpc_error(e, self._address) from None
+        if now >= give_up:
+          raise errors.ServerUnavailableError(
+              f"could not insert into bridge {self._address} within reconnect_timeout_s="
+              f"{self._reconnect_s}: {self._rpc_error(e, self._address)}") from None
+        time.sleep(min(backoff, give_up - now))
+        backoff = min(2 * backoff, BACKOFF_MAX_S)
+    for err in ack.get("errs") or ():
+      if isinstance(err, list) and len(err) == 4:
+        raise wire.make_error(err[2], err[3], inserted=err[1])
+
+  @staticmethod
+  def _send_framed(conn, payload: bytes) -> dict:
+    """Sends one large message over a Write stream of its own; returns the bridge's ack."""
+    done = threading.Event()
+
+    def requests():   # stays open until the ack: a half-closed stream stops waiting
+      yield from wire.frames(payload)
+      done.wait()
+    call = conn.method("Write", "stream_stream")(requests(), metadata=conn.metadata)
+    asm = wire.Reassembler()
+    try:
+      for frame in call:
+        ack = asm.feed(frame)
+        if ack is not None:
+          return ack
+    finally:
+      done.set()
+      call.cancel()
+    return {}
+
+
+def _items_op(batch: _Batch) -> dict:
+  """The "items" op of `batch`, naming its chunks by their ids on the current stream."""
+  descs = [[[[[chunk.cid, row, nrows] for chunk, row, nrows in column], squeeze]
+            for column, squeeze in item] for item in batch.descs]
+  return {"op": "items", "seq": batch.seq, "table": batch.table, "keys": batch.keys,
+          "prios": batch.prios, "descs": descs, "timeout_ms": None}

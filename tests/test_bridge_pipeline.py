@@ -1,0 +1,202 @@
+"""Remote writes are pipelined and sampling streams are batched and reconnect (issue 7b).
+
+The bridge runs in this process on loopback; tables are inspected through shared memory.
+"""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+import reverb_shm  # pylint: disable=g-bad-import-order
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm.bridge import Bridge, BridgeConfig, RemoteClient, service, writes
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _uniform(name="dist", max_size=1000):
+  return reverb_shm.Table(name, selectors.Uniform(), selectors.Fifo(), max_size,
+                          rate_limiters.MinSize(1))
+
+
+def _remote(server, **kwargs):
+  kwargs.setdefault("reconnect_timeout_s", 2.0)
+  return RemoteClient(server.bridge_address, **kwargs)
+
+
+def test_writer_items_are_pipelined_in_order_and_confirmed_by_flush(server_factory):
+  server = server_factory([reverb_shm.Table.queue("queue", 500)], bridge=BridgeConfig())
+  writer = _remote(server).trajectory_writer(2)
+  for i in range(300):
+    writer.append({"x": np.full(2, i, np.float32)})
+    writer.create_item("queue", 1.0, {"x": writer.history["x"][-1:]})
+  writer.flush(timeout_ms=10_000)
+  assert writer.num_pending_items == 0
+  local = server.localhost_client()
+  assert local.server_info()["queue"].current_size == 300
+  got = [int(s.data[0][0, 0]) for s in local.sample("queue", 300, emit_timesteps=False)]
+  assert got == list(range(300))          # FIFO order survives batching of ops and acks
+  writer.close()
+
+
+def test_flush_waits_for_confirmations_with_its_deadline(server_factory):
+  server = server_factory([reverb_shm.Table.queue("queue", 1)], bridge=BridgeConfig())
+  client = _remote(server)
+  writer = client.trajectory_writer(1)
+  writer.append({"x": np.int32(0)})
+  for _ in range(3):
+    writer.create_item("queue", 1.0, writer.history["x"][:])   # returns without a round trip
+  writer.flush(2, timeout_ms=5_000)       # the first one fits
+  assert writer.num_pending_items == 2
+  start = time.monotonic()
+  with pytest.raises(errors.DeadlineExceededError, match=r"inserts=1"):
+    writer.flush(1, timeout_ms=50)
+  assert 0.04 <= time.monotonic() - start < 5
+  sampled = []
+  t = threading.Thread(target=lambda: sampled.extend(client.sample("queue", 1)))
+  t.start()
+  writer.flush(1, timeout_ms=10_000)      # the sampler made room for one more
+  t.join(timeout=10)
+  assert len(sampled) == 1 and writer.num_pending_items == 1
+  with pytest.warns(RuntimeWarning, match="1 items sent to bridge"):
+    writer.close()                        # half-closes: the blocked item is dropped
+  assert server.localhost_client().server_info()["queue"].current_size == 1
+
+
+def test_end_episode_timeout_names_the_remote_items_and_ends_the_episode(server_factory):
+  server = server_factory([reverb_shm.Table.queue("queue", 1)], bridge=BridgeConfig())
+  writer = _remote(server).trajectory_writer(2)
+  writer.append({"x": np.int32(0)})
+  writer.create_item("queue", 1.0, writer.history["x"][-1:])
+  writer.create_item("queue", 1.0, writer.history["x"][-1:])
+  with pytest.raises(errors.DeadlineExceededError, match="in flight.*ended anyway"):
+    writer.end_episode(timeout_ms=200)
+  assert writer.episode_steps == 0 and writer.num_pending_items == 1
+  next(server.localhost_client().sample("queue"))
+  writer.end_episode(timeout_ms=10_000)
+  assert writer.num_pending_items == 0
+  writer.close()
+
+
+def test_a_bridge_side_error_surfaces_at_flush(server_factory):
+  server = server_factory([_uniform()], bridge=BridgeConfig(), arena_bytes=4 << 20)
+  writer = _remote(server).trajectory_writer(1)
+  writer.append({"x": np.zeros(1 << 20, np.float32)})     # 4 MiB: never fits the bridge's arena
+  writer.create_item("dist", 1.0, writer.history["x"][-1:])  # returns: the error comes later
+  with pytest.raises(errors.ResourceExhaustedError):
+    writer.flush(timeout_ms=10_000)
+  writer.append({"y": np.zeros(4, np.float32)})           # the stream is still usable
+  writer.create_item("dist", 1.0, writer.history["y"][-1:])
+  writer.flush(timeout_ms=10_000)
+  assert server.localhost_client().server_info()["dist"].current_size == 1
+  writer.close()
+
+
+def test_client_insert_is_one_message_for_every_table(server_factory, monkeypatch):
+  server = server_factory([_uniform("a"), _uniform("b")], bridge=BridgeConfig())
+  client = _remote(server)
+  calls = []
+  original = service._WriteStream.handle_message  # pylint: disable=protected-access
+
+  def spy(self, msg):
+    calls.append([op["op"] for op in msg["ops"]])
+    return original(self, msg)
+  monkeypatch.setattr(service._WriteStream, "handle_message", spy)  # pylint: disable=protected-access
+  client.insert({"x": np.arange(3), "y": np.float32(1)}, {"a": 1.0, "b": 2.0})
+  assert calls == [["chunk", "chunk", "items", "items"]]   # the data once, for both tables
+  infos = server.localhost_client().server_info()
+  assert (infos["a"].current_size, infos["b"].current_size) == (1, 1)
+  sample = next(server.localhost_client().sample("b", emit_timesteps=False))
+  assert sample.data[0].tolist() == [[0, 1, 2]] and sample.info.priority == 2.0
+
+
+def test_client_insert_waits_for_its_rate_limiter(server_factory):
+  server = server_factory([reverb_shm.Table.queue("queue", 1)], bridge=BridgeConfig())
+  client = _remote(server)
+  client.insert(np.int32(0), {"queue": 1.0})
+  done = threading.Event()
+  t = threading.Thread(target=lambda: (client.insert(np.int32(1), {"queue": 1.0}), done.set()))
+  t.start()
+  assert not done.wait(0.3)          # blocked on the full queue, at the bridge
+  local = server.localhost_client()
+  assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 0
+  assert done.wait(10)
+  t.join(timeout=10)
+  assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 1
+
+
+def test_samples_arrive_in_batches_within_the_credit(server_factory, monkeypatch):
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  local = server.localhost_client()
+  for i in range(50):
+    local.insert(np.full(2, i), {"dist": 1.0})
+  sizes = []
+  original = service.Bridge._sample_batch  # pylint: disable=protected-access
+
+  def spy(self, st, k, timeout_ms, context):
+    reply = original(self, st, k, timeout_ms, context)
+    sizes.append(reply["n"])
+    return reply
+  monkeypatch.setattr(service.Bridge, "_sample_batch", spy)  # pylint: disable=protected-access
+  client = _remote(server, max_in_flight_samples=8)
+  samples = list(client.sample("dist", 40, emit_timesteps=False))
+  assert len(samples) == 40 and sum(sizes) == 40
+  assert max(sizes) <= 8 and len(sizes) < 20          # batched, never beyond the credit
+  assert all(s.data[0].shape == (1, 2) and s.data[0][0, 0] == s.data[0][0, 1] for s in samples)
+  keys = {s.info.key for s in samples}
+  assert keys <= {int(k) for k in server.shared_table("dist").items()["key"]}
+
+
+def test_sampling_stream_reconnects_after_a_bridge_restart(server_factory):
+  server = server_factory([_uniform()])
+  local = server.localhost_client()
+  for i in range(10):
+    local.insert(np.full(1, i), {"dist": 1.0})
+  bridge = Bridge(server.name)
+  port = bridge.port
+  client = RemoteClient(bridge.address, reconnect_timeout_s=10.0, max_in_flight_samples=2)
+  gen = client.sample("dist", 20, emit_timesteps=False)
+  first = [next(gen) for _ in range(3)]
+  bridge.stop()
+  restarted = []
+
+  def restart():
+    time.sleep(0.3)
+    restarted.append(Bridge(server.name, BridgeConfig(port=port)))
+  t = threading.Thread(target=restart)
+  t.start()
+  try:
+    rest = list(gen)
+    t.join(timeout=10)
+    assert len(first) + len(rest) == 20
+    assert all(0 <= s.data[0][0, 0] < 10 for s in rest)
+  finally:
+    t.join(timeout=10)
+    for b in restarted:
+      b.stop()
+
+
+def test_sampling_from_a_dead_bridge_raises_a_clear_error(server_factory):
+  server = server_factory([_uniform()])
+  server.localhost_client().insert(np.ones(1), {"dist": 1.0})
+  bridge = Bridge(server.name)
+  client = RemoteClient(bridge.address, reconnect_timeout_s=0.5, max_in_flight_samples=1)
+  gen = client.sample("dist", 100, emit_timesteps=False)
+  next(gen)
+  bridge.stop()
+  start = time.monotonic()
+  with pytest.raises(errors.ServerUnavailableError, match="reconnect_timeout_s=0.5"):
+    for _ in gen:
+      pass
+  assert time.monotonic() - start < 10
+
+
+def test_staging_exhaustion_names_its_setting(server_factory):
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  writer = _remote(server, staging_bytes=2 << 20).trajectory_writer(1)
+  with pytest.raises(errors.ResourceExhaustedError, match="REVERB_SHM_STAGING_MB.*staging_bytes"):
+    writer.append({"x": np.zeros(1 << 20, np.float32)})   # 4 MiB > the 2 MiB staging arena
+  writer.close()
