@@ -150,6 +150,12 @@ class _RemoteTable:
     return self._session.insert(self.name, keys, prios, bytes(blob),
                                 np.asarray(offs, np.uint64), deadline_ns, timeout_ms)
 
+  def _insert_validated(self, n, keys_c, prios_c, blob_c, offs_c, deadline_ns, timeout_ms) -> int:
+    """SharedTable's immediate-insert fast path has no remote form: reports 0 items inserted,
+    so the TrajectoryWriter queues them and its queue streams them (pipelined) through
+    insert_descriptors."""
+    return 0
+
   def mutate(self, updates=None, deletes=None):
     updates = updates or {}
     if not isinstance(updates, dict):
