@@ -226,7 +226,7 @@ def default_checkpointer(group: Optional[str] = None) -> CheckpointerBase:
 
 # ---------------------------------------------------------------- finding a server's checkpointer
 def _spec_path(server_name: str) -> str:
-  return os.path.join(shm.SHM_DIR, f"rvshm-checkpointer.{shm.validate_server_name(server_name)}")
+  return shm.sidecar_path(server_name, "checkpointer")
 
 
 def publish(server_name: str, checkpointer: CheckpointerBase) -> None:
@@ -235,7 +235,8 @@ def publish(server_name: str, checkpointer: CheckpointerBase) -> None:
   if spec is None:
     return
   path = _spec_path(server_name)
-  tmp = f"{path}.{os.getpid()}"
+  # Hidden temporary name outside the sidecar pattern, so gc never prunes a half-published file.
+  tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
   fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
   with os.fdopen(fd, "w") as f:
     json.dump(spec, f)

@@ -706,4 +706,37 @@ def remove_stale(dry_run: bool = False, names: Optional[Iterable[str]] = None) -
   if names is not None:
     names = _segment_names(names)
   removed = [row["path"] for row in _scan(names, reclaim=not dry_run) if not row["alive"]]
-  return removed + prune_stale_aliases(dry_run, names)
+  return removed + prune_stale_aliases(dry_run, names) + _prune_orphan_sidecars(dry_run, names)
+
+
+def sidecar_path(name: str, kind: str) -> str:
+  """Path of a small per-server file of `kind` (e.g. 'checkpointer') beside the segment.
+
+  A server writes its sidecars after creating its segment and removes them before unlinking
+  it, so a sidecar whose segment is gone belongs to a dead server (remove_stale prunes it).
+  """
+  return os.path.join(SHM_DIR, f"{_PREFIX[:-1]}-{kind}.{validate_server_name(name)}")
+
+
+def _prune_orphan_sidecars(dry_run: bool, names) -> List[str]:
+  removed = []
+  try:
+    entries = os.listdir(SHM_DIR)
+  except OSError:
+    return removed
+  for entry in entries:
+    if not entry.startswith(_PREFIX[:-1] + "-") or "." not in entry:
+      continue
+    name = entry.split(".", 1)[1]
+    if not _NAME_RE.fullmatch(name) or (names is not None and name not in names):
+      continue
+    if os.path.exists(segment_path(name)):
+      continue
+    path = os.path.join(SHM_DIR, entry)
+    removed.append(path)
+    if not dry_run:
+      try:
+        os.unlink(path)
+      except OSError:
+        pass
+  return removed

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 import reverb_shm
-from reverb_shm import cli, rate_limiters, selectors
+from reverb_shm import cli, rate_limiters, selectors, shm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,6 +76,30 @@ def test_gc_removes_segment_of_a_killed_server(server_name, capsys):
   assert cli.main(["gc", server_name]) == 0
   out = capsys.readouterr().out
   assert path in out and f"/dev/shm/rvshm.port.{port}" in out
-  assert "removed 2 stale object(s)" in out     # nothing but this server's segment and alias
+  # nothing but this server's segment, port alias and checkpointer settings
+  assert f"/dev/shm/rvshm-checkpointer.{server_name}" in out
+  assert "removed 3 stale object(s)" in out
   assert not os.path.exists(path)
   assert not os.path.exists(f"/dev/shm/rvshm.port.{port}")
+
+
+def test_gc_removes_sidecars_of_servers_that_are_gone(server_name, capsys):
+  path = shm.sidecar_path(server_name, "checkpointer")
+  with open(path, "w") as f:   # as left by a server killed before it could remove it
+    f.write("{}")
+  try:
+    assert os.path.exists(path) and not os.path.exists(shm.segment_path(server_name))
+    assert cli.main(["gc", server_name]) == 0
+    assert path in capsys.readouterr().out
+    assert not os.path.exists(path)
+  finally:
+    if os.path.exists(path):
+      os.unlink(path)
+
+
+def test_gc_keeps_sidecars_of_live_servers(server_factory):
+  server = server_factory([_table()])
+  path = shm.sidecar_path(server.name, "checkpointer")
+  assert os.path.exists(path)   # the default checkpointer's published settings
+  assert cli.main(["gc", server.name]) == 0
+  assert os.path.exists(path)
