@@ -8,6 +8,7 @@ processes' resources, and closes and unlinks everything on :meth:`stop`. Thread-
 import atexit
 import collections
 import os
+import signal
 import socket
 import threading
 import weakref
@@ -254,13 +255,24 @@ class Server:
 
   def wait(self) -> None:
     """Blocks until the server is stopped; Ctrl-C (SIGINT) stops it and raises
-    KeyboardInterrupt."""
+    KeyboardInterrupt.
+
+    As Reverb does, a SIGINT handler is installed for the duration of the wait (when called
+    from the main thread), so Ctrl-C works even in a process that inherited SIGINT ignored
+    (e.g. started in the background by a non-interactive shell).
+    """
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+      previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
       while not self._stop_event.wait(0.5):
         pass
     except KeyboardInterrupt:
       self.stop()
       raise
+    finally:
+      if previous is not None:
+        signal.signal(signal.SIGINT, previous)
 
   def __enter__(self):
     return self

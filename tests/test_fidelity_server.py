@@ -187,3 +187,32 @@ def test_cli_serves_the_config_until_sigint(how, tmp_path, server_name):
   assert not os.path.exists(segment)
   with pytest.raises(errors.DeadlineExceededError):
     reverb_shm.Client(f"localhost:{port}").server_info(0.2)
+
+
+def test_wait_handles_sigint_even_when_the_process_inherited_it_ignored(server_name):
+  name = server_name
+  proc = subprocess.Popen(
+      [sys.executable, "-c", textwrap.dedent(f"""
+          import reverb_shm
+          from reverb_shm import rate_limiters, selectors
+          server = reverb_shm.Server([reverb_shm.Table('t', selectors.Fifo(), selectors.Fifo(), 5,
+                                                       rate_limiters.MinSize(1))],
+                                     name={name!r}, arena_bytes=1 << 20)
+          print('ready', flush=True)
+          try:
+            server.wait()
+          except KeyboardInterrupt:
+            print('KeyboardInterrupt', server.stopped, flush=True)
+          """)],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      # As a background job of a non-interactive shell: SIGINT ignored from the start.
+      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+  try:
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=20)
+  finally:
+    proc.kill()
+    proc.wait(timeout=10)
+  assert "KeyboardInterrupt True" in out
+  assert not os.path.exists(f"/dev/shm/rvshm.{name}")
