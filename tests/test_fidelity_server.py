@@ -20,9 +20,25 @@ MIN_SIZE_1 = ("rate_limiter { samples_per_insert: 1 min_size_to_sample: 1 "
               "min_diff: -1.7976931348623157e+308 max_diff: 1.7976931348623157e+308 }")
 
 
+_children = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftover_children():
+  """A failed test must not leave its server subprocess running."""
+  yield
+  while _children:
+    proc = _children.pop()
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait(timeout=10)
+
+
 def _python(code: str, *args) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO,
+  proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  _children.append(proc)
+  return proc
 
 
 def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 20) -> str:
