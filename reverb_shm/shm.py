@@ -512,6 +512,26 @@ def _alias_path(port: int) -> str:
   return os.path.join(SHM_DIR, f"{_PREFIX}port.{int(port)}")
 
 
+def _unlink_stale_files(is_stale, dry_run: bool) -> List[str]:
+  """Unlinks (unless dry_run) every file of SHM_DIR for which is_stale(entry) holds; paths."""
+  removed = []
+  try:
+    entries = os.listdir(SHM_DIR)
+  except OSError:
+    return removed
+  for entry in entries:
+    if not is_stale(entry):
+      continue
+    path = os.path.join(SHM_DIR, entry)
+    removed.append(path)
+    if not dry_run:
+      try:
+        os.unlink(path)
+      except OSError:
+        pass
+  return removed
+
+
 def prune_stale_aliases(dry_run: bool = False, names: Optional[Iterable[str]] = None) -> List[str]:
   """Removes port aliases whose owner process is dead; returns their paths.
 
@@ -520,24 +540,15 @@ def prune_stale_aliases(dry_run: bool = False, names: Optional[Iterable[str]] = 
     names: if given, only aliases naming one of these servers are considered.
   """
   names = None if names is None else set(names)
-  removed = []
-  try:
-    entries = os.listdir(SHM_DIR)
-  except OSError:
-    return removed
-  for entry in entries:
-    if entry.startswith(_PREFIX + "port."):
-      path = os.path.join(SHM_DIR, entry)
-      alias = _read_alias(path)
-      if (alias is not None and (names is None or alias[0] in names)
-          and not _owner_alive(alias[1], alias[2])):
-        removed.append(path)
-        if not dry_run:
-          try:
-            os.unlink(path)
-          except OSError:
-            pass
-  return removed
+
+  def is_stale(entry: str) -> bool:
+    if not entry.startswith(_PREFIX + "port."):
+      return False
+    alias = _read_alias(os.path.join(SHM_DIR, entry))
+    return (alias is not None and (names is None or alias[0] in names)
+            and not _owner_alive(alias[1], alias[2]))
+
+  return _unlink_stale_files(is_stale, dry_run)
 
 
 def register_port(port: int, name: str, mode: int = 0o600) -> None:
@@ -719,11 +730,14 @@ def sidecar_path(name: str, kind: str) -> str:
 
 
 def _prune_orphan_sidecars(dry_run: bool, names) -> List[str]:
-  removed = []
-  try:
-    entries = os.listdir(SHM_DIR)
-  except OSError:
-    return removed
+  def is_stale(entry: str) -> bool:
+    if not entry.startswith(_PREFIX[:-1] + "-") or "." not in entry:
+      return False
+    name = entry.split(".", 1)[1]
+    return (bool(_NAME_RE.fullmatch(name)) and (names is None or name in names)
+            and not os.path.exists(segment_path(name)))
+
+  return _unlink_stale_files(is_stale, dry_run)
   for entry in entries:
     if not entry.startswith(_PREFIX[:-1] + "-") or "." not in entry:
       continue
