@@ -738,19 +738,3 @@ def _prune_orphan_sidecars(dry_run: bool, names) -> List[str]:
             and not os.path.exists(segment_path(name)))
 
   return _unlink_stale_files(is_stale, dry_run)
-  for entry in entries:
-    if not entry.startswith(_PREFIX[:-1] + "-") or "." not in entry:
-      continue
-    name = entry.split(".", 1)[1]
-    if not _NAME_RE.fullmatch(name) or (names is not None and name not in names):
-      continue
-    if os.path.exists(segment_path(name)):
-      continue
-    path = os.path.join(SHM_DIR, entry)
-    removed.append(path)
-    if not dry_run:
-      try:
-        os.unlink(path)
-      except OSError:
-        pass
-  return removed
