@@ -134,6 +134,7 @@ def _read(path):
 
 def _cmd_bridge(args) -> int:
   from reverb_shm import bridge  # pylint: disable=g-import-not-at-top  (optional extra)
+  from reverb_shm.bridge import security  # pylint: disable=g-import-not-at-top
   tls = None
   if args.tls_cert or args.tls_key:
     if not (args.tls_cert and args.tls_key):
@@ -141,7 +142,7 @@ def _cmd_bridge(args) -> int:
     tls = bridge.ServerTLS(_read(args.tls_cert), _read(args.tls_key), _read(args.client_ca))
   config = bridge.BridgeConfig(
       port=args.port, host=args.host, tls=tls,
-      token=args.token or os.environ.get(bridge.security.ENV_TOKEN) or None,
+      token=args.token or os.environ.get(security.ENV_TOKEN) or None,
       max_message_bytes=args.max_message_mb << 20, max_stream_chunks=args.max_stream_chunks)
   server = bridge.Bridge(args.name, config)
   print(f"bridge for server {args.name!r} listening on {server.address}", flush=True)

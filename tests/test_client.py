@@ -3,6 +3,8 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -243,3 +245,25 @@ def test_checkpoint_returns_the_new_checkpoint_directory(client):
   path = client.checkpoint()   # the default TempDirCheckpointer (tests/test_checkpoint.py: more)
   assert os.path.isfile(os.path.join(path, "MANIFEST"))
   shutil.rmtree(os.path.dirname(path))
+
+
+@pytest.mark.timeout(60)
+def test_local_client_works_without_the_optional_grpcio(server_factory):
+  """The bridge extra is optional: Client(...) of a local server must not import grpc."""
+  server = server_factory([reverb_shm.Table("t", reverb_shm.selectors.Uniform(),
+                                            reverb_shm.selectors.Fifo(), 10,
+                                            reverb_shm.rate_limiters.MinSize(1))])
+  code = (
+      "import sys\n"
+      "class _NoGrpc:\n"
+      "  def find_spec(self, name, path=None, target=None):\n"
+      "    if name == 'grpc' or name.startswith('grpc.'):\n"
+      "      raise ImportError('grpc blocked by the test')\n"
+      "sys.meta_path.insert(0, _NoGrpc())\n"
+      "import reverb_shm\n"
+      f"c = reverb_shm.Client('localhost:{server.port}')\n"
+      "c.insert([1.0], {'t': 1.0})\n"
+      "print(type(c).__name__, c.server_info()['t'].current_size, 'grpc' in sys.modules)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split() == ["Client", "1", "False"]

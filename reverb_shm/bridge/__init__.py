@@ -6,10 +6,18 @@
   ShardedClient           one API over several servers (sharded.py); `Client([a, b])`
   ServerTLS, ClientCredentials   TLS material and auth token (security.py)
 """
-from reverb_shm.bridge.security import ClientCredentials, ServerTLS
-from reverb_shm.bridge.service import Bridge, BridgeConfig
-from reverb_shm.bridge.remote import RemoteClient
-from reverb_shm.bridge.sharded import ShardedClient
+import importlib
 
-__all__ = ["Bridge", "BridgeConfig", "ClientCredentials", "RemoteClient", "ServerTLS",
-           "ShardedClient"]
+# Exports are imported on first use (PEP 562): `Client(...)` consults the grpc-free
+# `addresses` module, and local programs must not need the optional grpcio dependency.
+_EXPORTS = {"Bridge": "service", "BridgeConfig": "service", "ClientCredentials": "security",
+            "ServerTLS": "security", "RemoteClient": "remote", "ShardedClient": "sharded"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f"module 'reverb_shm.bridge' has no attribute {name!r}")
+  return getattr(importlib.import_module(f"reverb_shm.bridge.{module}"), name)
