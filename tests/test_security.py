@@ -1,11 +1,10 @@
 """Security: segment permissions, other users, name validation, no pickle on data paths."""
 import ast
+import grp
 import os
 import pathlib
 import pwd
-import shutil
 import stat
-import subprocess
 
 import pytest
 
@@ -15,7 +14,6 @@ from reverb_shm import errors, rate_limiters, selectors, shm
 from conftest import run_in_fork
 
 PACKAGE_DIR = pathlib.Path(reverb_shm.__file__).resolve().parent
-_OTHER_USER = "rvshm_sec_test"
 
 
 def _table():
@@ -57,21 +55,22 @@ def test_other_modes_are_refused_before_anything_is_created(server_name, mode):
 
 # ---- another user
 
-def _other_uid():
-  """uid of a throw-away unprivileged user, creating it if root may; None otherwise."""
+def _other_ids():
+  """(uid, gid) of an unused account, or None when not root. Root may setuid/setgid to any
+  number, so no user is created (the machine is left as it was)."""
   if os.geteuid() != 0:
     return None
+  uid = next(u for u in range(40_000, 60_000) if not _exists(pwd.getpwuid, u))
+  gid = next(g for g in range(40_000, 60_000) if not _exists(grp.getgrgid, g))
+  return uid, gid
+
+
+def _exists(lookup, ident) -> bool:
   try:
-    return pwd.getpwnam(_OTHER_USER).pw_uid
+    lookup(ident)
   except KeyError:
-    pass
-  if shutil.which("useradd") is None:
-    return None
-  proc = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                         _OTHER_USER], capture_output=True, timeout=30)
-  if proc.returncode != 0:
-    return None
-  return pwd.getpwnam(_OTHER_USER).pw_uid
+    return False
+  return True
 
 
 def _attach_as(uid: int, gid: int, name: str) -> str:
@@ -93,10 +92,10 @@ def _attach_as(uid: int, gid: int, name: str) -> str:
 
 @pytest.mark.timeout(120)
 def test_process_of_another_user_cannot_attach(server_factory):
-  uid = _other_uid()
-  if uid is None:
-    pytest.skip("needs root and useradd to run a process as a second user")
-  gid = pwd.getpwnam(_OTHER_USER).pw_gid
+  ids = _other_ids()
+  if ids is None:
+    pytest.skip("needs root to run a process as a second user")
+  uid, gid = ids
   private = server_factory([_table()])
   out = _attach_as(uid, gid, private.name)
   assert out.startswith("REFUSED") and "No permission" in out and "mode=0o660" in out, out
