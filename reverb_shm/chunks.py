@@ -21,8 +21,8 @@ from reverb_shm._lib import check, ffi, lib
 
 __all__ = ["Chunk", "ColumnWriter", "Pins", "alloc_chunk", "object_chunk", "encode_descriptor",
            "join_descriptors", "encode_row_descriptors", "read_item", "read_items",
-           "gather_column", "item_columns", "DESC_HDR", "DESC_COL", "DESC_SLICE", "SAMPLE_REC",
-           "ITEM_REC"]
+           "gather_column", "item_columns", "desc_blocks", "DESC_HDR", "DESC_COL", "DESC_SLICE",
+           "SAMPLE_REC", "ITEM_REC"]
 
 DESC_HDR = np.dtype([("ncols", "<u4"), ("nslices", "<u4")])
 DESC_COL = np.dtype([("first_slice", "<u4"), ("nslices", "<u4"), ("flags", "<u4"),
@@ -62,6 +62,12 @@ def _split_ref(ref: int) -> Tuple[int, int]:
   """(DESC block offset, row shift) of an item reference."""
   ref = int(ref)
   return ref & _REF_OFF_MASK, ref >> _REF_OFF_BITS
+
+
+def desc_blocks(desc_offs) -> np.ndarray:
+  """uint64[B] DESC block offsets of B item references (desc_off of items and samples); items
+  of one inserted batch share one block."""
+  return np.asarray(desc_offs, np.uint64) & np.uint64(_REF_OFF_MASK)
 
 
 # ---------------------------------------------------------------- pins
