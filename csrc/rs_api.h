@@ -101,7 +101,7 @@ typedef struct rs_sample_rec {
   double priority;
   int32_t times_sampled;  /* including this sample */
   uint32_t pin;           /* pin-log index holding desc alive; release with rs_unpin */
-  uint64_t desc_off;      /* descriptor blob of the item: desc_off + rs_desc_data_offset() */
+  uint64_t desc_off;      /* item reference (see rs_desc_ref_off_bits at the end of this file) */
 } rs_sample_rec;
 
 /* One item as listed by rs_table_items (checkpoint, tests, introspection). */

@@ -165,7 +165,7 @@ typedef struct rs_table_hdr {
   uint64_t recs_off;               /* rs_rec[cap] */
   uint64_t index_off;              /* rs_index_entry[index_cap] */
   uint32_t index_cap;              /* cap + cap/3 + 2: load <= 0.75 */
-  uint32_t tree_leaves;            /* power of two >= cap (0 if no prioritized selector) */
+  uint32_t tree_leaves;            /* cap (0 if no prioritized selector) */
   uint64_t dense_off;              /* u32[cap] */
   uint64_t episodes_off;           /* rs_episode_entry[episodes_cap] */
   uint32_t episodes_cap;           /* cap + cap/3 + 2 */
@@ -175,7 +175,8 @@ typedef struct rs_table_hdr {
   int64_t inserting_ns, sampling_ns, waiting_for_sampling_ns, waiting_for_inserts_ns;
   int64_t repairs;
   uint64_t aux_off;                /* rs_heap_aux[cap] when a selector is a heap, else 0 */
-  uint64_t last_desc;              /* item reference of the last insert: a candidate to share */
+  uint32_t last_rec;               /* record of the last insert: its DESC block may be shared */
+  uint32_t _pad3;
   uint64_t reserved[6];
 } rs_table_hdr;
 
@@ -249,7 +250,8 @@ int rs_desc_validate(void *base, const uint8_t *blob, uint32_t len);
  * record), and add one reference to each distinct chunk it names; *off_out is its item reference
  * (shift 0). Takes the arena lock. */
 int rs_desc_create(void *base, const uint8_t *blob, uint32_t len, uint64_t *off_out);
-/* As rs_desc_create, but when `tmpl` (an item reference, 0 = none) names a live DESC block whose
+/* As rs_desc_create, but when `tmpl` (an item reference the caller knows to be held, e.g. by a
+ * live record; 0 = none) names a live DESC block whose
  * blob equals `blob` except that every slice's row_offset is lower by one common d <=
  * RS_REF_MAX_SHIFT, take one more reference to that block instead and return it with shift d. */
 int rs_desc_create_shared(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl, uint64_t *off_out);

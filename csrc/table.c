@@ -39,12 +39,6 @@ static inline void cpu_relax(void) {
 
 /* ================================================================== region layout */
 
-static uint32_t pow2_at_least(uint64_t x) {
-  uint64_t p = 1;
-  while (p < x) p <<= 1;
-  return (uint32_t)p;
-}
-
 static int kind_ok(int32_t k) { return k >= RS_SEL_UNIFORM && k <= RS_SEL_MAXHEAP; }
 
 static int config_check(const rs_table_config *cfg) {
@@ -81,7 +75,7 @@ static void plan_region(const rs_table_config *cfg, region_plan *p) {
   p->index_cap = rs_map_capacity(p->cap);
   p->episodes_cap = rs_map_capacity(p->cap);
   int prio = cfg->sampler_kind == RS_SEL_PRIORITIZED || cfg->remover_kind == RS_SEL_PRIORITIZED;
-  p->tree_leaves = prio ? pow2_at_least(p->cap) : 0;
+  p->tree_leaves = prio ? p->cap : 0;   /* one leaf per record (any count, sumtree.h) */
   uint64_t at = rs_align_up(sizeof(rs_table_hdr), RS_ALIGN);
 #define PLACE(field, bytes) (p->field = at, at = rs_align_up(at + (uint64_t)(bytes), RS_ALIGN))
   PLACE(recs, (uint64_t)p->cap * sizeof(rs_rec));
@@ -150,6 +144,7 @@ int rs_table_region_init(void *base, uint64_t off, const rs_table_config *cfg) {
   th->blob_off = off + p.blob;
   th->blob_len = cfg->blob_len;
   th->aux_off = p.aux ? off + p.aux : 0;
+  th->last_rec = RS_NONE;
   if (cfg->blob_len) memcpy(rs_at(base, th->blob_off), cfg->blob, cfg->blob_len);
 
   rs_rec *recs = rs_recs(base, th);
@@ -436,13 +431,17 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
   if (th->free_rec_head == RS_NONE) /* cannot happen: size <= max_size < cap */
     return rs_set_error(RS_ECORRUPT, "table '%s': no free record (size %lld)", th->name,
                         (long long)th->size);
-  uint64_t desc;
-  int rc = rs_desc_create_shared(base, blob, len, th->last_desc, &desc);
-  if (rc) return rc;
-  th->last_desc = desc;
-
+  /* The last inserted item's block is a template to share while a live record holds it (a
+   * stale offset could name memory that is no longer a block). */
   rs_rec *recs = rs_recs(base, th);
+  uint32_t last = th->last_rec;
+  uint64_t tmpl = last < th->cap && recs[last].valid ? recs[last].desc_off : 0;
+  uint64_t desc;
+  int rc = rs_desc_create_shared(base, blob, len, tmpl, &desc);
+  if (rc) return rc;
+
   r = th->free_rec_head;
+  th->last_rec = r;
   rs_rec *rec = &recs[r];
   th->free_rec_head = rec->next_free;
   rec->key = key;
