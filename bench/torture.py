@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import reverb_shm  # noqa: E402  pylint: disable=g-import-not-at-top
-from reverb_shm import errors, rate_limiters, selectors  # noqa: E402  pylint: disable=g-import-not-at-top
+from reverb_shm import chunks, errors, rate_limiters, selectors  # noqa: E402  pylint: disable=g-import-not-at-top
 
 ROW = 64
 ROLES = ("writer", "inserter", "sampler", "waiter")
@@ -230,8 +230,11 @@ def run(seconds: float = 20.0, workers: int = 6, kill_every: float = 0.02, seed:
     import gc  # pylint: disable=g-import-not-at-top
     gc.collect()
     info = seg.info()
-    total_items = sum(server.shared_table(t).size for t in ("prio", "uniform", "limited"))
-    assert info["num_descs"] == total_items, (info, total_items)
+    # Items of one batch share a DESC block: exactly the blocks the items reference are left.
+    refs = np.concatenate([server.shared_table(t).items()["desc_off"]
+                           for t in ("prio", "uniform", "limited")])
+    blocks = len(np.unique(chunks.desc_blocks(refs)))
+    assert info["num_descs"] == blocks, (info, blocks)
     repairs = sum(seg.stats(i)["repairs"] for i in range(3))
     for table in ("prio", "uniform", "limited"):
       server.shared_table(table).reset()

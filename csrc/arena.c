@@ -292,9 +292,10 @@ static void decref(void *base, uint64_t off) {
 }
 
 uint64_t rs_desc_data_offset(void) { return 0; }
+uint32_t rs_desc_ref_off_bits(void) { return RS_REF_OFF_BITS; }
 
 const rs_desc_hdr *rs_desc_blob(void *base, uint64_t desc_off) {
-  return (const rs_desc_hdr *)rs_at(base, desc_off + rs_desc_data_offset());
+  return (const rs_desc_hdr *)rs_at(base, rs_ref_off(desc_off) + rs_desc_data_offset());
 }
 
 rs_chunk_hdr *rs_chunk(void *base, uint64_t chunk_off) { return (rs_chunk_hdr *)rs_at(base, chunk_off); }
@@ -398,8 +399,43 @@ int rs_desc_create(void *base, const uint8_t *blob, uint32_t len, uint64_t *off_
   return rc;
 }
 
+/* The shift d (<= RS_REF_MAX_SHIFT) that turns the live DESC block at `tmpl` (an item reference)
+ * into `blob`: same header, columns, chunks and row counts, every row_offset higher by d.
+ * -1 if there is none. Caller holds the arena lock. */
+static int64_t share_shift(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl) {
+  uint64_t off = rs_ref_off(tmpl);
+  if (!tmpl || !is_block(base, off, RS_BLOCK_DESC, 1) || blk(base, off - RS_ALIGN)->aux != len) return -1;
+  const rs_desc_hdr *t = rs_desc_blob(base, off), *d = (const rs_desc_hdr *)blob;
+  uint64_t head = sizeof *t + (uint64_t)t->ncols * sizeof(rs_desc_col);   /* t is sane: head <= len */
+  if (memcmp(t, d, head) != 0) return -1;
+  const rs_desc_slice *ts = desc_slices(t), *ds = desc_slices(d);
+  if (ds[0].row_offset < ts[0].row_offset || ds[0].row_offset - ts[0].row_offset > RS_REF_MAX_SHIFT) return -1;
+  uint32_t shift = ds[0].row_offset - ts[0].row_offset;
+  for (uint32_t k = 0; k < d->nslices; k++)
+    if (ds[k].chunk_off != ts[k].chunk_off || ds[k].nrows != ts[k].nrows ||
+        ds[k].row_offset - ts[k].row_offset != shift || ds[k].row_offset < ts[k].row_offset)
+      return -1;
+  return shift;
+}
+
+int rs_desc_create_shared(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl, uint64_t *off_out) {
+  if (!tmpl || !blob || len < sizeof(rs_desc_hdr)) return rs_desc_create(base, blob, len, off_out);
+  int rc = rs_alock(base);
+  if (rc) return rc;
+  int64_t shift = share_shift(base, blob, len, tmpl);
+  if (shift >= 0) rc = rs_desc_validate(base, blob, len);   /* the item's own rows are in range */
+  if (shift >= 0 && rc == RS_OK) {
+    blk(base, rs_ref_off(tmpl) - RS_ALIGN)->refcount++;
+    *off_out = rs_ref_make(rs_ref_off(tmpl), (uint32_t)shift);
+  }
+  rs_aunlock(base);
+  if (rc || shift >= 0) return rc;
+  return rs_desc_create(base, blob, len, off_out);
+}
+
 void rs_desc_release(void *base, uint64_t desc_off, int locked) {
   if (!locked && rs_alock(base) != RS_OK) return;
+  desc_off = rs_ref_off(desc_off);
   if (is_block(base, desc_off, RS_BLOCK_DESC, 1)) decref(base, desc_off);
   else rs_seg(base)->refcounts_suspect = 1;
   if (!locked) rs_aunlock(base);
@@ -439,12 +475,13 @@ int rs_pin_descs(void *base, uint32_t slot, uint32_t n, const uint64_t *desc_off
   rc = slot_check(base, slot);
   if (rc == RS_OK && rs_slots(base)[slot].free_top < n) rc = pins_full(base, slot, n);
   for (uint32_t i = 0; rc == RS_OK && i < n; i++)
-    if (!is_block(base, desc_offs[i], RS_BLOCK_DESC, 1))
+    if (!is_block(base, rs_ref_off(desc_offs[i]), RS_BLOCK_DESC, 1))
       rc = rs_set_error(RS_EINVAL, "descriptor %u of %u: offset %llu is not a live item descriptor", i, n,
-                        (unsigned long long)desc_offs[i]);
+                        (unsigned long long)rs_ref_off(desc_offs[i]));
   for (uint32_t i = 0; rc == RS_OK && i < n; i++) {
-    blk(base, desc_offs[i] - RS_ALIGN)->refcount++;
-    pins_out[i] = pin_push(base, slot, desc_offs[i]);
+    uint64_t off = rs_ref_off(desc_offs[i]);   /* the pin holds the block */
+    blk(base, off - RS_ALIGN)->refcount++;
+    pins_out[i] = pin_push(base, slot, off);
   }
   rs_aunlock(base);
   return rc;
@@ -749,7 +786,7 @@ static void count_pins_and_records(void *base, bref *a, uint64_t n, reporter *r)
     rs_rec *recs = rs_recs(base, th);
     for (uint32_t i = 0; i < th->cap; i++) {
       if (!recs[i].valid) continue;
-      bref *b = find_ref(a, n, recs[i].desc_off);
+      bref *b = find_ref(a, n, rs_ref_off(recs[i].desc_off));
       if (b && b->type == RS_BLOCK_DESC) b->count++;
       else if (r && shown++ < MAX_REPORTED)
         report(r, "arena: table %u record %u (key %llu) names descriptor %llu, which is not a descriptor block",

@@ -1,6 +1,7 @@
 /* Open-addressing hash maps of a table: key -> record id, episode id -> reference count.
- * Linear probing, backward-shift deletion (no tombstones); capacities are powers of two and the
- * callers keep at least one slot empty so every probe terminates. */
+ * Linear probing, backward-shift deletion (no tombstones); any capacity (rs_map_capacity keeps the
+ * load <= 0.75 for cap entries) and the callers keep at least one slot empty so every probe
+ * terminates. */
 #ifndef RS_INDEX_H
 #define RS_INDEX_H
 
@@ -22,7 +23,7 @@ void rs_index_put(rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t rec);
 int rs_index_remove(rs_index_entry *ix, uint32_t cap, uint64_t key);            /* 1 if removed */
 void rs_index_clear(rs_index_entry *ix, uint32_t cap);
 
-/* episode id -> count. Empty entry: used == 0. */
+/* episode id -> count. Empty entry: count == 0. */
 rs_episode_entry *rs_epmap_find(rs_episode_entry *em, uint32_t cap, uint64_t episode_id);
 /* Add one reference; returns 1 when the episode is new (count went 0 -> 1). */
 int rs_epmap_incr(rs_episode_entry *em, uint32_t cap, uint64_t episode_id);
@@ -30,5 +31,8 @@ int rs_epmap_incr(rs_episode_entry *em, uint32_t cap, uint64_t episode_id);
  * -1 if the episode was not in the map. */
 int rs_epmap_decr(rs_episode_entry *em, uint32_t cap, uint64_t episode_id);
 void rs_epmap_clear(rs_episode_entry *em, uint32_t cap);
+
+/* Slots of a map that holds up to `cap` entries at load <= 0.75 (and always one empty slot). */
+uint32_t rs_map_capacity(uint32_t cap);
 
 #endif

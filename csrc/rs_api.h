@@ -101,7 +101,7 @@ typedef struct rs_sample_rec {
   double priority;
   int32_t times_sampled;  /* including this sample */
   uint32_t pin;           /* pin-log index holding desc alive; release with rs_unpin */
-  uint64_t desc_off;      /* descriptor blob of the item: desc_off + rs_desc_data_offset() */
+  uint64_t desc_off;      /* item reference (see rs_desc_ref_off_bits at the end of this file) */
 } rs_sample_rec;
 
 /* One item as listed by rs_table_items (checkpoint, tests, introspection). */
@@ -346,3 +346,12 @@ int rs_insert_slices(void *base, uint32_t slot, uint32_t table, uint32_t n, cons
 int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hdr *metas,
                     const uint8_t *const *data, uint32_t rows, uint64_t episode_id,
                     uint64_t start_step, uint64_t *offs_out, uint32_t *pins_out);
+
+/* ---- issue 6 (round 3, metadata) ---- */
+/* Item references. rs_sample_rec.desc_off, rs_item_rec.desc_off (of rs_table_items/rs_table_get)
+ * and the desc_offs of rs_gather/rs_pin are item references: bits 0..N-1 (N = the value returned
+ * here) are the DESC block's offset, the bits above a row shift to add to every slice's
+ * row_offset of the blob stored there. Items that differ only by one row offset (a batch of
+ * rows, the sliding windows of a trajectory writer) share a DESC block this way. Snapshot
+ * descriptors (rs_snapshot_table.descs) are per item with the shift already applied. */
+uint32_t rs_desc_ref_off_bits(void);

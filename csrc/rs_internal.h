@@ -30,7 +30,7 @@
 #include "rs_api.h"
 
 #define RS_MAGIC 0x3130304d48535652ULL /* "RVSHM001" little-endian */
-#define RS_LAYOUT_VERSION 1ULL
+#define RS_LAYOUT_VERSION 2ULL
 #define RS_ALIGN 64u
 #define RS_NONE 0xFFFFFFFFu
 #define RS_MAX_NDIM 8
@@ -80,23 +80,54 @@ typedef struct rs_slot {
 } rs_slot;
 
 /* ------------------------------------------------------------------ tables */
+/* Item reference (rs_rec.desc_off, rs_sample_rec.desc_off, rs_item_rec.desc_off): the payload
+ * offset of a DESC block in the low RS_REF_OFF_BITS bits and a row shift in the high bits. The
+ * item's descriptor is the block's blob with the shift added to every slice's row_offset, so
+ * items that differ only by a common row offset (a batch of rows, sliding windows) share one
+ * DESC block, each item holding one reference to it. */
+#define RS_REF_OFF_BITS 48
+#define RS_REF_MAX_SHIFT 0xFFFFu
+static inline uint64_t rs_ref_off(uint64_t ref) { return ref & ((1ull << RS_REF_OFF_BITS) - 1); }
+static inline uint32_t rs_ref_shift(uint64_t ref) { return (uint32_t)(ref >> RS_REF_OFF_BITS); }
+static inline uint64_t rs_ref_make(uint64_t off, uint32_t shift) {
+  return off | ((uint64_t)shift << RS_REF_OFF_BITS);
+}
+
+/* One record per item slot (64 bytes). Fields only the heap selectors need live in rs_heap_aux. */
 typedef struct rs_rec {
   uint64_t key;
   double priority;
   uint64_t insert_seq;
-  uint64_t update_seq;
-  uint64_t desc_off;
+  uint64_t desc_off;     /* item reference (see rs_ref_off / rs_ref_shift) */
   int64_t inserted_at_ns;
   int32_t times_sampled;
   uint32_t valid;        /* 1 = live item; written last on insert (commit), first on delete */
-  uint32_t dense_pos;    /* position in the dense array */
-  uint32_t heap_pos[2];  /* position in the heap of selector 0 (sampler) / 1 (remover) */
+  union {
+    uint32_t dense_pos;  /* live: position in the dense array */
+    uint32_t next_free;  /* free: next record of the free-record list */
+  };
   uint32_t prev, next;   /* insertion-order list (Fifo/Lifo) */
-  uint32_t next_free;    /* free-record list */
+  uint32_t _pad;
 } rs_rec;
 
-typedef struct rs_index_entry { uint64_t key; uint32_t rec_plus1; uint32_t _pad; } rs_index_entry;
-typedef struct rs_episode_entry { uint64_t episode_id; uint32_t count; uint32_t used; } rs_episode_entry;
+/* Per-record heap data, an array of cap entries only when a selector is a heap. */
+typedef struct rs_heap_aux {
+  uint64_t update_seq;   /* heap tie-break: last insert or priority update */
+  uint32_t heap_pos[2];  /* position in the heap of selector 0 (sampler) / 1 (remover) */
+} rs_heap_aux;
+
+/* Hash-map entries: 12 bytes, 4-byte aligned. Index empty: rec_plus1 == 0; episodes: count == 0. */
+typedef struct __attribute__((packed, aligned(4))) rs_index_entry {
+  uint64_t key;
+  uint32_t rec_plus1;
+} rs_index_entry;
+typedef struct __attribute__((packed, aligned(4))) rs_episode_entry {
+  uint64_t episode_id;
+  uint32_t count;
+} rs_episode_entry;
+
+_Static_assert(sizeof(rs_rec) == 64, "rs_rec is one cache line");
+_Static_assert(sizeof(rs_index_entry) == 12 && sizeof(rs_episode_entry) == 12, "12-byte map entries");
 
 typedef struct rs_selector {
   int32_t kind;          /* RS_SEL_* */
@@ -133,17 +164,20 @@ typedef struct rs_table_hdr {
   /* arrays */
   uint64_t recs_off;               /* rs_rec[cap] */
   uint64_t index_off;              /* rs_index_entry[index_cap] */
-  uint32_t index_cap;              /* power of two >= 2*cap */
-  uint32_t tree_leaves;            /* power of two >= cap (0 if no prioritized selector) */
+  uint32_t index_cap;              /* cap + cap/3 + 2: load <= 0.75 */
+  uint32_t tree_leaves;            /* cap (0 if no prioritized selector) */
   uint64_t dense_off;              /* u32[cap] */
   uint64_t episodes_off;           /* rs_episode_entry[episodes_cap] */
-  uint32_t episodes_cap;           /* power of two >= 2*cap */
+  uint32_t episodes_cap;           /* cap + cap/3 + 2 */
   uint32_t blob_len;
   uint64_t blob_off;
   /* stats (ns) */
   int64_t inserting_ns, sampling_ns, waiting_for_sampling_ns, waiting_for_inserts_ns;
   int64_t repairs;
-  uint64_t reserved[8];
+  uint64_t aux_off;                /* rs_heap_aux[cap] when a selector is a heap, else 0 */
+  uint32_t last_rec;               /* record of the last insert: its DESC block may be shared */
+  uint32_t _pad3;
+  uint64_t reserved[6];
 } rs_table_hdr;
 
 static inline rs_seg_hdr *rs_seg(void *base) { return (rs_seg_hdr *)base; }
@@ -152,6 +186,9 @@ static inline rs_table_hdr *rs_table(void *base, uint32_t t) {
   return (rs_table_hdr *)rs_at(base, offs[t]);
 }
 static inline rs_rec *rs_recs(void *base, rs_table_hdr *th) { return (rs_rec *)rs_at(base, th->recs_off); }
+static inline rs_heap_aux *rs_aux(void *base, rs_table_hdr *th) {
+  return (rs_heap_aux *)rs_at(base, th->aux_off);
+}
 static inline rs_slot *rs_slots(void *base) { return (rs_slot *)rs_at(base, rs_seg(base)->slots_off); }
 static inline uint64_t *rs_pin_entries(void *base, uint32_t slot) {
   rs_seg_hdr *h = rs_seg(base);
@@ -198,6 +235,8 @@ int rs_table_region_init(void *base, uint64_t off, const rs_table_config *cfg);
 /* Rebuild every derived structure of table t (index, dense array, order list, heaps, sum trees,
  * episode map, counters size/deletes) from the records; caller holds the table lock. */
 void rs_table_repair(void *base, uint32_t t);
+/* update_seq of record r: its heap tie-break counter, or insert_seq in a table without heaps. */
+uint64_t rs_rec_update_seq(void *base, rs_table_hdr *th, uint32_t r);
 /* Verify table t's invariants; caller holds the table lock. Appends to report. */
 int rs_table_check(void *base, uint32_t t, char *report, uint64_t report_len);
 
@@ -208,14 +247,22 @@ void rs_arena_repair(void *base);             /* rebuild free lists/accounting b
 /* Validate one descriptor blob against the chunks it references (no state change). */
 int rs_desc_validate(void *base, const uint8_t *blob, uint32_t len);
 /* Allocate a DESC block holding a copy of the blob, refcount 1 (owned by the caller's table
- * record), and add one reference to each distinct chunk it names. Takes the arena lock. */
+ * record), and add one reference to each distinct chunk it names; *off_out is its item reference
+ * (shift 0). Takes the arena lock. */
 int rs_desc_create(void *base, const uint8_t *blob, uint32_t len, uint64_t *off_out);
-/* Drop one reference to a DESC block; at zero drop its chunk references and free it.
- * Takes the arena lock unless `locked` (caller already holds it). */
+/* As rs_desc_create, but when `tmpl` (an item reference the caller knows to be held, e.g. by a
+ * live record; 0 = none) names a live DESC block whose
+ * blob equals `blob` except that every slice's row_offset is lower by one common d <=
+ * RS_REF_MAX_SHIFT, take one more reference to that block instead and return it with shift d. */
+int rs_desc_create_shared(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl, uint64_t *off_out);
+/* Drop one reference (an item reference) to a DESC block; at zero drop its chunk references and
+ * free it. Takes the arena lock unless `locked` (caller already holds it). */
 void rs_desc_release(void *base, uint64_t desc_off, int locked);
-/* Pin n descriptors for `slot` (refcount + pin-log entry each). Takes the arena lock. */
+/* Pin n descriptors (item references) for `slot` (refcount + pin-log entry of the block each).
+ * Takes the arena lock. */
 int rs_pin_descs(void *base, uint32_t slot, uint32_t n, const uint64_t *desc_offs, uint32_t *pins_out);
-/* Read helpers (no lock; caller holds a pin or the table lock). */
+/* Read helpers (no lock; caller holds a pin or the table lock). rs_desc_blob takes an item
+ * reference and returns its block's blob (add rs_ref_shift(ref) to every row_offset). */
 const rs_desc_hdr *rs_desc_blob(void *base, uint64_t desc_off);
 rs_chunk_hdr *rs_chunk(void *base, uint64_t chunk_off);
 /* Verify allocator and refcount invariants; caller holds every lock. */

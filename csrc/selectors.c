@@ -3,33 +3,35 @@
 #include "sumtree.h"
 
 /* ---------------------------------------------------------------- binary heap of record ids */
-static void heap_place(rs_rec *recs, uint32_t *heap, int si, uint32_t pos, uint32_t r) {
+/* Heap positions and tie-break counters live in the table's rs_heap_aux array. */
+static void heap_place(rs_heap_aux *aux, uint32_t *heap, int si, uint32_t pos, uint32_t r) {
   heap[pos] = r;
-  recs[r].heap_pos[si] = pos;
+  aux[r].heap_pos[si] = pos;
 }
 
-static void sift_up(rs_rec *recs, uint32_t *heap, int si, int kind, uint32_t pos) {
+static void sift_up(const rs_rec *recs, rs_heap_aux *aux, uint32_t *heap, int si, int kind, uint32_t pos) {
   uint32_t r = heap[pos];
   while (pos > 0) {
     uint32_t parent = (pos - 1) / 2;
-    if (!rs_heap_before(kind, &recs[r], &recs[heap[parent]])) break;
-    heap_place(recs, heap, si, pos, heap[parent]);
+    if (!rs_heap_before(kind, recs, aux, r, heap[parent])) break;
+    heap_place(aux, heap, si, pos, heap[parent]);
     pos = parent;
   }
-  heap_place(recs, heap, si, pos, r);
+  heap_place(aux, heap, si, pos, r);
 }
 
-static void sift_down(rs_rec *recs, uint32_t *heap, uint32_t len, int si, int kind, uint32_t pos) {
+static void sift_down(const rs_rec *recs, rs_heap_aux *aux, uint32_t *heap, uint32_t len, int si, int kind,
+                      uint32_t pos) {
   uint32_t r = heap[pos];
   for (;;) {
     uint32_t c = 2 * pos + 1;
     if (c >= len) break;
-    if (c + 1 < len && rs_heap_before(kind, &recs[heap[c + 1]], &recs[heap[c]])) c++;
-    if (!rs_heap_before(kind, &recs[heap[c]], &recs[r])) break;
-    heap_place(recs, heap, si, pos, heap[c]);
+    if (c + 1 < len && rs_heap_before(kind, recs, aux, heap[c + 1], heap[c])) c++;
+    if (!rs_heap_before(kind, recs, aux, heap[c], r)) break;
+    heap_place(aux, heap, si, pos, heap[c]);
     pos = c;
   }
-  heap_place(recs, heap, si, pos, r);
+  heap_place(aux, heap, si, pos, r);
 }
 
 /* ---------------------------------------------------------------- upkeep */
@@ -37,7 +39,7 @@ static void sift_down(rs_rec *recs, uint32_t *heap, uint32_t len, int si, int ki
  * does (sum-tree leaf = its weight; the heap sifts it up, sifting down a leaf does nothing). */
 void rs_sel_insert(void *base, rs_table_hdr *th, int si, uint32_t r) {
   rs_selector *s = &th->sel[si];
-  if (rs_sel_is_heap(s->kind)) heap_place(rs_recs(base, th), rs_heap(base, s), si, s->heap_len++, r);
+  if (rs_sel_is_heap(s->kind)) heap_place(rs_aux(base, th), rs_heap(base, s), si, s->heap_len++, r);
   rs_sel_update(base, th, si, r);
 }
 
@@ -48,14 +50,15 @@ void rs_sel_remove(void *base, rs_table_hdr *th, int si, uint32_t r) {
     rs_sumtree_set(rs_tree(base, s), th->tree_leaves, r, 0.0);
   } else if (rs_sel_is_heap(s->kind)) {
     uint32_t *heap = rs_heap(base, s);
-    uint32_t pos = recs[r].heap_pos[si];
+    rs_heap_aux *aux = rs_aux(base, th);
+    uint32_t pos = aux[r].heap_pos[si];
     uint32_t last = --s->heap_len;
-    recs[r].heap_pos[si] = RS_NONE;
+    aux[r].heap_pos[si] = RS_NONE;
     if (pos == last) return;
     uint32_t moved = heap[last];
-    heap_place(recs, heap, si, pos, moved);
-    sift_down(recs, heap, s->heap_len, si, s->kind, pos);
-    if (recs[moved].heap_pos[si] == pos) sift_up(recs, heap, si, s->kind, pos);
+    heap_place(aux, heap, si, pos, moved);
+    sift_down(recs, aux, heap, s->heap_len, si, s->kind, pos);
+    if (aux[moved].heap_pos[si] == pos) sift_up(recs, aux, heap, si, s->kind, pos);
   }
 }
 
@@ -66,9 +69,9 @@ void rs_sel_update(void *base, rs_table_hdr *th, int si, uint32_t r) {
     rs_sumtree_set(rs_tree(base, s), th->tree_leaves, r, rs_sel_weight(s->exponent, recs[r].priority));
   } else if (rs_sel_is_heap(s->kind)) {
     uint32_t *heap = rs_heap(base, s);
-    uint32_t pos = recs[r].heap_pos[si];
-    sift_up(recs, heap, si, s->kind, pos);
-    sift_down(recs, heap, s->heap_len, si, s->kind, recs[r].heap_pos[si]);
+    rs_heap_aux *aux = rs_aux(base, th);
+    sift_up(recs, aux, heap, si, s->kind, aux[r].heap_pos[si]);
+    sift_down(recs, aux, heap, s->heap_len, si, s->kind, aux[r].heap_pos[si]);
   }
 }
 
@@ -87,10 +90,11 @@ void rs_sel_rebuild(void *base, rs_table_hdr *th, int si) {
     rs_sumtree_rebuild(tree, th->tree_leaves);
   } else if (rs_sel_is_heap(s->kind)) {
     uint32_t *heap = rs_heap(base, s);
-    for (uint32_t r = 0; r < th->cap; r++) recs[r].heap_pos[si] = RS_NONE;
-    for (uint32_t i = 0; i < n; i++) heap_place(recs, heap, si, i, dense[i]);
+    rs_heap_aux *aux = rs_aux(base, th);
+    for (uint32_t r = 0; r < th->cap; r++) aux[r].heap_pos[si] = RS_NONE;
+    for (uint32_t i = 0; i < n; i++) heap_place(aux, heap, si, i, dense[i]);
     s->heap_len = n;
-    for (uint32_t i = n / 2; i-- > 0;) sift_down(recs, heap, n, si, s->kind, i);
+    for (uint32_t i = n / 2; i-- > 0;) sift_down(recs, aux, heap, n, si, s->kind, i);
   }
 }
 

@@ -28,11 +28,12 @@ static inline double rs_sel_weight_cap(uint32_t tree_leaves) {
 }
 
 /* Heap order: (sign * priority, update_seq) ascending, sign +1 for MinHeap, -1 for MaxHeap. */
-static inline int rs_heap_before(int kind, const rs_rec *a, const rs_rec *b) {
-  double pa = kind == RS_SEL_MINHEAP ? a->priority : -a->priority;
-  double pb = kind == RS_SEL_MINHEAP ? b->priority : -b->priority;
+static inline int rs_heap_before(int kind, const rs_rec *recs, const rs_heap_aux *aux, uint32_t a,
+                                 uint32_t b) {
+  double pa = kind == RS_SEL_MINHEAP ? recs[a].priority : -recs[a].priority;
+  double pb = kind == RS_SEL_MINHEAP ? recs[b].priority : -recs[b].priority;
   if (pa != pb) return pa < pb;
-  return a->update_seq < b->update_seq;
+  return aux[a].update_seq < aux[b].update_seq;
 }
 
 /* Structure upkeep for record r (already in the dense array and order list). */

@@ -196,13 +196,14 @@ static int list_table(void *base, uint32_t t, rs_snapshot_table *out, idmap *chu
   for (uint32_t r = th->order_head; r != RS_NONE; r = recs[r].next, i++) {
     rs_item_rec *it = &out->items[i];
     const rs_rec *rec = &recs[r];
-    *it = (rs_item_rec){rec->key, rec->priority, rec->times_sampled, rec->insert_seq, rec->update_seq,
-                        rec->inserted_at_ns, at};
+    *it = (rs_item_rec){rec->key, rec->priority, rec->times_sampled, rec->insert_seq,
+                        rs_rec_update_seq(base, th, r), rec->inserted_at_ns, at};
     const rs_desc_hdr *d = rs_desc_blob(base, rec->desc_off);
     uint64_t len = desc_len(d);
     memcpy(out->descs + at, d, len);
-    const rs_desc_slice *sl = slices_of(out->descs + at);
+    rs_desc_slice *sl = slices_of(out->descs + at);
     for (uint32_t k = 0; k < d->nslices; k++) {
+      sl[k].row_offset += rs_ref_shift(rec->desc_off);   /* the item's own descriptor */
       int added;
       idmap_get(chunks, sl[k].chunk_off, &added);
       if (added) (*chunk_list)[chunks->n - 1] = sl[k].chunk_off;
@@ -418,9 +419,11 @@ int rs_restore_items(void *base, uint32_t table, uint64_t n, const rs_item_rec *
     goto out;
   }
   uint64_t made = 0;
-  for (; made < n; made++) {
+  for (; made < n; made++) {   /* consecutive items of one batch share a DESC block again */
     const rs_desc_hdr *d = (const rs_desc_hdr *)(blobs + offs[made]);
-    if ((rc = rs_desc_create(base, blobs + offs[made], (uint32_t)desc_len(d), &desc_offs[made]))) break;
+    if ((rc = rs_desc_create_shared(base, blobs + offs[made], (uint32_t)desc_len(d),
+                                    made ? desc_offs[made - 1] : 0, &desc_offs[made])))
+      break;
   }
   if (rc) {   /* nothing committed yet: drop what was created */
     for (uint64_t i = 0; i < made; i++) rs_desc_release(base, desc_offs[i], 0);
@@ -435,11 +438,10 @@ int rs_restore_items(void *base, uint32_t table, uint64_t n, const rs_item_rec *
     rec->key = items[i].key;
     rec->priority = items[i].priority;
     rec->insert_seq = items[i].insert_seq;
-    rec->update_seq = items[i].update_seq;
     rec->desc_off = desc_offs[i];
     rec->inserted_at_ns = items[i].inserted_at_ns;
     rec->times_sampled = (int32_t)items[i].times_sampled;
-    rec->heap_pos[0] = rec->heap_pos[1] = RS_NONE;
+    if (th->aux_off) rs_aux(base, th)[r] = (rs_heap_aux){items[i].update_seq, {RS_NONE, RS_NONE}};
     __atomic_store_n(&rec->valid, 1, __ATOMIC_RELEASE);
   }
   th->inserts = th->samples = th->deletes = 0;

@@ -39,11 +39,14 @@ void rs_sumtree_find_many(const double *tree, uint32_t leaves, uint32_t k, const
       target[j] = u[b + j] * total;
       node[j] = 1;
     }
+    /* leaves need not be a power of two: leaf nodes [leaves, 2 * leaves) lie on two levels */
     for (uint32_t level = leaves; level > 1; level >>= 1)
       for (uint32_t j = 0; j < m; j++) {
         node[j] = step(tree, node[j], &target[j]);
         __builtin_prefetch(&tree[2 * node[j]], 0);   /* the children read at the next level */
       }
+    for (uint32_t j = 0; j < m; j++)
+      if (node[j] < leaves) node[j] = step(tree, node[j], &target[j]);
     for (uint32_t j = 0; j < m; j++) out[b + j] = node[j] - leaves;
   }
 }

@@ -1,6 +1,7 @@
 /* Array sum tree over float64 weights (Schaul et al. 2016, prioritized experience replay).
- * tree[1] is the root, leaf i is tree[leaves + i], tree[0] is unused; `leaves` is a power of
- * two. Every internal node is recomputed as the sum of its two children whenever a leaf below
+ * tree[1] is the root, leaf i is tree[leaves + i], tree[0] is unused; node v < leaves has the
+ * children 2v and 2v + 1. `leaves` is any count >= 1 (not only a power of two: then the leaves
+ * sit on the last two levels, and every descent still ends on a leaf). Every internal node is recomputed as the sum of its two children whenever a leaf below
  * it changes, so nodes are exact sums of their children and never drift. */
 #ifndef RS_SUMTREE_H
 #define RS_SUMTREE_H

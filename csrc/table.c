@@ -25,7 +25,7 @@
 #include "sumtree.h"
 #include "table.h"
 
-#define MAX_RECORDS ((1u << 30) - 1) /* keeps every power-of-two capacity within uint32 */
+#define MAX_RECORDS ((1u << 30) - 1) /* keeps every map and sum-tree capacity within uint32 */
 #define SAMPLE_ROUND 256             /* items sampled (and pinned) per arena-lock acquisition */
 #define SPIN_NS 4000                 /* re-read seq this long before sleeping in the kernel */
 
@@ -38,12 +38,6 @@ static inline void cpu_relax(void) {
 }
 
 /* ================================================================== region layout */
-
-static uint32_t pow2_at_least(uint64_t x) {
-  uint64_t p = 1;
-  while (p < x) p <<= 1;
-  return (uint32_t)p;
-}
 
 static int kind_ok(int32_t k) { return k >= RS_SEL_UNIFORM && k <= RS_SEL_MAXHEAP; }
 
@@ -72,16 +66,16 @@ static int config_check(const rs_table_config *cfg) {
 
 typedef struct region_plan {
   uint32_t cap, index_cap, tree_leaves, episodes_cap;
-  uint64_t recs, index, dense, heap[2], tree[2], episodes, blob, total; /* relative offsets */
+  uint64_t recs, index, dense, heap[2], tree[2], aux, episodes, blob, total; /* relative offsets */
 } region_plan;
 
 static void plan_region(const rs_table_config *cfg, region_plan *p) {
   memset(p, 0, sizeof *p);
   p->cap = (uint32_t)cfg->max_size + 1; /* an overflow insert adds before the remover deletes */
-  p->index_cap = pow2_at_least(2ull * p->cap);
-  p->episodes_cap = pow2_at_least(2ull * p->cap);
+  p->index_cap = rs_map_capacity(p->cap);
+  p->episodes_cap = rs_map_capacity(p->cap);
   int prio = cfg->sampler_kind == RS_SEL_PRIORITIZED || cfg->remover_kind == RS_SEL_PRIORITIZED;
-  p->tree_leaves = prio ? pow2_at_least(p->cap) : 0;
+  p->tree_leaves = prio ? p->cap : 0;   /* one leaf per record (any count, sumtree.h) */
   uint64_t at = rs_align_up(sizeof(rs_table_hdr), RS_ALIGN);
 #define PLACE(field, bytes) (p->field = at, at = rs_align_up(at + (uint64_t)(bytes), RS_ALIGN))
   PLACE(recs, (uint64_t)p->cap * sizeof(rs_rec));
@@ -92,6 +86,7 @@ static void plan_region(const rs_table_config *cfg, region_plan *p) {
     if (rs_sel_is_heap(kinds[si])) PLACE(heap[si], (uint64_t)p->cap * sizeof(uint32_t));
     if (kinds[si] == RS_SEL_PRIORITIZED) PLACE(tree[si], 2ull * p->tree_leaves * sizeof(double));
   }
+  if (rs_sel_is_heap(kinds[0]) || rs_sel_is_heap(kinds[1])) PLACE(aux, (uint64_t)p->cap * sizeof(rs_heap_aux));
   PLACE(episodes, (uint64_t)p->episodes_cap * sizeof(rs_episode_entry));
   PLACE(blob, cfg->blob_len);
 #undef PLACE
@@ -148,12 +143,15 @@ int rs_table_region_init(void *base, uint64_t off, const rs_table_config *cfg) {
   th->episodes_cap = p.episodes_cap;
   th->blob_off = off + p.blob;
   th->blob_len = cfg->blob_len;
+  th->aux_off = p.aux ? off + p.aux : 0;
+  th->last_rec = RS_NONE;
   if (cfg->blob_len) memcpy(rs_at(base, th->blob_off), cfg->blob, cfg->blob_len);
 
   rs_rec *recs = rs_recs(base, th);
   for (uint32_t r = 0; r < p.cap; r++) {
     memset(&recs[r], 0, sizeof recs[r]);
-    recs[r].heap_pos[0] = recs[r].heap_pos[1] = recs[r].prev = recs[r].next = RS_NONE;
+    recs[r].prev = recs[r].next = RS_NONE;
+    if (th->aux_off) rs_aux(base, th)[r] = (rs_heap_aux){0, {RS_NONE, RS_NONE}};
   }
   free_list_rebuild(recs, th);
   rs_index_clear(rs_tindex(base, th), th->index_cap);
@@ -413,7 +411,7 @@ static void item_remove(void *base, rs_table_hdr *th, uint32_t r, int arena_lock
 static void update_priority(void *base, rs_table_hdr *th, uint32_t r, double priority) {
   rs_rec *rec = &rs_recs(base, th)[r];
   rec->priority = priority;
-  rec->update_seq = th->next_update_seq++;
+  if (th->aux_off) rs_aux(base, th)[r].update_seq = th->next_update_seq++;
   for (int si = 0; si < 2; si++) rs_sel_update(base, th, si, r);
 }
 
@@ -433,23 +431,27 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
   if (th->free_rec_head == RS_NONE) /* cannot happen: size <= max_size < cap */
     return rs_set_error(RS_ECORRUPT, "table '%s': no free record (size %lld)", th->name,
                         (long long)th->size);
+  /* The last inserted item's block is a template to share while a live record holds it (a
+   * stale offset could name memory that is no longer a block). */
+  rs_rec *recs = rs_recs(base, th);
+  uint32_t last = th->last_rec;
+  uint64_t tmpl = last < th->cap && recs[last].valid ? recs[last].desc_off : 0;
   uint64_t desc;
-  int rc = rs_desc_create(base, blob, len, &desc);
+  int rc = rs_desc_create_shared(base, blob, len, tmpl, &desc);
   if (rc) return rc;
 
-  rs_rec *recs = rs_recs(base, th);
   r = th->free_rec_head;
+  th->last_rec = r;
   rs_rec *rec = &recs[r];
   th->free_rec_head = rec->next_free;
   rec->key = key;
   rec->priority = priority;
   rec->insert_seq = th->next_insert_seq++;
-  rec->update_seq = th->next_update_seq++;
   rec->desc_off = desc;
   rec->inserted_at_ns = rs_realtime_ns();
   rec->times_sampled = 0;
   rec->next_free = RS_NONE;
-  rec->heap_pos[0] = rec->heap_pos[1] = RS_NONE;
+  if (th->aux_off) rs_aux(base, th)[r] = (rs_heap_aux){th->next_update_seq++, {RS_NONE, RS_NONE}};
   __atomic_store_n(&rec->valid, 1, __ATOMIC_RELEASE); /* commit */
   item_link(base, th, r);
 
@@ -587,7 +589,7 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
     for (uint32_t j = k; j < k + m; j++) {
       rs_rec *rec = &recs[picks[j]];
       /* ... and the descriptor (block header + blob) that pinning and gathering read next */
-      __builtin_prefetch(rs_at(base, rec->desc_off - RS_ALIGN), 1);
+      __builtin_prefetch(rs_at(base, rs_ref_off(rec->desc_off) - RS_ALIGN), 1);
       __builtin_prefetch(rs_desc_blob(base, rec->desc_off), 0);
       __builtin_prefetch((const char *)rs_desc_blob(base, rec->desc_off) + RS_ALIGN, 0);
       rec->times_sampled++;
@@ -679,10 +681,11 @@ int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col, u
       return rs_set_error(RS_EINVAL, "rs_gather: item %u column %u holds %llu bytes, expected %llu",
                           i, col, (unsigned long long)bytes, (unsigned long long)col_bytes);
     uint8_t *dst = out + (uint64_t)i * out_stride;
+    uint64_t shift = rs_ref_shift(desc_offs[i]);
     for (uint32_t j = 0; j < c->nslices; j++) {
       const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
       uint64_t nb = (uint64_t)s[j].nrows * ch->row_bytes;
-      memcpy(dst, (const char *)ch + ch->data_offset + (uint64_t)s[j].row_offset * ch->row_bytes, nb);
+      memcpy(dst, (const char *)ch + ch->data_offset + (s[j].row_offset + shift) * ch->row_bytes, nb);
       dst += nb;
     }
   }
@@ -765,12 +768,18 @@ int rs_reset(void *base, uint32_t table) {
 
 /* ================================================================== introspection */
 
-static void item_rec(const rs_rec *rec, rs_item_rec *out) {
+/* update_seq of record r: its heap tie-break counter, or insert_seq in a table without heaps. */
+uint64_t rs_rec_update_seq(void *base, rs_table_hdr *th, uint32_t r) {
+  return th->aux_off ? rs_aux(base, th)[r].update_seq : rs_recs(base, th)[r].insert_seq;
+}
+
+static void item_rec(void *base, rs_table_hdr *th, uint32_t r, rs_item_rec *out) {
+  const rs_rec *rec = &rs_recs(base, th)[r];
   out->key = rec->key;
   out->priority = rec->priority;
   out->times_sampled = rec->times_sampled;
   out->insert_seq = rec->insert_seq;
-  out->update_seq = rec->update_seq;
+  out->update_seq = rs_rec_update_seq(base, th, r);
   out->inserted_at_ns = rec->inserted_at_ns;
   out->desc_off = rec->desc_off;
 }
@@ -782,7 +791,7 @@ int rs_table_items(void *base, uint32_t table, rs_item_rec *out, uint64_t cap, u
   if (rc) return rc;
   rs_rec *recs = rs_recs(base, th);
   uint64_t n = 0;
-  for (uint32_t r = th->order_head; r != RS_NONE && n < cap; r = recs[r].next) item_rec(&recs[r], &out[n++]);
+  for (uint32_t r = th->order_head; r != RS_NONE && n < cap; r = recs[r].next) item_rec(base, th, r, &out[n++]);
   *n_out = n;
   *size_out = (uint64_t)th->size;
   rs_tunlock(base, table);
@@ -794,7 +803,7 @@ int rs_table_get(void *base, uint32_t table, uint64_t key, rs_item_rec *out) {
   int rc = query_lock(base, table, out != NULL, "rs_table_get", &th);
   if (rc) return rc;
   uint32_t r = rs_index_find(rs_tindex(base, th), th->index_cap, key);
-  if (r != RS_NONE) item_rec(&rs_recs(base, th)[r], out);
+  if (r != RS_NONE) item_rec(base, th, r, out);
   rs_tunlock(base, table);
   if (r == RS_NONE)
     return rs_set_error(RS_ENOTFOUND, "table '%s' has no item with key %llu", th->name,
@@ -874,7 +883,7 @@ void rs_table_repair(void *base, uint32_t t) {
     rs_index_put(ix, th->index_cap, recs[r].key, r);
     dense[n++] = r;
     if (recs[r].insert_seq + 1 > max_ins) max_ins = recs[r].insert_seq + 1;
-    if (recs[r].update_seq + 1 > max_upd) max_upd = recs[r].update_seq + 1;
+    if (th->aux_off && rs_aux(base, th)[r].update_seq + 1 > max_upd) max_upd = rs_aux(base, th)[r].update_seq + 1;
   }
   free_list_rebuild(recs, th);
   qsort_r(dense, n, sizeof *dense, by_insert_seq, recs);
@@ -940,23 +949,25 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
     const rs_desc_hdr *d = rs_desc_blob(base, recs[i].desc_off);
     const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
     const rs_desc_slice *s = rs_desc_slices(d);
+    uint64_t shift = rs_ref_shift(recs[i].desc_off);
     for (uint32_t c = 0; c < ncols; c++) {
       const rs_desc_slice *sl = &s[dc[c].first_slice];
       const rs_chunk_hdr *ch = rs_chunk(base, sl->chunk_off);
-      __builtin_prefetch((const char *)ch + ch->data_offset + (uint64_t)sl->row_offset * ch->row_bytes, 0);
+      __builtin_prefetch((const char *)ch + ch->data_offset + (sl->row_offset + shift) * ch->row_bytes, 0);
     }
   }
   for (uint32_t i = 0; i < n; i++) {
     const rs_desc_hdr *d = rs_desc_blob(base, recs[i].desc_off);
     const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
     const rs_desc_slice *s = rs_desc_slices(d);
+    uint64_t shift = rs_ref_shift(recs[i].desc_off);
     uint64_t row = (uint64_t)first + i;
     for (uint32_t c = 0; c < ncols; c++) {
       uint8_t *dst = cols[c].out + row * cols[c].stride;
       for (uint32_t j = dc[c].first_slice, end = j + dc[c].nslices; j < end; j++) {
         const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
         uint64_t nb = (uint64_t)s[j].nrows * ch->row_bytes;
-        const char *src = (const char *)ch + ch->data_offset + (uint64_t)s[j].row_offset * ch->row_bytes;
+        const char *src = (const char *)ch + ch->data_offset + (s[j].row_offset + shift) * ch->row_bytes;
         switch (nb) { /* inline the common scalar sizes instead of calling memcpy */
           case 4: memcpy(dst, src, 4); break;
           case 8: memcpy(dst, src, 8); break;

@@ -1,7 +1,7 @@
 /* Per-table invariant checker (rs_table_check); the caller holds the table lock.
  *
  * Verified: size == valid records == index entries == dense length; the index maps every valid
- * key to its record; the free list holds exactly the invalid records; the insertion-order list
+ * key to its record; every item's (shifted) slices lie within its chunks' published rows; the free list holds exactly the invalid records; the insertion-order list
  * is consistent and sorted by insert_seq; heaps are heaps with correct back-pointers; every
  * sum-tree node equals the sum of its children and every leaf equals its record's weight; the
  * episode map matches a recount; inserts - deletes == size; limiter parameters are sane. */
@@ -56,6 +56,13 @@ static void check_records(void *base, rs_table_hdr *th, report_t *rep) {
       fail(rep, "index does not map key %llu to its record %u", (unsigned long long)recs[r].key, r);
     if (recs[r].dense_pos >= th->size || dense[recs[r].dense_pos] != r)
       fail(rep, "record %u has dense_pos %u but dense[] disagrees", r, recs[r].dense_pos);
+    const rs_desc_hdr *d = rs_desc_blob(base, recs[r].desc_off);
+    const rs_desc_slice *sl = rs_desc_slices(d);
+    uint64_t shift = rs_ref_shift(recs[r].desc_off);
+    for (uint32_t k = 0; k < d->nslices; k++)
+      if (sl[k].row_offset + shift + sl[k].nrows > rs_chunk(base, sl[k].chunk_off)->rows)
+        fail(rep, "record %u (key %llu): slice %u rows [%llu, +%u) beyond its chunk's published rows", r,
+             (unsigned long long)recs[r].key, k, (unsigned long long)(sl[k].row_offset + shift), sl[k].nrows);
   }
   for (uint32_t i = 0; i < th->index_cap; i++) {
     if (!ix[i].rec_plus1) continue;
@@ -111,14 +118,15 @@ static void check_selector(void *base, rs_table_hdr *th, int si, report_t *rep) 
   rs_rec *recs = rs_recs(base, th);
   if (rs_sel_is_heap(s->kind)) {
     uint32_t *heap = rs_heap(base, s);
+    rs_heap_aux *aux = rs_aux(base, th);
     if (s->heap_len != (uint64_t)th->size) fail(rep, "selector %d: heap has %u items, size %lld", si, s->heap_len, (long long)th->size);
     for (uint32_t i = 0; i < s->heap_len && i < th->cap; i++) {
       uint32_t r = heap[i];
-      if (r >= th->cap || !recs[r].valid || recs[r].heap_pos[si] != i) {
+      if (r >= th->cap || !recs[r].valid || aux[r].heap_pos[si] != i) {
         fail(rep, "selector %d: heap[%u] = %u has a wrong back-pointer or is not live", si, i, r);
         continue;
       }
-      if (i > 0 && rs_heap_before(s->kind, &recs[r], &recs[heap[(i - 1) / 2]]))
+      if (i > 0 && rs_heap_before(s->kind, recs, aux, r, heap[(i - 1) / 2]))
         fail(rep, "selector %d: heap property violated at position %u", si, i);
     }
   } else if (s->kind == RS_SEL_PRIORITIZED) {
@@ -161,7 +169,7 @@ static void check_episodes(void *base, rs_table_hdr *th, report_t *rep) {
   rs_episode_entry *em = rs_tepisodes(base, th);
   int64_t used = 0;
   for (uint32_t i = 0; i < th->episodes_cap; i++) {
-    if (!em[i].used) continue;
+    if (!em[i].count) continue;
     used++;
     rs_episode_entry *want = rs_epmap_find(rc.em, rc.cap, em[i].episode_id);
     if (!want || want->count != em[i].count)
@@ -190,9 +198,12 @@ static void check_counters(rs_table_hdr *th, report_t *rep) {
 int rs_table_check(void *base, uint32_t t, char *report, uint64_t report_len) {
   rs_table_hdr *th = rs_table(base, t);
   report_t rep = {report, report_len, th->name, 0};
-  if (th->cap != th->max_size + 1 || th->index_cap < 2ull * th->cap || (th->index_cap & (th->index_cap - 1))) {
-    fail(&rep, "capacities inconsistent (cap %u, max_size %llu, index_cap %u)", th->cap,
-         (unsigned long long)th->max_size, th->index_cap);
+  int heaps = rs_sel_is_heap(th->sel[0].kind) || rs_sel_is_heap(th->sel[1].kind);
+  if (th->cap != th->max_size + 1 || th->index_cap != rs_map_capacity(th->cap) ||
+      th->episodes_cap != rs_map_capacity(th->cap) || !th->aux_off != !heaps) {
+    fail(&rep, "capacities inconsistent (cap %u, max_size %llu, index_cap %u, episodes_cap %u, heap data %s)",
+         th->cap, (unsigned long long)th->max_size, th->index_cap, th->episodes_cap,
+         th->aux_off ? "present" : "absent");
     return RS_ECORRUPT;
   }
   check_records(base, th, &rep);

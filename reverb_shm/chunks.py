@@ -21,8 +21,8 @@ from reverb_shm._lib import check, ffi, lib
 
 __all__ = ["Chunk", "ColumnWriter", "Pins", "alloc_chunk", "object_chunk", "encode_descriptor",
            "join_descriptors", "encode_row_descriptors", "read_item", "read_items",
-           "gather_column", "item_columns", "DESC_HDR", "DESC_COL", "DESC_SLICE", "SAMPLE_REC",
-           "ITEM_REC"]
+           "gather_column", "item_columns", "desc_blocks", "DESC_HDR", "DESC_COL", "DESC_SLICE",
+           "SAMPLE_REC", "ITEM_REC"]
 
 DESC_HDR = np.dtype([("ncols", "<u4"), ("nslices", "<u4")])
 DESC_COL = np.dtype([("first_slice", "<u4"), ("nslices", "<u4"), ("flags", "<u4"),
@@ -52,6 +52,22 @@ _check_layouts()
 _DESC_DATA_OFFSET = int(lib.rs_desc_data_offset())
 if _DESC_DATA_OFFSET % 8:  # read_items reads descriptors as aligned uint32 words
   raise errors.CorruptError(f"descriptor data offset {_DESC_DATA_OFFSET} is not 8-byte aligned")
+# An item's desc_off is an item reference: the DESC block offset in the low bits, a row shift
+# (added to every slice's row_offset) above them; items of one batch share their DESC block.
+_REF_OFF_BITS = int(lib.rs_desc_ref_off_bits())
+_REF_OFF_MASK = (1 << _REF_OFF_BITS) - 1
+
+
+def _split_ref(ref: int) -> Tuple[int, int]:
+  """(DESC block offset, row shift) of an item reference."""
+  ref = int(ref)
+  return ref & _REF_OFF_MASK, ref >> _REF_OFF_BITS
+
+
+def desc_blocks(desc_offs) -> np.ndarray:
+  """uint64[B] DESC block offsets of B item references (desc_off of items and samples); items
+  of one inserted batch share one block."""
+  return np.asarray(desc_offs, np.uint64) & np.uint64(_REF_OFF_MASK)
 
 
 # ---------------------------------------------------------------- pins
@@ -479,13 +495,18 @@ def encode_row_descriptors(chunk_offs: Sequence[int], n: int,
 
 
 def item_columns(seg, desc_off: int) -> List[Tuple[np.ndarray, bool]]:
-  """Decodes a stored descriptor: per column (slices structured array, squeeze)."""
-  start = int(desc_off) + _DESC_DATA_OFFSET
+  """Decodes a stored item's descriptor (desc_off: its item reference): per column (slices
+  structured array with the item's own row offsets, squeeze)."""
+  off, shift = _split_ref(desc_off)
+  start = off + _DESC_DATA_OFFSET
   hdr = np.frombuffer(seg.buf, DESC_HDR, 1, start)[0]
   ncols, nslices = int(hdr["ncols"]), int(hdr["nslices"])
   cols = np.frombuffer(seg.buf, DESC_COL, ncols, start + DESC_HDR.itemsize)
   slices = np.frombuffer(seg.buf, DESC_SLICE, nslices,
                          start + DESC_HDR.itemsize + ncols * DESC_COL.itemsize)
+  if shift:
+    slices = slices.copy()
+    slices["row_offset"] += np.uint32(shift)
   return [(slices[c["first_slice"]:c["first_slice"] + c["nslices"]],
            bool(c["flags"] & SQUEEZE)) for c in cols]
 
@@ -496,8 +517,13 @@ _DESC_BODY_STRUCTS = {}  # (ncols, nslices) -> Struct of the rs_desc_col and rs_
 
 
 def _decode_descriptor(seg, desc_off: int) -> List[Tuple[List[tuple], bool]]:
-  """Per column ([(chunk_off, row_offset, nrows), ...], squeeze), as Python ints."""
-  return decode_descriptor(seg.buf, desc_off + _DESC_DATA_OFFSET)
+  """Per column ([(chunk_off, row_offset, nrows), ...], squeeze), as Python ints, of the item
+  whose item reference is desc_off."""
+  off, shift = _split_ref(desc_off)
+  columns = decode_descriptor(seg.buf, off + _DESC_DATA_OFFSET)
+  if not shift:
+    return columns
+  return [([(c, r + shift, m) for c, r, m in slices], squeeze) for slices, squeeze in columns]
 
 
 def decode_descriptor(buf, start: int = 0) -> List[Tuple[List[tuple], bool]]:
@@ -570,7 +596,8 @@ def read_items(seg, desc_offs, pins: Pins) -> List[List[np.ndarray]]:
     return [read_item(seg, off, pins, cache) for off in offs.tolist()]
   out = [None] * len(offs)
   words = np.frombuffer(seg.buf, np.uint32, seg.size // 4)
-  at = (offs + np.uint64(_DESC_DATA_OFFSET)).astype(np.int64) >> 2  # 64-byte aligned blobs
+  shifts = (offs >> np.uint64(_REF_OFF_BITS)).astype(np.int64)
+  at = ((offs & np.uint64(_REF_OFF_MASK)) + np.uint64(_DESC_DATA_OFFSET)).astype(np.int64) >> 2
   ncols, nslices = words[at], words[at + 1]
   single = ncols == nslices            # every column is one slice
   for k in np.unique(ncols[single]).tolist():
@@ -580,7 +607,8 @@ def read_items(seg, desc_offs, pins: Pins) -> List[List[np.ndarray]]:
     slice_at = (at[items] + 2 + 4 * k)[:, None] + 4 * words[col_at].astype(np.int64)
     chunk_offs = words[slice_at].astype(np.uint64) | (
         words[slice_at + 1].astype(np.uint64) << np.uint64(32))
-    first_rows, nrows = words[slice_at + 2], words[slice_at + 3]
+    first_rows = words[slice_at + 2] + shifts[items][:, None]
+    nrows = words[slice_at + 3]
     uniq, which = np.unique(chunk_offs.ravel(), return_inverse=True)
     which = which.reshape(len(items), k)
     chunk_views = [_chunk_view(seg, pins, off, cache) for off in uniq.tolist()]

@@ -1,7 +1,7 @@
 """Finite priorities whose weights could sum to an infinite sum-tree total are rejected.
 
-The cap on one Prioritized weight is float64 max / (2 * sum-tree leaves), the leaves being
-max_size rounded up to a power of two; the invariant checker flags a non-finite total.
+The cap on one Prioritized weight is float64 max / (2 * sum-tree leaves), one leaf per record
+(max_size + 1); the invariant checker flags a non-finite total.
 """
 import collections
 import sys
@@ -21,7 +21,7 @@ DBL_MAX = sys.float_info.max
 
 
 def _cap(max_size):
-  leaves = 1 << max_size.bit_length()     # capacity max_size + 1, rounded up to a power of 2
+  leaves = max_size + 1                   # one leaf per record
   return DBL_MAX / (2 * leaves)
 
 
@@ -35,7 +35,7 @@ def test_weight_above_the_cap_is_rejected_on_insert_and_update(sampler, remover)
     assert seg.insert([3, 4], [1.0, bad]) == (lib.RS_EINVAL, 0)
     message = last_error()
     assert "priority [1]" in message and f"cap {cap:g}" in message
-    assert "128 sum-tree leaves" in message
+    assert "101 sum-tree leaves" in message
     assert seg.mutate(updates=[(1, 2.0), (2, bad)])[0] == lib.RS_EINVAL
     assert seg.items() == before
   seg.check()
@@ -49,18 +49,18 @@ def test_exponent_scales_the_weight_checked_against_the_cap():
 
 
 def test_checker_flags_a_non_finite_total():
-  seg = Segment(max_size=4, sampler=PRIORITIZED)     # capacity 5: a sum tree of 8 leaves
+  seg = Segment(max_size=4, sampler=PRIORITIZED)     # capacity 5: a sum tree of 5 leaves
   marks = [1.5, 2.5, 3.25]
   insert_ok(seg, [1, 2, 3], marks)
   words = np.frombuffer(seg.mm, np.float64)
-  # tree[1] is the total, tree[8 + r] the leaf of record r; records hold the same priorities.
-  starts = [i - 1 for i in np.flatnonzero(words == 7.25) if list(words[i + 7:i + 10]) == marks]
+  # tree[1] is the total, tree[5 + r] the leaf of record r; records hold the same priorities.
+  starts = [i - 1 for i in np.flatnonzero(words == 7.25) if list(words[i + 4:i + 7]) == marks]
   assert len(starts) == 1
-  tree = words[starts[0]:starts[0] + 16]
+  tree = words[starts[0]:starts[0] + 10]
   for i in np.flatnonzero(np.isin(words, marks)):   # record priorities (and the leaves)
     words[i] = 1e308
   with np.errstate(over="ignore"):
-    for node in range(7, 0, -1):                    # consistent nodes, each the sum of children
+    for node in range(4, 0, -1):                    # consistent nodes, each the sum of children
       tree[node] = tree[2 * node] + tree[2 * node + 1]
   assert tree[1] == np.inf
   with pytest.raises(AssertionError, match="sum-tree total is inf, expected a finite sum"):
