@@ -13,7 +13,8 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from reverb_shm import chunks, errors, shm, structure, timeouts
-from reverb_shm._lib import ffi
+from reverb_shm import step_inserter as step_inserter_lib
+from reverb_shm._lib import ffi, lib
 from reverb_shm import table as table_lib
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
@@ -27,12 +28,18 @@ _SERVER_POLL_S = 0.02
 # Client.sample decodes up to this many items per batch (the first waits, the rest are taken
 # only if the rate limiter allows them right away).
 _SAMPLE_AHEAD = 256
+_INF = float("inf")
+_MAX_EXACT = 2**53   # ints a float64 priority holds exactly
+_MAX_PLANS = 64      # step layouts remembered per table handle
+_NO_PLAN = object()
+_RANDOM_KEY_AND_EPISODE = lib.RS_ROWS_RANDOM_KEYS | lib.RS_ROWS_RANDOM_EPISODE
 
 
 class _TableHandle:
   """What the client and its writers need of one table, cached per attached segment."""
 
-  __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized")
+  __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized",
+               "insert_plans")
 
   def __init__(self, seg: shm.Segment, name: str):
     self.seg = seg
@@ -44,6 +51,27 @@ class _TableHandle:
                            else structure.flatten(self.signature)[0])
     stats = seg.stats(self.index)
     self.prioritized = PRIORITIZED in (stats["sampler_kind"], stats["remover_kind"])
+    self.insert_plans = {}   # (dtype, shape) per step leaf -> ColumnWriter, or None: not fast
+
+  def insert_plan(self, columns: tuple) -> Optional[chunks.ColumnWriter]:
+    """The ColumnWriter of Client.insert's one-call path for steps of `columns` ((dtype, shape)
+    per leaf), checked once against the table; None when such steps must take the general path
+    (object or unsupported dtypes, a signature mismatch: it raises the error)."""
+    plan = self.insert_plans.get(columns, _NO_PLAN)
+    if plan is _NO_PLAN:
+      try:
+        for i, (dtype, _) in enumerate(columns):
+          trajectory_writer_lib.check_supported_dtype(dtype, i)
+        trajectory_writer_lib.check_signature(
+            self.name, self.flat_signature, [(d, (1,) + shape) for d, shape in columns],
+            allow_unbatched=True)
+        plan = chunks.ColumnWriter(columns)
+      except ValueError:   # (object dtypes too)
+        plan = None
+      if len(self.insert_plans) >= _MAX_PLANS:
+        self.insert_plans.clear()
+      self.insert_plans[columns] = plan
+    return plan
 
 
 class Client:
@@ -144,6 +172,8 @@ class Client:
       ResourceExhaustedError: the chunk arena is full.
       TableClosedError: the server stopped.
     """
+    if self._insert_fast(data, priorities, timeout_ms):
+      return
     handles, prios, arrays = checked_insert(self, data, priorities)
     deadline = timeouts.deadline_from_ms(timeout_ms)
     seg = self._segment()
@@ -168,6 +198,34 @@ class Client:
     finally:
       for c in written:
         c.release()
+
+  def _insert_fast(self, data, priorities, timeout_ms) -> bool:
+    """Client.insert's hot path: one numeric step into one known table whose layout was checked
+    before (_TableHandle.insert_plan), with one rs_insert_rows call. Returns False, having done
+    nothing, for anything else; the general path then checks everything (and raises)."""
+    if type(priorities) is not dict or len(priorities) != 1:
+      return False
+    (name, prio), = priorities.items()
+    if type(prio) is not float or not -_INF < prio < _INF:
+      if type(prio) is not int or not -_MAX_EXACT < prio < _MAX_EXACT:
+        return False
+      prio = float(prio)
+    self._segment()
+    handle = self._handles.get(name)
+    if handle is None or (prio < 0 and handle.prioritized):
+      return False
+    try:
+      arrays = step_inserter_lib.step_arrays(data)
+    except ValueError:
+      return False
+    writer = handle.insert_plan(tuple([(a.dtype, a.shape) for a in arrays]))
+    if writer is None:
+      return False
+    handle.table._insert_rows(  # pylint: disable=protected-access
+        writer, 1, ffi.new("uint64_t *"), ffi.new("double *", prio),
+        chunks.row_buffers(arrays), 0, _RANDOM_KEY_AND_EPISODE,
+        timeouts.deadline_from_ms(timeout_ms), timeout_ms)
+    return True
 
   def _insert_numeric(self, seg, handles, prios, arrays, episode_id, deadline, timeout_ms) -> None:
     """Client.insert's hot path for numeric steps: one ColumnWriter call, one rs_insert per table."""
