@@ -32,6 +32,8 @@ _INF = float("inf")
 _MAX_EXACT = 2**53   # ints a float64 priority holds exactly
 _MAX_PLANS = 64      # step layouts remembered per table handle
 _NO_PLAN = object()
+_KEY_TYPES = frozenset([int, np.uint64])   # item keys mutate_priorities converts in one pass
+_NO_KEYS = np.zeros(0, np.uint64)
 _RANDOM_KEY_AND_EPISODE = lib.RS_ROWS_RANDOM_KEYS | lib.RS_ROWS_RANDOM_EPISODE
 
 
@@ -302,10 +304,10 @@ class Client:
         if batch is not None and len(batch[0].key):   # else: another layout came up
           infos, columns = batch
           remaining -= len(infos.key)
-          infos = map(SampleInfo, *(field.tolist() for field in infos))
+          infos = _new_tuples(SampleInfo, zip(*[field.tolist() for field in infos]))
           # Row views of the private batch arrays (0-d views for scalar columns).
-          items = [list(item) for item in zip(*[
-              list(c) if c.ndim > 1 else [c[i, ...] for i in range(len(c))] for c in columns])]
+          items = map(list, zip(*[list(c) if c.ndim > 1 else list(map(c.__getitem__, _rows(len(c))))
+                                  for c in columns]))
           yield from Client._emit(infos, items, emit_timesteps, treedef)
           continue
       recs, pins = st.sample_records(1, timeout_ms)
@@ -319,20 +321,19 @@ class Client:
       del pins, more_pins   # the views keep their pins (and items) alive as long as they live
       remaining -= len(recs)
       st._learn_layout([(col.dtype, col.shape) for col in items[0]])
-      infos = map(SampleInfo, recs["key"].tolist(), recs["probability"].tolist(),
-                  recs["table_size"].tolist(), recs["priority"].tolist(),
-                  recs["times_sampled"].tolist())
+      infos = _new_tuples(SampleInfo, zip(recs["key"].tolist(), recs["probability"].tolist(),
+                                          recs["table_size"].tolist(), recs["priority"].tolist(),
+                                          recs["times_sampled"].tolist()))
       yield from Client._emit(infos, items, emit_timesteps, treedef)
 
   @staticmethod
   def _emit(infos, items, emit_timesteps, treedef):
-    """Yields ReplaySample (or, with emit_timesteps, lists of them) of each (info, columns)."""
+    """Iterator of the ReplaySample (or, with emit_timesteps, lists of them) of each
+    (info, columns)."""
     if not emit_timesteps:   # no Python frame per item
-      yield from map(ReplaySample, infos,
-                     items if treedef is None else map(_unpack, repeat(treedef), items))
-      return
-    for info, data in zip(infos, items):
-      yield to_samples(info, data, True, treedef)
+      return _new_tuples(ReplaySample, zip(
+          infos, items if treedef is None else map(_unpack, repeat(treedef), items)))
+    return map(to_samples, infos, items, repeat(True), repeat(treedef))
 
   # ---- mutation
   def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,
@@ -365,6 +366,15 @@ class Client:
                         f"{type(deletes).__name__} {deletes!r:.60}")
       deletes = list(deletes)
     st = self._table_handle(table).table
+    if type(updates) is dict and not deletes and _KEY_TYPES.issuperset(map(type, updates)):
+      try:   # the common case (keys of sampled items): one pass into arrays, one C call
+        keys = np.fromiter(updates, np.uint64, len(updates))
+      except OverflowError:   # a key outside [0, 2**64): the checks below name it
+        keys = None
+      if keys is not None:
+        # pylint: disable=protected-access
+        prios = st._priorities(list(updates.values()), len(keys), "updated priorities")
+        return st._mutate(keys, prios, _NO_KEYS)
     # Python ints above 2**63 would make numpy guess float64: pass uint64 scalars instead.
     if updates:
       updates = {_key(k): v for k, v in updates.items()}
@@ -507,6 +517,20 @@ def checked_insert(client, data: Any, priorities: Dict[str, float]):
     trajectory_writer_lib.check_signature(h.name, h.flat_signature, columns,
                                           allow_unbatched=True)
   return handles, prios, arrays
+
+
+def _new_tuples(cls, values):
+  """Iterator of cls(*v) for each tuple v of `values`, for a NamedTuple cls, without a Python
+  call per item (what its __new__ would return)."""
+  return map(tuple.__new__, repeat(cls), values)
+
+
+_ROWS = tuple((i, Ellipsis) for i in range(_SAMPLE_AHEAD))
+
+
+def _rows(n: int) -> tuple:
+  """(i, ...) for i < n: the indices of the 0-d row views of a 1-d batch column."""
+  return _ROWS[:n] if n <= len(_ROWS) else tuple((i, Ellipsis) for i in range(n))
 
 
 def _key(key) -> np.uint64:
