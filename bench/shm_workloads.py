@@ -58,14 +58,23 @@ def w1(args):
         client.insert(data, {TABLE: 1.0})
       return 100
     rows = [row("W1", "reverb_api", "Client.insert", timed(api, args.duration, args.warmup)[0])]
-    one = steps(1)
+    inserter = table.step_inserter(capacity=256)
 
     def fastest():
       for _ in range(100):
+        inserter.insert(data, 1.0)
+      return 100
+    rows.append(row("W1", "fastest", "SharedTable.step_inserter(256).insert (1 step per call, "
+                    "visible at each flush of 256)", timed(fastest, args.duration, args.warmup)[0]))
+    inserter.close()
+    one = steps(1)
+
+    def unbuffered():
+      for _ in range(100):
         table.insert(one, 1.0)
       return 100
-    rows.append(row("W1", "fastest", "SharedTable.insert (1 step per call)",
-                    timed(fastest, args.duration, args.warmup)[0]))
+    rows.append(row("W1", "insert_1step", "SharedTable.insert (1 step per call, visible at once)",
+                    timed(unbuffered, args.duration, args.warmup)[0]))
   return rows
 
 

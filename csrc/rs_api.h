@@ -355,3 +355,22 @@ int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hd
  * rows, the sliding windows of a trajectory writer) share a DESC block this way. Snapshot
  * descriptors (rs_snapshot_table.descs) are per item with the shift already applied. */
 uint32_t rs_desc_ref_off_bits(void);
+
+/* ---- issue 6 (round 3, hot paths): one C call per small insert ---- */
+enum {
+  RS_ROWS_RANDOM_KEYS = 1,     /* rs_insert_rows: draw keys[0..n) here (rs_rand_u64) first */
+  RS_ROWS_RANDOM_EPISODE = 2   /* rs_insert_rows: draw the chunks' episode id here */
+};
+/* rs_write_chunks of n rows per column, then rs_insert_slices of n items where item i is row i
+ * of every column (squeezed when col_flags[c] & 1, else one row with a time dim), then the
+ * chunks' writer pins are dropped: alloc, copy, descriptors and insert in one call.
+ * keys: uint64[n], filled here when flags & RS_ROWS_RANDOM_KEYS. Validation, blocking and
+ * *done_out as rs_insert; nothing is written when the input is invalid or the arena is full.
+ * On RS_EAGAIN (the wait slice expired; *done_out items inserted) the chunks stay held by
+ * `slot`: chunk_offs_out[c] / pins_out[c] (ncols each) let the caller finish with
+ * rs_insert_slices and release them with rs_unpin. On every other return they are released. */
+int rs_insert_rows(void *base, uint32_t slot, uint32_t table, uint32_t n, uint64_t *keys,
+                   const double *priorities, uint32_t ncols, const rs_chunk_hdr *metas,
+                   const uint8_t *const *data, const uint32_t *col_flags, uint64_t episode_id,
+                   uint32_t flags, int64_t deadline_ns, int64_t slice_ns,
+                   uint64_t *chunk_offs_out, uint32_t *pins_out, uint32_t *done_out);

@@ -20,7 +20,7 @@ from reverb_shm import errors
 from reverb_shm._lib import check, ffi, lib
 
 __all__ = ["Chunk", "ColumnWriter", "Pins", "alloc_chunk", "object_chunk", "encode_descriptor",
-           "join_descriptors", "encode_row_descriptors", "read_item", "read_items",
+           "join_descriptors", "encode_row_descriptors", "read_item", "read_items", "row_buffers",
            "gather_column", "item_columns", "desc_blocks", "DESC_HDR", "DESC_COL", "DESC_SLICE",
            "SAMPLE_REC", "ITEM_REC"]
 
@@ -335,6 +335,8 @@ class ColumnWriter:
 
   __slots__ = ("_metas", "ncols", "slices", "squeeze_flags")
 
+  metas = property(lambda self: self._metas, doc="rs_chunk_hdr[ncols] of the columns.")
+
   def __init__(self, columns: Sequence[Tuple[np.dtype, tuple]]):
     if not 1 <= len(columns) <= 64:
       raise ValueError(f"ColumnWriter takes 1..64 columns, got {len(columns)}")
@@ -380,6 +382,28 @@ class ColumnWriter:
     check(lib.rs_write_chunks(seg.base, slot, self.ncols, self._metas, buffers, rows, episode_id,
                               0, offs, ffi.from_buffer("uint32_t[]", pins)), "writing chunks")
     return list(offs), Pins(seg, generation, pins)
+
+  def row_slices(self, chunk_offs: Sequence[int], n: int):
+    """rs_desc_slice[n * ncols] where column c of item i is row i of chunk chunk_offs[c].
+
+    The cffi array owns its memory (keep it while C reads it).
+    """
+    arr = np.empty((n, self.ncols), DESC_SLICE)
+    arr["chunk_off"] = np.asarray(chunk_offs, np.uint64)
+    arr["row_offset"] = np.arange(n, dtype=np.uint32)[:, None]
+    arr["nrows"] = 1
+    out = ffi.new("rs_desc_slice[]", n * self.ncols)
+    ffi.memmove(out, arr, arr.nbytes)
+    return out
+
+
+def row_buffers(arrays: Sequence[np.ndarray]) -> list:
+  """uint8_t[] cdata of each array's bytes (C-contiguous copies of the others), for the C
+  calls that copy whole columns; each keeps its array alive."""
+  try:
+    return [ffi.from_buffer("uint8_t[]", a) for a in arrays]
+  except ValueError:   # not C-contiguous (numpy's buffer refuses)
+    return [ffi.from_buffer("uint8_t[]", np.ascontiguousarray(a)) for a in arrays]
 
 
 def _pack_row(row) -> bytes:

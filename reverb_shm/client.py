@@ -13,7 +13,8 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from reverb_shm import chunks, errors, shm, structure, timeouts
-from reverb_shm._lib import ffi
+from reverb_shm import step_inserter as step_inserter_lib
+from reverb_shm._lib import ffi, lib
 from reverb_shm import table as table_lib
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
@@ -27,12 +28,20 @@ _SERVER_POLL_S = 0.02
 # Client.sample decodes up to this many items per batch (the first waits, the rest are taken
 # only if the rate limiter allows them right away).
 _SAMPLE_AHEAD = 256
+_INF = float("inf")
+_MAX_EXACT = 2**53   # ints a float64 priority holds exactly
+_MAX_PLANS = 64      # step layouts remembered per table handle
+_NO_PLAN = object()
+_KEY_TYPES = frozenset([int, np.uint64])   # item keys mutate_priorities converts in one pass
+_NO_KEYS = np.zeros(0, np.uint64)
+_RANDOM_KEY_AND_EPISODE = lib.RS_ROWS_RANDOM_KEYS | lib.RS_ROWS_RANDOM_EPISODE
 
 
 class _TableHandle:
   """What the client and its writers need of one table, cached per attached segment."""
 
-  __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized")
+  __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized",
+               "insert_plans")
 
   def __init__(self, seg: shm.Segment, name: str):
     self.seg = seg
@@ -44,6 +53,27 @@ class _TableHandle:
                            else structure.flatten(self.signature)[0])
     stats = seg.stats(self.index)
     self.prioritized = PRIORITIZED in (stats["sampler_kind"], stats["remover_kind"])
+    self.insert_plans = {}   # (dtype, shape) per step leaf -> ColumnWriter, or None: not fast
+
+  def insert_plan(self, columns: tuple) -> Optional[chunks.ColumnWriter]:
+    """The ColumnWriter of Client.insert's one-call path for steps of `columns` ((dtype, shape)
+    per leaf), checked once against the table; None when such steps must take the general path
+    (object or unsupported dtypes, a signature mismatch: it raises the error)."""
+    plan = self.insert_plans.get(columns, _NO_PLAN)
+    if plan is _NO_PLAN:
+      try:
+        for i, (dtype, _) in enumerate(columns):
+          trajectory_writer_lib.check_supported_dtype(dtype, i)
+        trajectory_writer_lib.check_signature(
+            self.name, self.flat_signature, [(d, (1,) + shape) for d, shape in columns],
+            allow_unbatched=True)
+        plan = chunks.ColumnWriter(columns)
+      except ValueError:   # (object dtypes too)
+        plan = None
+      if len(self.insert_plans) >= _MAX_PLANS:
+        self.insert_plans.clear()
+      self.insert_plans[columns] = plan
+    return plan
 
 
 class Client:
@@ -144,6 +174,8 @@ class Client:
       ResourceExhaustedError: the chunk arena is full.
       TableClosedError: the server stopped.
     """
+    if self._insert_fast(data, priorities, timeout_ms):
+      return
     handles, prios, arrays = checked_insert(self, data, priorities)
     deadline = timeouts.deadline_from_ms(timeout_ms)
     seg = self._segment()
@@ -168,6 +200,34 @@ class Client:
     finally:
       for c in written:
         c.release()
+
+  def _insert_fast(self, data, priorities, timeout_ms) -> bool:
+    """Client.insert's hot path: one numeric step into one known table whose layout was checked
+    before (_TableHandle.insert_plan), with one rs_insert_rows call. Returns False, having done
+    nothing, for anything else; the general path then checks everything (and raises)."""
+    if type(priorities) is not dict or len(priorities) != 1:
+      return False
+    (name, prio), = priorities.items()
+    if type(prio) is not float or not -_INF < prio < _INF:
+      if type(prio) is not int or not -_MAX_EXACT < prio < _MAX_EXACT:
+        return False
+      prio = float(prio)
+    self._segment()
+    handle = self._handles.get(name)
+    if handle is None or (prio < 0 and handle.prioritized):
+      return False
+    try:
+      arrays = step_inserter_lib.step_arrays(data)
+    except ValueError:
+      return False
+    writer = handle.insert_plan(tuple([(a.dtype, a.shape) for a in arrays]))
+    if writer is None:
+      return False
+    handle.table._insert_rows(  # pylint: disable=protected-access
+        writer, 1, ffi.new("uint64_t *"), ffi.new("double *", prio),
+        chunks.row_buffers(arrays), 0, _RANDOM_KEY_AND_EPISODE,
+        timeouts.deadline_from_ms(timeout_ms), timeout_ms)
+    return True
 
   def _insert_numeric(self, seg, handles, prios, arrays, episode_id, deadline, timeout_ms) -> None:
     """Client.insert's hot path for numeric steps: one ColumnWriter call, one rs_insert per table."""
@@ -244,10 +304,10 @@ class Client:
         if batch is not None and len(batch[0].key):   # else: another layout came up
           infos, columns = batch
           remaining -= len(infos.key)
-          infos = map(SampleInfo, *(field.tolist() for field in infos))
+          infos = _new_tuples(SampleInfo, zip(*[field.tolist() for field in infos]))
           # Row views of the private batch arrays (0-d views for scalar columns).
-          items = [list(item) for item in zip(*[
-              list(c) if c.ndim > 1 else [c[i, ...] for i in range(len(c))] for c in columns])]
+          items = map(list, zip(*[list(c) if c.ndim > 1 else list(map(c.__getitem__, _rows(len(c))))
+                                  for c in columns]))
           yield from Client._emit(infos, items, emit_timesteps, treedef)
           continue
       recs, pins = st.sample_records(1, timeout_ms)
@@ -261,20 +321,19 @@ class Client:
       del pins, more_pins   # the views keep their pins (and items) alive as long as they live
       remaining -= len(recs)
       st._learn_layout([(col.dtype, col.shape) for col in items[0]])
-      infos = map(SampleInfo, recs["key"].tolist(), recs["probability"].tolist(),
-                  recs["table_size"].tolist(), recs["priority"].tolist(),
-                  recs["times_sampled"].tolist())
+      infos = _new_tuples(SampleInfo, zip(recs["key"].tolist(), recs["probability"].tolist(),
+                                          recs["table_size"].tolist(), recs["priority"].tolist(),
+                                          recs["times_sampled"].tolist()))
       yield from Client._emit(infos, items, emit_timesteps, treedef)
 
   @staticmethod
   def _emit(infos, items, emit_timesteps, treedef):
-    """Yields ReplaySample (or, with emit_timesteps, lists of them) of each (info, columns)."""
+    """Iterator of the ReplaySample (or, with emit_timesteps, lists of them) of each
+    (info, columns)."""
     if not emit_timesteps:   # no Python frame per item
-      yield from map(ReplaySample, infos,
-                     items if treedef is None else map(_unpack, repeat(treedef), items))
-      return
-    for info, data in zip(infos, items):
-      yield to_samples(info, data, True, treedef)
+      return _new_tuples(ReplaySample, zip(
+          infos, items if treedef is None else map(_unpack, repeat(treedef), items)))
+    return map(to_samples, infos, items, repeat(True), repeat(treedef))
 
   # ---- mutation
   def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,
@@ -307,6 +366,15 @@ class Client:
                         f"{type(deletes).__name__} {deletes!r:.60}")
       deletes = list(deletes)
     st = self._table_handle(table).table
+    if type(updates) is dict and not deletes and _KEY_TYPES.issuperset(map(type, updates)):
+      try:   # the common case (keys of sampled items): one pass into arrays, one C call
+        keys = np.fromiter(updates, np.uint64, len(updates))
+      except OverflowError:   # a key outside [0, 2**64): the checks below name it
+        keys = None
+      if keys is not None:
+        # pylint: disable=protected-access
+        prios = st._priorities(list(updates.values()), len(keys), "updated priorities")
+        return st._mutate(keys, prios, _NO_KEYS)
     # Python ints above 2**63 would make numpy guess float64: pass uint64 scalars instead.
     if updates:
       updates = {_key(k): v for k, v in updates.items()}
@@ -449,6 +517,20 @@ def checked_insert(client, data: Any, priorities: Dict[str, float]):
     trajectory_writer_lib.check_signature(h.name, h.flat_signature, columns,
                                           allow_unbatched=True)
   return handles, prios, arrays
+
+
+def _new_tuples(cls, values):
+  """Iterator of cls(*v) for each tuple v of `values`, for a NamedTuple cls, without a Python
+  call per item (what its __new__ would return)."""
+  return map(tuple.__new__, repeat(cls), values)
+
+
+_ROWS = tuple((i, Ellipsis) for i in range(_SAMPLE_AHEAD))
+
+
+def _rows(n: int) -> tuple:
+  """(i, ...) for i < n: the indices of the 0-d row views of a 1-d batch column."""
+  return _ROWS[:n] if n <= len(_ROWS) else tuple((i, Ellipsis) for i in range(n))
 
 
 def _key(key) -> np.uint64:

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from reverb_shm import chunks, errors, specs, structure
+from reverb_shm import step_inserter as step_inserter_lib
 from reverb_shm import table as table_lib
 from reverb_shm import timeouts
 from reverb_shm._lib import check, ffi, lib
@@ -22,6 +23,8 @@ __all__ = ["SharedTable"]
 
 
 _U8, _I8, _F8, _I4 = (np.dtype(t) for t in ("<u8", "<i8", "<f8", "<i4"))
+_INF = math.inf
+_MAX_PLANS = 64   # validated column layouts remembered per table (SharedTable.insert)
 
 
 def _as_u64(ptr_array):
@@ -45,6 +48,7 @@ class SharedTable:
     self._signature_tree = None   # (number of leaves, treedef) of the signature
     self._validates_negative = None
     self._column_writers = {}     # (dtype, shape) per column -> chunks.ColumnWriter
+    self._insert_plans = {}       # (dtype, batch shape) per leaf of a valid batch -> writer
     self._gather_layout = None    # ((dtype, item shape, bytes) per column) of sampled items
     self._out_cache = None        # (layout, out, leaves, rows, rs_gather_col[]) of sample_batch
 
@@ -216,6 +220,54 @@ class SharedTable:
     return self._insert_loop(n, lambda i, done: lib.rs_insert_slices(
         base, slot, table, n - i, keys_c if keys_c == ffi.NULL else keys_c + i, prios_c + i,
         ncols, slices_c + i * ncols, flags, deadline_ns, timeouts.SLICE_NS, done), timeout_ms)
+
+  def _insert_rows(self, writer: chunks.ColumnWriter, n: int, keys_c, prios_c, buffers,
+                   squeeze: int, flags: int, deadline_ns: int, timeout_ms) -> int:
+    """rs_insert_rows of n validated items: column c of item i is row i of buffers[c] (n rows
+    of the writer's column c each); one C call writes, inserts and releases the chunks.
+
+    When the rate limiter makes the call wait past a slice, the chunks it wrote and still holds
+    are inserted by _insert_slices_validated and released here. Returns n.
+
+    Raises:
+      DeadlineExceededError: with `inserted` = items inserted before the deadline.
+      ResourceExhaustedError: the arena is full (nothing written).
+      ReverbError: the C core's error (via _lib.check).
+    """
+    seg = self._seg
+    slot, generation = seg.registration()
+    ncols = writer.ncols
+    out = ffi.new("uint64_t[]", ncols + ncols // 2 + 1)   # chunk offsets, pins, done
+    pins_c = ffi.cast("uint32_t *", out + ncols)
+    done_c = pins_c + ncols
+    rc = lib.rs_insert_rows(seg.base, slot, self._index, n, keys_c, prios_c, ncols, writer.metas,
+                            buffers, writer.squeeze_flags[squeeze], 0, flags, deadline_ns,
+                            timeouts.SLICE_NS, out, pins_c, done_c)
+    if rc == lib.RS_OK:
+      return n
+    done = done_c[0]
+    if rc != lib.RS_EAGAIN:
+      if rc == lib.RS_ETIMEDOUT:
+        raise errors.DeadlineExceededError(
+            f"{self._limiter_message('insert', timeout_ms)}; {done} of {n} items inserted",
+            inserted=done)
+      check(rc, f"inserting into table {self._name!r} ({done} of {n} items inserted)"
+            + (seg.arena_hint if rc == lib.RS_ENOSPC else ""))
+    # Waiting past one slice: finish the held chunks' items here so Ctrl-C is handled.
+    pins = chunks.Pins(seg, generation, np.frombuffer(ffi.buffer(pins_c, 4 * ncols), np.uint32))
+    try:
+      slices = writer.row_slices(list(out[0:ncols]), n)
+      try:
+        self._insert_slices_validated(n - done, keys_c + done, prios_c + done, writer,
+                                      slices + done * ncols, squeeze, deadline_ns, timeout_ms)
+      except errors.DeadlineExceededError as e:
+        total = done + e.inserted
+        raise errors.DeadlineExceededError(
+            f"{self._limiter_message('insert', timeout_ms)}; {total} of {n} items inserted",
+            inserted=total) from None
+    finally:
+      pins.release()
+    return n
 
   def _insert_loop(self, n: int, insert_from, timeout_ms) -> int:
     """Calls insert_from(i, done) -- one C insert of items [i, n) reporting progress in
@@ -410,6 +462,33 @@ class SharedTable:
                            f"{spec.shape}")
     return arrays, b
 
+  def _insert_plan(self, data) -> Tuple[List[np.ndarray], Optional[chunks.ColumnWriter]]:
+    """(column arrays, ColumnWriter or None for object columns) of a valid insert batch.
+
+    The checks that depend only on the columns' dtypes and shapes (_columns_of) run once per
+    distinct (dtype, shape) tuple; then a batch costs a flatten and a dict lookup.
+
+    Raises:
+      ValueError: as _columns_of.
+    """
+    arrays = step_inserter_lib.step_arrays(data)
+    columns = tuple([(a.dtype, a.shape) for a in arrays])
+    plans = self._insert_plans
+    if columns in plans:
+      return arrays, plans[columns]
+    arrays, _ = self._columns_of(data)   # raises on invalid input
+    writer = None
+    if not any(a.dtype.kind == "O" for a in arrays):
+      item_columns = tuple((a.dtype, a.shape[1:]) for a in arrays)
+      writer = self._column_writers.get(item_columns)
+      if writer is None:
+        writer = self._column_writers[item_columns] = chunks.ColumnWriter(item_columns)
+    if len(plans) >= _MAX_PLANS:
+      plans.clear()
+    if all(a.dtype.kind != "O" for a in arrays):   # object batches are converted every time
+      plans[columns] = writer
+    return arrays, writer
+
   def insert(self, data, priorities, *, keys=None, timeout_ms=None) -> np.ndarray:
     """Inserts B items; item i is row i of every leaf of `data` (no time dimension).
 
@@ -427,36 +506,26 @@ class SharedTable:
       ResourceExhaustedError: the arena cannot hold the data.
       DeadlineExceededError: the rate limiter did not admit every item in time.
     """
-    arrays, b = self._columns_of(data)
-    prios = self._priorities(priorities, b)
+    arrays, writer = self._insert_plan(data)
+    b = arrays[0].shape[0]
+    if (type(priorities) is float and b == 1 and -_INF < priorities < _INF
+        and (priorities >= 0 or not self._prioritized())):
+      prios_c = ffi.new("double *", priorities)   # the 1-step hot path: no numpy
+    else:
+      prios_c = ffi.from_buffer("double[]", self._priorities(priorities, b))
+    flags = 0
     if keys is None:
-      keys = np.frombuffer(os.urandom(8 * b), np.uint64).copy()
+      keys, flags = np.empty(b, np.uint64), lib.RS_ROWS_RANDOM_KEYS
     else:
       keys = self._keys(keys, b)
-    timeouts.deadline_from_ms(timeout_ms)  # validate before allocating
-    if not any(a.dtype.kind == "O" for a in arrays):  # the fast path: no Chunk objects
-      columns = tuple((a.dtype, a.shape[1:]) for a in arrays)
-      writer = self._column_writers.get(columns)
-      if writer is None:
-        writer = self._column_writers[columns] = chunks.ColumnWriter(columns)
-      deadline = timeouts.deadline_from_ms(timeout_ms)
-      offs, pins = writer.write(self._seg, [np.ascontiguousarray(a) for a in arrays], b)
-      try:
-        if b == 1:
-          slices = writer.slices
-          for c, off in enumerate(offs):
-            slices[c].chunk_off = off
-        else:  # item i is row i of every chunk
-          arr = np.empty((b, len(offs)), chunks.DESC_SLICE)
-          arr["chunk_off"] = offs
-          arr["row_offset"] = np.arange(b, dtype=np.uint32)[:, None]
-          arr["nrows"] = 1
-          slices = ffi.cast("rs_desc_slice *", ffi.from_buffer(arr))
-        self._insert_slices_validated(b, _as_u64(keys), ffi.from_buffer("double[]", prios),
-                                      writer, slices, chunks.SQUEEZE, deadline, timeout_ms)
-      finally:
-        pins.release()
+    deadline = timeouts.deadline_from_ms(timeout_ms)  # validated before anything is written
+    if writer is not None:  # numeric columns: one C call
+      self._insert_rows(writer, b, _as_u64(keys), prios_c, chunks.row_buffers(arrays),
+                        chunks.SQUEEZE, flags, deadline, timeout_ms)
       return keys
+    if flags:
+      keys[:] = np.frombuffer(os.urandom(8 * b), np.uint64)
+    prios = np.frombuffer(ffi.buffer(prios_c, 8 * b), np.float64)
     written = []
     try:
       for a in arrays:
@@ -472,6 +541,22 @@ class SharedTable:
       for c in written:
         c.release()
     return keys
+
+  def step_inserter(self, capacity: int = 256,
+                    timeout_ms: Optional[float] = None) -> step_inserter_lib.StepInserter:
+    """A StepInserter: single-step items staged privately and inserted `capacity` at a time.
+
+    The fastest path for one step per call (see reverb_shm.step_inserter): items become
+    visible when the staged steps are flushed (buffer full, flush(), close(), end of `with`).
+
+    Args:
+      capacity: steps staged before an automatic flush (1..65536).
+      timeout_ms: rate limiter wait of each flush (None forever, 0 do not wait).
+
+    Raises:
+      ValueError: capacity out of range or a negative timeout.
+    """
+    return step_inserter_lib.StepInserter(self, capacity, timeout_ms)
 
   def _structure(self, columns: list):
     """Nests an item's columns as the table signature (when it has one with as many leaves)."""
