@@ -66,7 +66,20 @@ def test_wait_raises_keyboard_interrupt_on_sigint_and_removes_the_segment(server
       server = reverb_shm.Server([reverb_shm.Table('t', selectors.Fifo(), selectors.Fifo(), 5,
                                                    rate_limiters.MinSize(1))],
                                  name={name!r}, arena_bytes=1 << 20)
-      print('ready', flush=True)
+      import sys, threading, time
+      def announce_when_waiting():
+        # 'ready' only once the main thread is inside Server.wait's try block (blocked in
+        # Event.wait), so the test's SIGINT cannot land before wait's handler is in place.
+        main = threading.main_thread().ident
+        while True:
+          frame = sys._current_frames().get(main)
+          while frame is not None and frame.f_code is not threading.Event.wait.__code__:
+            frame = frame.f_back
+          if frame is not None:
+            print('ready', flush=True)
+            return
+          time.sleep(0.01)
+      threading.Thread(target=announce_when_waiting, daemon=True).start()
       try:
         server.wait()
       except KeyboardInterrupt:
