@@ -346,3 +346,19 @@ int rs_insert_slices(void *base, uint32_t slot, uint32_t table, uint32_t n, cons
 int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hdr *metas,
                     const uint8_t *const *data, uint32_t rows, uint64_t episode_id,
                     uint64_t start_step, uint64_t *offs_out, uint32_t *pins_out);
+
+/* ---- issue 6 (round 3, trajectory writer) ---- */
+/* One run of a writer column: history positions [first_pos, first_pos + nrows) stored as rows
+ * [row_offset, row_offset + nrows) of the chunk at chunk_off. */
+typedef struct rs_window_seg { int64_t first_pos; uint64_t chunk_off; uint32_t row_offset; uint32_t nrows; } rs_window_seg;
+/* Descriptors (rs_insert layout) of n items over column windows. Column c's runs are
+ * segs[col_segs[c] .. col_segs[c+1]), sorted by first_pos, not overlapping. Column c of item i
+ * covers positions [starts[i*ncols+c], + lengths[i*ncols+c]) and gets one slice per run it crosses;
+ * squeezed when col_flags[c] & 1 (the window must then hold one step). Every window is validated
+ * first: RS_EINVAL names the item and column of an empty window or a position no run holds.
+ * *size_out = descriptor bytes needed; blob NULL only validates and sizes. RS_EFULL when
+ * blob_cap < *size_out. Otherwise item i is blob[offs[i] .. offs[i+1]) (offs has n+1 entries). */
+int rs_encode_windows(uint32_t n, uint32_t ncols, const rs_window_seg *segs,
+                      const uint32_t *col_segs, const uint32_t *col_flags, const int64_t *starts,
+                      const uint32_t *lengths, uint8_t *blob, uint64_t blob_cap, uint64_t *offs,
+                      uint64_t *size_out);
