@@ -353,7 +353,7 @@ int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hd
 typedef struct rs_window_seg { int64_t first_pos; uint64_t chunk_off; uint32_t row_offset; uint32_t nrows; } rs_window_seg;
 /* Descriptors (rs_insert layout) of n items over column windows. Column c's runs are
  * segs[col_segs[c] .. col_segs[c+1]), sorted by first_pos, not overlapping. Column c of item i
- * covers positions [starts[i*ncols+c], + lengths[i*ncols+c]) and gets one slice per run it crosses;
+ * covers positions [starts[i*ncols+c], + lengths[c]) and gets one slice per run it crosses;
  * squeezed when col_flags[c] & 1 (the window must then hold one step). Every window is validated
  * first: RS_EINVAL names the item and column of an empty window or a position no run holds.
  * *size_out = descriptor bytes needed; blob NULL only validates and sizes. RS_EFULL when

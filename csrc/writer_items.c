@@ -62,7 +62,7 @@ int rs_encode_windows(uint32_t n, uint32_t ncols, const rs_window_seg *segs,
   for (uint32_t i = 0; i < n; i++) {
     uint64_t nslices = 0;
     for (uint32_t c = 0; c < ncols; c++) {
-      uint32_t len = lengths[(uint64_t)i * ncols + c];
+      uint32_t len = lengths[c];
       if (len == 0)
         return rs_set_error(RS_EINVAL, "item %u, column %u: empty window", i, c);
       if ((col_flags[c] & 1u) && len != 1)
@@ -94,7 +94,7 @@ int rs_encode_windows(uint32_t n, uint32_t ncols, const rs_window_seg *segs,
     for (uint32_t c = 0; c < ncols; c++) {
       uint64_t ic = (uint64_t)i * ncols + c;
       int64_t k = window_slices(segs + col_segs[c], col_segs[c + 1] - col_segs[c], starts[ic],
-                                lengths[ic], ds + nslices, i, c);
+                                lengths[c], ds + nslices, i, c);
       dc[c].first_slice = nslices;
       dc[c].nslices = (uint32_t)k;
       dc[c].flags = col_flags[c] & 1u;

@@ -64,7 +64,7 @@ class _RandomU64:
       self._rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
       self._pool = []
       self._pid = pid
-    return np.frombuffer(self._rng.bytes(8 * n), dtype=np.uint64).copy()
+    return self._rng.bit_generator.random_raw(n)
 
   def one(self) -> int:
     """One random uint64 as a Python int (drawn from a pool refilled 1024 at a time)."""
@@ -154,15 +154,15 @@ def check_signature(table_name: str, flat_signature: Optional[list], columns: Se
 def _check_priorities(priorities, n: int, handle) -> np.ndarray:
   """float64[n] priorities; ValueError unless n finite values (>= 0 on Prioritized tables)."""
   try:
-    prios = np.asarray(priorities, dtype=np.float64)
+    prios = np.ascontiguousarray(priorities, dtype=np.float64)
   except (TypeError, ValueError):
     raise ValueError(f"priorities must be {n} numbers, got {priorities!r}") from None
   if prios.shape != (n,):
     raise ValueError(f"priorities must have shape ({n},) (one per item), got {prios.shape}")
-  bad = np.flatnonzero(~np.isfinite(prios) | ((prios < 0) & handle.prioritized))
-  if len(bad):
+  if n and not (np.isfinite(prios).all() and (not handle.prioritized or prios.min() >= 0)):
+    bad = np.flatnonzero(~np.isfinite(prios) | ((prios < 0) & handle.prioritized))
     check_priority(prios[bad[0]], handle.name, handle.prioritized)   # raises the message
-  return np.ascontiguousarray(prios)
+  return prios
 
 
 def _flat_dict_getter(nest, num_leaves: int):
@@ -197,9 +197,6 @@ def _as_column_array(leaf) -> np.ndarray:
 
 _POS, _HOLDER, _ROW, _COUNT = range(4)
 
-# numpy view of rs_window_seg (csrc/rs_api.h)
-_WINDOW_SEG = np.dtype([("first_pos", "<i8"), ("chunk_off", "<u8"), ("row_offset", "<u4"),
-                        ("nrows", "<u4")])
 
 
 class _Holder:
@@ -541,6 +538,7 @@ class TrajectoryColumn:
 
   def __init__(self, data_references: Sequence[Optional[CellRef]], *, squeeze: bool = False,
                path: Optional[tuple] = None):
+    self._win = None    # (column, generation, start, stop, index) of a history window
     refs = list(data_references)
     if None in refs:   # CellRefs compare by identity
       raise ValueError(
@@ -553,7 +551,6 @@ class TrajectoryColumn:
     self._cells = refs
     self._squeeze = bool(squeeze)
     self._path = path
-    self._win = None    # (column, generation, start, stop, index) of a history window
 
   @property
   def _refs(self) -> List[CellRef]:
@@ -843,6 +840,7 @@ class TrajectoryWriter:
     self._kinds = {}             # (handle, ((column, length, squeeze), ...)) -> itself, validated
     self._fast = None            # _FastAppend of the last complete step, or None
     self._item_keys = None       # (len, getter) of the last flat-dict trajectory's leaves
+    self._window_cols = None     # (history, its columns) for create_window_items
     self._tables = {}
     self._last_deadline_error = None
     self._closed = False
@@ -1224,15 +1222,7 @@ class TrajectoryWriter:
     """
     self._check_open()
     handle = self._table(table)
-    leaves, _ = structure.flatten(self.history if columns is None else columns)
-    cols = []
-    for i, leaf in enumerate(leaves):
-      if not isinstance(leaf, _ColumnHistory) or leaf._column.writer is not self:  # pylint: disable=protected-access
-        raise TypeError(f"create_window_items: leaf {i} of columns must be a column history of "
-                        f"this writer (a leaf of writer.history), got {type(leaf).__name__}")
-      cols.append(leaf._column)  # pylint: disable=protected-access
-    if not cols:
-      raise ValueError("create_window_items: columns must hold at least one column history")
+    cols = self._window_columns(columns)
     length = _check_positive_int(num_timesteps, "num_timesteps")
     starts = np.asarray(starts)
     if starts.ndim != 1 or (starts.size and starts.dtype.kind not in "iu"):
@@ -1242,26 +1232,62 @@ class TrajectoryWriter:
     prios = _check_priorities(priorities, n, handle)
     if n == 0:
       return
-    starts = starts.astype(np.int64)
-    positions = np.empty((n, len(cols)), np.int64)
-    for c, col in enumerate(cols):
-      pos = np.where(starts < 0, starts + col.n, starts)
-      bad = np.flatnonzero((pos < 0) | (pos + length > col.n))
-      if len(bad):
-        raise IndexError(f"create_window_items: item {bad[0]}'s window [{starts[bad[0]]}, "
-                         f"+{length}) is out of range for column {col.path}, which has {col.n} "
-                         "steps since its buffers were last cleared")
-      bad = np.flatnonzero(pos < col.alive_from())
-      if len(bad):
-        raise ValueError(f"create_window_items: item {bad[0]}'s window starting at "
-                         f"{starts[bad[0]]} includes expired steps of column {col.path} (it "
-                         f"keeps the last {col.keep_alive}: num_keep_alive_refs)")
-      positions[:, c] = pos
+    starts = starts.astype(np.int64, copy=False)
+    lo, hi = int(starts.min()), int(starts.max())
+    offsets = set()
+    for col in cols:
+      if (lo < 0) != (hi < 0):   # mixed: per item below
+        offsets.add(None)
+        continue
+      offset = col.n if hi < 0 else 0
+      if lo + offset < 0 or hi + offset + length > col.n or lo + offset < col.alive_from():
+        offsets.add(None)
+      else:
+        offsets.add(offset)
+    if len(offsets) == 1 and None not in offsets:   # every column: one offset, all in range
+      positions = np.repeat(starts + offsets.pop(), len(cols))
+    else:
+      positions = np.stack([self._window_positions(col, starts, length) for col in cols], axis=1)
     kind = self._kind(handle, tuple((col, length, False) for col in cols))
     self._flush_batch()
     self._publish()
-    blob, offs = self._encode_windows(kind[1], positions)
-    self._insert_encoded(handle, prios, blob, offs, kind[1], positions)
+    blob, offs = self._encode_windows(kind, positions.reshape(n, len(cols)))
+    self._insert_encoded(handle, prios, blob, offs, kind[1], positions.reshape(n, len(cols)))
+
+  def _window_columns(self, columns) -> List[_Column]:
+    """The columns of create_window_items' `columns` nest, in flatten order."""
+    structure_ = self.history if columns is None else columns
+    cached = self._window_cols
+    if cached is not None and cached[0] is structure_:
+      return cached[1]
+    leaves, _ = structure.flatten(structure_)
+    cols = []
+    for i, leaf in enumerate(leaves):
+      if not isinstance(leaf, _ColumnHistory) or leaf._column.writer is not self:  # pylint: disable=protected-access
+        raise TypeError(f"create_window_items: leaf {i} of columns must be a column history of "
+                        f"this writer (a leaf of writer.history), got {type(leaf).__name__}")
+      cols.append(leaf._column)  # pylint: disable=protected-access
+    if not cols:
+      raise ValueError("create_window_items: columns must hold at least one column history")
+    if columns is None:
+      self._window_cols = (structure_, cols)
+    return cols
+
+  @staticmethod
+  def _window_positions(col: _Column, starts: np.ndarray, length: int) -> np.ndarray:
+    """Positions in `col` of windows starting at `starts`; raises for the first bad one."""
+    pos = np.where(starts < 0, starts + col.n, starts)
+    bad = np.flatnonzero((pos < 0) | (pos + length > col.n))
+    if len(bad):
+      raise IndexError(f"create_window_items: item {bad[0]}'s window [{starts[bad[0]]}, "
+                       f"+{length}) is out of range for column {col.path}, which has {col.n} "
+                       "steps since its buffers were last cleared")
+    bad = np.flatnonzero(pos < col.alive_from())
+    if len(bad):
+      raise ValueError(f"create_window_items: item {bad[0]}'s window starting at "
+                       f"{starts[bad[0]]} includes expired steps of column {col.path} (it "
+                       f"keeps the last {col.keep_alive}: num_keep_alive_refs)")
+    return pos
 
   # ---- items: internals
 
@@ -1289,7 +1315,8 @@ class TrajectoryWriter:
     return self._kind(handle, tuple(sig)), priority, tuple(starts)
 
   def _kind(self, handle, sig: tuple) -> tuple:
-    """The validated, shared (handle, sig) key of items with these column windows."""
+    """The validated, shared (handle, sig, C flags, C lengths) of items with these column
+    windows; sig is ((column, length, squeeze), ...)."""
     key = (handle, sig)
     kind = self._kinds.get(key)
     if kind is None:
@@ -1297,7 +1324,9 @@ class TrajectoryWriter:
         check_signature(handle.name, handle.flat_signature, [
             (col.dtype, col.shape if squeeze else (length,) + col.shape)
             for col, length, squeeze in sig])
-      kind = self._kinds[key] = key
+      kind = self._kinds[key] = (
+          handle, sig, ffi.new("uint32_t[]", [SQUEEZE_FLAG if sq else 0 for _, _, sq in sig]),
+          ffi.new("uint32_t[]", [length for _, length, _ in sig]))
     return kind
 
   def _publish(self) -> None:
@@ -1331,7 +1360,7 @@ class TrajectoryWriter:
           j += 1
         run = batch[i:j]
         positions = np.array([entry[2] for entry in run], np.int64)
-        blob, offs = self._encode_windows(kind[1], positions)
+        blob, offs = self._encode_windows(kind, positions)
         i = j
         self._insert_encoded(kind[0], [entry[1] for entry in run], blob, offs, kind[1],
                              positions, insert)
@@ -1340,8 +1369,9 @@ class TrajectoryWriter:
       raise
 
   @staticmethod
-  def _encode_windows(sig: tuple, positions: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Descriptors of items whose column c covers [positions[i, c], + sig[c] length)."""
+  def _encode_windows(kind: tuple, positions: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Descriptors of items whose column c covers [positions[i, c], + kind's length c)."""
+    _, sig, flags, lengths = kind
     n, ncols = positions.shape
     segs, col_segs, bound = [], [0], 0
     for col, length, _ in sig:
@@ -1349,19 +1379,14 @@ class TrajectoryWriter:
       segs += col_runs
       col_segs.append(len(segs))
       bound += min(length, len(col_runs))
-    segs = np.array(segs, _WINDOW_SEG)
-    col_segs = np.array(col_segs, np.uint32)
-    flags = np.array([SQUEEZE_FLAG if squeeze else 0 for _, _, squeeze in sig], np.uint32)
-    lengths = np.tile(np.array([length for _, length, _ in sig], np.uint32), n)
     positions = np.ascontiguousarray(positions, np.int64)
     cap = n * (_DESC_FIXED + _DESC_COL * ncols + _DESC_SLICE * bound)
     blob = np.empty(cap, np.uint8)
     offs = np.empty(n + 1, np.uint64)
     size = ffi.new("uint64_t *")
     check(lib.rs_encode_windows(
-        n, ncols, ffi.cast("rs_window_seg *", ffi.from_buffer(segs)),
-        ffi.from_buffer("uint32_t[]", col_segs), ffi.from_buffer("uint32_t[]", flags),
-        ffi.from_buffer("int64_t[]", positions), ffi.from_buffer("uint32_t[]", lengths),
+        n, ncols, ffi.new("rs_window_seg[]", segs), ffi.new("uint32_t[]", col_segs), flags,
+        ffi.from_buffer("int64_t[]", positions), lengths,
         ffi.from_buffer("uint8_t[]", blob, require_writable=True), cap,
         ffi.from_buffer("uint64_t[]", offs, require_writable=True), size), "creating items")
     return blob[:size[0]], offs
