@@ -196,6 +196,10 @@ def _as_column_array(leaf) -> np.ndarray:
 # left that window, no queued item needs it and it is no longer the column's current chunk.
 
 _POS, _HOLDER, _ROW, _COUNT = range(4)
+_new_object = object.__new__
+# Bumped in a fork child: a fast append state of the parent no longer applies there.
+_FORKS = [0]
+os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 
 
 
@@ -498,10 +502,17 @@ class _ColumnHistory:
     if type(index) is slice:
       start = index.start
       if index.stop is None and index.step is None and type(start) is int and start < 0:
-        first = column.n + start     # the usual history[col][-k:]
+        n = column.n     # the usual history[col][-k:], inside the open run and alive
+        first = n + start
         run = column.open
-        if run is not None and first >= run[_POS] and first >= column.alive_from():
-          return _window(column, first, column.n, False, index)
+        if (run is not None and first >= run[_POS] and first >= n - column.keep_alive and
+            first >= column.floor):
+          tc = _new_object(TrajectoryColumn)
+          tc._cells = None
+          tc._squeeze = False
+          tc._path = None
+          tc._win = (column, column.gen, first, n, index)
+          return tc
       positions = self._positions(index)
       if positions.step == 1 and positions.stop > positions.start and column.covers(
           positions.start, positions.stop):
@@ -617,12 +628,11 @@ class TrajectoryColumn:
     return np.stack(values)
 
   def window(self):
-    """(column, start, stop) when the column is contiguous steps of one writer column of its
-    current generation, else None (the batched item path needs that)."""
-    win = self._win
-    if win is not None:
-      return win[0], win[1], win[2], win[3]
+    """(column, generation, start, stop, None) when the column is contiguous steps of one
+    writer column, else None (the batched item path needs that)."""
     refs = self._cells
+    if self._win is not None:
+      return self._win
     if not refs:
       return None
     first = refs[0]
@@ -630,7 +640,7 @@ class TrajectoryColumn:
     for i, ref in enumerate(refs):
       if ref._column is not column or ref._gen != gen or ref._pos != start + i:
         return None
-    return column, gen, start, start + len(refs)
+    return column, gen, start, start + len(refs), None
 
   def __repr__(self):
     return f"TrajectoryColumn(path={self.path}, shape={self.shape}, squeeze={self._squeeze})"
@@ -638,7 +648,7 @@ class TrajectoryColumn:
 
 def _window(column: _Column, start: int, stop: int, squeeze: bool, index) -> TrajectoryColumn:
   """A TrajectoryColumn over positions [start, stop) of column (all stored and alive)."""
-  tc = object.__new__(TrajectoryColumn)
+  tc = _new_object(TrajectoryColumn)
   tc._cells = None
   tc._squeeze = squeeze
   tc._path = None
@@ -683,7 +693,8 @@ class _FastAppend:
   row write per column, no flattening of flat dicts, no C call (rows are published with the
   next item batch)."""
 
-  __slots__ = ("getter", "nkeys", "treedef", "cols", "base", "limit", "generation", "segment")
+  __slots__ = ("getter", "nkeys", "treedef", "cols", "base", "limit", "generation", "segment",
+               "forks")
 
   @classmethod
   def make(cls, writer, data, treedef, plan) -> Optional["_FastAppend"]:
@@ -720,6 +731,7 @@ class _FastAppend:
     fast.limit = limit
     fast.segment = writer._segment  # pylint: disable=protected-access
     fast.generation = fast.segment.generation
+    fast.forks = _FORKS[0]
     return fast
 
   def append(self, writer, data) -> bool:
@@ -735,7 +747,8 @@ class _FastAppend:
       if treedef != self.treedef:
         return False
     step = writer._hist_step  # pylint: disable=protected-access
-    if step >= self.limit or self.segment.generation != self.generation:
+    if (step >= self.limit or self.segment.generation != self.generation or
+        _FORKS[0] != self.forks):
       return False
     k = step - self.base
     for leaf, (_, view, dtype, shape, kind) in zip(leaves, self.cols):
@@ -811,7 +824,8 @@ class TrajectoryWriter:
     num_keep_alive_refs: steps each column keeps referenceable (>= 1).
     validate_items: check items against their table's signature in `create_item`.
     item_batch_size: window items `create_item` batches before inserting them with one C
-      call (reverb_shm extension; 1 inserts every item at once).
+      call (reverb_shm extension; 1 inserts every item at once, as writers of a bridge
+      client always do).
 
   Raises:
     ValueError: `num_keep_alive_refs < 1` or `item_batch_size < 1`.
@@ -823,6 +837,8 @@ class TrajectoryWriter:
     num_keep_alive_refs = _check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
     self._item_batch_size = _check_positive_int(item_batch_size, "item_batch_size")
     self._client = _writer_client(client)
+    if hasattr(self._client, "await_inserts"):   # asynchronous: items stream one by one
+      self._item_batch_size = 1
     self._segment = client._segment()  # pylint: disable=protected-access
     self._default_keep_alive = num_keep_alive_refs
     self._validate_items = bool(validate_items)
@@ -899,6 +915,7 @@ class TrajectoryWriter:
       return
     self._check_open()
     self._fast = None
+    self._check_usable()
     self._flush_batch()
     leaves, treedef = structure.flatten(data)
     plan = self._plans.get(treedef)
@@ -960,6 +977,7 @@ class TrajectoryWriter:
     """
     self._check_open()
     self._fast = None
+    self._check_usable()
     self._flush_batch()
     if self._step_open:
       raise ValueError("extend() cannot be called while a partial step is open; finish it "
@@ -1304,11 +1322,11 @@ class TrajectoryWriter:
         win = leaf.window()
         if win is None:
           return None
-      col = win[0]
-      start = win[2]
-      if col.writer is not self or win[1] != col.gen or start < col.alive_from():
+      col, gen, start, stop, _ = win
+      if (col.writer is not self or gen != col.gen or start < col.n - col.keep_alive or
+          start < col.floor):    # not alive: the general path says why
         return None
-      sig.append((col, win[3] - start, leaf._squeeze))
+      sig.append((col, stop - start, leaf._squeeze))
       starts.append(start)
     if not sig:
       return None
@@ -1328,6 +1346,15 @@ class TrajectoryWriter:
           handle, sig, ffi.new("uint32_t[]", [SQUEEZE_FLAG if sq else 0 for _, _, sq in sig]),
           ffi.new("uint32_t[]", [length for _, length, _ in sig]))
     return kind
+
+  def _check_usable(self) -> None:
+    """TableClosedError (Chunk.publish's) once the server stopped or in a fork child: rows are
+    published later, so appends check here that their chunks can still be written."""
+    for col in self._columns:
+      holder = col.holder
+      if holder is not None and holder.chunk is not None:
+        holder.chunk.publish(holder.chunk.rows)
+        return
 
   def _publish(self) -> None:
     """Makes every written row visible to items (once per batch, not per append)."""
