@@ -49,29 +49,48 @@ static int64_t window_slices(const rs_window_seg *segs, uint32_t nsegs, int64_t 
   return count;
 }
 
+/* Start position of column c of item i (negative: counted from the column's end). */
+static int64_t window_start(const int64_t *starts, uint32_t stride, const int64_t *col_ends,
+                            uint32_t i, uint32_t c) {
+  int64_t s = starts[(uint64_t)i * stride + (stride > 1 ? c : 0)];
+  return s < 0 && col_ends ? s + col_ends[c] : s;
+}
+
 int rs_encode_windows(uint32_t n, uint32_t ncols, const rs_window_seg *segs,
-                      const uint32_t *col_segs, const uint32_t *col_flags, const int64_t *starts,
-                      const uint32_t *lengths, uint8_t *blob, uint64_t blob_cap, uint64_t *offs,
-                      uint64_t *size_out) {
-  if (!size_out || !offs || !col_segs || !col_flags || (n && (!starts || !lengths)))
+                      const uint32_t *col_segs, const int64_t *col_ends, const uint32_t *col_flags,
+                      const uint32_t *lengths, const int64_t *starts, uint32_t starts_stride,
+                      const double *priorities, uint32_t nonneg, uint8_t *blob, uint64_t blob_cap,
+                      uint64_t *offs, uint64_t *size_out) {
+  if (!size_out || !offs || !col_segs || !col_flags || !lengths || (n && !starts))
     return rs_set_error(RS_EINVAL, "rs_encode_windows: NULL argument");
   if (ncols == 0 || ncols > (1u << 16))
     return rs_set_error(RS_EINVAL, "rs_encode_windows: expected 1..65536 columns, got %u", ncols);
-  /* Pass 1: validate every window and size the descriptors. */
+  if (starts_stride != 1 && starts_stride != ncols)
+    return rs_set_error(RS_EINVAL, "rs_encode_windows: starts_stride must be 1 or ncols (%u), got %u",
+                        ncols, starts_stride);
+  for (uint32_t c = 0; c < ncols; c++) {
+    if (col_segs[c + 1] < col_segs[c])
+      return rs_set_error(RS_EINVAL, "rs_encode_windows: col_segs must not decrease");
+    if (lengths[c] == 0)
+      return rs_set_error(RS_EINVAL, "column %u: empty window", c);
+    if ((col_flags[c] & 1u) && lengths[c] != 1)
+      return rs_set_error(RS_EINVAL, "column %u: a squeezed column holds exactly one step, got a "
+                          "window of %u", c, lengths[c]);
+  }
+  /* Pass 1: validate every priority and window, and size the descriptors. */
   uint64_t total = 0;
   for (uint32_t i = 0; i < n; i++) {
+    if (priorities) {
+      double p = priorities[i];
+      if (!(p == p) || p - p != 0.0 || (nonneg && p < 0))
+        return rs_set_error(RS_EINVAL, "item %u: priority %g is %s", i, p,
+                            nonneg ? "not a finite number >= 0" : "not finite");
+    }
     uint64_t nslices = 0;
     for (uint32_t c = 0; c < ncols; c++) {
-      uint32_t len = lengths[c];
-      if (len == 0)
-        return rs_set_error(RS_EINVAL, "item %u, column %u: empty window", i, c);
-      if ((col_flags[c] & 1u) && len != 1)
-        return rs_set_error(RS_EINVAL, "item %u, column %u: a squeezed column holds exactly one "
-                            "step, got a window of %u", i, c, len);
-      if (col_segs[c + 1] < col_segs[c])
-        return rs_set_error(RS_EINVAL, "rs_encode_windows: col_segs must not decrease");
       int64_t k = window_slices(segs + col_segs[c], col_segs[c + 1] - col_segs[c],
-                                starts[(uint64_t)i * ncols + c], len, NULL, i, c);
+                                window_start(starts, starts_stride, col_ends, i, c), lengths[c],
+                                NULL, i, c);
       if (k < 0) return (int)k;
       nslices += (uint64_t)k;
     }
@@ -92,9 +111,9 @@ int rs_encode_windows(uint32_t n, uint32_t ncols, const rs_window_seg *segs,
     rs_desc_slice *ds = (rs_desc_slice *)(dc + ncols);
     uint32_t nslices = 0;
     for (uint32_t c = 0; c < ncols; c++) {
-      uint64_t ic = (uint64_t)i * ncols + c;
-      int64_t k = window_slices(segs + col_segs[c], col_segs[c + 1] - col_segs[c], starts[ic],
-                                lengths[c], ds + nslices, i, c);
+      int64_t k = window_slices(segs + col_segs[c], col_segs[c + 1] - col_segs[c],
+                                window_start(starts, starts_stride, col_ends, i, c), lengths[c],
+                                ds + nslices, i, c);
       dc[c].first_slice = nslices;
       dc[c].nslices = (uint32_t)k;
       dc[c].flags = col_flags[c] & 1u;

@@ -151,18 +151,12 @@ def check_signature(table_name: str, flat_signature: Optional[list], columns: Se
           f"{None if spec.shape is None else list(spec.shape)} (spec {spec!r}).")
 
 
-def _check_priorities(priorities, n: int, handle) -> np.ndarray:
-  """float64[n] priorities; ValueError unless n finite values (>= 0 on Prioritized tables)."""
-  try:
-    prios = np.ascontiguousarray(priorities, dtype=np.float64)
-  except (TypeError, ValueError):
-    raise ValueError(f"priorities must be {n} numbers, got {priorities!r}") from None
-  if prios.shape != (n,):
-    raise ValueError(f"priorities must have shape ({n},) (one per item), got {prios.shape}")
-  if n and not (np.isfinite(prios).all() and (not handle.prioritized or prios.min() >= 0)):
-    bad = np.flatnonzero(~np.isfinite(prios) | ((prios < 0) & handle.prioritized))
-    check_priority(prios[bad[0]], handle.name, handle.prioritized)   # raises the message
-  return prios
+def _check_priorities(prios: np.ndarray, handle) -> None:
+  """ValueError (check_priority's) for the first priority that is not finite, or negative on a
+  Prioritized table."""
+  bad = np.flatnonzero(~np.isfinite(prios) | ((prios < 0) & handle.prioritized))
+  if len(bad):
+    check_priority(prios[bad[0]], handle.name, handle.prioritized)
 
 
 def _flat_dict_getter(nest, num_leaves: int):
@@ -400,10 +394,16 @@ class _Column:
   def get(self, position: int) -> Optional[CellRef]:
     return CellRef(self, self.gen, position) if self.locate(position) is not None else None
 
-  def segments(self) -> list:
-    """(first_pos, chunk_off, first_row, count) of every run, for rs_encode_windows."""
-    return [(run[_POS], run[_HOLDER].off, run[_ROW], self.run_end(run) - run[_POS])
-            for run in self.runs]
+  def segments(self, first: int = 0) -> list:
+    """(first_pos, chunk_off, first_row, count) of every run from position `first` on, for
+    rs_encode_windows."""
+    out = []
+    for run in self.runs:
+      pos, end = run[_POS], self.run_end(run)
+      if end > first:
+        skip = first - pos if first > pos else 0
+        out.append((pos + skip, run[_HOLDER].off, run[_ROW] + skip, end - pos - skip))
+    return out
 
   def holders_between(self, start: int, stop: int) -> list:
     return [run[_HOLDER] for run in self.runs
@@ -507,12 +507,7 @@ class _ColumnHistory:
         run = column.open
         if (run is not None and first >= run[_POS] and first >= n - column.keep_alive and
             first >= column.floor):
-          tc = _new_object(TrajectoryColumn)
-          tc._cells = None
-          tc._squeeze = False
-          tc._path = None
-          tc._win = (column, column.gen, first, n, index)
-          return tc
+          return _window(column, first, n, False, index)
       positions = self._positions(index)
       if positions.step == 1 and positions.stop > positions.start and column.covers(
           positions.start, positions.stop):
@@ -1247,30 +1242,26 @@ class TrajectoryWriter:
       raise ValueError(f"starts must be a 1-D array of ints, got shape {starts.shape} and dtype "
                        f"{starts.dtype}")
     n = len(starts)
-    prios = _check_priorities(priorities, n, handle)
+    try:
+      prios = np.ascontiguousarray(priorities, dtype=np.float64)
+    except (TypeError, ValueError):
+      raise ValueError(f"priorities must be {n} numbers, got {priorities!r}") from None
+    if prios.shape != (n,):
+      raise ValueError(f"priorities must have shape ({n},) (one per item), got {prios.shape}")
     if n == 0:
       return
-    starts = starts.astype(np.int64, copy=False)
-    lo, hi = int(starts.min()), int(starts.max())
-    offsets = set()
-    for col in cols:
-      if (lo < 0) != (hi < 0):   # mixed: per item below
-        offsets.add(None)
-        continue
-      offset = col.n if hi < 0 else 0
-      if lo + offset < 0 or hi + offset + length > col.n or lo + offset < col.alive_from():
-        offsets.add(None)
-      else:
-        offsets.add(offset)
-    if len(offsets) == 1 and None not in offsets:   # every column: one offset, all in range
-      positions = np.repeat(starts + offsets.pop(), len(cols))
-    else:
-      positions = np.stack([self._window_positions(col, starts, length) for col in cols], axis=1)
+    starts = np.ascontiguousarray(starts, np.int64)
     kind = self._kind(handle, tuple((col, length, False) for col in cols))
     self._flush_batch()
     self._publish()
-    blob, offs = self._encode_windows(kind, positions.reshape(n, len(cols)))
-    self._insert_encoded(handle, prios, blob, offs, kind[1], positions.reshape(n, len(cols)))
+    try:      # the C call validates every priority and window (alive steps only)
+      blob, offs = self._encode_windows(kind, starts, prios, handle.prioritized, alive=True)
+    except errors.InvalidArgumentError:
+      _check_priorities(prios, handle)
+      for col in cols:
+        self._window_positions(col, starts, length)
+      raise      # a window over a skipped step: the C message names it
+    self._insert_encoded(handle, prios, blob, offs, kind[1], starts)
 
   def _window_columns(self, columns) -> List[_Column]:
     """The columns of create_window_items' `columns` nest, in flatten order."""
@@ -1396,41 +1387,52 @@ class TrajectoryWriter:
       raise
 
   @staticmethod
-  def _encode_windows(kind: tuple, positions: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Descriptors of items whose column c covers [positions[i, c], + kind's length c)."""
+  def _encode_windows(kind: tuple, starts: np.ndarray, priorities: Optional[np.ndarray] = None,
+                      nonneg: bool = False, alive: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """Descriptors of items whose column c covers kind's length c steps from starts[i, c]
+    (starts of shape (n, ncols), positions) or starts[i] (shape (n,), negative ones counting
+    from each column's end). Validates priorities when given, and (alive) that every step is
+    inside its keep-alive window; InvalidArgumentError names the first bad item."""
     _, sig, flags, lengths = kind
-    n, ncols = positions.shape
-    segs, col_segs, bound = [], [0], 0
+    n, ncols = len(starts), len(sig)
+    segs, col_segs, ends, bound = [], [0], [], 0
     for col, length, _ in sig:
-      col_runs = col.segments()
+      col_runs = col.segments(col.alive_from() if alive else 0)
       segs += col_runs
       col_segs.append(len(segs))
+      ends.append(col.n)
       bound += min(length, len(col_runs))
-    positions = np.ascontiguousarray(positions, np.int64)
     cap = n * (_DESC_FIXED + _DESC_COL * ncols + _DESC_SLICE * bound)
     blob = np.empty(cap, np.uint8)
     offs = np.empty(n + 1, np.uint64)
     size = ffi.new("uint64_t *")
     check(lib.rs_encode_windows(
-        n, ncols, ffi.new("rs_window_seg[]", segs), ffi.new("uint32_t[]", col_segs), flags,
-        ffi.from_buffer("int64_t[]", positions), lengths,
-        ffi.from_buffer("uint8_t[]", blob, require_writable=True), cap,
+        n, ncols, ffi.new("rs_window_seg[]", segs), ffi.new("uint32_t[]", col_segs),
+        ffi.new("int64_t[]", ends), flags, lengths, ffi.from_buffer("int64_t[]", starts),
+        1 if starts.ndim == 1 else ncols,
+        ffi.NULL if priorities is None else ffi.from_buffer("double[]", priorities),
+        bool(nonneg), ffi.from_buffer("uint8_t[]", blob, require_writable=True), cap,
         ffi.from_buffer("uint64_t[]", offs, require_writable=True), size), "creating items")
     return blob[:size[0]], offs
 
   def _insert_encoded(self, handle, priorities, blob: np.ndarray, offs: np.ndarray, sig: tuple,
                       positions: np.ndarray, insert: bool = True) -> None:
-    """Inserts encoded window items; those the rate limiter does not admit now are queued
-    (all of them when not `insert`)."""
+    """Inserts encoded window items (positions as _encode_windows' starts); those the rate
+    limiter does not admit now are queued (all of them when not `insert`)."""
     n = len(offs) - 1
     done = 0 if self._pending or not insert else self._insert_now(handle, priorities, blob, offs)
     if done == n:
       return
     blobs = [bytes(blob[offs[i]:offs[i + 1]]) for i in range(done, n)]
-    holder_sets = [
-        tuple({id(h): h for (col, length, _), start in zip(sig, starts)
-               for h in col.holders_between(start, start + length)}.values())
-        for starts in positions[done:].tolist()]
+    holder_sets = []
+    for starts in positions[done:].tolist():
+      holders = {}
+      for c, (col, length, _) in enumerate(sig):
+        start = starts[c] if isinstance(starts, list) else starts
+        start += col.n if start < 0 else 0
+        for h in col.holders_between(start, start + length):
+          holders[id(h)] = h
+      holder_sets.append(tuple(holders.values()))
     self._enqueue(handle, list(priorities)[done:], blobs, holder_sets, insert)
 
   def _create_general(self, handle, priorities: List[float], trajectories) -> None:

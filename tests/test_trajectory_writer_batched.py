@@ -239,3 +239,43 @@ def test_chunks_are_released_once_their_steps_expire(server, client):
     writer.append({"x": np.zeros(1000)})
   assert seg.info()["arena_used"] <= used + 3 * 2 * 8000
   writer.close()
+
+
+def test_window_items_held_back_by_the_rate_limiter_wait_in_order(client):
+  writer = client.trajectory_writer(10)
+  writer.extend(_steps(5))
+  writer.create_window_items("queue", [1.0, 2.0, 3.0, 4.0], np.arange(-5, -1), 2,
+                             columns={"a": writer.history["action"]})
+  assert writer.num_pending_items == 2
+  table = client.shared_table("queue")
+  assert [s.data[0].tolist() for s in table.sample(2)] == [[0, 1], [1, 2]]
+  writer.end_episode(timeout_ms=5000)       # the queued items keep their chunks alive
+  assert [s.data[0].tolist() for s in table.sample(2)] == [[2, 3], [3, 4]]
+  writer.close()
+
+
+def test_batched_item_outlives_its_steps_keep_alive_window(client):
+  writer = client.trajectory_writer(2)
+  data = _steps(4)
+  writer.append(_step(data, 0))
+  writer.append(_step(data, 1))
+  writer.create_item("a", 1.0, {"o": writer.history["obs"][-2:]})
+  writer.append(_step(data, 2))
+  writer.append(_step(data, 3))     # steps 0 and 1 expired; the batched item still holds them
+  writer.flush()
+  _, items = _items(client, "a")
+  np.testing.assert_array_equal(items[0][1][0], data["obs"][0:2])
+  writer.close()
+
+
+def test_window_priorities_are_checked_before_anything_is_inserted(client):
+  writer = client.trajectory_writer(10)
+  writer.extend(_steps(5))
+  for prios in ([1.0, np.inf], [np.nan, 1.0]):
+    with pytest.raises(ValueError, match="priority"):
+      writer.create_window_items("a", prios, [0, 1], 2)
+  with pytest.raises(ValueError, match="negative"):
+    writer.create_window_items("p", [1.0, -0.5], [0, 1], 2)
+  writer.create_window_items("a", [0.0, -0.5], [0, 1], 2)     # Uniform: negative is fine
+  assert client.shared_table("a").size == 2 and client.shared_table("p").size == 0
+  writer.close()
