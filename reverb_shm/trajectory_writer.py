@@ -36,6 +36,8 @@ _AUTO_MAX_ROWS = 256
 _MAX_PENDING = 1024
 # Window items batched by create_item before they are inserted with one C call.
 _BATCH_ITEMS = 256
+# Distinct validated item kinds (table, column windows) remembered per writer.
+_MAX_KINDS = 4096
 # Descriptor sizes (rs_desc_hdr, rs_desc_col, rs_desc_slice) and the squeeze flag.
 _DESC_FIXED, _DESC_COL, _DESC_SLICE = (chunks.DESC_HDR.itemsize, chunks.DESC_COL.itemsize,
                                        chunks.DESC_SLICE.itemsize)
@@ -1333,6 +1335,8 @@ class TrajectoryWriter:
         check_signature(handle.name, handle.flat_signature, [
             (col.dtype, col.shape if squeeze else (length,) + col.shape)
             for col, length, squeeze in sig])
+      if len(self._kinds) >= _MAX_KINDS:
+        self._kinds.clear()      # batched items keep their own kind objects
       kind = self._kinds[key] = (
           handle, sig, ffi.new("uint32_t[]", [SQUEEZE_FLAG if sq else 0 for _, _, sq in sig]),
           ffi.new("uint32_t[]", [length for _, length, _ in sig]))
