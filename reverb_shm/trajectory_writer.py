@@ -193,9 +193,6 @@ def _as_column_array(leaf) -> np.ndarray:
 
 _POS, _HOLDER, _ROW, _COUNT = range(4)
 _new_object = object.__new__
-# Bumped in a fork child: a fast append state of the parent no longer applies there.
-_FORKS = [0]
-os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 
 
 
@@ -691,7 +688,7 @@ class _FastAppend:
   next item batch)."""
 
   __slots__ = ("getter", "nkeys", "treedef", "cols", "base", "limit", "generation", "segment",
-               "forks")
+               "pid")
 
   @classmethod
   def make(cls, writer, data, treedef, plan) -> Optional["_FastAppend"]:
@@ -728,7 +725,7 @@ class _FastAppend:
     fast.limit = limit
     fast.segment = writer._segment  # pylint: disable=protected-access
     fast.generation = fast.segment.generation
-    fast.forks = _FORKS[0]
+    fast.pid = os.getpid()      # a fork child takes the slow path (which refuses)
     return fast
 
   def append(self, writer, data) -> bool:
@@ -745,7 +742,7 @@ class _FastAppend:
         return False
     step = writer._hist_step  # pylint: disable=protected-access
     if (step >= self.limit or self.segment.generation != self.generation or
-        _FORKS[0] != self.forks):
+        os.getpid() != self.pid):
       return False
     k = step - self.base
     for leaf, (_, view, dtype, shape, kind) in zip(leaves, self.cols):
