@@ -374,3 +374,22 @@ int rs_insert_rows(void *base, uint32_t slot, uint32_t table, uint32_t n, uint64
                    const uint8_t *const *data, const uint32_t *col_flags, uint64_t episode_id,
                    uint32_t flags, int64_t deadline_ns, int64_t slice_ns,
                    uint64_t *chunk_offs_out, uint32_t *pins_out, uint32_t *done_out);
+
+/* ---- issue 6 (round 3, trajectory writer) ---- */
+/* One run of a writer column: history positions [first_pos, first_pos + nrows) stored as rows
+ * [row_offset, row_offset + nrows) of the chunk at chunk_off. */
+typedef struct rs_window_seg { int64_t first_pos; uint64_t chunk_off; uint32_t row_offset; uint32_t nrows; } rs_window_seg;
+/* Descriptors (rs_insert layout) of n items over column windows. Column c's runs are
+ * segs[col_segs[c] .. col_segs[c+1]), sorted by first_pos, not overlapping. Column c of item i
+ * covers lengths[c] positions from starts[i * starts_stride + c] (starts_stride ncols) or
+ * starts[i] (starts_stride 1); a negative start counts from col_ends[c] (col_ends NULL: none
+ * are negative). It gets one slice per run it crosses; squeezed when col_flags[c] & 1 (the
+ * window must then hold one step). Validated first, for every item: priorities[i] (unless NULL)
+ * finite, and >= 0 when nonneg; every window non-empty and inside the runs. RS_EINVAL names the
+ * item and column. *size_out = descriptor bytes needed; blob NULL only validates and sizes.
+ * RS_EFULL when blob_cap < *size_out. Otherwise item i is blob[offs[i] .. offs[i+1]). */
+int rs_encode_windows(uint32_t n, uint32_t ncols, const rs_window_seg *segs,
+                      const uint32_t *col_segs, const int64_t *col_ends, const uint32_t *col_flags,
+                      const uint32_t *lengths, const int64_t *starts, uint32_t starts_stride,
+                      const double *priorities, uint32_t nonneg, uint8_t *blob, uint64_t blob_cap,
+                      uint64_t *offs, uint64_t *size_out);

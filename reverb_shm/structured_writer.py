@@ -58,7 +58,8 @@ class StructuredWriter:
     self._states = [_ConfigState(c) for c in configs]
     self._used = sorted({n.flat_source_index for c in configs for n in c.flat})
     keep_alive = max(s.history for s in self._states)
-    self._writer = trajectory_writer_lib.TrajectoryWriter(client, keep_alive)
+    # Items reach their tables as their step closes (item_batch_size=1), as before.
+    self._writer = trajectory_writer_lib.TrajectoryWriter(client, keep_alive, item_batch_size=1)
     self._num_leaves = None
     self._paths = None
     self._columns = {}          # flat index -> (dtype, shape) fixed by the first value

@@ -16,16 +16,16 @@ within it whose step has left the keep-alive window, came before the column exis
 the column read as None, which a TrajectoryColumn rejects with ValueError (SPEC §6).
 """
 import collections
-import itertools
 import math
+import operator
 import os
 import warnings
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from reverb_shm import chunks, errors, structure, timeouts
-from reverb_shm._lib import ffi
+from reverb_shm._lib import check, ffi, lib
 
 __all__ = ["TrajectoryWriter", "TrajectoryColumn", "CellRef"]
 
@@ -34,6 +34,14 @@ _AUTO_CHUNK_BYTES = 64 * 1024
 _AUTO_MAX_ROWS = 256
 # Items queued behind the rate limiter before create_item blocks on the oldest one.
 _MAX_PENDING = 1024
+# Window items batched by create_item before they are inserted with one C call.
+_BATCH_ITEMS = 256
+# Distinct validated item kinds (table, column windows) remembered per writer.
+_MAX_KINDS = 4096
+# Descriptor sizes (rs_desc_hdr, rs_desc_col, rs_desc_slice) and the squeeze flag.
+_DESC_FIXED, _DESC_COL, _DESC_SLICE = (chunks.DESC_HDR.itemsize, chunks.DESC_COL.itemsize,
+                                       chunks.DESC_SLICE.itemsize)
+SQUEEZE_FLAG = chunks.SQUEEZE
 
 _SUPPORTED_KINDS = {"f": (2, 4, 8), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "b": (1,),
                     "c": (8, 16), "O": (8,)}
@@ -58,7 +66,7 @@ class _RandomU64:
       self._rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
       self._pool = []
       self._pid = pid
-    return np.frombuffer(self._rng.bytes(8 * n), dtype=np.uint64).copy()
+    return self._rng.bit_generator.random_raw(n)
 
   def one(self) -> int:
     """One random uint64 as a Python int (drawn from a pool refilled 1024 at a time)."""
@@ -145,6 +153,27 @@ def check_signature(table_name: str, flat_signature: Optional[list], columns: Se
           f"{None if spec.shape is None else list(spec.shape)} (spec {spec!r}).")
 
 
+def _check_priorities(prios: np.ndarray, handle) -> None:
+  """ValueError (check_priority's) for the first priority that is not finite, or negative on a
+  Prioritized table."""
+  bad = np.flatnonzero(~np.isfinite(prios) | ((prios < 0) & handle.prioritized))
+  if len(bad):
+    check_priority(prios[bad[0]], handle.name, handle.prioritized)
+
+
+def _flat_dict_getter(nest, num_leaves: int):
+  """(len, getter) returning the leaves of dicts with `nest`'s str keys in flatten order, when
+  `nest` is such a dict of leaves; else None."""
+  if type(nest) is not dict or len(nest) != num_leaves or not nest or not all(
+      type(k) is str for k in nest):
+    return None
+  keys = sorted(nest)
+  if len(keys) == 1:
+    key = keys[0]
+    return 1, lambda d: (d[key],)
+  return len(keys), operator.itemgetter(*keys)
+
+
 def _as_column_array(leaf) -> np.ndarray:
   if type(leaf) is np.ndarray and leaf.dtype.kind not in "USO":
     return leaf
@@ -152,7 +181,19 @@ def _as_column_array(leaf) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# Chunks, refs and columns
+# Chunks, runs, refs and columns
+#
+# A column stores its steps as runs: [first_pos, holder, first_row, count] says that history
+# positions first_pos .. first_pos+count-1 are rows first_row.. of holder's chunk. Positions in no
+# run were skipped (or precede the column). The column's open run (the one `append` extends) keeps
+# its count implicit, n - first_pos, so that appending a step costs one row write per column.
+# Refs (CellRef, TrajectoryColumn windows) are (column, clear generation, position) and are checked
+# against the column's keep-alive window when used; a holder is released once every run on it has
+# left that window, no queued item needs it and it is no longer the column's current chunk.
+
+_POS, _HOLDER, _ROW, _COUNT = range(4)
+_new_object = object.__new__
+
 
 
 class _Holder:
@@ -166,11 +207,17 @@ class _Holder:
     self.off = chunk.off
     self.data = chunk.data          # writable (capacity, *shape) view; None for object columns
     self.values = values            # object columns: the rows as written
-    self.used = len(values) if values is not None else 0
+    self.used = len(values) if values is not None else 0   # rows written (see _Column.sync)
     self.capacity = chunk.capacity
-    self.live = 0                   # refs inside a keep-alive window
+    self.live = 0                   # runs of this chunk inside a keep-alive window
     self.pending = 0                # queued items referencing it
     self.open = values is None      # still the column's current chunk (rows may be added)
+
+  def publish(self) -> None:
+    """Makes the written rows visible to items (TableClosedError once the server stopped)."""
+    chunk = self.chunk
+    if chunk is not None and chunk.rows < self.used:
+      chunk.publish(self.used)
 
   def maybe_release(self) -> None:
     if self.live == 0 and self.pending == 0 and not self.open and self.chunk is not None:
@@ -178,12 +225,17 @@ class _Holder:
       chunk.release()   # a no-op once Server.stop() dropped this process's pins
 
   def close(self) -> None:
-    """No more rows will be written: return the unused tail to the arena."""
+    """No more rows will be written: publish them, return the unused tail to the arena."""
     if self.open:
       self.open = False
-      if self.chunk is not None and 0 < self.used < self.capacity:
-        self.chunk.shrink()
-        self.capacity = self.used
+      if self.chunk is not None and 0 < self.used:
+        try:
+          self.publish()
+          if self.used < self.capacity:
+            self.chunk.shrink()
+            self.capacity = self.used
+        except errors.TableClosedError:
+          pass        # the server stopped: the chunk is gone with it
       self.maybe_release()
 
   def force_release(self) -> None:
@@ -202,17 +254,17 @@ class CellRef:
     dtype: numpy dtype of the element.
   """
 
-  __slots__ = ("_column", "_holder", "_row", "_expired")
+  __slots__ = ("_column", "_gen", "_pos")
 
-  def __init__(self, column: "_Column", holder: _Holder, row: int):
+  def __init__(self, column: "_Column", gen: int, position: int):
     self._column = column
-    self._holder = holder
-    self._row = row
-    self._expired = False
+    self._gen = gen
+    self._pos = position
 
   @property
   def expired(self) -> bool:
-    return self._expired
+    column = self._column
+    return self._gen != column.gen or self._pos < column.alive_from()
 
   @property
   def shape(self) -> tuple:
@@ -228,32 +280,26 @@ class CellRef:
     Raises:
       RuntimeError: the ref has expired.
     """
-    if self._expired:
+    where = None if self.expired else self._column.locate(self._pos)
+    if where is None:
       raise RuntimeError(f"Cannot read an expired reference of column {self._column.path}: the "
                          "step has left the writer's keep-alive window (num_keep_alive_refs).")
-    holder = self._holder
+    holder, row = where
     if holder.values is not None:
-      return holder.values[self._row]
-    return np.array(holder.data[self._row])
-
-  def _expire(self) -> None:
-    if not self._expired:
-      self._expired = True
-      holder = self._holder
-      holder.live -= 1
-      if holder.live == 0:
-        holder.maybe_release()
+      return holder.values[row]
+    return np.array(holder.data[row])
 
   def __repr__(self):
-    state = "expired" if self._expired else "alive"
+    state = "expired" if self.expired else "alive"
     return f"CellRef(column={self._column.path}, {state})"
 
 
 class _Column:
-  """One leaf path of the union structure: dtype/shape, current chunk and history window."""
+  """One leaf path of the union structure: dtype/shape, runs and keep-alive window."""
 
   __slots__ = ("writer", "index", "path", "dtype", "shape", "is_object", "row_bytes",
-               "keep_alive", "max_chunk_length", "holder", "entries", "n", "history")
+               "keep_alive", "max_chunk_length", "holder", "runs", "open", "n", "gen", "floor",
+               "history")
 
   def __init__(self, writer, index, path, dtype, shape, keep_alive, max_chunk_length, n):
     self.writer = writer
@@ -266,8 +312,11 @@ class _Column:
     self.keep_alive = keep_alive
     self.max_chunk_length = max_chunk_length
     self.holder = None            # current (open) numeric chunk
-    self.entries = collections.deque()   # the last `keep_alive` positions: CellRef or None
-    self.n = n                    # positions since the last clear (including expired ones)
+    self.runs = collections.deque()   # [first_pos, holder, first_row, count], by position
+    self.open = None              # the last run while appends extend it (count implicit)
+    self.n = n                    # positions since the last clear (including skipped ones)
+    self.gen = 0                  # bumped by clear(): refs of an older generation are expired
+    self.floor = 0                # positions below it expired (keep-alive shrunk by configure)
     self.history = _ColumnHistory(self)
 
   def chunk_length(self) -> int:
@@ -275,37 +324,121 @@ class _Column:
       return self.max_chunk_length
     return max(1, min(_AUTO_MAX_ROWS, _AUTO_CHUNK_BYTES // max(1, self.row_bytes)))
 
+  def alive_from(self) -> int:
+    """First position still inside the keep-alive window."""
+    first = self.n - self.keep_alive
+    return first if first > self.floor else self.floor
+
+  def sync(self) -> None:
+    """Brings the open run's holder.used up to date (append leaves it behind)."""
+    run = self.open
+    if run is not None:
+      run[_HOLDER].used = run[_ROW] + self.n - run[_POS]
+
   def needs_chunk(self) -> bool:
+    self.sync()
     holder = self.holder
     return self.is_object or holder is None or holder.used >= holder.capacity
 
-  def push(self, entry) -> None:
-    entries = self.entries
-    while len(entries) >= self.keep_alive:
-      old = entries.popleft()
-      if old is not None:
-        old._expire()
-    entries.append(entry)
+  def close_run(self) -> None:
+    run = self.open
+    if run is not None:
+      run[_COUNT] = self.n - run[_POS]
+      run[_HOLDER].used = run[_ROW] + run[_COUNT]
+      self.open = None
+
+  def add_rows(self, holder: _Holder, first_row: int, count: int, keep_open: bool) -> None:
+    """Rows [first_row, first_row + count) of holder now hold the next `count` positions."""
+    run = self.open
+    if run is None or run[_HOLDER] is not holder:
+      self.close_run()
+      run = [self.n, holder, first_row, count]
+      self.runs.append(run)
+      holder.live += 1
+      self.open = run
+    self.n += count
+    if not keep_open:
+      self.close_run()
+    else:
+      holder.used = first_row + count
+
+  def skip(self) -> None:
+    """The closing step did not write this column: its position reads as None."""
+    self.close_run()
     self.n += 1
 
-  def get(self, position: int):
-    start = self.n - len(self.entries)
-    return self.entries[position - start] if position >= start else None
+  def run_end(self, run) -> int:
+    return self.n if run is self.open else run[_POS] + run[_COUNT]
 
-  def trim(self) -> None:
-    while len(self.entries) > self.keep_alive:
-      old = self.entries.popleft()
-      if old is not None:
-        old._expire()
+  def locate(self, position: int):
+    """(holder, row) of a stored position inside the keep-alive window, else None."""
+    if not self.alive_from() <= position < self.n:
+      return None
+    for run in reversed(self.runs):
+      if position >= run[_POS]:
+        if position < self.run_end(run):
+          return run[_HOLDER], run[_ROW] + position - run[_POS]
+        return None
+    return None
+
+  def covers(self, start: int, stop: int) -> bool:
+    """True when every position of [start, stop) is stored and alive (stop > start)."""
+    if start < self.alive_from() or stop > self.n:
+      return False
+    run = self.open
+    if run is not None and start >= run[_POS]:
+      return True
+    return all(self.locate(p) is not None for p in range(start, stop))
+
+  def get(self, position: int) -> Optional[CellRef]:
+    return CellRef(self, self.gen, position) if self.locate(position) is not None else None
+
+  def segments(self, first: int = 0) -> list:
+    """(first_pos, chunk_off, first_row, count) of every run from position `first` on, for
+    rs_encode_windows."""
+    out = []
+    for run in self.runs:
+      pos, end = run[_POS], self.run_end(run)
+      if end > first:
+        skip = first - pos if first > pos else 0
+        out.append((pos + skip, run[_HOLDER].off, run[_ROW] + skip, end - pos - skip))
+    return out
+
+  def holders_between(self, start: int, stop: int) -> list:
+    return [run[_HOLDER] for run in self.runs
+            if run[_POS] < stop and self.run_end(run) > start]
+
+  def collect(self) -> None:
+    """Releases the holders of runs that left the keep-alive window."""
+    first = self.alive_from()
+    runs = self.runs
+    while runs and runs[0] is not self.open and runs[0][_POS] + runs[0][_COUNT] <= first:
+      self.writer._flush_batch()   # pylint: disable=protected-access  (items may use them)
+      self._drop(runs.popleft())
+
+  @staticmethod
+  def _drop(run) -> None:
+    holder = run[_HOLDER]
+    holder.live -= 1
+    if holder.live == 0:
+      holder.maybe_release()
+
+  def set_keep_alive(self, keep_alive: int) -> None:
+    self.floor = self.alive_from()      # expired positions stay expired
+    self.keep_alive = keep_alive
+    self.collect()
 
   def clear(self) -> None:
-    for entry in self.entries:
-      if entry is not None:
-        entry._expire()
-    self.entries.clear()
+    self.close_run()
+    runs, self.runs = self.runs, collections.deque()
+    for run in runs:
+      self._drop(run)
     self.n = 0
+    self.floor = 0
+    self.gen += 1
 
   def close_chunk(self) -> None:
+    self.close_run()
     if self.holder is not None:
       holder, self.holder = self.holder, None
       holder.close()
@@ -349,9 +482,6 @@ class _ColumnHistory:
 
   def _positions(self, s: slice) -> range:
     n = self._column.n
-    start = s.start
-    if s.stop is None and s.step is None and type(start) is int and -n <= start <= n:
-      return range(start + n if start < 0 else start, n)   # the usual history[col][-k:]
     for bound in (s.start, s.stop, s.step):
       if bound is not None and (isinstance(bound, bool) or
                                 not isinstance(bound, (int, np.integer))):
@@ -368,21 +498,28 @@ class _ColumnHistory:
 
   def __getitem__(self, index) -> "TrajectoryColumn":
     column = self._column
-    if isinstance(index, slice):
+    if type(index) is slice:
+      start = index.start
+      if index.stop is None and index.step is None and type(start) is int and start < 0:
+        n = column.n     # the usual history[col][-k:], inside the open run and alive
+        first = n + start
+        run = column.open
+        if (run is not None and first >= run[_POS] and first >= n - column.keep_alive and
+            first >= column.floor):
+          return _window(column, first, n, False, index)
       positions = self._positions(index)
-      first = column.n - len(column.entries)   # position of entries[0]
-      if positions.step == 1 and positions.stop >= positions.start >= first:
-        refs = list(itertools.islice(column.entries, positions.start - first,
-                                     positions.stop - first))
-      else:
-        refs = [column.get(p) for p in positions]
-      return TrajectoryColumn(refs, path=column.path + (index,))
+      if positions.step == 1 and positions.stop > positions.start and column.covers(
+          positions.start, positions.stop):
+        return _window(column, positions.start, positions.stop, False, index)
+      return TrajectoryColumn([column.get(p) for p in positions], path=column.path + (index,))
     if isinstance(index, list):
       return TrajectoryColumn([column.get(self._position(i)) for i in index],
                               path=column.path + (tuple(index),))
     if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-      return TrajectoryColumn([column.get(self._position(index))], squeeze=True,
-                              path=column.path + (int(index),))
+      p = self._position(index)
+      if column.locate(p) is not None:
+        return _window(column, p, p + 1, True, int(index))
+      return TrajectoryColumn([None], squeeze=True, path=column.path + (int(index),))
     raise TypeError(f"Unsupported index type {type(index).__name__} for column history "
                     f"{column.path}: use an int, a slice or a list of ints")
 
@@ -402,10 +539,11 @@ class TrajectoryColumn:
     ValueError: a reference is None, or `squeeze` with other than one reference.
   """
 
-  __slots__ = ("_refs", "_squeeze", "_path")
+  __slots__ = ("_cells", "_squeeze", "_path", "_win")
 
   def __init__(self, data_references: Sequence[Optional[CellRef]], *, squeeze: bool = False,
                path: Optional[tuple] = None):
+    self._win = None    # (column, generation, start, stop, index) of a history window
     refs = list(data_references)
     if None in refs:   # CellRefs compare by identity
       raise ValueError(
@@ -415,9 +553,17 @@ class TrajectoryColumn:
     if squeeze and len(refs) != 1:
       raise ValueError(f"Columns must contain exactly one data reference when squeeze is set, "
                        f"got {len(refs)} (path {path}).")
-    self._refs = refs
+    self._cells = refs
     self._squeeze = bool(squeeze)
     self._path = path
+
+  @property
+  def _refs(self) -> List[CellRef]:
+    cells = self._cells
+    if cells is None:
+      column, gen, start, stop, _ = self._win
+      cells = self._cells = [CellRef(column, gen, p) for p in range(start, stop)]
+    return cells
 
   @property
   def is_squeezed(self) -> bool:
@@ -425,32 +571,37 @@ class TrajectoryColumn:
 
   @property
   def path(self) -> Optional[tuple]:
-    return self._path
+    win = self._win
+    return self._path if win is None else win[0].path + (win[4],)
 
   @property
   def dtype(self) -> Optional[np.dtype]:
     """numpy dtype of the first reference (None when empty)."""
-    return self._refs[0].dtype if self._refs else None
+    if self._win is not None:
+      return self._win[0].dtype
+    return self._cells[0].dtype if self._cells else None
 
   @property
   def shape(self) -> tuple:
     """(steps, *element shape), or the element shape when squeezed."""
-    elem = self._refs[0].shape if self._refs else ()
-    return tuple(elem) if self._squeeze else (len(self._refs),) + tuple(elem)
+    refs = self._refs
+    elem = refs[0].shape if refs else ()
+    return tuple(elem) if self._squeeze else (len(refs),) + tuple(elem)
 
   def __len__(self) -> int:
-    return len(self._refs)
+    win = self._win
+    return len(self._cells) if win is None else win[3] - win[2]
 
   def __iter__(self):
     return iter(self._refs)
 
   def __getitem__(self, index) -> "TrajectoryColumn":
     if isinstance(index, slice):
-      return TrajectoryColumn(self._refs[index], path=self._path)
+      return TrajectoryColumn(self._refs[index], path=self.path)
     if isinstance(index, list):
-      return TrajectoryColumn([self._refs[i] for i in index], path=self._path)
+      return TrajectoryColumn([self._refs[i] for i in index], path=self.path)
     if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-      return TrajectoryColumn([self._refs[index]], squeeze=True, path=self._path)
+      return TrajectoryColumn([self._refs[index]], squeeze=True, path=self.path)
     raise TypeError(f"Unsupported index type {type(index).__name__}")
 
   def numpy(self) -> np.ndarray:
@@ -459,34 +610,63 @@ class TrajectoryColumn:
     Raises:
       RuntimeError: a reference has expired.
     """
-    values = [r.numpy() for r in self._refs]
+    refs = self._refs
+    values = [r.numpy() for r in refs]
     if self._squeeze:
       return values[0]
-    if self._refs and self._refs[0].dtype.kind == "O":
-      out = np.empty((len(values),) + tuple(self._refs[0].shape), dtype=object)
+    if refs and refs[0].dtype.kind == "O":
+      out = np.empty((len(values),) + tuple(refs[0].shape), dtype=object)
       for i, v in enumerate(values):
         out[i] = v
       return out
     return np.stack(values)
 
+  def window(self):
+    """(column, generation, start, stop, None) when the column is contiguous steps of one
+    writer column, else None (the batched item path needs that)."""
+    refs = self._cells
+    if self._win is not None:
+      return self._win
+    if not refs:
+      return None
+    first = refs[0]
+    column, gen, start = first._column, first._gen, first._pos
+    for i, ref in enumerate(refs):
+      if ref._column is not column or ref._gen != gen or ref._pos != start + i:
+        return None
+    return column, gen, start, start + len(refs), None
+
   def __repr__(self):
-    return f"TrajectoryColumn(path={self._path}, shape={self.shape}, squeeze={self._squeeze})"
+    return f"TrajectoryColumn(path={self.path}, shape={self.shape}, squeeze={self._squeeze})"
 
 
-def _column_slices(refs: List[CellRef]) -> list:
-  """Merges consecutive rows of one chunk into (chunk_off, row_offset, nrows) slices."""
+def _window(column: _Column, start: int, stop: int, squeeze: bool, index) -> TrajectoryColumn:
+  """A TrajectoryColumn over positions [start, stop) of column (all stored and alive)."""
+  tc = _new_object(TrajectoryColumn)
+  tc._cells = None
+  tc._squeeze = squeeze
+  tc._path = None
+  tc._win = (column, column.gen, start, stop, index)
+  return tc
+
+
+def _column_slices(refs: List[CellRef]) -> Tuple[list, list]:
+  """Merges consecutive rows of one chunk into (chunk_off, row_offset, nrows) slices; also
+  returns the holders (refs must be alive)."""
   slices = []
+  holders = []
   last_holder = None
   last_end = -1
   for ref in refs:
-    holder, row = ref._holder, ref._row
+    holder, row = ref._column.locate(ref._pos)
     if holder is last_holder and row == last_end:
       off, start, nrows = slices[-1]
       slices[-1] = (off, start, nrows + 1)
     else:
       slices.append((holder.off, row, 1))
+      holders.append(holder)
     last_holder, last_end = holder, row + 1
-  return slices
+  return slices, holders
 
 
 class _Pending:
@@ -500,6 +680,85 @@ class _Pending:
     self.priority = priority
     self.blob = blob            # this item's descriptor bytes
     self.holders = holders      # distinct _Holders it references
+
+
+class _FastAppend:
+  """append() of a step like the last complete one while every column's chunk has room: one
+  row write per column, no flattening of flat dicts, no C call (rows are published with the
+  next item batch)."""
+
+  __slots__ = ("getter", "nkeys", "treedef", "cols", "base", "limit", "generation", "segment",
+               "pid")
+
+  @classmethod
+  def make(cls, writer, data, treedef, plan) -> Optional["_FastAppend"]:
+    """The fast path after a complete step that wrote every column of `plan`, if it applies."""
+    columns = plan[0]
+    if len(columns) != len(writer._columns) or len({id(c) for c in columns}) != len(columns):  # pylint: disable=protected-access
+      return None
+    cols = []
+    room = _AUTO_MAX_ROWS << 20
+    for col in columns:
+      run = col.open
+      if col is None or col.is_object or run is None or run[_HOLDER] is not col.holder:
+        return None
+      col.sync()
+      holder = col.holder
+      room = min(room, holder.capacity - holder.used)
+      # one step of an already-present column: ndarrays of its dtype/shape, or its scalar type
+      cols.append((col, holder.data[holder.used:], col.dtype, col.shape,
+                   col.dtype.type if col.shape == () else np.ndarray))
+    base = writer._hist_step  # pylint: disable=protected-access
+    limit = base + room
+    for col in columns:      # next release of a run that leaves the keep-alive window
+      runs = col.runs
+      if runs[0] is not col.open:
+        limit = min(limit, runs[0][_POS] + runs[0][_COUNT] + col.keep_alive)
+    if limit <= base:
+      return None
+    fast = cls()
+    keys = _flat_dict_getter(data, len(columns))
+    fast.nkeys, fast.getter = keys if keys is not None else (0, None)
+    fast.treedef = treedef
+    fast.cols = tuple(cols)
+    fast.base = base
+    fast.limit = limit
+    fast.segment = writer._segment  # pylint: disable=protected-access
+    fast.generation = fast.segment.generation
+    fast.pid = os.getpid()      # a fork child takes the slow path (which refuses)
+    return fast
+
+  def append(self, writer, data) -> bool:
+    """Appends `data` as a complete step; False (nothing changed) when it does not apply."""
+    leaves = None
+    if self.getter is not None and type(data) is dict and len(data) == self.nkeys:
+      try:
+        leaves = self.getter(data)
+      except KeyError:
+        return False
+    else:
+      leaves, treedef = structure.flatten(data)
+      if treedef != self.treedef:
+        return False
+    step = writer._hist_step  # pylint: disable=protected-access
+    if (step >= self.limit or self.segment.generation != self.generation or
+        os.getpid() != self.pid):
+      return False
+    k = step - self.base
+    for leaf, (_, view, dtype, shape, kind) in zip(leaves, self.cols):
+      t = type(leaf)
+      if t is np.ndarray:
+        if leaf.dtype != dtype or leaf.shape != shape:
+          return False      # rows written so far are beyond `used`: harmless
+      elif t is not kind:
+        return False
+      view[k] = leaf
+    step += 1
+    for col, _, _, _, _ in self.cols:
+      col.n = step
+    writer._hist_step = step  # pylint: disable=protected-access
+    writer._episode_steps += 1  # pylint: disable=protected-access
+    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -558,15 +817,22 @@ class TrajectoryWriter:
     client: the Client whose tables receive the items.
     num_keep_alive_refs: steps each column keeps referenceable (>= 1).
     validate_items: check items against their table's signature in `create_item`.
+    item_batch_size: window items `create_item` batches before inserting them with one C
+      call (reverb_shm extension; 1 inserts every item at once, as writers of a bridge
+      client always do).
 
   Raises:
-    ValueError: `num_keep_alive_refs < 1`.
+    ValueError: `num_keep_alive_refs < 1` or `item_batch_size < 1`.
   """
 
-  def __init__(self, client, num_keep_alive_refs: int, *, validate_items: bool = True):
+  def __init__(self, client, num_keep_alive_refs: int, *, validate_items: bool = True,
+               item_batch_size: int = _BATCH_ITEMS):
     self._closed = True   # until fully constructed (so __del__ is harmless)
     num_keep_alive_refs = _check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
+    self._item_batch_size = _check_positive_int(item_batch_size, "item_batch_size")
     self._client = _writer_client(client)
+    if hasattr(self._client, "await_inserts"):   # asynchronous: items stream one by one
+      self._item_batch_size = 1
     self._segment = client._segment()  # pylint: disable=protected-access
     self._default_keep_alive = num_keep_alive_refs
     self._validate_items = bool(validate_items)
@@ -580,6 +846,11 @@ class TrajectoryWriter:
     self._episode_steps = 0
     self._episode_id = random_u64.one()
     self._pending = collections.deque()
+    self._batch = []             # (item kind, priority, starts) of window items not yet inserted
+    self._kinds = {}             # (handle, ((column, length, squeeze), ...)) -> itself, validated
+    self._fast = None            # _FastAppend of the last complete step, or None
+    self._item_keys = None       # (len, getter) of the last flat-dict trajectory's leaves
+    self._window_cols = None     # (history, its columns) for create_window_items
     self._tables = {}
     self._last_deadline_error = None
     self._closed = False
@@ -609,8 +880,13 @@ class TrajectoryWriter:
 
   @property
   def num_pending_items(self) -> int:
-    """Items created but not yet admitted by their table's rate limiter (reverb_shm extension)."""
-    return len(self._pending) + _in_flight(self._client)
+    """Items created but not yet admitted by their table's rate limiter (reverb_shm extension).
+
+    Inserts the batched items first (see `create_item`), so that the count is exact.
+    """
+    if self._batch and not self._closed:
+      self._flush_batch()
+    return len(self._pending) + len(self._batch) + _in_flight(self._client)
 
   # ---- appending
 
@@ -628,7 +904,13 @@ class TrajectoryWriter:
       ResourceExhaustedError: the chunk arena is full. Nothing is written.
       RuntimeError: the writer is closed.
     """
+    fast = self._fast
+    if fast is not None and not partial_step and fast.append(self, data):
+      return
     self._check_open()
+    self._fast = None
+    self._check_usable()
+    self._flush_batch()
     leaves, treedef = structure.flatten(data)
     plan = self._plans.get(treedef)
     if plan is None:
@@ -657,24 +939,23 @@ class TrajectoryWriter:
               f"Field {col.path} has already been set in the active step by previous (partial) "
               f"append call and thus must be omitted or set to None but got: {leaf}")
       writes.append((col, paths[i], arr, i))
-    for col, _, _, _ in writes:
-      if col is None or col.needs_chunk():
-        self._write_steps(writes, 1, bool(partial_step), treedef, plan)
-        return
-    # Fast path: every column exists and its current chunk has room for the row.
-    for col, _, arr, i in writes:
-      columns[i] = col
-      holder = col.holder
-      row = holder.used
-      holder.data[row] = arr
-      holder.chunk.publish(row + 1)   # the row is written above
-      holder.used = row + 1
-      holder.live += 1
-      col.push(CellRef(col, holder, row))
-    if partial_step:
-      self._step_open = True
-    else:
-      self._close_step()
+    if any(col is None or col.needs_chunk() for col, _, _, _ in writes):
+      self._write_steps(writes, 1, bool(partial_step), treedef, plan)
+    else:   # every column exists and its current chunk has room for the row
+      for col, _, arr, i in writes:
+        columns[i] = col
+        holder = col.holder
+        row = holder.used
+        holder.data[row] = arr
+        col.add_rows(holder, row, 1, keep_open=True)
+      if partial_step:
+        self._step_open = True
+      else:
+        self._close_steps(1)
+    if not partial_step:
+      self._collect()
+      if len(writes) == len(leaves):
+        self._fast = _FastAppend.make(self, data, treedef, plan)
 
   def extend(self, steps: Any) -> None:
     """Appends T complete steps at once (reverb_shm extension; one chunk write per column).
@@ -689,6 +970,9 @@ class TrajectoryWriter:
       ResourceExhaustedError: the chunk arena is full.
     """
     self._check_open()
+    self._fast = None
+    self._check_usable()
+    self._flush_batch()
     if self._step_open:
       raise ValueError("extend() cannot be called while a partial step is open; finish it "
                        "with append(..., partial_step=False) first")
@@ -725,6 +1009,7 @@ class TrajectoryWriter:
     if num_steps == 0:
       raise ValueError("extend() needs at least one step (leading dim 0 given)")
     self._write_steps(writes, num_steps, None, treedef, plan)
+    self._collect()
 
   def _make_plan(self, data, treedef):
     paths, _, _ = structure.flatten_with_paths(data)
@@ -802,10 +1087,7 @@ class TrajectoryWriter:
       columns[i] = col
       if col.is_object:
         holder = fresh[0]
-        for row in range(holder.used):
-          holder.live += 1
-          col.push(CellRef(col, holder, row))
-        holder.maybe_release()
+        col.add_rows(holder, 0, holder.used, keep_open=False)
         continue
       values = arr if batched else arr.reshape((1,) + col.shape)
       done = 0
@@ -814,13 +1096,10 @@ class TrajectoryWriter:
         if holder is not col.holder:
           col.close_chunk()
           col.holder = holder
-        take = min(holder.capacity - holder.used, num_steps - done)
         first = holder.used
-        holder.chunk.write_rows(values[done:done + take])
-        holder.used = first + take
-        holder.live += take
-        for row in range(first, first + take):
-          col.push(CellRef(col, holder, row))
+        take = min(holder.capacity - first, num_steps - done)
+        holder.data[first:first + take] = values[done:done + take]   # published before use
+        col.add_rows(holder, first, take, keep_open=True)
         done += take
         if done == num_steps:
           break
@@ -829,25 +1108,36 @@ class TrajectoryWriter:
     if partial:
       self._step_open = True
       return
-    for _ in range(num_steps):
-      self._close_step()
+    self._close_steps(num_steps)
 
-  def _close_step(self) -> None:
-    hist_step = self._hist_step
+  def _close_steps(self, num_steps: int) -> None:
+    """Closes the open step (num_steps = 1) or the num_steps steps extend() wrote; columns
+    that were not written read as None at those positions."""
+    end = self._hist_step + num_steps
     for col in self._columns:
-      if col.n == hist_step:
-        col.push(None)
-    self._hist_step = hist_step + 1
-    self._episode_steps += 1
+      if col.n < end:
+        col.close_run()
+        col.n = end
+    self._hist_step = end
+    self._episode_steps += num_steps
     self._step_open = False
+
+  def _collect(self) -> None:
+    for col in self._columns:
+      col.collect()
 
   # ---- items
 
   def create_item(self, table: str, priority: float, trajectory: Any) -> None:
-    """Creates an item referencing the given steps and inserts it.
+    """Creates an item referencing the given steps.
 
-    The item is inserted at once if the table's rate limiter allows it without waiting; else it
-    is queued (see `flush`). With more than 1024 items queued, this call blocks on the oldest.
+    Items whose every column is a contiguous window of one column's steps (`history[c][a:b]`,
+    `history[c][i]`) are batched: they are inserted with one C call at the next chunk
+    boundary, every `item_batch_size` (256) items, or at `flush`, `end_episode`, `close` or
+    `num_pending_items` (Reverb's items also reach the table when their chunks are finalised).
+    Other items, and every item while earlier ones wait for the rate limiter, are inserted at
+    once. An item the rate limiter does not admit right away waits in a FIFO queue (see
+    `flush`); with more than 1024 items queued, this call blocks on the oldest.
 
     Args:
       table: name of the table.
@@ -861,11 +1151,34 @@ class TrajectoryWriter:
         dtypes/shapes in a column, or (validate_items) a signature mismatch.
       TableClosedError: the server stopped.
     """
-    self.create_items(table, [priority], [trajectory])
+    handle = self._tables.get(table)
+    if handle is None or self._closed:
+      self._check_open()
+      handle = self._table(table)
+    if type(priority) is not float or not 0.0 <= priority < math.inf:   # not NaN either
+      priority = check_priority(priority, handle.name, handle.prioritized)
+    leaves = None
+    keys = self._item_keys
+    if keys is not None and type(trajectory) is dict and len(trajectory) == keys[0]:
+      try:
+        leaves = keys[1](trajectory)
+      except KeyError:
+        pass
+    if leaves is None:
+      leaves, _ = structure.flatten(trajectory)
+      self._item_keys = _flat_dict_getter(trajectory, len(leaves))
+    entry = self._window_entry(handle, priority, leaves)
+    if entry is None:
+      self._create_general(handle, [priority], [trajectory])
+      return
+    batch = self._batch
+    batch.append(entry)
+    if len(batch) >= self._item_batch_size or self._pending:
+      self._flush_batch()
 
   def create_items(self, table: str, priorities: Sequence[float],
                    trajectories: Sequence[Any]) -> None:
-    """Creates many items with one C insert call (reverb_shm extension).
+    """Creates many items, in order, and inserts them at once (reverb_shm extension).
 
     Args:
       table: name of the table.
@@ -881,46 +1194,291 @@ class TrajectoryWriter:
                        f"{len(trajectories)} trajectories")
     handle = self._table(table)
     prios = [check_priority(p, handle.name, handle.prioritized) for p in priorities]
-    descs = []
-    holder_sets = []
-    for trajectory in trajectories:
-      desc, holders = self._encode_item(handle, trajectory)
-      descs.append(desc)
-      holder_sets.append(holders)
-    if not descs:
-      return
-    blobs = [chunks.encode_descriptor(desc) for desc in descs]
-    if not self._pending:   # nothing queued: insert what the limiter admits now, queue the rest
-      done = self._insert_now(handle, prios, blobs)
-      if done == len(blobs):
+    entries = []
+    for prio, trajectory in zip(prios, trajectories):
+      entry = self._window_entry(handle, prio, structure.flatten(trajectory)[0])
+      if entry is None:
+        self._create_general(handle, prios, trajectories)
         return
-      prios, blobs, holder_sets = prios[done:], blobs[done:], holder_sets[done:]
+      entries.append(entry)
+    self._batch.extend(entries)
+    self._flush_batch()
+
+  def create_window_items(self, table: str, priorities, starts, num_timesteps: int,
+                          columns: Any = None) -> None:
+    """Creates one item per start position over the next `num_timesteps` steps of every column,
+    with one C call (reverb_shm extension: n-step transitions / sequences in bulk).
+
+    Item i equals `create_item(table, priorities[i], nest)` where nest is `columns` with each
+    column history h replaced by `h[starts[i]:starts[i] + num_timesteps]`. The items are
+    inserted in order, after every item created before, and are in the table when this call
+    returns unless their rate limiter holds them back (they then wait in the queue, as
+    `create_item`'s).
+
+    Args:
+      table: name of the table.
+      priorities: float array-like of shape [n], finite (non-negative for Prioritized tables).
+      starts: int array-like of shape [n]: history positions of each item's first step
+        (negative ones count from the end of each column, as history indexing does).
+      num_timesteps: steps per item (>= 1); the time dim of every column of the sample.
+      columns: a nest of column histories (leaves of `history`), e.g. `{"obs": h["obs"]}`;
+        None selects the whole `history`.
+
+    Raises:
+      TypeError: a leaf of `columns` is not a column history of this writer.
+      ValueError: `num_timesteps` < 1, `starts` not 1-D integers, `priorities` not n finite
+        values (non-negative for Prioritized tables), a window that includes an expired or
+        skipped step, or (validate_items) a signature mismatch.
+      IndexError: a window outside a column's steps.
+      Nothing is created when any item is invalid.
+    """
+    self._check_open()
+    handle = self._table(table)
+    cols = self._window_columns(columns)
+    length = _check_positive_int(num_timesteps, "num_timesteps")
+    starts = np.asarray(starts)
+    if starts.ndim != 1 or (starts.size and starts.dtype.kind not in "iu"):
+      raise ValueError(f"starts must be a 1-D array of ints, got shape {starts.shape} and dtype "
+                       f"{starts.dtype}")
+    n = len(starts)
+    try:
+      prios = np.ascontiguousarray(priorities, dtype=np.float64)
+    except (TypeError, ValueError):
+      raise ValueError(f"priorities must be {n} numbers, got {priorities!r}") from None
+    if prios.shape != (n,):
+      raise ValueError(f"priorities must have shape ({n},) (one per item), got {prios.shape}")
+    if n == 0:
+      return
+    starts = np.ascontiguousarray(starts, np.int64)
+    kind = self._kind(handle, tuple((col, length, False) for col in cols))
+    self._flush_batch()
+    self._publish()
+    try:      # the C call validates every priority and window (alive steps only)
+      blob, offs = self._encode_windows(kind, starts, prios, handle.prioritized, alive=True)
+    except errors.InvalidArgumentError:
+      _check_priorities(prios, handle)
+      for col in cols:
+        self._window_positions(col, starts, length)
+      raise      # a window over a skipped step: the C message names it
+    self._insert_encoded(handle, prios, blob, offs, kind[1], starts)
+
+  def _window_columns(self, columns) -> List[_Column]:
+    """The columns of create_window_items' `columns` nest, in flatten order."""
+    structure_ = self.history if columns is None else columns
+    cached = self._window_cols
+    if cached is not None and cached[0] is structure_:
+      return cached[1]
+    leaves, _ = structure.flatten(structure_)
+    cols = []
+    for i, leaf in enumerate(leaves):
+      if not isinstance(leaf, _ColumnHistory) or leaf._column.writer is not self:  # pylint: disable=protected-access
+        raise TypeError(f"create_window_items: leaf {i} of columns must be a column history of "
+                        f"this writer (a leaf of writer.history), got {type(leaf).__name__}")
+      cols.append(leaf._column)  # pylint: disable=protected-access
+    if not cols:
+      raise ValueError("create_window_items: columns must hold at least one column history")
+    if columns is None:
+      self._window_cols = (structure_, cols)
+    return cols
+
+  @staticmethod
+  def _window_positions(col: _Column, starts: np.ndarray, length: int) -> np.ndarray:
+    """Positions in `col` of windows starting at `starts`; raises for the first bad one."""
+    pos = np.where(starts < 0, starts + col.n, starts)
+    bad = np.flatnonzero((pos < 0) | (pos + length > col.n))
+    if len(bad):
+      raise IndexError(f"create_window_items: item {bad[0]}'s window [{starts[bad[0]]}, "
+                       f"+{length}) is out of range for column {col.path}, which has {col.n} "
+                       "steps since its buffers were last cleared")
+    bad = np.flatnonzero(pos < col.alive_from())
+    if len(bad):
+      raise ValueError(f"create_window_items: item {bad[0]}'s window starting at "
+                       f"{starts[bad[0]]} includes expired steps of column {col.path} (it "
+                       f"keeps the last {col.keep_alive}: num_keep_alive_refs)")
+    return pos
+
+  # ---- items: internals
+
+  def _window_entry(self, handle, priority: float, leaves) -> Optional[tuple]:
+    """(kind, priority, starts) when every leaf is an alive window of one of this writer's
+    columns, else None (the general path validates and reports)."""
+    sig = []
+    starts = []
+    for leaf in leaves:
+      if type(leaf) is not TrajectoryColumn:
+        return None
+      win = leaf._win
+      if win is None:
+        win = leaf.window()
+        if win is None:
+          return None
+      col, gen, start, stop, _ = win
+      if (col.writer is not self or gen != col.gen or start < col.n - col.keep_alive or
+          start < col.floor):    # not alive: the general path says why
+        return None
+      sig.append((col, stop - start, leaf._squeeze))
+      starts.append(start)
+    if not sig:
+      return None
+    return self._kind(handle, tuple(sig)), priority, tuple(starts)
+
+  def _kind(self, handle, sig: tuple) -> tuple:
+    """The validated, shared (handle, sig, C flags, C lengths) of items with these column
+    windows; sig is ((column, length, squeeze), ...)."""
+    key = (handle, sig)
+    kind = self._kinds.get(key)
+    if kind is None:
+      if self._validate_items and handle.flat_signature is not None:
+        check_signature(handle.name, handle.flat_signature, [
+            (col.dtype, col.shape if squeeze else (length,) + col.shape)
+            for col, length, squeeze in sig])
+      if len(self._kinds) >= _MAX_KINDS:
+        self._kinds.clear()      # batched items keep their own kind objects
+      kind = self._kinds[key] = (
+          handle, sig, ffi.new("uint32_t[]", [SQUEEZE_FLAG if sq else 0 for _, _, sq in sig]),
+          ffi.new("uint32_t[]", [length for _, length, _ in sig]))
+    return kind
+
+  def _check_usable(self) -> None:
+    """TableClosedError (Chunk.publish's) once the server stopped or in a fork child: rows are
+    published later, so appends check here that their chunks can still be written."""
+    for col in self._columns:
+      holder = col.holder
+      if holder is not None and holder.chunk is not None:
+        holder.chunk.publish(holder.chunk.rows)
+        return
+
+  def _publish(self) -> None:
+    """Makes every written row visible to items (once per batch, not per append)."""
+    for col in self._columns:
+      holder = col.holder
+      if holder is not None:
+        col.sync()
+        holder.publish()
+
+  def _flush_batch(self, insert: bool = True) -> None:
+    """Inserts the batched window items: one rs_encode_windows + one insert per run of items
+    of one kind (table and column windows); what the rate limiter holds back is queued.
+    insert=False queues them all (before their steps are cleared; never raises
+    TableClosedError)."""
+    batch = self._batch
+    if not batch:
+      return
+    try:
+      self._publish()
+    except errors.TableClosedError:
+      if insert:
+        raise
+    self._batch = []
+    i = 0
+    try:
+      while i < len(batch):
+        kind = batch[i][0]
+        j = i + 1
+        while j < len(batch) and batch[j][0] is kind:
+          j += 1
+        run = batch[i:j]
+        positions = np.array([entry[2] for entry in run], np.int64)
+        blob, offs = self._encode_windows(kind, positions)
+        i = j
+        self._insert_encoded(kind[0], [entry[1] for entry in run], blob, offs, kind[1],
+                             positions, insert)
+    except BaseException:
+      self._batch = batch[i:] + self._batch
+      raise
+
+  @staticmethod
+  def _encode_windows(kind: tuple, starts: np.ndarray, priorities: Optional[np.ndarray] = None,
+                      nonneg: bool = False, alive: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """Descriptors of items whose column c covers kind's length c steps from starts[i, c]
+    (starts of shape (n, ncols), positions) or starts[i] (shape (n,), negative ones counting
+    from each column's end). Validates priorities when given, and (alive) that every step is
+    inside its keep-alive window; InvalidArgumentError names the first bad item."""
+    _, sig, flags, lengths = kind
+    n, ncols = len(starts), len(sig)
+    segs, col_segs, ends, bound = [], [0], [], 0
+    for col, length, _ in sig:
+      col_runs = col.segments(col.alive_from() if alive else 0)
+      segs += col_runs
+      col_segs.append(len(segs))
+      ends.append(col.n)
+      bound += min(length, len(col_runs))
+    cap = n * (_DESC_FIXED + _DESC_COL * ncols + _DESC_SLICE * bound)
+    blob = np.empty(cap, np.uint8)
+    offs = np.empty(n + 1, np.uint64)
+    size = ffi.new("uint64_t *")
+    check(lib.rs_encode_windows(
+        n, ncols, ffi.new("rs_window_seg[]", segs), ffi.new("uint32_t[]", col_segs),
+        ffi.new("int64_t[]", ends), flags, lengths, ffi.from_buffer("int64_t[]", starts),
+        1 if starts.ndim == 1 else ncols,
+        ffi.NULL if priorities is None else ffi.from_buffer("double[]", priorities),
+        bool(nonneg), ffi.from_buffer("uint8_t[]", blob, require_writable=True), cap,
+        ffi.from_buffer("uint64_t[]", offs, require_writable=True), size), "creating items")
+    return blob[:size[0]], offs
+
+  def _insert_encoded(self, handle, priorities, blob: np.ndarray, offs: np.ndarray, sig: tuple,
+                      positions: np.ndarray, insert: bool = True) -> None:
+    """Inserts encoded window items (positions as _encode_windows' starts); those the rate
+    limiter does not admit now are queued (all of them when not `insert`)."""
+    n = len(offs) - 1
+    done = 0 if self._pending or not insert else self._insert_now(handle, priorities, blob, offs)
+    if done == n:
+      return
+    blobs = [bytes(blob[offs[i]:offs[i + 1]]) for i in range(done, n)]
+    holder_sets = []
+    for starts in positions[done:].tolist():
+      holders = {}
+      for c, (col, length, _) in enumerate(sig):
+        start = starts[c] if isinstance(starts, list) else starts
+        start += col.n if start < 0 else 0
+        for h in col.holders_between(start, start + length):
+          holders[id(h)] = h
+      holder_sets.append(tuple(holders.values()))
+    self._enqueue(handle, list(priorities)[done:], blobs, holder_sets, insert)
+
+  def _create_general(self, handle, priorities: List[float], trajectories) -> None:
+    """Items with any column that is not one window: encoded one by one, inserted now."""
+    encoded = [self._encode_item(handle, trajectory) for trajectory in trajectories]
+    if not encoded:
+      return
+    self._flush_batch()     # keeps creation order
+    self._publish()
+    blobs = [chunks.encode_descriptor(desc) for desc, _ in encoded]
+    holder_sets = [holders for _, holders in encoded]
+    done = 0
+    if not self._pending:
+      blob, offs = chunks.join_descriptors(blobs)
+      done = self._insert_now(handle, priorities, blob, offs)
+    if done < len(blobs):
+      self._enqueue(handle, priorities[done:], blobs[done:], holder_sets[done:])
+
+  def _enqueue(self, handle, priorities, blobs, holder_sets, insert: bool = True) -> None:
+    """Queues items behind the rate limiter, then (if `insert`) inserts what it admits now."""
     items = []
-    for blob, prio, holders in zip(blobs, prios, holder_sets):
+    for blob, prio, holders in zip(blobs, priorities, holder_sets):
       for h in holders:
         h.pending += 1
-      items.append(_Pending(handle.table, random_u64.one(), prio, blob, holders))
+      items.append(_Pending(handle.table, random_u64.one(), float(prio), blob, holders))
     self._pending.extend(items)
+    if not insert:
+      return
     self._drain(0, 0)     # whatever the limiters admit right now, in FIFO order
     while len(self._pending) > _MAX_PENDING:
       self._drain(len(self._pending) - 1, -1)
 
   @staticmethod
-  def _insert_now(handle, priorities: List[float], blobs: List[bytes]) -> int:
+  def _insert_now(handle, priorities, blob, offs) -> int:
     """Inserts the leading items that the table's rate limiter admits without waiting, with one
     C call and no queue bookkeeping (the common case). Returns how many were inserted; 0 also
     when an item is invalid (the queue path then finds and reports it)."""
-    n = len(blobs)
-    if n == 1:   # create_item: no numpy on the way
-      blob, offs = blobs[0], ffi.new("uint64_t[2]", [0, len(blobs[0])])
-      keys = ffi.new("uint64_t *", random_u64.one())
-    else:
-      blob, offs = chunks.join_descriptors(blobs)
-      offs, keys = ffi.from_buffer("uint64_t[]", offs), ffi.from_buffer("uint64_t[]", random_u64(n))
+    n = len(offs) - 1
+    keys = ffi.new("uint64_t *", random_u64.one()) if n == 1 else ffi.from_buffer(
+        "uint64_t[]", random_u64(n))
+    prios = np.ascontiguousarray(priorities, np.float64)
     try:
       return handle.table._insert_validated(  # pylint: disable=protected-access
-          n, keys, ffi.new("double[]", priorities), ffi.from_buffer("uint8_t[]", blob), offs, 0,
-          0)
+          n, keys, ffi.from_buffer("double[]", prios), ffi.from_buffer("uint8_t[]", blob),
+          ffi.from_buffer("uint64_t[]", np.ascontiguousarray(offs, np.uint64)), 0, 0)
     except errors.DeadlineExceededError as e:
       return e.inserted
     except errors.InvalidArgumentError:
@@ -946,7 +1504,7 @@ class TrajectoryWriter:
         raise ValueError(f"Error in column {i}: the column references data of another "
                          "TrajectoryWriter.")
       for ref in refs:
-        if ref._expired:
+        if ref.expired:
           raise ValueError(f"Error in column {i}: Column contains expired CellRef.")
         column = ref._column
         if column is not first_column:   # refs of one column agree by construction
@@ -959,8 +1517,10 @@ class TrajectoryWriter:
           if column.shape != first_column.shape:
             raise ValueError(f"Error in column {i}: Column contains incompatible shapes "
                              f"({list(first.shape)} and {list(ref.shape)}).")
-        holders[id(ref._holder)] = ref._holder
-      desc_columns.append((_column_slices(refs), leaf._squeeze))
+      slices, column_holders = _column_slices(refs)
+      for holder in column_holders:
+        holders[id(holder)] = holder
+      desc_columns.append((slices, leaf._squeeze))
       if self._validate_items and handle.flat_signature is not None:
         shapes.append((first_column.dtype, leaf.shape))
     if shapes:
@@ -995,6 +1555,7 @@ class TrajectoryWriter:
       True when the target was reached, False when a rate limiter did not admit the next item
       before the deadline (the error is kept in self._last_deadline_error).
     """
+    self._flush_batch()
     pending = self._pending
     single = False
     while len(pending) > until:
@@ -1105,8 +1666,11 @@ class TrajectoryWriter:
           f"{self._deadline_error('end_episode', timeout_ms)} The episode was ended anyway.")
 
   def _new_episode(self, clear: bool) -> None:
+    self._fast = None
     if self._step_open:
-      self._close_step()
+      self._close_steps(1)
+    if clear:
+      self._flush_batch(insert=False)   # left by a failed flush: their steps are cleared now
     for col in self._columns:
       col.close_chunk()
       if clear:
@@ -1130,6 +1694,7 @@ class TrajectoryWriter:
       ValueError: out-of-range values.
     """
     self._check_open()
+    self._fast = None
     num_keep_alive_refs = _check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
     if max_chunk_length is not None:
       max_chunk_length = _check_positive_int(max_chunk_length, "max_chunk_length")
@@ -1140,9 +1705,8 @@ class TrajectoryWriter:
     self._configs[path] = (num_keep_alive_refs, max_chunk_length)
     col = self._by_path.get(path)
     if col is not None:
-      col.keep_alive = num_keep_alive_refs
       col.max_chunk_length = max_chunk_length
-      col.trim()
+      col.set_keep_alive(num_keep_alive_refs)
 
   # ---- lifetime
 
@@ -1165,8 +1729,10 @@ class TrajectoryWriter:
 
   def _release_all(self) -> None:
     self._closed = True
-    dropped = len(self._pending)
-    self._finish(dropped)
+    self._fast = None
+    dropped = len(self._pending) + len(self._batch)
+    self._batch = []
+    self._finish(len(self._pending))
     for col in self._columns:
       col.close_chunk()
       col.clear()
