@@ -565,10 +565,17 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
     uint32_t m = rs_limiter_sample_budget(th, batch < limit - k ? batch : limit - k);
     if (m == 0) break;
     rs_sel_pick(base, th, 0, m, picks + k, probs + k);
-    /* The records are scattered: request them all before the first is needed. */
+    /* The records are scattered: request them all before the first is needed, then the
+     * descriptors (block header + blob) that the layout check, pinning and gathering read. */
     for (uint32_t j = k; j < k + m; j++) {
       __builtin_prefetch(&recs[picks[j]], 1);
       __builtin_prefetch((const char *)&recs[picks[j]] + sizeof(rs_rec) - 1, 1);
+    }
+    for (uint32_t j = k; j < k + m; j++) {
+      uint64_t d = recs[picks[j]].desc_off;
+      __builtin_prefetch(rs_at(base, d - RS_ALIGN), 1);
+      __builtin_prefetch(rs_desc_blob(base, d), 0);
+      __builtin_prefetch((const char *)rs_desc_blob(base, d) + RS_ALIGN, 0);
     }
     int other_layout = 0;
     if (cols) {
@@ -586,10 +593,6 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
     }
     for (uint32_t j = k; j < k + m; j++) {
       rs_rec *rec = &recs[picks[j]];
-      /* ... and the descriptor (block header + blob) that pinning and gathering read next */
-      __builtin_prefetch(rs_at(base, rec->desc_off - RS_ALIGN), 1);
-      __builtin_prefetch(rs_desc_blob(base, rec->desc_off), 0);
-      __builtin_prefetch((const char *)rs_desc_blob(base, rec->desc_off) + RS_ALIGN, 0);
       rec->times_sampled++;
       if (rec->times_sampled == 1) th->num_unique_samples++;
       th->samples++;
