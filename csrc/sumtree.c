@@ -51,3 +51,29 @@ void rs_sumtree_find_many(const double *tree, uint32_t leaves, uint32_t k, const
 void rs_sumtree_rebuild(double *tree, uint32_t leaves) {
   for (uint32_t node = leaves - 1; node >= 1; node--) tree[node] = tree[2 * node] + tree[2 * node + 1];
 }
+
+void rs_sumtree_set_many(double *tree, uint32_t leaves, uint32_t k, const uint32_t *idx,
+                         const double *w, uint32_t *scratch) {
+  if (k == 0) return;
+  /* Leaves in order (a repeated leaf ends with its last weight, as k single sets would) */
+  for (uint32_t j = 0; j < k; j++) __builtin_prefetch(&tree[leaves + idx[j]], 1);
+  for (uint32_t j = 0; j < k; j++) {
+    tree[leaves + idx[j]] = w[j];
+    scratch[j] = (leaves + idx[j]) >> 1;
+    __builtin_prefetch(&tree[scratch[j]], 1);
+  }
+  /* ... then the ancestors one level at a time, bottom up: every node of a level is recomputed
+   * after all of its children are final, so the result is the one the single sets leave, and the
+   * k paths' cache misses of one level are all in flight together. A node shared by several
+   * paths is recomputed more than once (same value). Once a level has no more nodes than k,
+   * recomputing every node from there to the root is cheaper than following the paths. */
+  uint32_t width = leaves >> 1;   /* nodes of the level scratch[] is in: [width, 2 * width) */
+  for (; width > k; width >>= 1)
+    for (uint32_t j = 0; j < k; j++) {
+      uint32_t node = scratch[j];
+      tree[node] = tree[2 * node] + tree[2 * node + 1];
+      scratch[j] = node >> 1;
+      __builtin_prefetch(&tree[node >> 1], 1);
+    }
+  for (uint32_t node = 2 * width - 1; node >= 1; node--) tree[node] = tree[2 * node] + tree[2 * node + 1];
+}

@@ -19,6 +19,11 @@ uint32_t rs_sumtree_find(const double *tree, uint32_t leaves, double u);
  * the k descents overlap. */
 void rs_sumtree_find_many(const double *tree, uint32_t leaves, uint32_t k, const double *u,
                           uint32_t *out);
+/* Set leaf idx[j] to w[j] for j = 0..k-1 in order (a repeated leaf ends with its last weight)
+ * and recompute their ancestors level by level; the tree ends exactly as after k calls of
+ * rs_sumtree_set. scratch holds k entries. */
+void rs_sumtree_set_many(double *tree, uint32_t leaves, uint32_t k, const uint32_t *idx,
+                         const double *w, uint32_t *scratch);
 /* Recompute every internal node from the leaves (O(leaves)). */
 void rs_sumtree_rebuild(double *tree, uint32_t leaves);
 

@@ -210,7 +210,9 @@ static int check_priorities(const rs_table_hdr *th, uint32_t n, const double *p,
                           "needs priorities >= 0", th->name, what, i, p[i]);
     for (int si = 0; si < 2; si++) {
       if (th->sel[si].kind != RS_SEL_PRIORITIZED) continue;
-      double cap = rs_sel_weight_cap(th->tree_leaves);
+      double cap = rs_sel_weight_cap(th->tree_leaves), e = th->sel[si].exponent;
+      /* p**e <= max(p, 1) for e in [0, 1]: no pow needed far below the cap */
+      if (e >= 0 && e <= 1 && p[i] <= 0.5 * cap) continue;
       if (!(rs_sel_weight(th->sel[si].exponent, p[i]) <= cap))
         return rs_set_error(RS_EINVAL,
                             "table '%s': %s priority [%u] = %g gives weight priority**%g above the "
@@ -694,6 +696,42 @@ int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col, u
 
 /* ================================================================== mutate, reset */
 
+#define MUTATE_ROUND 256   /* priority updates looked up and applied together */
+
+/* Priority updates of n <= MUTATE_ROUND keys (unknown keys skipped), in order: the same records,
+ * update_seq values, heaps and sum trees as n update_priority calls. Index probes and records
+ * are requested all at once, and each sum tree is updated level by level for the whole round.
+ * Returns the number of keys found. */
+static uint32_t update_round(void *base, rs_table_hdr *th, uint32_t n, const uint64_t *keys,
+                             const double *prios) {
+  uint32_t found[MUTATE_ROUND], leaf[MUTATE_ROUND], scratch[MUTATE_ROUND];
+  double prio[MUTATE_ROUND], w[MUTATE_ROUND];
+  rs_rec *recs = rs_recs(base, th);
+  rs_index_find_many(rs_tindex(base, th), th->index_cap, n, keys, found);
+  uint32_t m = 0;
+  for (uint32_t i = 0; i < n; i++)
+    if (found[i] != RS_NONE) {
+      __builtin_prefetch(&recs[found[i]], 1);
+      __builtin_prefetch((const char *)&recs[found[i]] + sizeof(rs_rec) - 1, 1);
+      leaf[m] = found[i];
+      prio[m++] = prios[i];
+    }
+  for (uint32_t j = 0; j < m; j++) {
+    rs_rec *rec = &recs[leaf[j]];
+    rec->priority = prio[j];
+    rec->update_seq = th->next_update_seq++;
+    for (int si = 0; si < 2; si++)   /* a heap sifts each record at once, as update_priority */
+      if (rs_sel_is_heap(th->sel[si].kind)) rs_sel_update(base, th, si, leaf[j]);
+  }
+  for (int si = 0; si < 2; si++) {
+    rs_selector *s = &th->sel[si];
+    if (s->kind != RS_SEL_PRIORITIZED) continue;
+    for (uint32_t j = 0; j < m; j++) w[j] = rs_sel_weight(s->exponent, prio[j]);
+    rs_sumtree_set_many(rs_tree(base, s), th->tree_leaves, m, leaf, w, scratch);
+  }
+  return m;
+}
+
 int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_keys,
               const double *upd_prios, uint32_t n_del, const uint64_t *del_keys,
               uint32_t *updated_out, uint32_t *deleted_out) {
@@ -719,12 +757,9 @@ int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_ke
     deleted++;
   }
   if (arena_locked) rs_aunlock(base);
-  for (uint32_t i = 0; i < n_upd; i++) {
-    uint32_t r = rs_index_find(ix, th->index_cap, upd_keys[i]);
-    if (r == RS_NONE) continue;
-    update_priority(base, th, r, upd_prios[i]);
-    updated++;
-  }
+  for (uint32_t b = 0; b < n_upd; b += MUTATE_ROUND)
+    updated += update_round(base, th, n_upd - b < MUTATE_ROUND ? n_upd - b : MUTATE_ROUND,
+                            upd_keys + b, upd_prios + b);
   op.dirty = deleted > 0;
   op_unlock(&op);
   if (updated_out) *updated_out = updated;
