@@ -166,6 +166,13 @@ int rs_set_error(int code, const char *fmt, ...) __attribute__((format(printf, 2
 int64_t rs_realtime_ns(void);
 uint64_t rs_rand_u64(void);   /* per-process xoshiro256** seeded from getrandom; fork-safe */
 double rs_rand_unit(void);    /* uniform in [0, 1) with 53 random bits */
+void rs_rand_fill(uint64_t *out, uint32_t n);   /* n numbers of rs_rand_u64's stream at once */
+/* Uniform in [0, n) from 64 random bits (multiply-high: bias below n / 2**64). */
+static inline uint32_t rs_rand_below(uint64_t bits, uint32_t n) {
+  return (uint32_t)(((unsigned __int128)bits * n) >> 64);
+}
+/* Uniform in [0, 1) from the top 53 of 64 random bits (as rs_rand_unit). */
+static inline double rs_rand_to_unit(uint64_t bits) { return (double)(bits >> 11) * 0x1.0p-53; }
 
 /* ------------------------------------------------------------------ lock.c */
 int rs_mutex_init(pthread_mutex_t *m);                 /* robust + process-shared */

@@ -969,37 +969,64 @@ static sample_info sample_info_at(void *info, uint32_t n) {
   return si;
 }
 
+/* memcpy of nb bytes, with the row sizes of small fixed-size columns inlined. */
+static inline void copy_row(uint8_t *dst, const char *src, uint64_t nb) {
+  switch (nb) {
+    case 1: memcpy(dst, src, 1); break;
+    case 2: memcpy(dst, src, 2); break;
+    case 4: memcpy(dst, src, 4); break;
+    case 8: memcpy(dst, src, 8); break;
+    case 12: memcpy(dst, src, 12); break;
+    case 16: memcpy(dst, src, 16); break;
+    case 24: memcpy(dst, src, 24); break;
+    case 32: memcpy(dst, src, 32); break;
+    case 64: memcpy(dst, src, 64); break;
+    default: memcpy(dst, src, nb);
+  }
+}
+
+static inline const char *slice_src(void *base, const rs_desc_slice *sl, uint64_t *nb) {
+  const rs_chunk_hdr *ch = rs_chunk(base, sl->chunk_off);
+  *nb = (uint64_t)sl->nrows * ch->row_bytes;
+  return (const char *)ch + ch->data_offset + (uint64_t)sl->row_offset * ch->row_bytes;
+}
+
+#define GATHER_COLS 8   /* up to this many columns, the first pass keeps each row's source */
+
 static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
                          uint32_t ncols, const rs_gather_col *cols, const sample_info *info) {
   /* Rows of random items are cache misses: request the first row of every column of every item
-   * up front. Every item's layout was checked against cols by sample_round (descriptors and
-   * chunk headers never change once written). */
+   * up front, keeping where the single-slice columns' rows are. Every item's layout was checked
+   * against cols by sample_round (descriptors and chunk headers never change once written). */
+  const char *src[SAMPLE_ROUND * GATHER_COLS];
+  int keep = ncols <= GATHER_COLS;
   for (uint32_t i = 0; i < n; i++) {
     const rs_desc_hdr *d = rs_desc_blob(base, recs[i].desc_off);
     const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
     const rs_desc_slice *s = rs_desc_slices(d);
     for (uint32_t c = 0; c < ncols; c++) {
-      const rs_desc_slice *sl = &s[dc[c].first_slice];
-      const rs_chunk_hdr *ch = rs_chunk(base, sl->chunk_off);
-      __builtin_prefetch((const char *)ch + ch->data_offset + (uint64_t)sl->row_offset * ch->row_bytes, 0);
+      uint64_t nb;
+      const char *p = slice_src(base, &s[dc[c].first_slice], &nb);
+      __builtin_prefetch(p, 0);
+      if (keep) src[i * ncols + c] = dc[c].nslices == 1 ? p : NULL;
     }
   }
   for (uint32_t i = 0; i < n; i++) {
-    const rs_desc_hdr *d = rs_desc_blob(base, recs[i].desc_off);
-    const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
-    const rs_desc_slice *s = rs_desc_slices(d);
     uint64_t row = (uint64_t)first + i;
+    const rs_desc_hdr *d = NULL;
     for (uint32_t c = 0; c < ncols; c++) {
       uint8_t *dst = cols[c].out + row * cols[c].stride;
+      if (keep && src[i * ncols + c]) {   /* one slice of exactly col_bytes */
+        copy_row(dst, src[i * ncols + c], cols[c].col_bytes);
+        continue;
+      }
+      if (!d) d = rs_desc_blob(base, recs[i].desc_off);
+      const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
+      const rs_desc_slice *s = rs_desc_slices(d);
       for (uint32_t j = dc[c].first_slice, end = j + dc[c].nslices; j < end; j++) {
-        const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
-        uint64_t nb = (uint64_t)s[j].nrows * ch->row_bytes;
-        const char *src = (const char *)ch + ch->data_offset + (uint64_t)s[j].row_offset * ch->row_bytes;
-        switch (nb) { /* inline the common scalar sizes instead of calling memcpy */
-          case 4: memcpy(dst, src, 4); break;
-          case 8: memcpy(dst, src, 8); break;
-          default: memcpy(dst, src, nb);
-        }
+        uint64_t nb;
+        const char *p = slice_src(base, &s[j], &nb);
+        copy_row(dst, p, nb);
         dst += nb;
       }
     }
