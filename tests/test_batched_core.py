@@ -183,3 +183,49 @@ def test_largest_accepted_priorities_keep_the_total_finite(server_factory, expon
   st.check()
   with pytest.raises(ValueError):
     st.update_priorities([0], [1.01 * cap if exponent == 1.0 else np.inf])
+
+
+@pytest.mark.parametrize("max_size", [1, 3, 7, 62, 63, 64, 200, 4000])
+def test_sum_tree_of_every_shape_samples_by_weight(server_factory, max_size):
+  """Trees of 2 .. 4096 leaves (one level of 8-children groups or several; lines aligned from 64
+  leaves on): invariants after inserts, batched updates and deletes; only weight > 0 sampled,
+  at the right frequencies."""
+  (st,) = _tables(server_factory, selectors.Prioritized(1.0), selectors.Fifo(), max_size,
+                  names=("t",))
+  rng = np.random.default_rng(max_size)
+  priorities = rng.integers(0, 4, max_size).astype(np.float64)   # a quarter are 0
+  priorities[-1] = 3.0
+  _insert(st, np.arange(max_size), priorities)
+  st.check()
+  keys = rng.integers(0, max_size, 3 * max_size + 5).astype(np.uint64)
+  new = rng.integers(0, 4, len(keys)).astype(np.float64)
+  st.update_priorities(keys, new)
+  for k, p in zip(keys, new):
+    priorities[k] = p
+  priorities[0] = 5.0
+  st.update_priorities([0], [5.0])
+  if max_size > 2:
+    gone = np.arange(1, max_size, 3)
+    st.delete(gone.astype(np.uint64))
+    priorities[gone] = 0.0
+  st.check()
+  n = 20000
+  batch = st.sample_batch(n, timeout_ms=0)
+  k = batch.info.key.astype(np.int64)
+  assert (priorities[k] > 0).all()
+  expected = priorities / priorities.sum()
+  counts = np.bincount(k, minlength=max_size)
+  np.testing.assert_array_less(np.abs(counts / n - expected),
+                               5 * np.sqrt(expected * (1 - expected) / n) + 1e-12)
+  np.testing.assert_allclose(batch.info.probability, expected[k], rtol=1e-12)
+
+
+def test_only_weight_left_in_a_large_tree_is_always_sampled(server_factory):
+  (st,) = _tables(server_factory, selectors.Prioritized(0.6), selectors.Fifo(), 3000,
+                  names=("t",))
+  _insert(st, np.arange(3000), np.zeros(3000))
+  assert st.update_priorities([2999, 37], [1e-300, 0.0]) == 2
+  batch = st.sample_batch(500, timeout_ms=0)
+  assert (batch.info.key == 2999).all()
+  np.testing.assert_array_equal(batch.info.probability, 1.0)
+  st.check()

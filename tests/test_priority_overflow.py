@@ -53,16 +53,18 @@ def test_checker_flags_a_non_finite_total():
   marks = [1.5, 2.5, 3.25]
   insert_ok(seg, [1, 2, 3], marks)
   words = np.frombuffer(seg.mm, np.float64)
-  # tree[1] is the total, tree[8 + r] the leaf of record r; records hold the same priorities.
-  starts = [i - 1 for i in np.flatnonzero(words == 7.25) if list(words[i + 7:i + 10]) == marks]
+  # tree[0] is the total (8 leaves: one internal entry), tree[8 + r] the leaf of record r;
+  # records hold the same priorities.
+  starts = [i for i in np.flatnonzero(words == 7.25) if list(words[i + 8:i + 11]) == marks]
   assert len(starts) == 1
   tree = words[starts[0]:starts[0] + 16]
   for i in np.flatnonzero(np.isin(words, marks)):   # record priorities (and the leaves)
     words[i] = 1e308
-  with np.errstate(over="ignore"):
-    for node in range(7, 0, -1):                    # consistent nodes, each the sum of children
-      tree[node] = tree[2 * node] + tree[2 * node + 1]
-  assert tree[1] == np.inf
+  with np.errstate(over="ignore"):                  # a consistent root: the sum of the leaves
+    leaves = tree[8:16]
+    tree[0] = (((leaves[0] + leaves[1]) + (leaves[2] + leaves[3])) +
+               ((leaves[4] + leaves[5]) + (leaves[6] + leaves[7])))
+  assert tree[0] == np.inf
   with pytest.raises(AssertionError, match="sum-tree total is inf, expected a finite sum"):
     seg.check()
 
