@@ -483,6 +483,27 @@ int rs_unpin(void *base, uint32_t slot, uint32_t n, const uint32_t *pins) {
   return RS_OK;
 }
 
+int rs_unpin_fresh(void *base, uint32_t slot, uint32_t n, const uint32_t *pins) {
+  int rc = rs_alock(base);
+  if (rc) return rc;
+  rc = slot_check(base, slot);
+  if (rc == RS_OK) {
+    rs_slot *s = &rs_slots(base)[slot];
+    uint64_t *e = rs_pin_entries(base, slot);
+    uint32_t *stack = rs_pin_free_stack(base, slot);
+    for (uint32_t i = 0; i < n; i++) {
+      uint64_t off = e[pins[i]];
+      __atomic_store_n(&e[pins[i]], 0, __ATOMIC_RELEASE);
+      stack[s->free_top++] = pins[i];
+      s->npins--;
+      if (off) decref(base, off);
+      else rs_seg(base)->refcounts_suspect = 1;
+    }
+  }
+  rs_aunlock(base);
+  return rc;
+}
+
 /* ------------------------------------------------------------------ chunks */
 
 /* Bytes per element from a numpy dtype.str ("<f4", "|u1", "<U5", "<M8[ns]"); 0 if unparsable. */

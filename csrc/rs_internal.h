@@ -222,6 +222,10 @@ int rs_desc_create(void *base, const uint8_t *blob, uint32_t len, uint64_t *off_
 void rs_desc_release(void *base, uint64_t desc_off, int locked);
 /* Pin n descriptors for `slot` (refcount + pin-log entry each). Takes the arena lock. */
 int rs_pin_descs(void *base, uint32_t slot, uint32_t n, const uint64_t *desc_offs, uint32_t *pins_out);
+/* rs_unpin of pins that this call of the process took a moment ago (rs_sample_gather): their
+ * log entries hold live blocks, so rs_unpin's per-pin validation is skipped. Takes the arena
+ * lock. */
+int rs_unpin_fresh(void *base, uint32_t slot, uint32_t n, const uint32_t *pins);
 /* Read helpers (no lock; caller holds a pin or the table lock). */
 const rs_desc_hdr *rs_desc_blob(void *base, uint64_t desc_off);
 rs_chunk_hdr *rs_chunk(void *base, uint64_t chunk_off);

@@ -1085,7 +1085,7 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
     gather_round(base, recs, (uint32_t)took, *got_io, ncols, cols, &si);
     uint32_t pins[SAMPLE_ROUND];
     for (int j = 0; j < took; j++) pins[j] = recs[j].pin;
-    rc = rs_unpin(base, slot, (uint32_t)took, pins);
+    rc = rs_unpin_fresh(base, slot, (uint32_t)took, pins);
     if (rc) break;
     *got_io += (uint32_t)took;
     if (*got_io == n) break;

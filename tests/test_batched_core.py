@@ -229,3 +229,25 @@ def test_only_weight_left_in_a_large_tree_is_always_sampled(server_factory):
   assert (batch.info.key == 2999).all()
   np.testing.assert_array_equal(batch.info.probability, 1.0)
   st.check()
+
+
+def test_gathered_batches_release_their_pins_and_removed_items_free_their_data(server_factory):
+  """rs_sample_gather drops the pins it took (without rs_unpin's validation pass): a pin log
+  of 300 entries serves many batches of 256, and items removed meanwhile are freed."""
+  table = reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 500,
+                           rate_limiters.MinSize(1))
+  server = server_factory([table], pins_per_proc=300)
+  st = server.shared_table("t")
+  used = server._segment.info()["arena_used"]
+  for i in range(40):
+    keys = np.arange(50 * i, 50 * i + 50, dtype=np.uint64)
+    st.insert({"x": np.repeat(keys[:, None], 4, axis=1).astype(np.float32)}, np.ones(50),
+              keys=keys, timeout_ms=0)
+    batch = st.sample_batch(256, timeout_ms=0)
+    assert len(batch.info.key) == 256
+    np.testing.assert_array_equal(np.asarray(batch.data[0]),
+                                  np.repeat(batch.info.key[:, None], 4, axis=1).astype(np.float32))
+  st.check()
+  st.reset()
+  st.check()
+  assert server._segment.info()["arena_used"] == used
