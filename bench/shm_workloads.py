@@ -6,6 +6,7 @@ Prints one `RESULTS [json rows]` line. Variant "reverb_api" makes the same Rever
 as bench/peer_reverb.py (what a drop-in user gets); "fastest" uses reverb_shm's fastest path
 for the workload (batched writer calls, SharedTable batch sampling into caller buffers).
 """
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -108,34 +109,43 @@ def w2(args):
   return rows
 
 
-def sampling(args, workload, sampler, update, n=None, variants=("reverb_api", "fastest")):
-  n = n or args.items
+def sampling(args, workload, sampler, update):
+  n = args.items
   rows = []
   with server(sampler, n) as srv:
     table = srv.shared_table(TABLE)
     client = srv.localhost_client()
     fill(table, n)
     rng = np.random.default_rng(0)
-    if "reverb_api" in variants:
-      def api():
-        keys = [s.info.key for s in client.sample(TABLE, 256, emit_timesteps=False)]
-        if update:
-          client.mutate_priorities(TABLE, dict(zip(keys, (rng.random(len(keys)) + 0.1).tolist())))
-        return len(keys)
-      rows.append(row(workload, "reverb_api", "Client.sample(256)" +
-                      (" + mutate_priorities" if update else ""),
-                      timed(api, args.duration, args.warmup)[0], table_items=n))
-    out = [np.empty(256, np.int64), np.empty((256, 8), np.float32), np.empty(256, np.float32)]  # sorted keys
 
-    def fastest():
-      keys = table.sample_batch(256, out=out).info.key
+    def api():
+      keys = [s.info.key for s in client.sample(TABLE, 256, emit_timesteps=False)]
       if update:
-        table.update_priorities(keys, rng.random(len(keys)) + 0.1)
+        client.mutate_priorities(TABLE, dict(zip(keys, (rng.random(len(keys)) + 0.1).tolist())))
       return len(keys)
-    rows.append(row(workload, "fastest", "SharedTable.sample_batch(256, out=)" +
-                    (" + update_priorities" if update else ""),
-                    timed(fastest, args.duration, args.warmup)[0], table_items=n))
+    rows.append(row(workload, "reverb_api", "Client.sample(256)" +
+                    (" + mutate_priorities" if update else ""),
+                    timed(api, args.duration, args.warmup)[0], table_items=n))
+    rows.append(row(workload, "fastest", FASTEST_API + (" + update_priorities" if update else ""),
+                    timed(fastest_op(table, update), args.duration, args.warmup)[0],
+                    table_items=n))
   return rows
+
+
+FASTEST_API = "SharedTable.sample_batch(256, out=)"
+
+
+def fastest_op(table, update):
+  """W3/W4's fastest loop body: a batch of 256 into fixed buffers (+ new priorities for them)."""
+  out = [np.empty(256, np.int64), np.empty((256, 8), np.float32), np.empty(256, np.float32)]  # sorted keys
+  rng = np.random.default_rng(0)
+
+  def op():
+    keys = table.sample_batch(256, out=out).info.key
+    if update:
+      table.update_priorities(keys, rng.random(len(keys)) + 0.1)
+    return len(keys)
+  return op
 
 
 def w5(args):
@@ -235,13 +245,29 @@ def w6(args):
   return rows
 
 
+SCALING_TURNS = 10
+
+
 def scaling(args):
+  """W4 (fastest) at every size of args.scales, all tables alive at once and measured in turns
+  (SCALING_TURNS slices of the duration each, median), so that a change of machine load during
+  the run weighs on every size alike instead of on whichever size ran at that moment."""
+  with contextlib.ExitStack() as stack:
+    ops = {}
+    for n in args.scales:
+      table = stack.enter_context(server(reverb.selectors.Prioritized(0.6), n)).shared_table(TABLE)
+      fill(table, n)
+      ops[n] = fastest_op(table, True)
+      timed(ops[n], args.warmup, 0)   # warm-up (result unused)
+    rates = {n: [] for n in ops}
+    for _ in range(SCALING_TURNS):
+      for n, op in ops.items():
+        rates[n].append(timed(op, args.duration / SCALING_TURNS, 0)[0])
   rows = []
-  for n in args.scales:
-    r = sampling(args, f"scale_{n}", reverb.selectors.Prioritized(0.6), True, n,
-                 variants=("fastest",))[0]
-    r["us_per_item"] = 1e6 / r["items_per_s"]
-    rows.append(r)
+  for n, r in rates.items():
+    rate = float(np.median(r))
+    rows.append(row(f"scale_{n}", "fastest", FASTEST_API + " + update_priorities", rate,
+                    table_items=n, us_per_item=1e6 / rate))
   return rows
 
 

@@ -461,6 +461,17 @@ static uint32_t pin_push(void *base, uint32_t slot, uint64_t off) {
   return idx;
 }
 
+/* Clear pin entry p of `slot` and return its block offset (refcount still to be dropped). */
+static uint64_t pin_pop(void *base, uint32_t slot, uint32_t p) {
+  rs_slot *s = &rs_slots(base)[slot];
+  uint64_t *e = &rs_pin_entries(base, slot)[p];
+  uint64_t off = *e & ~PIN_MARK;
+  __atomic_store_n(e, 0, __ATOMIC_RELEASE);
+  rs_pin_free_stack(base, slot)[s->free_top++] = p;
+  s->npins--;
+  return off;
+}
+
 static int pins_full(void *base, uint32_t slot, uint32_t n) {
   rs_slot *s = &rs_slots(base)[slot];
   return rs_set_error(RS_EFULL,
@@ -505,19 +516,26 @@ int rs_unpin(void *base, uint32_t slot, uint32_t n, const uint32_t *pins) {
     rs_aunlock(base);
     return rc;
   }
-  rs_slot *s = &rs_slots(base)[slot];
-  uint32_t *stack = rs_pin_free_stack(base, slot);
   for (uint32_t i = 0; i < n; i++) {
-    uint32_t p = pins[i];
-    uint64_t off = e[p] & ~PIN_MARK;
-    __atomic_store_n(&e[p], 0, __ATOMIC_RELEASE);
-    stack[s->free_top++] = p;
-    s->npins--;
+    uint64_t off = pin_pop(base, slot, pins[i]);
     if (is_block(base, off, RS_BLOCK_CHUNK, 1) || is_block(base, off, RS_BLOCK_DESC, 1)) decref(base, off);
     else rs_seg(base)->refcounts_suspect = 1;
   }
   rs_aunlock(base);
   return RS_OK;
+}
+
+int rs_unpin_fresh(void *base, uint32_t slot, uint32_t n, const uint32_t *pins) {
+  int rc = rs_alock(base);
+  if (rc) return rc;
+  rc = slot_check(base, slot);
+  for (uint32_t i = 0; rc == RS_OK && i < n; i++) {
+    uint64_t off = pin_pop(base, slot, pins[i]);
+    if (off) decref(base, off);
+    else rs_seg(base)->refcounts_suspect = 1;
+  }
+  rs_aunlock(base);
+  return rc;
 }
 
 /* ------------------------------------------------------------------ chunks */

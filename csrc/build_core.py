@@ -19,7 +19,8 @@ ffibuilder.set_source(
     sources=[f"csrc/{name}" for name in SOURCES],
     include_dirs=["csrc"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                        "-fno-strict-aliasing"],
+                        "-fno-strict-aliasing", "-fvisibility=hidden", "-flto"],
+    extra_link_args=["-flto", "-O2"],
     libraries=["pthread"],
 )
 

@@ -19,6 +19,9 @@ static inline uint64_t rs_mix64(uint64_t x) {
 
 /* key -> record id. Empty entry: rec_plus1 == 0. */
 uint32_t rs_index_find(const rs_index_entry *ix, uint32_t cap, uint64_t key); /* RS_NONE if absent */
+/* rs_index_find of n keys into out[], their probes' first cache misses all in flight at once. */
+void rs_index_find_many(const rs_index_entry *ix, uint32_t cap, uint32_t n, const uint64_t *keys,
+                        uint32_t *out);
 void rs_index_put(rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t rec); /* key absent */
 int rs_index_remove(rs_index_entry *ix, uint32_t cap, uint64_t key);            /* 1 if removed */
 void rs_index_clear(rs_index_entry *ix, uint32_t cap);

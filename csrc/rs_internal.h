@@ -203,6 +203,13 @@ int rs_set_error(int code, const char *fmt, ...) __attribute__((format(printf, 2
 int64_t rs_realtime_ns(void);
 uint64_t rs_rand_u64(void);   /* per-process xoshiro256** seeded from getrandom; fork-safe */
 double rs_rand_unit(void);    /* uniform in [0, 1) with 53 random bits */
+void rs_rand_fill(uint64_t *out, uint32_t n);   /* n numbers of rs_rand_u64's stream at once */
+/* Uniform in [0, n) from 64 random bits (multiply-high: bias below n / 2**64). */
+static inline uint32_t rs_rand_below(uint64_t bits, uint32_t n) {
+  return (uint32_t)(((unsigned __int128)bits * n) >> 64);
+}
+/* Uniform in [0, 1) from the top 53 of 64 random bits (as rs_rand_unit). */
+static inline double rs_rand_to_unit(uint64_t bits) { return (double)(bits >> 11) * 0x1.0p-53; }
 
 /* ------------------------------------------------------------------ lock.c */
 int rs_mutex_init(pthread_mutex_t *m);                 /* robust + process-shared */
@@ -261,6 +268,10 @@ void rs_desc_release(void *base, uint64_t desc_off, int locked);
 /* Pin n descriptors (item references) for `slot` (refcount + pin-log entry of the block each).
  * Takes the arena lock. */
 int rs_pin_descs(void *base, uint32_t slot, uint32_t n, const uint64_t *desc_offs, uint32_t *pins_out);
+/* rs_unpin of pins that this call of the process took a moment ago (rs_sample_gather): their
+ * log entries hold live blocks, so rs_unpin's per-pin validation is skipped. Takes the arena
+ * lock. */
+int rs_unpin_fresh(void *base, uint32_t slot, uint32_t n, const uint32_t *pins);
 /* Read helpers (no lock; caller holds a pin or the table lock). rs_desc_blob takes an item
  * reference and returns its block's blob (add rs_ref_shift(ref) to every row_offset). */
 const rs_desc_hdr *rs_desc_blob(void *base, uint64_t desc_off);

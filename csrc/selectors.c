@@ -99,11 +99,6 @@ void rs_sel_rebuild(void *base, rs_table_hdr *th, int si) {
 }
 
 /* ---------------------------------------------------------------- picking */
-static uint32_t uniform_index(uint32_t n) {
-  uint32_t i = (uint32_t)(rs_rand_unit() * n);
-  return i < n ? i : n - 1;
-}
-
 #define PICK_BATCH 64
 
 void rs_sel_pick(void *base, rs_table_hdr *th, int si, uint32_t k, uint32_t *recs_out,
@@ -118,8 +113,10 @@ void rs_sel_pick(void *base, rs_table_hdr *th, int si, uint32_t k, uint32_t *rec
       if (total > 0) {
         for (uint32_t b = 0; b < k; b += PICK_BATCH) {
           uint32_t m = k - b < PICK_BATCH ? k - b : PICK_BATCH;
+          uint64_t bits[PICK_BATCH];
           double u[PICK_BATCH];
-          for (uint32_t j = 0; j < m; j++) u[j] = rs_rand_unit();
+          rs_rand_fill(bits, m);
+          for (uint32_t j = 0; j < m; j++) u[j] = rs_rand_to_unit(bits[j]);
           rs_sumtree_find_many(tree, th->tree_leaves, m, u, recs_out + b);
           for (uint32_t j = 0; j < m; j++)
             probs[b + j] = rs_sumtree_leaf(tree, th->tree_leaves, recs_out[b + j]) / total;
@@ -130,9 +127,14 @@ void rs_sel_pick(void *base, rs_table_hdr *th, int si, uint32_t k, uint32_t *rec
     } /* fall through */
     case RS_SEL_UNIFORM:
       /* positions first, so the scattered dense[] reads are all in flight at once */
-      for (uint32_t j = 0; j < k; j++) {
-        recs_out[j] = uniform_index(n);
-        __builtin_prefetch(&dense[recs_out[j]], 0);
+      for (uint32_t b = 0; b < k; b += PICK_BATCH) {
+        uint32_t m = k - b < PICK_BATCH ? k - b : PICK_BATCH;
+        uint64_t bits[PICK_BATCH];
+        rs_rand_fill(bits, m);
+        for (uint32_t j = 0; j < m; j++) {
+          recs_out[b + j] = rs_rand_below(bits[j], n);
+          __builtin_prefetch(&dense[recs_out[b + j]], 0);
+        }
       }
       for (uint32_t j = 0; j < k; j++) {
         recs_out[j] = dense[recs_out[j]];

@@ -75,7 +75,8 @@ static void plan_region(const rs_table_config *cfg, region_plan *p) {
   p->index_cap = rs_map_capacity(p->cap);
   p->episodes_cap = rs_map_capacity(p->cap);
   int prio = cfg->sampler_kind == RS_SEL_PRIORITIZED || cfg->remover_kind == RS_SEL_PRIORITIZED;
-  p->tree_leaves = prio ? p->cap : 0;   /* one leaf per record (any count, sumtree.h) */
+  /* one leaf per record, rounded up to whole 64-byte groups of 8 (sumtree.h) */
+  p->tree_leaves = prio ? (p->cap + 7) / 8 * 8 : 0;
   uint64_t at = rs_align_up(sizeof(rs_table_hdr), RS_ALIGN);
 #define PLACE(field, bytes) (p->field = at, at = rs_align_up(at + (uint64_t)(bytes), RS_ALIGN))
   PLACE(recs, (uint64_t)p->cap * sizeof(rs_rec));
@@ -208,7 +209,9 @@ static int check_priorities(const rs_table_hdr *th, uint32_t n, const double *p,
                           "needs priorities >= 0", th->name, what, i, p[i]);
     for (int si = 0; si < 2; si++) {
       if (th->sel[si].kind != RS_SEL_PRIORITIZED) continue;
-      double cap = rs_sel_weight_cap(th->tree_leaves);
+      double cap = rs_sel_weight_cap(th->tree_leaves), e = th->sel[si].exponent;
+      /* p**e <= max(p, 1) for e in [0, 1]: no pow needed far below the cap */
+      if (e >= 0 && e <= 1 && p[i] <= 0.5 * cap) continue;
       if (!(rs_sel_weight(th->sel[si].exponent, p[i]) <= cap))
         return rs_set_error(RS_EINVAL,
                             "table '%s': %s priority [%u] = %g gives weight priority**%g above the "
@@ -567,10 +570,17 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
     uint32_t m = rs_limiter_sample_budget(th, batch < limit - k ? batch : limit - k);
     if (m == 0) break;
     rs_sel_pick(base, th, 0, m, picks + k, probs + k);
-    /* The records are scattered: request them all before the first is needed. */
+    /* The records are scattered: request them all before the first is needed, then the
+     * descriptors (block header + blob) that the layout check, pinning and gathering read. */
     for (uint32_t j = k; j < k + m; j++) {
       __builtin_prefetch(&recs[picks[j]], 1);
       __builtin_prefetch((const char *)&recs[picks[j]] + sizeof(rs_rec) - 1, 1);
+    }
+    for (uint32_t j = k; j < k + m; j++) {
+      uint64_t d = recs[picks[j]].desc_off;
+      __builtin_prefetch(rs_at(base, rs_ref_off(d) - RS_ALIGN), 1);
+      __builtin_prefetch(rs_desc_blob(base, d), 0);
+      __builtin_prefetch((const char *)rs_desc_blob(base, d) + RS_ALIGN, 0);
     }
     int other_layout = 0;
     if (cols) {
@@ -588,10 +598,6 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
     }
     for (uint32_t j = k; j < k + m; j++) {
       rs_rec *rec = &recs[picks[j]];
-      /* ... and the descriptor (block header + blob) that pinning and gathering read next */
-      __builtin_prefetch(rs_at(base, rs_ref_off(rec->desc_off) - RS_ALIGN), 1);
-      __builtin_prefetch(rs_desc_blob(base, rec->desc_off), 0);
-      __builtin_prefetch((const char *)rs_desc_blob(base, rec->desc_off) + RS_ALIGN, 0);
       rec->times_sampled++;
       if (rec->times_sampled == 1) th->num_unique_samples++;
       th->samples++;
@@ -694,6 +700,42 @@ int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col, u
 
 /* ================================================================== mutate, reset */
 
+#define MUTATE_ROUND 256   /* priority updates looked up and applied together */
+
+/* Priority updates of n <= MUTATE_ROUND keys (unknown keys skipped), in order: the same records,
+ * update_seq values, heaps and sum trees as n update_priority calls. Index probes and records
+ * are requested all at once, and each sum tree is updated level by level for the whole round.
+ * Returns the number of keys found. */
+static uint32_t update_round(void *base, rs_table_hdr *th, uint32_t n, const uint64_t *keys,
+                             const double *prios) {
+  uint32_t found[MUTATE_ROUND], leaf[MUTATE_ROUND], scratch[MUTATE_ROUND];
+  double prio[MUTATE_ROUND], w[MUTATE_ROUND];
+  rs_rec *recs = rs_recs(base, th);
+  rs_index_find_many(rs_tindex(base, th), th->index_cap, n, keys, found);
+  uint32_t m = 0;
+  for (uint32_t i = 0; i < n; i++)
+    if (found[i] != RS_NONE) {
+      __builtin_prefetch(&recs[found[i]], 1);
+      __builtin_prefetch((const char *)&recs[found[i]] + sizeof(rs_rec) - 1, 1);
+      leaf[m] = found[i];
+      prio[m++] = prios[i];
+    }
+  for (uint32_t j = 0; j < m; j++) {
+    rs_rec *rec = &recs[leaf[j]];
+    rec->priority = prio[j];
+    if (th->aux_off) rs_aux(base, th)[leaf[j]].update_seq = th->next_update_seq++;
+    for (int si = 0; si < 2; si++)   /* a heap sifts each record at once, as update_priority */
+      if (rs_sel_is_heap(th->sel[si].kind)) rs_sel_update(base, th, si, leaf[j]);
+  }
+  for (int si = 0; si < 2; si++) {
+    rs_selector *s = &th->sel[si];
+    if (s->kind != RS_SEL_PRIORITIZED) continue;
+    for (uint32_t j = 0; j < m; j++) w[j] = rs_sel_weight(s->exponent, prio[j]);
+    rs_sumtree_set_many(rs_tree(base, s), th->tree_leaves, m, leaf, w, scratch);
+  }
+  return m;
+}
+
 int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_keys,
               const double *upd_prios, uint32_t n_del, const uint64_t *del_keys,
               uint32_t *updated_out, uint32_t *deleted_out) {
@@ -719,12 +761,9 @@ int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_ke
     deleted++;
   }
   if (arena_locked) rs_aunlock(base);
-  for (uint32_t i = 0; i < n_upd; i++) {
-    uint32_t r = rs_index_find(ix, th->index_cap, upd_keys[i]);
-    if (r == RS_NONE) continue;
-    update_priority(base, th, r, upd_prios[i]);
-    updated++;
-  }
+  for (uint32_t b = 0; b < n_upd; b += MUTATE_ROUND)
+    updated += update_round(base, th, n_upd - b < MUTATE_ROUND ? n_upd - b : MUTATE_ROUND,
+                            upd_keys + b, upd_prios + b);
   op.dirty = deleted > 0;
   op_unlock(&op);
   if (updated_out) *updated_out = updated;
@@ -940,39 +979,68 @@ static sample_info sample_info_at(void *info, uint32_t n) {
   return si;
 }
 
+/* memcpy of nb bytes, with the row sizes of small fixed-size columns inlined. */
+static inline void copy_row(uint8_t *dst, const char *src, uint64_t nb) {
+  switch (nb) {
+    case 1: memcpy(dst, src, 1); break;
+    case 2: memcpy(dst, src, 2); break;
+    case 4: memcpy(dst, src, 4); break;
+    case 8: memcpy(dst, src, 8); break;
+    case 12: memcpy(dst, src, 12); break;
+    case 16: memcpy(dst, src, 16); break;
+    case 24: memcpy(dst, src, 24); break;
+    case 32: memcpy(dst, src, 32); break;
+    case 64: memcpy(dst, src, 64); break;
+    default: memcpy(dst, src, nb);
+  }
+}
+
+/* Source of a slice's rows in its chunk; `shift` is the item reference's row shift. */
+static inline const char *slice_src(void *base, const rs_desc_slice *sl, uint64_t shift,
+                                    uint64_t *nb) {
+  const rs_chunk_hdr *ch = rs_chunk(base, sl->chunk_off);
+  *nb = (uint64_t)sl->nrows * ch->row_bytes;
+  return (const char *)ch + ch->data_offset + ((uint64_t)sl->row_offset + shift) * ch->row_bytes;
+}
+
+#define GATHER_COLS 8   /* up to this many columns, the first pass keeps each row's source */
+
 static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
                          uint32_t ncols, const rs_gather_col *cols, const sample_info *info) {
   /* Rows of random items are cache misses: request the first row of every column of every item
-   * up front. Every item's layout was checked against cols by sample_round (descriptors and
-   * chunk headers never change once written). */
+   * up front, keeping where the single-slice columns' rows are. Every item's layout was checked
+   * against cols by sample_round (descriptors and chunk headers never change once written). */
+  const char *src[SAMPLE_ROUND * GATHER_COLS];
+  int keep = ncols <= GATHER_COLS;
   for (uint32_t i = 0; i < n; i++) {
     const rs_desc_hdr *d = rs_desc_blob(base, recs[i].desc_off);
     const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
     const rs_desc_slice *s = rs_desc_slices(d);
     uint64_t shift = rs_ref_shift(recs[i].desc_off);
     for (uint32_t c = 0; c < ncols; c++) {
-      const rs_desc_slice *sl = &s[dc[c].first_slice];
-      const rs_chunk_hdr *ch = rs_chunk(base, sl->chunk_off);
-      __builtin_prefetch((const char *)ch + ch->data_offset + (sl->row_offset + shift) * ch->row_bytes, 0);
+      uint64_t nb;
+      const char *p = slice_src(base, &s[dc[c].first_slice], shift, &nb);
+      __builtin_prefetch(p, 0);
+      if (keep) src[i * ncols + c] = dc[c].nslices == 1 ? p : NULL;
     }
   }
   for (uint32_t i = 0; i < n; i++) {
-    const rs_desc_hdr *d = rs_desc_blob(base, recs[i].desc_off);
-    const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
-    const rs_desc_slice *s = rs_desc_slices(d);
-    uint64_t shift = rs_ref_shift(recs[i].desc_off);
     uint64_t row = (uint64_t)first + i;
+    uint64_t shift = rs_ref_shift(recs[i].desc_off);
+    const rs_desc_hdr *d = NULL;
     for (uint32_t c = 0; c < ncols; c++) {
       uint8_t *dst = cols[c].out + row * cols[c].stride;
+      if (keep && src[i * ncols + c]) {   /* one slice of exactly col_bytes */
+        copy_row(dst, src[i * ncols + c], cols[c].col_bytes);
+        continue;
+      }
+      if (!d) d = rs_desc_blob(base, recs[i].desc_off);
+      const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
+      const rs_desc_slice *s = rs_desc_slices(d);
       for (uint32_t j = dc[c].first_slice, end = j + dc[c].nslices; j < end; j++) {
-        const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
-        uint64_t nb = (uint64_t)s[j].nrows * ch->row_bytes;
-        const char *src = (const char *)ch + ch->data_offset + (s[j].row_offset + shift) * ch->row_bytes;
-        switch (nb) { /* inline the common scalar sizes instead of calling memcpy */
-          case 4: memcpy(dst, src, 4); break;
-          case 8: memcpy(dst, src, 8); break;
-          default: memcpy(dst, src, nb);
-        }
+        uint64_t nb;
+        const char *p = slice_src(base, &s[j], shift, &nb);
+        copy_row(dst, p, nb);
         dst += nb;
       }
     }
@@ -1031,7 +1099,7 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
     gather_round(base, recs, (uint32_t)took, *got_io, ncols, cols, &si);
     uint32_t pins[SAMPLE_ROUND];
     for (int j = 0; j < took; j++) pins[j] = recs[j].pin;
-    rc = rs_unpin(base, slot, (uint32_t)took, pins);
+    rc = rs_unpin_fresh(base, slot, (uint32_t)took, pins);
     if (rc) break;
     *got_io += (uint32_t)took;
     if (*got_io == n) break;

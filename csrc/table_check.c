@@ -14,6 +14,7 @@
 #include "index.h"
 #include "limiter.h"
 #include "selectors.h"
+#include "sumtree.h"
 #include "table.h"
 
 typedef struct report {
@@ -137,12 +138,14 @@ static void check_selector(void *base, rs_table_hdr *th, int si, report_t *rep) 
       if (tree[L + r] != want)
         fail(rep, "selector %d: sum-tree leaf %u is %.17g, expected %.17g", si, r, tree[L + r], want);
     }
-    for (uint32_t node = 1; node < L; node++)
-      if (tree[node] != tree[2 * node] + tree[2 * node + 1])
-        fail(rep, "selector %d: sum-tree node %u (%.17g) != sum of children", si, node, tree[node]);
-    if (L > 0 && !isfinite(tree[1]))
+    uint32_t level = 0, index = 0;
+    uint64_t bad = L > 0 ? rs_sumtree_check(tree, L, &level, &index) : 0;
+    if (bad)
+      fail(rep, "selector %d: %llu sum-tree entries differ from the sum of their children, the "
+           "first at level %u entry %u", si, (unsigned long long)bad, level, index);
+    if (L > 0 && !isfinite(rs_sumtree_total(tree)))
       fail(rep, "selector %d: sum-tree total is %g, expected a finite sum of weights <= %g", si,
-           tree[1], rs_sel_weight_cap(L));
+           rs_sumtree_total(tree), rs_sel_weight_cap(L));
   }
 }
 

@@ -62,9 +62,7 @@ static void rng_seed(void) {
   rng_seeded = 1;
 }
 
-uint64_t rs_rand_u64(void) {
-  if (__builtin_expect(!rng_seeded, 0)) rng_seed();
-  uint64_t *s = rng_s;
+static inline uint64_t xoshiro_next(uint64_t *s) {
   const uint64_t result = rotl(s[1] * 5, 7) * 9;
   const uint64_t t = s[1] << 17;
   s[2] ^= s[0];
@@ -74,6 +72,18 @@ uint64_t rs_rand_u64(void) {
   s[2] ^= t;
   s[3] = rotl(s[3], 45);
   return result;
+}
+
+uint64_t rs_rand_u64(void) {
+  if (__builtin_expect(!rng_seeded, 0)) rng_seed();
+  return xoshiro_next(rng_s);
+}
+
+void rs_rand_fill(uint64_t *out, uint32_t n) {
+  if (__builtin_expect(!rng_seeded, 0)) rng_seed();
+  uint64_t s[4] = {rng_s[0], rng_s[1], rng_s[2], rng_s[3]};   /* one thread-local access per call */
+  for (uint32_t i = 0; i < n; i++) out[i] = xoshiro_next(s);
+  for (int i = 0; i < 4; i++) rng_s[i] = s[i];
 }
 
 double rs_rand_unit(void) { return (double)(rs_rand_u64() >> 11) * 0x1.0p-53; }

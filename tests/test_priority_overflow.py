@@ -20,9 +20,12 @@ pytestmark = pytest.mark.timeout(60)
 DBL_MAX = sys.float_info.max
 
 
+def _leaves(max_size):
+  return (max_size + 1 + 7) // 8 * 8     # one leaf per record, in whole groups of 8
+
+
 def _cap(max_size):
-  leaves = max_size + 1                   # one leaf per record
-  return DBL_MAX / (2 * leaves)
+  return DBL_MAX / (2 * _leaves(max_size))
 
 
 @pytest.mark.parametrize("sampler,remover", [(PRIORITIZED, FIFO), (UNIFORM, PRIORITIZED)])
@@ -35,7 +38,7 @@ def test_weight_above_the_cap_is_rejected_on_insert_and_update(sampler, remover)
     assert seg.insert([3, 4], [1.0, bad]) == (lib.RS_EINVAL, 0)
     message = last_error()
     assert "priority [1]" in message and f"cap {cap:g}" in message
-    assert "101 sum-tree leaves" in message
+    assert f"{_leaves(100)} sum-tree leaves" in message
     assert seg.mutate(updates=[(1, 2.0), (2, bad)])[0] == lib.RS_EINVAL
     assert seg.items() == before
   seg.check()
@@ -49,20 +52,22 @@ def test_exponent_scales_the_weight_checked_against_the_cap():
 
 
 def test_checker_flags_a_non_finite_total():
-  seg = Segment(max_size=4, sampler=PRIORITIZED)     # capacity 5: a sum tree of 5 leaves
+  seg = Segment(max_size=4, sampler=PRIORITIZED)     # capacity 5: a sum tree of 8 leaves
   marks = [1.5, 2.5, 3.25]
   insert_ok(seg, [1, 2, 3], marks)
   words = np.frombuffer(seg.mm, np.float64)
-  # tree[1] is the total, tree[5 + r] the leaf of record r; records hold the same priorities.
-  starts = [i - 1 for i in np.flatnonzero(words == 7.25) if list(words[i + 4:i + 7]) == marks]
+  # tree[0] is the total (8 leaves: one internal entry), tree[8 + r] the leaf of record r;
+  # records hold the same priorities.
+  starts = [i for i in np.flatnonzero(words == 7.25) if list(words[i + 8:i + 11]) == marks]
   assert len(starts) == 1
-  tree = words[starts[0]:starts[0] + 10]
+  tree = words[starts[0]:starts[0] + 16]
   for i in np.flatnonzero(np.isin(words, marks)):   # record priorities (and the leaves)
     words[i] = 1e308
-  with np.errstate(over="ignore"):
-    for node in range(4, 0, -1):                    # consistent nodes, each the sum of children
-      tree[node] = tree[2 * node] + tree[2 * node + 1]
-  assert tree[1] == np.inf
+  with np.errstate(over="ignore"):                  # a consistent root: the sum of the leaves
+    leaves = tree[8:16]
+    tree[0] = (((leaves[0] + leaves[1]) + (leaves[2] + leaves[3])) +
+               ((leaves[4] + leaves[5]) + (leaves[6] + leaves[7])))
+  assert tree[0] == np.inf
   with pytest.raises(AssertionError, match="sum-tree total is inf, expected a finite sum"):
     seg.check()
 
