@@ -302,16 +302,16 @@ def fuzz_target():
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(method=st.sampled_from(["ServerInfo", "Mutate", "Reset", "Checkpoint", "Sample",
-                               "Write"]), messages=st.lists(_messages, min_size=1, max_size=3))
+                               "Write", "Insert"]), messages=st.lists(_messages, min_size=1, max_size=3))
 def test_fuzzed_messages_get_error_statuses_and_change_nothing(fuzz_target, method, messages):
   server, local, channel = fuzz_target
   before = local.server_info()["dist"]
   path = f"/{wire.SERVICE}/{method}"
-  if method in ("Sample", "Write"):
+  if method in ("Sample", "Write", "Insert"):
     call = channel.stream_stream(path)(iter(messages), timeout=5)
     try:
       replies = list(call)
-      if method == "Write":   # acks of "items" ops: a fuzzed item can only have failed
+      if method in ("Write", "Insert"):   # acks of "items" ops: a fuzzed item can only have failed
         for reply in replies:
           ack = wire.unpack(reply[1:])
           assert [e[0] for e in ack["errs"]][-1:] == [ack["upto"]]

@@ -134,13 +134,13 @@ def test_samples_arrive_in_batches_within_the_credit(server_factory, monkeypatch
   for i in range(50):
     local.insert(np.full(2, i), {"dist": 1.0})
   sizes = []
-  original = service.Bridge._sample_batch  # pylint: disable=protected-access
+  original = service.Bridge._encode_samples  # pylint: disable=protected-access
 
-  def spy(self, st, k, timeout_ms, context):
-    reply = original(self, st, k, timeout_ms, context)
+  def spy(self, recs, pins):
+    reply = original(self, recs, pins)
     sizes.append(reply["n"])
     return reply
-  monkeypatch.setattr(service.Bridge, "_sample_batch", spy)  # pylint: disable=protected-access
+  monkeypatch.setattr(service.Bridge, "_encode_samples", spy)  # pylint: disable=protected-access
   client = _remote(server, max_in_flight_samples=8)
   samples = list(client.sample("dist", 40, emit_timesteps=False))
   assert len(samples) == 40 and sum(sizes) == 40

@@ -100,11 +100,14 @@ class _Connection:
     self.creds = client._creds  # pylint: disable=protected-access
     self.channel = self.creds.channel(self.address, _CHANNEL_OPTIONS)
     self.metadata = self.creds.metadata()
+    self.insert_streams = []   # idle persistent Insert streams (writes.InsertStream)
 
   def method(self, name: str, kind: str = "unary_unary"):
     return getattr(self.channel, kind)(f"/{wire.SERVICE}/{name}")
 
   def close(self) -> None:
+    while self.insert_streams:
+      self.insert_streams.pop().close()
     self.channel.close()
 
   # ---- unary calls (retried while the bridge is unreachable)

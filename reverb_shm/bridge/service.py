@@ -7,9 +7,10 @@ it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm
   Mutate      unary           {"table", "upd_keys", "upd_prios", "del_keys"} -> {"updated", "deleted"}
   Reset       unary           {"table"} -> {}
   Checkpoint  unary           {} -> {"path"}
-  Insert      unary           {"ops": [...]} as one Write message (chunks and items of one
-                              Client.insert) -> the ack {"upto", "errs"}; its chunks are
-                              released at the end of the call
+  Insert      stream-stream   a client's persistent insert stream: each message is {"ops": [...]}
+                              as a Write message (chunks and items of one Client.insert, ids
+                              and seqs local to it) and gets one reply, the ack {"upto",
+                              "errs"}, once its items were handled; its chunks are released then
   Sample      stream-stream   first {"table", "n", "timeout_ms", "credit", "batch"}, then
                               {"credit"}; replies carry up to `batch` samples each
                               ({"n", "keys", "probs", "sizes", "prios", "times", "cols"|"items"})
@@ -19,12 +20,15 @@ it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm
                               burst of messages one {"upto": seq, "errs": [[seq, n, error class,
                               message], ...]} covers every items op up to seq
 
-Every request is validated before it touches a table (wire.py); errors travel as gRPC status
+The server is a grpc.aio one on an event loop thread of its own (see Bridge). Every request
+is validated before it touches a table (wire.py); errors travel as gRPC status
 codes with the reverb_shm error class in the `rs-error` trailing metadata (Write replies carry
 them in-band).
 """
+import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -86,12 +90,23 @@ class BridgeConfig:
   max_concurrent_rpcs: int = 64
 
 
-class _Abort(Exception):
-  """Raised inside handlers to end the call with an error status."""
+class _Blocking:
+  """Yielded by a request handler generator: `fn()` may wait (a rate limiter), so the event
+  loop runs it on the bridge's thread pool and sends its result (or throws its exception)
+  back into the generator."""
+
+  __slots__ = ("fn",)
+
+  def __init__(self, fn):
+    self.fn = fn
 
 
 class Bridge:
   """Serves the tables of local server `server` (a name or a Server) over gRPC.
+
+  The gRPC server is asynchronous (grpc.aio) and runs an event loop on a thread of its own:
+  requests are decoded, validated and applied on that loop, without a thread handoff per
+  message; only table calls that must wait for a rate limiter run on a thread pool.
 
   Args:
     server: reverb_shm Server, or the server name (its segment must exist on this host).
@@ -109,9 +124,41 @@ class Bridge:
     name = server if isinstance(server, str) else server.name
     self._seg = shm.Segment.attach(name)
     self._tables: Dict[str, SharedTable] = {}
-    self._grpc = grpc.server(
-        concurrent.futures.ThreadPoolExecutor(max_workers=config.max_concurrent_rpcs,
-                                              thread_name_prefix="reverb_shm-bridge"),
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=config.max_concurrent_rpcs, thread_name_prefix="reverb_shm-bridge")
+    self._loop = asyncio.new_event_loop()
+    self._stopped = False
+    started = concurrent.futures.Future()
+    self._thread = threading.Thread(target=self._serve, args=(started,), daemon=True,
+                                    name="reverb_shm-bridge-loop")
+    self._thread.start()
+    try:
+      self._port = started.result(timeout=30)
+    except BaseException:
+      self._thread.join(timeout=5)
+      self._pool.shutdown(wait=False)
+      raise
+
+  # ---- the event loop's thread
+  def _serve(self, started: concurrent.futures.Future) -> None:
+    asyncio.set_event_loop(self._loop)
+    try:
+      self._loop.run_until_complete(self._main(started))
+    except BaseException as e:  # pylint: disable=broad-except  (reported to __init__)
+      if not started.done():
+        started.set_exception(e)
+    finally:
+      pending = asyncio.all_tasks(self._loop)
+      for task in pending:
+        task.cancel()
+      if pending:
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+      self._loop.close()
+
+  async def _main(self, started: concurrent.futures.Future) -> None:
+    config = self._config
+    self._stop_request = asyncio.Queue()   # stop(grace) puts the grace period
+    self._grpc = grpc.aio.server(
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[("grpc.so_reuseport", 0),
                  # Accept the remote clients' keepalive pings (every 10 s, also when idle)
@@ -124,7 +171,7 @@ class Bridge:
         "Mutate": grpc.unary_unary_rpc_method_handler(self._mutate),
         "Reset": grpc.unary_unary_rpc_method_handler(self._reset),
         "Checkpoint": grpc.unary_unary_rpc_method_handler(self._checkpoint),
-        "Insert": grpc.unary_unary_rpc_method_handler(self._insert),
+        "Insert": grpc.stream_stream_rpc_method_handler(self._insert),
         "Sample": grpc.stream_stream_rpc_method_handler(self._sample),
         "Write": grpc.stream_stream_rpc_method_handler(self._write),
     }
@@ -134,15 +181,17 @@ class Bridge:
         f"{config.host}:{config.port}"
     try:
       if config.tls is not None:
-        self._port = self._grpc.add_secure_port(target, config.tls.credentials())
+        port = self._grpc.add_secure_port(target, config.tls.credentials())
       else:
-        self._port = self._grpc.add_insecure_port(target)
+        port = self._grpc.add_insecure_port(target)
     except RuntimeError as e:
       raise ValueError(f"Failed to bind bridge to {target}: {e}") from None
-    if not self._port:
+    if not port:
       raise ValueError(f"Failed to bind bridge to {target}")
-    self._grpc.start()
-    self._stopped = False
+    await self._grpc.start()
+    started.set_result(port)
+    grace = await self._stop_request.get()
+    await self._grpc.stop(grace)
 
   @property
   def port(self) -> int:
@@ -155,14 +204,21 @@ class Bridge:
 
   def stop(self, grace: Optional[float] = 0.1) -> None:
     """Stops serving (open streams are cancelled after `grace` seconds). Idempotent."""
-    if not self._stopped:
-      self._stopped = True
-      self._grpc.stop(grace).wait(timeout=(grace or 0) + 5)
+    if self._stopped:
+      return
+    self._stopped = True
+    try:
+      self._loop.call_soon_threadsafe(self._stop_request.put_nowait, grace)
+    except RuntimeError:
+      pass   # the loop ended already
+    self._thread.join(timeout=(grace or 0) + 5)
+    self._pool.shutdown(wait=False, cancel_futures=True)
 
   def wait(self) -> None:
     """Blocks until the bridge stops (Ctrl-C stops it)."""
     try:
-      self._grpc.wait_for_termination()
+      while self._thread.is_alive():
+        self._thread.join(0.5)
     except KeyboardInterrupt:
       self.stop()
       raise
@@ -181,32 +237,56 @@ class Bridge:
       self._tables[name] = st
     return st
 
-  def _authorize(self, context) -> None:
+  async def _authorize(self, context) -> None:
     if not security.token_ok(self._config.token, context.invocation_metadata()):
-      context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    "missing or wrong auth token (metadata 'authorization: Bearer TOKEN')")
+      await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong auth token (metadata 'authorization: Bearer TOKEN')")
 
   @staticmethod
-  def _fail(context, exc: BaseException):
+  async def _fail(context, exc: BaseException):
     """Ends the call with the status of `exc` (raises)."""
     if isinstance(exc, NotImplementedError):
-      context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+      await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
     name = wire.error_name(exc)
     code = _STATUS.get(name, grpc.StatusCode.INTERNAL)
     if code is grpc.StatusCode.INTERNAL:
-      _log.exception("bridge: unexpected error", exc_info=exc)
-    context.set_trailing_metadata((("rs-error", name),))
-    context.abort(code, str(exc) or type(exc).__name__)
+      _log.error("bridge: unexpected error", exc_info=exc)
+    await context.abort(code, str(exc) or type(exc).__name__,
+                        trailing_metadata=(("rs-error", name),))
 
-  def _unary(self, request: bytes, context, body):
-    self._authorize(context)
+  async def _drive(self, gen, emit=None):
+    """Runs a handler generator: yielded dicts go to `emit` (an async callable; dropped when
+    None), yielded _Blocking calls run on the thread pool. Returns the generator's value."""
+    loop = asyncio.get_running_loop()
+    value, exc = None, None
+    while True:
+      try:
+        out = gen.throw(exc) if exc is not None else gen.send(value)
+      except StopIteration as stop:
+        return stop.value
+      value = exc = None
+      if isinstance(out, _Blocking):
+        try:
+          value = await loop.run_in_executor(self._pool, out.fn)
+        except Exception as e:  # pylint: disable=broad-except  (handled by the generator)
+          exc = e
+      elif emit is not None:
+        await emit(out)
+
+  async def _unary(self, request: bytes, context, body, blocking: bool = False):
+    await self._authorize(context)
     try:
-      return wire.pack(body(wire.unpack(request, 1 << 22)))
+      msg = wire.unpack(request, 1 << 22)
+      if blocking:
+        reply = await asyncio.get_running_loop().run_in_executor(self._pool, body, msg)
+      else:
+        reply = body(msg)
+      return wire.pack(reply)
     except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
-      self._fail(context, e)
+      await self._fail(context, e)
 
   # ---- unary RPCs
-  def _server_info(self, request, context):
+  async def _server_info(self, request, context):
     def body(msg):
       wire.no_fields(msg, "ServerInfo")
       tables = []
@@ -215,9 +295,9 @@ class Bridge:
         tables.append({"name": name, "stats": self._seg.stats(index),
                        "signature": specs.encode_signature(st.signature)})
       return {"tables": tables}
-    return self._unary(request, context, body)
+    return await self._unary(request, context, body)
 
-  def _mutate(self, request, context):
+  async def _mutate(self, request, context):
     def body(msg):
       st = self._table(wire.get_str(msg, "table"))
       keys = wire.u64_array(msg, "upd_keys", _MAX_KEYS)
@@ -225,38 +305,61 @@ class Bridge:
       dels = wire.u64_array(msg, "del_keys", _MAX_KEYS)
       updated, deleted = st.mutate(dict(zip(keys.tolist(), prios.tolist())), dels.tolist())
       return {"updated": updated, "deleted": deleted}
-    return self._unary(request, context, body)
+    return await self._unary(request, context, body)
 
-  def _reset(self, request, context):
+  async def _reset(self, request, context):
     def body(msg):
       self._table(wire.get_str(msg, "table")).reset()
       return {}
-    return self._unary(request, context, body)
+    return await self._unary(request, context, body)
 
-  def _checkpoint(self, request, context):
+  async def _checkpoint(self, request, context):
     def body(msg):
       wire.no_fields(msg, "Checkpoint")
       from reverb_shm.client import Client  # pylint: disable=g-import-not-at-top
       return {"path": Client(f"shm://{self._seg.name}").checkpoint()}
-    return self._unary(request, context, body)
+    return await self._unary(request, context, body, blocking=True)
 
-  def _insert(self, request, context):
-    def body(msg):
-      stream = _WriteStream(self, context, lambda: False)
-      try:
-        for _ in stream.handle_message(msg):
-          pass      # nobody to confirm earlier items to before the end
-        return stream.ack() or {"upto": 0, "errs": []}
-      finally:
-        stream.close()
-    return self._unary(request, context, body)
+  @staticmethod
+  async def _write_msg(context, msg: dict) -> None:
+    for frame in wire.frames(wire.pack(msg)):
+      await context.write(frame)
+
+  # ---- inserting (Client.insert)
+  async def _insert(self, request_iterator, context):
+    """A remote client's insert stream: each logical message holds the ops of one
+    Client.insert (ids and seqs local to it) and gets one ack once they were handled."""
+    await self._authorize(context)
+    asm = wire.Reassembler(self._config.max_message_bytes)
+    cancelled = threading.Event()
+    try:
+      while True:
+        frame = await context.read()
+        if frame is grpc.aio.EOF:
+          return
+        msg = asm.feed(frame)
+        if msg is None:
+          continue
+        stream = _WriteStream(self, cancelled, lambda: False)
+        try:
+          await self._drive(stream.handle_message(msg))   # nobody to send early acks to
+          ack = stream.ack() or {"upto": 0, "errs": []}
+        finally:
+          stream.close()
+        await self._write_msg(context, ack)
+    except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
+      await self._fail(context, e)
+    finally:
+      cancelled.set()
 
   # ---- sampling
-  def _sample(self, request_iterator, context):
-    self._authorize(context)
-    inbox = _Inbox(request_iterator, 1 << 16)
+  async def _sample(self, request_iterator, context):
+    await self._authorize(context)
+    inbox = _Inbox(context, 1 << 16)
+    cancelled = threading.Event()
+    loop = asyncio.get_running_loop()
     try:
-      msgs = inbox.take()
+      msgs = await inbox.take()
       if not msgs:
         return
       first = msgs[0]
@@ -269,47 +372,65 @@ class Bridge:
       sent = 0
       while sent < n:
         if credit == 0:
-          msgs = inbox.take()
+          msgs = await inbox.take()
           if not msgs:
             return     # the client closed its side: it wants no more samples
           credit += _credits(msgs)
-        reply = self._sample_batch(st, min(credit, n - sent, batch), timeout_ms, context)
-        if reply is None:
-          return       # cancelled
-        yield from wire.frames(wire.pack(reply))
+        k = min(credit, n - sent, batch)
+        got = self._sample_now(st, k)
+        if got is None:
+          deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+          remaining_call = context.time_remaining()
+          if remaining_call is not None:
+            call_deadline = time.monotonic() + remaining_call
+            deadline = call_deadline if deadline is None else min(deadline, call_deadline)
+          got = await loop.run_in_executor(self._pool, self._sample_wait, st, timeout_ms,
+                                           deadline, cancelled)
+          if got is None:
+            return     # cancelled
+        reply = self._encode_samples(*got)
+        await self._write_msg(context, reply)
         credit -= reply["n"]
         sent += reply["n"]
-        credit += _credits(inbox.take(block=False) or ())
+        credit += _credits(await inbox.take(block=False) or ())
     except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
-      self._fail(context, e)
+      await self._fail(context, e)
     finally:
+      cancelled.set()
       inbox.stop()
 
-  def _sample_batch(self, st: SharedTable, k: int, timeout_ms: Optional[int],
-                    context) -> Optional[dict]:
-    """Up to k samples that the limiter admits now (at least one, waiting for it) as a wire
-    map; None if the call was cancelled while waiting."""
+  @staticmethod
+  def _sample_now(st: SharedTable, k: int):
+    """(records, pins) of up to k samples the limiter admits at once, or None."""
     try:
-      recs, pins = st.sample_records(k, 0)
+      return st.sample_records(k, 0)
     except errors.DeadlineExceededError:
-      deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-      remaining_call = context.time_remaining()
-      if remaining_call is not None:
-        call_deadline = time.monotonic() + remaining_call
-        deadline = call_deadline if deadline is None else min(deadline, call_deadline)
-      while True:
-        if not context.is_active():
-          return None
-        wait_ms = _SLICE_MS
-        if deadline is not None:
-          wait_ms = max(0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
-        try:
-          recs, pins = st.sample_records(1, wait_ms)
-          break
-        except errors.DeadlineExceededError:
-          if deadline is not None and time.monotonic() >= deadline:
-            raise errors.DeadlineExceededError(
-                st.limiter_message("sample", timeout_ms)) from None
+      return None
+
+  @staticmethod
+  def _sample_wait(st: SharedTable, timeout_ms: Optional[int], deadline: Optional[float],
+                   cancelled: threading.Event):
+    """(records, pins) of one sample, waiting for it in slices (runs on the thread pool);
+    None once `cancelled` is set.
+
+    Raises:
+      DeadlineExceededError: nothing to sample by `deadline` (monotonic seconds).
+    """
+    while True:
+      if cancelled.is_set():
+        return None
+      wait_ms = _SLICE_MS
+      if deadline is not None:
+        wait_ms = max(0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
+      try:
+        return st.sample_records(1, wait_ms)
+      except errors.DeadlineExceededError:
+        if deadline is not None and time.monotonic() >= deadline:
+          raise errors.DeadlineExceededError(
+              st.limiter_message("sample", timeout_ms)) from None
+
+  def _encode_samples(self, recs, pins) -> dict:
+    """The wire map of sampled records (their pins are released: the columns are copies)."""
     try:
       items = chunks.read_items(self._seg, recs["desc_off"], pins)
       reply = {"n": len(recs)}
@@ -322,28 +443,30 @@ class Bridge:
       else:
         reply["items"] = [[_encode_column(c) for c in item] for item in items]
     finally:
-      pins.release()   # the encoded columns are copies
+      pins.release()
     return reply
 
   # ---- writing
-  def _write(self, request_iterator, context):
-    self._authorize(context)
-    inbox = _Inbox(request_iterator, self._config.max_message_bytes)
-    stream = _WriteStream(self, context, lambda: inbox.closed)
+  async def _write(self, request_iterator, context):
+    await self._authorize(context)
+    inbox = _Inbox(context, self._config.max_message_bytes)
+    cancelled = threading.Event()
+    stream = _WriteStream(self, cancelled, lambda: inbox.closed)
+    emit = functools.partial(self._write_msg, context)
     try:
       while True:
-        msgs = inbox.take()
+        msgs = await inbox.take()
         if not msgs:
           return
         for msg in msgs:
-          for early_ack in stream.handle_message(msg):
-            yield from wire.frames(wire.pack(early_ack))
+          await self._drive(stream.handle_message(msg), emit)
         ack = stream.ack()
         if ack is not None:
-          yield from wire.frames(wire.pack(ack))
+          await emit(ack)
     except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
-      self._fail(context, e)
+      await self._fail(context, e)
     finally:
+      cancelled.set()
       inbox.stop()
       stream.close()
 
@@ -375,7 +498,7 @@ def _encode_column(col: np.ndarray) -> dict:
 
 
 class _Inbox:
-  """Logical messages of a client stream, read by a thread of their own.
+  """Logical messages of a client stream, read by a task of their own on the event loop.
 
   The handler takes every message that has arrived at once (so it can answer a burst with one
   reply) and learns when the client closed its side (`closed`) while it is busy.
@@ -383,51 +506,53 @@ class _Inbox:
 
   _MAX_QUEUED_BYTES = 64 << 20
 
-  def __init__(self, request_iterator, max_bytes: int):
-    self._it = request_iterator
+  def __init__(self, context, max_bytes: int):
+    self._context = context
     self._asm = wire.Reassembler(max_bytes)
-    self._cond = threading.Condition()
+    self._cond = asyncio.Condition()
     self._msgs = []
     self._queued_bytes = 0
     self._error = None
-    self._stop = False
     self.closed = False   # the client half-closed its side, or the call ended
-    threading.Thread(target=self._run, daemon=True, name="reverb_shm-bridge-inbox").start()
+    self._task = asyncio.ensure_future(self._run())
 
-  def _run(self) -> None:
+  async def _run(self) -> None:
     error, size = None, 0
     try:
-      for frame in self._it:
+      while True:
+        frame = await self._context.read()
+        if frame is grpc.aio.EOF:
+          break
         size += len(frame)
         msg = self._asm.feed(frame)
         if msg is None:
           continue
-        with self._cond:
-          while self._queued_bytes > self._MAX_QUEUED_BYTES and not self._stop:
-            self._cond.wait()    # back-pressure: the handler is behind
-          if self._stop:
-            return
+        async with self._cond:
+          # back-pressure: the handler is behind
+          await self._cond.wait_for(lambda: self._queued_bytes <= self._MAX_QUEUED_BYTES)
           self._msgs.append(msg)
           self._queued_bytes += size
           self._cond.notify_all()
         size = 0
     except wire.BadMessage as e:
       error = e
-    except Exception:  # pylint: disable=broad-except  (the call ended: grpc.RpcError)
+    except asyncio.CancelledError:
       pass
-    with self._cond:
-      self._error, self.closed = error, True
+    except Exception:  # pylint: disable=broad-except  (the call ended)
+      pass
+    self._error, self.closed = error, True
+    async with self._cond:
       self._cond.notify_all()
 
-  def take(self, block: bool = True) -> Optional[list]:
+  async def take(self, block: bool = True) -> Optional[list]:
     """Every message received so far (waiting for one if `block`); None at the end.
 
     Raises:
       BadMessage: the client sent a malformed frame (after the messages before it).
     """
-    with self._cond:
-      while block and not self._msgs and not self.closed:
-        self._cond.wait()
+    async with self._cond:
+      if block:
+        await self._cond.wait_for(lambda: self._msgs or self.closed)
       msgs, self._msgs, self._queued_bytes = self._msgs, [], 0
       self._cond.notify_all()
       if not msgs and self._error is not None:
@@ -435,19 +560,17 @@ class _Inbox:
       return msgs or None
 
   def stop(self) -> None:
-    with self._cond:
-      self._stop = True
-      self._cond.notify_all()
+    self._task.cancel()
 
 
 class _WriteStream:
   """State of one Write stream: the chunks it wrote, by the client's chunk ids, and the
   outcome of the "items" ops since the last acknowledgement."""
 
-  def __init__(self, bridge: Bridge, context, closing):
+  def __init__(self, bridge: Bridge, cancelled: threading.Event, closing):
     self._bridge = bridge
     self._seg = bridge._seg  # pylint: disable=protected-access
-    self._context = context
+    self._cancelled = cancelled   # set when the call ended
     self._closing = closing   # () -> whether the client closed its side
     self._max_chunks = bridge._config.max_stream_chunks  # pylint: disable=protected-access
     self._chunks: Dict[int, chunks.Chunk] = {}
@@ -458,7 +581,8 @@ class _WriteStream:
   def handle_message(self, msg: dict):
     """Handles one logical message: an op, or {"ops": [op, ...]} in order.
 
-    Yields the acks that must go out before an insert that waits for its rate limiter.
+    Yields the acks that must go out before an insert that waits for its rate limiter, and
+    the _Blocking waits of such inserts (see Bridge._drive).
     """
     ops = [msg] if "op" in msg else wire.get_list(msg, "ops", _MAX_OPS_PER_MESSAGE)
     for op in ops:
@@ -592,7 +716,7 @@ class _WriteStream:
       if self._upto is not None and len(keys) and not st.can_insert(len(keys)):
         yield self.ack()   # confirm the earlier items before waiting for the limiter
       self._upto = seq
-      self._insert(st, keys, prios, blob, offs, timeout_ms)
+      yield from self._insert(st, keys, prios, blob, offs, timeout_ms)
     except wire.BadMessage:
       raise
     except errors.DeadlineExceededError as e:
@@ -631,15 +755,30 @@ class _WriteStream:
       columns.append((slices, col[1]))
     return chunks.encode_descriptor(columns)
 
-  def _insert(self, st: SharedTable, keys, prios, blob, offs, timeout_ms) -> int:
-    """Inserts in slices of _SLICE_MS so a cancelled call stops waiting; returns n.
+  def _insert(self, st: SharedTable, keys, prios, blob, offs, timeout_ms):
+    """Inserts the items; a generator returning n.
 
+    The first attempt does not wait. If the limiter holds items back, the rest is inserted by
+    a _Blocking call that waits in slices of _SLICE_MS (so a cancelled call stops waiting).
     Once the client closed its side, items are inserted only if the limiter admits them at
     once (as a local writer's close() does).
     """
     n = len(keys)
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-    done = 0
+    try:
+      st.insert_descriptors(keys, prios, blob, offs, 0)
+      return n
+    except errors.DeadlineExceededError as e:
+      done = e.inserted
+    if self._closing() or timeout_ms == 0:
+      raise self._timeout(st, n, done, timeout_ms, "")
+    return (yield _Blocking(lambda: self._insert_waiting(st, keys, prios, blob, offs,
+                                                         timeout_ms, deadline, done)))
+
+  def _insert_waiting(self, st: SharedTable, keys, prios, blob, offs, timeout_ms,
+                      deadline: Optional[float], done: int) -> int:
+    """Inserts items [done:] waiting for the limiter (on the thread pool); returns n."""
+    n = len(keys)
     while True:
       if self._closing():
         deadline = time.monotonic()
@@ -653,7 +792,11 @@ class _WriteStream:
       except errors.DeadlineExceededError as e:
         done += e.inserted
         expired = deadline is not None and time.monotonic() >= deadline
-        if expired or not self._context.is_active():
-          raise errors.DeadlineExceededError(
-              f"Rate limiter timeout on table {st.name!r}: insert blocked for {timeout_ms} ms; "
-              f"{done} of {n} items inserted ({e})", inserted=done) from None
+        if expired or self._cancelled.is_set():
+          raise self._timeout(st, n, done, timeout_ms, f" ({e})") from None
+
+  @staticmethod
+  def _timeout(st: SharedTable, n: int, done: int, timeout_ms, detail: str):
+    return errors.DeadlineExceededError(
+        f"Rate limiter timeout on table {st.name!r}: insert blocked for {timeout_ms} ms; "
+        f"{done} of {n} items inserted{detail}", inserted=done)

@@ -17,6 +17,7 @@ with its chunks and original keys (re-inserting a key only updates that item's p
 """
 import collections
 import itertools
+import queue
 import sys
 import threading
 import time
@@ -470,11 +471,43 @@ def _new_chunk(staging, off: int, header, identity: tuple) -> _SentChunk:
   return chunk
 
 
+class InsertStream:
+  """One persistent Insert call of a connection: one request message per Client.insert, one
+  reply (its ack) per request. Used by one caller at a time (see OneMessageInserter)."""
+
+  def __init__(self, conn):
+    self._out = queue.SimpleQueue()
+    self._asm = wire.Reassembler()
+    self._call = conn.method("Insert", "stream_stream")(self._requests(), metadata=conn.metadata)
+
+  def _requests(self):
+    while True:
+      frame = self._out.get()
+      if frame is None:
+        return
+      yield frame
+
+  def round_trip(self, payload: bytes) -> dict:
+    """Sends one encoded message; returns the bridge's reply (raises grpc.RpcError)."""
+    for frame in wire.frames(payload):
+      self._out.put(frame)
+    for frame in self._call:
+      reply = self._asm.feed(frame)
+      if reply is not None:
+        return reply
+    raise _LocalRpcError(grpc.StatusCode.UNAVAILABLE, "the bridge ended the insert stream")
+
+  def close(self) -> None:
+    self._out.put(None)
+    self._call.cancel()
+
+
 class OneMessageInserter:
   """Client.insert's path: the ops of one call (its chunks, whole, and its items) travel as
-  one unary Insert call (or, above one frame, over a Write stream of their own); `send`
-  returns when the bridge confirmed them. Retried with backoff while the bridge is
-  unreachable, for up to `reconnect_timeout_s` (a re-sent item keeps its key).
+  one message on a persistent Insert stream of the connection (taken from its idle ones, or
+  opened); `send` returns when the bridge confirmed them. Retried with backoff on a new
+  stream while the bridge is unreachable, for up to `reconnect_timeout_s` (a re-sent item
+  keeps its key). A call interrupted before its reply (Ctrl-C) cancels its stream.
   """
 
   def __init__(self, address: str, connection: Callable, reconnect_timeout_s: float,
@@ -495,13 +528,17 @@ class OneMessageInserter:
     backoff = BACKOFF_START_S
     while True:
       conn = self._connection()
+      idle = conn.insert_streams
       try:
-        if len(payload) <= wire.FRAME_BYTES:
-          ack = wire.unpack(conn.method("Insert")(payload, metadata=conn.metadata))
-        else:
-          ack = self._send_framed(conn, payload)
+        stream = idle.pop()
+      except IndexError:
+        stream = InsertStream(conn)
+      try:
+        ack = stream.round_trip(payload)
+        idle.append(stream)
         break
       except grpc.RpcError as e:
+        stream.close()
         now = time.monotonic()
         if e.code() not in RETRYABLE:
           raise self._rpc_error(e, self._address) from None
@@ -511,29 +548,12 @@ class OneMessageInserter:
               f"{self._reconnect_s}: {self._rpc_error(e, self._address)}") from None
         time.sleep(min(backoff, give_up - now))
         backoff = min(2 * backoff, BACKOFF_MAX_S)
+      except BaseException:
+        stream.close()   # its reply is still due: the stream cannot be reused
+        raise
     for err in ack.get("errs") or ():
       if isinstance(err, list) and len(err) == 4:
         raise wire.make_error(err[2], err[3], inserted=err[1])
-
-  @staticmethod
-  def _send_framed(conn, payload: bytes) -> dict:
-    """Sends one large message over a Write stream of its own; returns the bridge's ack."""
-    done = threading.Event()
-
-    def requests():   # stays open until the ack: a half-closed stream stops waiting
-      yield from wire.frames(payload)
-      done.wait()
-    call = conn.method("Write", "stream_stream")(requests(), metadata=conn.metadata)
-    asm = wire.Reassembler()
-    try:
-      for frame in call:
-        ack = asm.feed(frame)
-        if ack is not None:
-          return ack
-    finally:
-      done.set()
-      call.cancel()
-    return {}
 
 
 def _items_op(batch: _Batch) -> dict:
