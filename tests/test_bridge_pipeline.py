@@ -12,7 +12,8 @@ grpc = pytest.importorskip("grpc")
 
 import reverb_shm  # pylint: disable=g-bad-import-order
 from reverb_shm import errors, rate_limiters, selectors
-from reverb_shm.bridge import Bridge, BridgeConfig, RemoteClient, service, writes
+from reverb_shm.specs import TensorSpec
+from reverb_shm.bridge import Bridge, BridgeConfig, RemoteClient, service, wire, writes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,11 +107,50 @@ def test_client_insert_is_one_message_for_every_table(server_factory, monkeypatc
     return original(self, msg)
   monkeypatch.setattr(service._WriteStream, "handle_message", spy)  # pylint: disable=protected-access
   client.insert({"x": np.arange(3), "y": np.float32(1)}, {"a": 1.0, "b": 2.0})
-  assert calls == [["chunk", "chunk", "items", "items"]]   # the data once, for both tables
+  client.insert({"x": np.arange(3), "y": "text"}, {"a": 3.0, "b": 4.0})
+  # Numeric steps: one "step" op; object columns: chunks sent once, then one item per table.
+  assert calls == [["step"], ["chunk", "obj", "items", "items"]]
   infos = server.localhost_client().server_info()
-  assert (infos["a"].current_size, infos["b"].current_size) == (1, 1)
-  sample = next(server.localhost_client().sample("b", emit_timesteps=False))
-  assert sample.data[0].tolist() == [[0, 1, 2]] and sample.info.priority == 2.0
+  assert (infos["a"].current_size, infos["b"].current_size) == (2, 2)
+  samples = list(server.localhost_client().sample("b", 100, emit_timesteps=False))
+  by_prio = {s.info.priority: s.data for s in samples}   # uniform: both items, surely
+  assert by_prio[2.0][0].tolist() == [[0, 1, 2]] and by_prio[2.0][1].tolist() == [1.0]
+  assert by_prio[4.0][1].tolist() == [b"text"]   # strings come back as bytes, as in Reverb
+
+
+def _insert_stream_round_trip(server, msg: dict) -> dict:
+  """Sends one raw message on an Insert stream; returns the reply (raises grpc.RpcError)."""
+  with grpc.insecure_channel(server.bridge_address) as channel:
+    call = channel.stream_stream(f"/{wire.SERVICE}/Insert")(iter(wire.frames(wire.pack(msg))),
+                                                           timeout=10)
+    return wire.unpack(next(call)[1:])
+
+
+def test_step_ops_are_validated_by_the_bridge(server_factory):
+  typed = reverb_shm.Table("typed", selectors.Uniform(), selectors.Fifo(), 10,
+                           rate_limiters.MinSize(1), signature={"x": TensorSpec([3], np.int32)})
+  server = server_factory([_uniform("a"), typed],
+                          bridge=BridgeConfig())
+  ok = {"op": "step", "cols": [["<f4", [3]]], "ep": 7, "timeout_ms": None,
+        "b": np.arange(3, dtype=np.float32).tobytes(), "items": [[1, "a", 42, 1.5]]}
+  assert _insert_stream_round_trip(server, {"ops": [ok]}) == {"upto": 1, "errs": []}
+  for bad in ({"b": b"\0" * 11}, {"cols": [["|O", [3]]]}, {"cols": [["<f4", [-3]]]},
+              {"cols": "x"}, {"items": [[1, "a", -1, 1.0]]}, {"items": [["1", "a", 1, 1.0]]}):
+    with pytest.raises(grpc.RpcError) as e:
+      _insert_stream_round_trip(server, {"ops": [dict(ok, **bad)]})
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+  # Errors of the tables: the signature (checked at the bridge too), the priority, the name.
+  for items, error in (([[1, "typed", 1, 1.0]], "InvalidArgumentError"),
+                       ([[1, "a", 2, float("nan")]], "InvalidArgumentError"),
+                       ([[1, "nope", 3, 1.0]], "UnknownTableError")):
+    ack = _insert_stream_round_trip(server, {"ops": [dict(ok, items=items,
+                                                          cols=[["<f4", [1, 3]]])]})
+    assert ack["upto"] == 1 and ack["errs"][0][:3] == [1, 0, error], ack
+  local = server.localhost_client()
+  assert local.server_info()["a"].current_size == 1
+  assert local.server_info()["typed"].current_size == 0
+  sample = next(local.sample("a", emit_timesteps=False))
+  assert sample.info.key == 42 and sample.data[0].tolist() == [[0.0, 1.0, 2.0]]
 
 
 def test_client_insert_waits_for_its_rate_limiter(server_factory):

@@ -38,7 +38,9 @@ from typing import Dict, Optional
 import grpc
 import numpy as np
 
-from reverb_shm import chunks, errors, shm, specs
+from reverb_shm import chunks, errors, shm, specs, structure, timeouts
+from reverb_shm import trajectory_writer as tw
+from reverb_shm._lib import ffi
 from reverb_shm.bridge import security, wire
 from reverb_shm.shared_table import SharedTable
 
@@ -55,6 +57,7 @@ _MAX_OPS_PER_MESSAGE = 1 << 16
 _MAX_COLUMNS = 4096
 _MAX_SLICES = 1 << 16
 _MAX_CHUNK_ROWS = 1 << 31
+_MAX_LAYOUTS = 256        # cached step layouts (cleared when full)
 
 _STATUS = {
     "InvalidArgumentError": grpc.StatusCode.INVALID_ARGUMENT,
@@ -124,6 +127,7 @@ class Bridge:
     name = server if isinstance(server, str) else server.name
     self._seg = shm.Segment.attach(name)
     self._tables: Dict[str, SharedTable] = {}
+    self._layouts: Dict[tuple, _StepLayout] = {}
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=config.max_concurrent_rpcs, thread_name_prefix="reverb_shm-bridge")
     self._loop = asyncio.new_event_loop()
@@ -230,6 +234,24 @@ class Bridge:
     self.stop()
 
   # ---- helpers
+  def _column_writer(self, cols) -> "_StepLayout":
+    """The cached _StepLayout of a "step" op's [[dtype, shape], ...] (validated once)."""
+    try:
+      key = tuple((d, tuple(s)) for d, s in cols)
+      layout = self._layouts.get(key)
+    except (TypeError, ValueError):   # not a list of pairs, or unhashable parts
+      raise wire.BadMessage("step cols must be [[dtype, shape], ...]") from None
+    if layout is None:
+      if not isinstance(cols, list) or not 1 <= len(cols) <= 64:
+        raise wire.BadMessage("step cols must list 1..64 columns")
+      layout = _StepLayout([(wire.check_dtype(d, "step column"),
+                             wire.check_shape(list(s) if isinstance(s, (list, tuple)) else s,
+                                              "step column")) for d, s in key])
+      if len(self._layouts) >= _MAX_LAYOUTS:
+        self._layouts.clear()
+      self._layouts[key] = layout
+    return layout
+
   def _table(self, name: str) -> SharedTable:
     st = self._tables.get(name)
     if st is None:
@@ -347,6 +369,8 @@ class Bridge:
         finally:
           stream.close()
         await self._write_msg(context, ack)
+    except asyncio.CancelledError:
+      pass     # the call was cancelled (or the bridge stops): nobody awaits a status
     except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
       await self._fail(context, e)
     finally:
@@ -393,6 +417,8 @@ class Bridge:
         credit -= reply["n"]
         sent += reply["n"]
         credit += _credits(await inbox.take(block=False) or ())
+    except asyncio.CancelledError:
+      pass     # the call was cancelled (or the bridge stops): nobody awaits a status
     except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
       await self._fail(context, e)
     finally:
@@ -463,6 +489,8 @@ class Bridge:
         ack = stream.ack()
         if ack is not None:
           await emit(ack)
+    except asyncio.CancelledError:
+      pass     # the call was cancelled (or the bridge stops): nobody awaits a status
     except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
       await self._fail(context, e)
     finally:
@@ -563,6 +591,31 @@ class _Inbox:
     self._task.cancel()
 
 
+class _StepLayout:
+  """The columns of "step" ops of one layout: their ColumnWriter, byte ranges in the op's data,
+  and the tables whose signature they were checked against."""
+
+  def __init__(self, columns):
+    self.columns = chunks.ColumnWriter(columns)
+    self.bounds, start = [], 0
+    for dtype, shape in columns:
+      end = start + dtype.itemsize * math.prod(shape)
+      self.bounds.append((start, end))
+      start = end
+    self.nbytes = start
+    self._specs = [(dtype, (1,) + shape) for dtype, shape in columns]
+    self._checked = set()
+
+  def check(self, table: str, st: SharedTable) -> None:
+    """ValueError unless the columns match `table`'s signature (checked once per table)."""
+    if table not in self._checked:
+      signature = st.signature
+      if signature is not None:
+        tw.check_signature(table, structure.flatten(signature)[0], self._specs,
+                           allow_unbatched=True)
+      self._checked.add(table)
+
+
 class _WriteStream:
   """State of one Write stream: the chunks it wrote, by the client's chunk ids, and the
   outcome of the "items" ops since the last acknowledgement."""
@@ -588,8 +641,11 @@ class _WriteStream:
     for op in ops:
       if not isinstance(op, dict):
         raise wire.BadMessage(f"Write ops must be maps, got {type(op).__name__}")
-      if wire.get_str(op, "op") == "items":
+      kind = wire.get_str(op, "op")
+      if kind == "items":
         yield from self._items(op)
+      elif kind == "step":
+        yield from self._step(op)
       else:
         self.handle(op)
 
@@ -756,44 +812,111 @@ class _WriteStream:
     return chunks.encode_descriptor(columns)
 
   def _insert(self, st: SharedTable, keys, prios, blob, offs, timeout_ms):
-    """Inserts the items; a generator returning n.
+    """Inserts the items; a generator returning n (see _insert_with)."""
+    def attempt(done: int, wait_ms: int) -> None:
+      start, end = int(offs[done]), int(offs[-1])
+      st.insert_descriptors(keys[done:], prios[done:], blob[start:end], offs[done:] - offs[done],
+                            wait_ms)
+    return (yield from self._insert_with(st, len(keys), attempt, timeout_ms))
+
+  def _insert_with(self, st: SharedTable, n: int, attempt, timeout_ms):
+    """Inserts n items by `attempt(done, wait_ms)` (inserts items [done:] waiting up to
+    wait_ms, raising DeadlineExceededError with `inserted`); a generator returning n.
 
     The first attempt does not wait. If the limiter holds items back, the rest is inserted by
     a _Blocking call that waits in slices of _SLICE_MS (so a cancelled call stops waiting).
     Once the client closed its side, items are inserted only if the limiter admits them at
     once (as a local writer's close() does).
     """
-    n = len(keys)
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
     try:
-      st.insert_descriptors(keys, prios, blob, offs, 0)
+      attempt(0, 0)
       return n
     except errors.DeadlineExceededError as e:
       done = e.inserted
     if self._closing() or timeout_ms == 0:
       raise self._timeout(st, n, done, timeout_ms, "")
-    return (yield _Blocking(lambda: self._insert_waiting(st, keys, prios, blob, offs,
-                                                         timeout_ms, deadline, done)))
+    return (yield _Blocking(lambda: self._insert_waiting(st, n, attempt, timeout_ms, deadline,
+                                                         done)))
 
-  def _insert_waiting(self, st: SharedTable, keys, prios, blob, offs, timeout_ms,
+  def _insert_waiting(self, st: SharedTable, n: int, attempt, timeout_ms,
                       deadline: Optional[float], done: int) -> int:
     """Inserts items [done:] waiting for the limiter (on the thread pool); returns n."""
-    n = len(keys)
     while True:
       if self._closing():
         deadline = time.monotonic()
       wait_ms = _SLICE_MS if deadline is None else max(
           0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
-      start, end = int(offs[done]), int(offs[-1])
       try:
-        st.insert_descriptors(keys[done:], prios[done:], blob[start:end],
-                              offs[done:] - offs[done], wait_ms)
+        attempt(done, wait_ms)
         return n
       except errors.DeadlineExceededError as e:
         done += e.inserted
         expired = deadline is not None and time.monotonic() >= deadline
         if expired or self._cancelled.is_set():
           raise self._timeout(st, n, done, timeout_ms, f" ({e})") from None
+
+  def _step(self, msg: dict):
+    """A "step" op: one numeric step written as single-row chunks (one C call) and inserted as
+    a one-step item into each listed table in order (Client.insert's message).
+
+    {"op": "step", "cols": [[dtype, shape], ...], "b": the rows' bytes, column after column,
+     "ep": episode id, "timeout_ms", "items": [[seq, table, key, priority], ...]}
+
+    A failing table ends the op (the tables before it keep their item), as Client.insert.
+    """
+    writer = self._bridge._column_writer(msg.get("cols"))  # pylint: disable=protected-access
+    data = wire.get(msg, "b", bytes)
+    if len(data) != writer.nbytes:
+      raise wire.BadMessage(f"step data holds {len(data)} bytes, its columns need "
+                            f"{writer.nbytes}")
+    episode = wire.get_int(msg, "ep", 0, 2**64 - 1)
+    timeout_ms = wire.timeout_field(msg)
+    entries = wire.get_list(msg, "items", _MAX_COLUMNS)
+    for entry in entries:
+      if (not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[1], str)
+          or any(isinstance(x, bool) or not isinstance(x, int) for x in (entry[0], entry[2]))
+          or not 0 <= entry[0] < 2**63 or not 0 <= entry[2] < 2**64
+          or not isinstance(entry[3], (int, float)) or isinstance(entry[3], bool)):
+        raise wire.BadMessage("step items must be [seq, table, key, priority]")
+    if not entries:
+      return
+    view = memoryview(data)
+    arrays = [view[a:b] for a, b in writer.bounds]
+    slices = pins = None
+    try:
+      for seq, table, key, prio in entries:
+        self._upto = seq
+        try:
+          if slices is None:
+            offs, pins = writer.columns.write(self._seg, arrays, 1, episode)
+            slices = ffi.new("rs_desc_slice[]", [(off, 0, 1) for off in offs])
+          yield from self._insert_step(self._bridge._table(table), writer, slices, table,  # pylint: disable=protected-access
+                                       key, prio, timeout_ms)
+        except errors.DeadlineExceededError as e:
+          self._errs.append([seq, e.inserted, wire.error_name(e), str(e)])
+          return
+        except (errors.ReverbError, ValueError, TypeError) as e:
+          self._errs.append([seq, 0, wire.error_name(e), str(e)])
+          return
+    finally:
+      if pins is not None:
+        pins.release()
+
+  def _insert_step(self, st: SharedTable, writer: _StepLayout, slices, table: str, key: int,
+                   prio, timeout_ms):
+    """Inserts the one-step item over `slices` (C rs_desc_slice[]); a generator returning 1."""
+    writer.check(table, st)
+    prios = st._priorities(prio, 1)  # pylint: disable=protected-access
+    keys_c = ffi.new("uint64_t *", key)
+    prios_c = ffi.from_buffer("double[]", prios)
+    columns = writer.columns
+
+    def attempt(done: int, wait_ms: int) -> None:
+      if not done:
+        st._insert_slices_validated(  # pylint: disable=protected-access
+            1, keys_c, prios_c, columns, slices, 0, timeouts.deadline_from_ms(wait_ms), wait_ms)
+    return (yield from self._insert_with(st, 1, attempt, timeout_ms))
 
   @staticmethod
   def _timeout(st: SharedTable, n: int, done: int, timeout_ms, detail: str):
