@@ -174,13 +174,12 @@ def test_samples_arrive_in_batches_within_the_credit(server_factory, monkeypatch
   for i in range(50):
     local.insert(np.full(2, i), {"dist": 1.0})
   sizes = []
-  original = service.Bridge._encode_samples  # pylint: disable=protected-access
+  original = service.Bridge._write_msg  # pylint: disable=protected-access
 
-  def spy(self, recs, pins):
-    reply = original(self, recs, pins)
-    sizes.append(reply["n"])
-    return reply
-  monkeypatch.setattr(service.Bridge, "_encode_samples", spy)  # pylint: disable=protected-access
+  async def spy(context, msg):
+    sizes.append(msg["n"])
+    await original(context, msg)
+  monkeypatch.setattr(service.Bridge, "_write_msg", staticmethod(spy))  # pylint: disable=protected-access
   client = _remote(server, max_in_flight_samples=8)
   samples = list(client.sample("dist", 40, emit_timesteps=False))
   assert len(samples) == 40 and sum(sizes) == 40

@@ -401,8 +401,8 @@ class Bridge:
             return     # the client closed its side: it wants no more samples
           credit += _credits(msgs)
         k = min(credit, n - sent, batch)
-        got = self._sample_now(st, k)
-        if got is None:
+        reply = self._sample_now(st, k)
+        if reply is None:
           deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
           remaining_call = context.time_remaining()
           if remaining_call is not None:
@@ -412,7 +412,7 @@ class Bridge:
                                            deadline, cancelled)
           if got is None:
             return     # cancelled
-        reply = self._encode_samples(*got)
+          reply = self._encode_samples(st, *got)
         await self._write_msg(context, reply)
         credit -= reply["n"]
         sent += reply["n"]
@@ -425,13 +425,28 @@ class Bridge:
       cancelled.set()
       inbox.stop()
 
-  @staticmethod
-  def _sample_now(st: SharedTable, k: int):
-    """(records, pins) of up to k samples the limiter admits at once, or None."""
+  def _sample_now(self, st: SharedTable, k: int) -> Optional[dict]:
+    """The reply of up to k samples the limiter admits at once, or None.
+
+    Once the table's column layout is known (learnt from a batch of numeric items of one
+    layout), the batch is gathered into one array per column by one C call.
+    """
     try:
-      return st.sample_records(k, 0)
+      gathered = st._gather_fresh(k, 1, 0, 0)  # pylint: disable=protected-access
     except errors.DeadlineExceededError:
       return None
+    if gathered is not None and len(gathered[0].key):
+      info, cols = gathered
+      reply = {"n": len(info.key)}
+      for (_, key, dtype), values in zip(_INFO_FIELDS, info):
+        reply[key] = np.ascontiguousarray(values, dtype).tobytes()
+      reply["cols"] = [wire.encode_array(c) for c in cols]
+      return reply
+    try:
+      recs, pins = st.sample_records(k, 0)   # no layout known (yet), or items of another
+    except errors.DeadlineExceededError:
+      return None
+    return self._encode_samples(st, recs, pins)
 
   @staticmethod
   def _sample_wait(st: SharedTable, timeout_ms: Optional[int], deadline: Optional[float],
@@ -455,8 +470,9 @@ class Bridge:
           raise errors.DeadlineExceededError(
               st.limiter_message("sample", timeout_ms)) from None
 
-  def _encode_samples(self, recs, pins) -> dict:
-    """The wire map of sampled records (their pins are released: the columns are copies)."""
+  def _encode_samples(self, st: SharedTable, recs, pins) -> dict:
+    """The wire map of sampled records (their pins are released: the columns are copies);
+    teaches `st` the column layout when every item has the same numeric one."""
     try:
       items = chunks.read_items(self._seg, recs["desc_off"], pins)
       reply = {"n": len(recs)}
@@ -466,6 +482,9 @@ class Bridge:
       if len(ncols) == 1:
         reply["cols"] = [_encode_batch_column([item[c] for item in items])
                          for c in range(ncols.pop())]
+        if all("d" in col for col in reply["cols"]):
+          st._learn_layout([(np.dtype(col["d"]), tuple(col["s"][1:]))  # pylint: disable=protected-access
+                            for col in reply["cols"]])
       else:
         reply["items"] = [[_encode_column(c) for c in item] for item in items]
     finally:
