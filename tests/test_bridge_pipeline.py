@@ -239,3 +239,21 @@ def test_staging_exhaustion_names_its_setting(server_factory):
   with pytest.raises(errors.ResourceExhaustedError, match="REVERB_SHM_STAGING_MB.*staging_bytes"):
     writer.append({"x": np.zeros(1 << 20, np.float32)})   # 4 MiB > the 2 MiB staging arena
   writer.close()
+
+
+def test_sample_replies_are_capped_in_bytes(server_factory, monkeypatch):
+  server = server_factory([_uniform()], bridge=BridgeConfig(), arena_bytes=64 << 20)
+  local = server.localhost_client()
+  for i in range(4):
+    local.insert(np.full(1 << 18, i, np.float32), {"dist": 1.0})   # 1 MiB items
+  sizes = []
+  original = service.Bridge._write_msg  # pylint: disable=protected-access
+
+  async def spy(context, msg):
+    sizes.append(msg["n"])
+    await original(context, msg)
+  monkeypatch.setattr(service.Bridge, "_write_msg", staticmethod(spy))  # pylint: disable=protected-access
+  samples = list(_remote(server).sample("dist", 40, emit_timesteps=False))
+  assert len(samples) == 40 and sum(sizes) == 40
+  assert max(sizes[1:]) <= 4          # ~4 MiB per reply once the item size is known
+  assert all(s.data[0][0, 0] == s.data[0][0, -1] for s in samples)

@@ -39,7 +39,7 @@ DEFAULT_SENT_BYTES_BUDGET = 64 << 20
 _CHANNEL_OPTIONS = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                     ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_pings_without_data", 0))
-_SAMPLE_BATCH = 64      # samples per bridge reply at most
+_SAMPLE_BATCH = 128     # samples per bridge reply at most (the bridge also caps its bytes)
 _CODE_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: errors.UnknownTableError,
@@ -251,15 +251,16 @@ class RemoteClient(client_lib.Client):
       the least recently used are dropped.
     reconnect_timeout_s: how long a call retries an unreachable bridge before raising
       ServerUnavailableError.
-    max_in_flight_samples: samples a sampling stream may prefetch (credits are refilled when
-      half of them were consumed).
+    max_in_flight_samples: samples a sampling stream may prefetch (default 256; credits are
+      refilled when half of them were consumed). The bridge sends them in replies of up to
+      128 samples and about 4 MiB; lower this for large items to bound the memory held.
   """
 
   def __init__(self, server_address: str,
                credentials: Optional[security.ClientCredentials] = None, *,
                staging_bytes: Optional[int] = None,
                sent_bytes_budget: int = DEFAULT_SENT_BYTES_BUDGET,
-               reconnect_timeout_s: float = 10.0, max_in_flight_samples: int = 64):
+               reconnect_timeout_s: float = 10.0, max_in_flight_samples: int = 256):
     super().__init__(server_address)
     self._explicit_creds = credentials
     self._creds = credentials or security.ClientCredentials.from_env()

@@ -57,6 +57,7 @@ _MAX_OPS_PER_MESSAGE = 1 << 16
 _MAX_COLUMNS = 4096
 _MAX_SLICES = 1 << 16
 _MAX_CHUNK_ROWS = 1 << 31
+_REPLY_BYTES = 4 << 20    # a Sample reply's column bytes, roughly at most
 _MAX_LAYOUTS = 256        # cached step layouts (cleared when full)
 
 _STATUS = {
@@ -394,13 +395,14 @@ class Bridge:
       batch = wire.get_int(first, "batch", 1, _MAX_CREDIT, optional=True) or 1
       credit += _credits(msgs[1:])
       sent = 0
+      item_bytes = 1          # of the last reply's samples: a reply stays near _REPLY_BYTES
       while sent < n:
         if credit == 0:
           msgs = await inbox.take()
           if not msgs:
             return     # the client closed its side: it wants no more samples
           credit += _credits(msgs)
-        k = min(credit, n - sent, batch)
+        k = min(credit, n - sent, batch, max(1, _REPLY_BYTES // item_bytes))
         reply = self._sample_now(st, k)
         if reply is None:
           deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
@@ -414,6 +416,8 @@ class Bridge:
             return     # cancelled
           reply = self._encode_samples(st, *got)
         await self._write_msg(context, reply)
+        item_bytes = max(1, sum(len(c.get("b", b"")) for c in reply.get("cols", ()))
+                         // reply["n"])
         credit -= reply["n"]
         sent += reply["n"]
         credit += _credits(await inbox.take(block=False) or ())
