@@ -395,7 +395,10 @@ class Bridge:
       batch = wire.get_int(first, "batch", 1, _MAX_CREDIT, optional=True) or 1
       credit += _credits(msgs[1:])
       sent = 0
-      item_bytes = 1          # of the last reply's samples: a reply stays near _REPLY_BYTES
+      # Bytes of one sample (of the known layout, else of the last reply; unknown: one sample
+      # first), so that a reply stays near _REPLY_BYTES.
+      layout = st._gather_layout  # pylint: disable=protected-access
+      item_bytes = _REPLY_BYTES if layout is None else max(1, sum(c[2] for c in layout))
       while sent < n:
         if credit == 0:
           msgs = await inbox.take()
