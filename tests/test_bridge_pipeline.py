@@ -257,3 +257,35 @@ def test_sample_replies_are_capped_in_bytes(server_factory, monkeypatch):
   assert len(samples) == 40 and sum(sizes) == 40
   assert max(sizes[1:]) <= 4          # ~4 MiB per reply once the item size is known
   assert all(s.data[0][0, 0] == s.data[0][0, -1] for s in samples)
+
+
+def test_samples_of_mixed_layouts_are_gathered_in_runs(server_factory):
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  local = server.localhost_client()
+  for i in range(20):
+    local.insert(np.full(3, i, np.float32), {"dist": 1.0})
+    local.insert(np.full(2, -i, np.int64), {"dist": 1.0})
+  local.insert("text", {"dist": 1.0})
+  seen = set()
+  for s in _remote(server).sample("dist", 400, emit_timesteps=False):
+    col = s.data[0]
+    if col.dtype == np.float32:
+      assert col.shape == (1, 3) and col.min() == col.max()
+    elif col.dtype == np.int64:
+      assert col.shape == (1, 2) and col.min() == col.max() <= 0
+    else:
+      assert col.tolist() == [b"text"]
+    seen.add(col.dtype.kind)
+  assert seen == {"f", "i", "O"}
+  items = server.shared_table("dist").items()
+  assert len(items) == 41 and int(items["times_sampled"].sum()) == 400
+
+
+def test_fifo_order_is_kept_across_layouts_in_one_reply(server_factory):
+  server = server_factory([reverb_shm.Table.queue("queue", 100)], bridge=BridgeConfig())
+  local = server.localhost_client()
+  for i in range(30):
+    value = [np.float32(i), np.full(2, i), str(i)][i % 3]
+    local.insert(value, {"queue": 1.0})
+  got = [s.data[0][0] for s in _remote(server).sample("queue", 30, emit_timesteps=False)]
+  assert [int(np.asarray(v).reshape(-1)[0]) for v in got] == list(range(30))

@@ -511,9 +511,25 @@ def _rebuild(address, creds, staging_bytes, budget, reconnect_s, in_flight):
                       reconnect_timeout_s=reconnect_s, max_in_flight_samples=in_flight)
 
 
-def _decode_samples(msg: dict):
+def _decode_samples(msg: dict, nested: bool = False):
   """[(SampleInfo, columns)] of one Sample reply (see service.py); BadMessage if malformed."""
   n = wire.get_int(msg, "n", 1, 1 << 16, what="sample reply")
+  if "parts" in msg and not nested:   # samples of several layouts, each with their positions
+    out = [None] * n
+    for part in wire.get_list(msg, "parts", n, what="sample reply"):
+      if not isinstance(part, dict):
+        raise wire.BadMessage("sample reply parts must be maps")
+      samples = _decode_samples(part, nested=True)
+      pos = wire.get(part, "pos", bytes, what="sample part")
+      if len(pos) != 4 * len(samples):
+        raise wire.BadMessage("sample part positions do not match its samples")
+      for i, sample in zip(np.frombuffer(pos, "<u4").tolist(), samples):
+        if i >= n or out[i] is not None:
+          raise wire.BadMessage(f"sample part position {i} is out of range or repeated")
+        out[i] = sample
+    if any(x is None for x in out):
+      raise wire.BadMessage("sample reply parts do not cover every sample")
+    return out
   fields = []
   for key, dtype in _INFO_DTYPES:
     data = wire.get(msg, key, bytes, what="sample reply")

@@ -40,7 +40,7 @@ import numpy as np
 
 from reverb_shm import chunks, errors, shm, specs, structure, timeouts
 from reverb_shm import trajectory_writer as tw
-from reverb_shm._lib import ffi
+from reverb_shm._lib import check, ffi, lib
 from reverb_shm.bridge import security, wire
 from reverb_shm.shared_table import SharedTable
 
@@ -58,6 +58,7 @@ _MAX_COLUMNS = 4096
 _MAX_SLICES = 1 << 16
 _MAX_CHUNK_ROWS = 1 << 31
 _REPLY_BYTES = 4 << 20    # a Sample reply's column bytes, roughly at most
+_MAX_SAMPLE_GROUPS = 16   # layouts gathered per Sample reply (items of more: one by one)
 _MAX_LAYOUTS = 256        # cached step layouts (cleared when full)
 
 _STATUS = {
@@ -129,6 +130,7 @@ class Bridge:
     self._seg = shm.Segment.attach(name)
     self._tables: Dict[str, SharedTable] = {}
     self._layouts: Dict[tuple, _StepLayout] = {}
+    self._item_bytes: Dict[str, int] = {}   # table -> bytes of a sample in the last reply
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=config.max_concurrent_rpcs, thread_name_prefix="reverb_shm-bridge")
     self._loop = asyncio.new_event_loop()
@@ -397,8 +399,7 @@ class Bridge:
       sent = 0
       # Bytes of one sample (of the known layout, else of the last reply; unknown: one sample
       # first), so that a reply stays near _REPLY_BYTES.
-      layout = st._gather_layout  # pylint: disable=protected-access
-      item_bytes = _REPLY_BYTES if layout is None else max(1, sum(c[2] for c in layout))
+      item_bytes = self._item_bytes.get(st.name, _REPLY_BYTES)
       while sent < n:
         if credit == 0:
           msgs = await inbox.take()
@@ -417,10 +418,11 @@ class Bridge:
                                            deadline, cancelled)
           if got is None:
             return     # cancelled
-          reply = self._encode_samples(st, *got)
+          reply = self._encode_samples(*got)
         await self._write_msg(context, reply)
-        item_bytes = max(1, sum(len(c.get("b", b"")) for c in reply.get("cols", ()))
-                         // reply["n"])
+        item_bytes = self._item_bytes[st.name] = max(1, sum(
+            len(c.get("b", b"")) for part in reply.get("parts", [reply])
+            for c in part.get("cols", ())) // reply["n"])
         credit -= reply["n"]
         sent += reply["n"]
         credit += _credits(await inbox.take(block=False) or ())
@@ -433,27 +435,12 @@ class Bridge:
       inbox.stop()
 
   def _sample_now(self, st: SharedTable, k: int) -> Optional[dict]:
-    """The reply of up to k samples the limiter admits at once, or None.
-
-    Once the table's column layout is known (learnt from a batch of numeric items of one
-    layout), the batch is gathered into one array per column by one C call.
-    """
+    """The reply of up to k samples the limiter admits at once, or None."""
     try:
-      gathered = st._gather_fresh(k, 1, 0, 0)  # pylint: disable=protected-access
+      recs, pins = st.sample_records(k, 0)
     except errors.DeadlineExceededError:
       return None
-    if gathered is not None and len(gathered[0].key):
-      info, cols = gathered
-      reply = {"n": len(info.key)}
-      for (_, key, dtype), values in zip(_INFO_FIELDS, info):
-        reply[key] = np.ascontiguousarray(values, dtype).tobytes()
-      reply["cols"] = [wire.encode_array(c) for c in cols]
-      return reply
-    try:
-      recs, pins = st.sample_records(k, 0)   # no layout known (yet), or items of another
-    except errors.DeadlineExceededError:
-      return None
-    return self._encode_samples(st, recs, pins)
+    return self._encode_samples(recs, pins)
 
   @staticmethod
   def _sample_wait(st: SharedTable, timeout_ms: Optional[int], deadline: Optional[float],
@@ -477,26 +464,51 @@ class Bridge:
           raise errors.DeadlineExceededError(
               st.limiter_message("sample", timeout_ms)) from None
 
-  def _encode_samples(self, st: SharedTable, recs, pins) -> dict:
-    """The wire map of sampled records (their pins are released: the columns are copies);
-    teaches `st` the column layout when every item has the same numeric one."""
+  def _encode_samples(self, recs, pins) -> dict:
+    """The wire map of sampled records (their pins are released: the columns are copies).
+
+    Items are grouped by column layout (one C call); each group's columns are gathered into
+    one array per column by one C call each. A batch of one layout is one reply; else the
+    reply is {"n", "parts": [...]}, each part holding its samples' positions ("pos", uint32).
+    Items of object columns are encoded one by one.
+    """
     try:
-      items = chunks.read_items(self._seg, recs["desc_off"], pins)
-      reply = {"n": len(recs)}
-      for field, key, dtype in _INFO_FIELDS:
-        reply[key] = np.ascontiguousarray(recs[field], dtype).tobytes()
-      ncols = {len(item) for item in items}
-      if len(ncols) == 1:
-        reply["cols"] = [_encode_batch_column([item[c] for item in items])
-                         for c in range(ncols.pop())]
-        if all("d" in col for col in reply["cols"]):
-          st._learn_layout([(np.dtype(col["d"]), tuple(col["s"][1:]))  # pylint: disable=protected-access
-                            for col in reply["cols"]])
-      else:
-        reply["items"] = [[_encode_column(c) for c in item] for item in items]
+      desc = np.ascontiguousarray(recs["desc_off"], np.uint64)
+      n = len(desc)
+      groups = np.empty(n, np.uint32)
+      ngroups = ffi.new("uint32_t *")
+      check(lib.rs_group_layouts(self._seg.base, n, ffi.from_buffer("uint64_t[]", desc),
+                                 _MAX_SAMPLE_GROUPS, ffi.from_buffer("uint32_t[]", groups),
+                                 ngroups), "grouping sampled items")
+      if ngroups[0] == 1 and not groups.any():
+        return self._sample_part(recs, desc, None)
+      parts = [self._sample_part(recs, desc, np.flatnonzero(groups == g))
+               for g in range(ngroups[0])]
+      odd = np.flatnonzero(groups == np.uint32(0xFFFFFFFF))
+      if len(odd):
+        parts.append(self._sample_part(recs, desc, odd, pins))
+      return {"n": n, "parts": parts}
     finally:
       pins.release()
-    return reply
+
+  def _sample_part(self, recs, desc, idx, pins=None) -> dict:
+    """Reply map of the sampled items `idx` (None: all) of one layout, gathered per column;
+    with `pins`, of items encoded one by one instead (object columns)."""
+    if idx is not None:
+      recs, desc = recs[idx], desc[idx]
+    part = {"n": len(desc)}
+    for field, key, dtype in _INFO_FIELDS:
+      part[key] = np.ascontiguousarray(recs[field], dtype).tobytes()
+    if idx is not None:
+      part["pos"] = idx.astype("<u4").tobytes()
+    if pins is None:
+      ncols = len(chunks.item_columns(self._seg, int(desc[0])))
+      part["cols"] = [wire.encode_array(chunks.gather_column(self._seg, desc, c))
+                      for c in range(ncols)]
+    else:
+      items = chunks.read_items(self._seg, desc, pins)
+      part["items"] = [[_encode_column(c) for c in item] for item in items]
+    return part
 
   # ---- writing
   async def _write(self, request_iterator, context):
@@ -533,15 +545,6 @@ _INFO_FIELDS = (("key", "keys", "<u8"), ("probability", "probs", "<f8"),
 
 def _credits(msgs) -> int:
   return sum(wire.get_int(m, "credit", 1, _MAX_CREDIT) for m in msgs)
-
-
-def _encode_batch_column(arrays: list) -> dict:
-  """One column of a batch of samples: stacked when every item has the same numeric shape."""
-  first = arrays[0]
-  if first.dtype.kind != "O" and all(
-      a.dtype == first.dtype and a.shape == first.shape for a in arrays):
-    return wire.encode_array(np.stack(arrays))
-  return {"l": [_encode_column(a) for a in arrays]}
 
 
 def _encode_column(col: np.ndarray) -> dict:
