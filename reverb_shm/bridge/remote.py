@@ -28,6 +28,7 @@ from reverb_shm import errors, shm, specs, structure, timeouts
 from reverb_shm import client as client_lib
 from reverb_shm import trajectory_writer as tw
 from reverb_shm import table as table_lib
+from reverb_shm._lib import ffi
 from reverb_shm.bridge import security, wire, writes
 from reverb_shm.replay_sample import SampleInfo
 from reverb_shm.selectors import PRIORITIZED
@@ -154,10 +155,24 @@ class _RemoteTable:
                                 np.asarray(offs, np.uint64), deadline_ns, timeout_ms)
 
   def _insert_validated(self, n, keys_c, prios_c, blob_c, offs_c, deadline_ns, timeout_ms) -> int:
-    """SharedTable's immediate-insert fast path has no remote form: reports 0 items inserted,
-    so the TrajectoryWriter queues them and its queue streams them (pipelined) through
-    insert_descriptors."""
-    return 0
+    """SharedTable's immediate-insert fast path (the TrajectoryWriter's create_item): the items
+    (C buffers of n keys / priorities, the descriptor blob and n+1 offsets) join the writer's
+    stream at once when its in-flight bound allows, as insert_descriptors would; returns n.
+
+    Returns 0 (the writer then queues the items and its queue path reports the problem) while
+    the stream holds an error to report, or when the in-flight bound is reached.
+    """
+    session = self._session
+    if session is None or session.has_error():
+      return 0
+    keys = np.frombuffer(ffi.buffer(keys_c, 8 * n), np.uint64)
+    prios = np.frombuffer(ffi.buffer(prios_c, 8 * n), np.float64)
+    offs = np.frombuffer(ffi.buffer(offs_c, 8 * (n + 1)), np.uint64)
+    try:
+      return session.insert(self.name, keys, prios, ffi.buffer(blob_c, int(offs[-1]))[:], offs,
+                            deadline_ns, timeout_ms)
+    except errors.DeadlineExceededError:
+      return 0
 
   def mutate(self, updates=None, deletes=None):
     updates = updates or {}

@@ -406,6 +406,10 @@ class WriteSession:
       tables = list(dict.fromkeys(batch.table for batch in self._unconfirmed.values()))
     return "; ".join(filter(None, map(self._describe, tables)))
 
+  def has_error(self) -> bool:
+    """Whether the bridge reported an error that the next call raises."""
+    return self._error is not None
+
   def _raise_error(self) -> None:
     with self._cond:
       error, self._error = self._error, None
