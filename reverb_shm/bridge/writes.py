@@ -201,13 +201,21 @@ class WriteSession:
     """
     n = len(keys)
     with self._lock:
-      self._wait(lambda: self._in_flight_items == 0 or (
-          self._in_flight_items + n <= MAX_IN_FLIGHT_ITEMS
-          and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES), deadline_ns,
+      stream = self._stream
+      # Fast path without the ack thread's lock: a healthy stream with room (acks only
+      # lower the counters, so a stale read errs on the safe side).
+      if (stream is None or stream.ended or self._error is not None or self._stale
+          or self._in_flight_items + n > MAX_IN_FLIGHT_ITEMS
+          or self._in_flight_bytes >= MAX_IN_FLIGHT_BYTES) and self._in_flight_items:
+        self._wait(lambda: self._in_flight_items == 0 or (
+            self._in_flight_items + n <= MAX_IN_FLIGHT_ITEMS
+            and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES), deadline_ns,
                  lambda: errors.DeadlineExceededError(
                      f"{self._in_flight_items} items sent to bridge {self._address} await "
                      f"confirmation (the bridge's rate limiter is behind); 0 of {n} items sent "
                      f"within timeout_ms={timeout_ms}", inserted=0))
+      elif stream is None or stream.ended or self._error is not None or self._stale:
+        self._wait(lambda: True, deadline_ns, None)   # (re)connects; raises a pending error
       batch = _Batch(next(self._seqs), table, np.ascontiguousarray(keys, "<u8").tobytes(),
                      np.ascontiguousarray(prios, "<f8").tobytes(), n)
       ops = []
@@ -411,6 +419,8 @@ class WriteSession:
     return self._error is not None
 
   def _raise_error(self) -> None:
+    if self._error is None and not self._stale:
+      return     # (set by the ack thread; checked again under the lock otherwise)
     with self._cond:
       error, self._error = self._error, None
       stale, self._stale = self._stale, []
