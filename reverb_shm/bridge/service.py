@@ -83,8 +83,10 @@ class BridgeConfig:
     tls: server certificate and key (and optional client CA) for TLS.
     max_message_bytes: largest logical message (item, chunk rows) accepted, in bytes.
     max_stream_chunks: chunks one writer stream may hold at once.
-    max_concurrent_rpcs: open RPCs (each writer and sampler holds one); more get
-      RESOURCE_EXHAUSTED instead of waiting.
+    max_concurrent_rpcs: open RPCs (each remote writer and sampler holds one, and each remote
+      client one Insert stream per thread inserting at once); more get RESOURCE_EXHAUSTED
+      instead of waiting. Open streams cost no thread: only calls waiting for a rate limiter
+      use one of the bridge's pool (at most this many).
   """
   port: int = 0
   host: str = "127.0.0.1"
@@ -92,7 +94,7 @@ class BridgeConfig:
   tls: Optional[security.ServerTLS] = None
   max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
   max_stream_chunks: int = 1 << 16
-  max_concurrent_rpcs: int = 64
+  max_concurrent_rpcs: int = 1024
 
 
 class _Blocking:
