@@ -168,11 +168,8 @@ def test_client_insert_waits_for_its_rate_limiter(server_factory):
   assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 1
 
 
-def test_samples_arrive_in_batches_within_the_credit(server_factory, monkeypatch):
-  server = server_factory([_uniform()], bridge=BridgeConfig())
-  local = server.localhost_client()
-  for i in range(50):
-    local.insert(np.full(2, i), {"dist": 1.0})
+def _reply_sizes(monkeypatch) -> list:
+  """The list of the sample counts of every Sample reply the bridge sends from now on."""
   sizes = []
   original = service.Bridge._write_msg  # pylint: disable=protected-access
 
@@ -180,6 +177,15 @@ def test_samples_arrive_in_batches_within_the_credit(server_factory, monkeypatch
     sizes.append(msg["n"])
     await original(context, msg)
   monkeypatch.setattr(service.Bridge, "_write_msg", staticmethod(spy))  # pylint: disable=protected-access
+  return sizes
+
+
+def test_samples_arrive_in_batches_within_the_credit(server_factory, monkeypatch):
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  local = server.localhost_client()
+  for i in range(50):
+    local.insert(np.full(2, i), {"dist": 1.0})
+  sizes = _reply_sizes(monkeypatch)
   client = _remote(server, max_in_flight_samples=8)
   samples = list(client.sample("dist", 40, emit_timesteps=False))
   assert len(samples) == 40 and sum(sizes) == 40
@@ -246,13 +252,7 @@ def test_sample_replies_are_capped_in_bytes(server_factory, monkeypatch):
   local = server.localhost_client()
   for i in range(4):
     local.insert(np.full(1 << 18, i, np.float32), {"dist": 1.0})   # 1 MiB items
-  sizes = []
-  original = service.Bridge._write_msg  # pylint: disable=protected-access
-
-  async def spy(context, msg):
-    sizes.append(msg["n"])
-    await original(context, msg)
-  monkeypatch.setattr(service.Bridge, "_write_msg", staticmethod(spy))  # pylint: disable=protected-access
+  sizes = _reply_sizes(monkeypatch)
   samples = list(_remote(server).sample("dist", 40, emit_timesteps=False))
   assert len(samples) == 40 and sum(sizes) == 40
   assert max(sizes[1:]) <= 4          # ~4 MiB per reply once the item size is known

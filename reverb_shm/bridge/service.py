@@ -27,6 +27,7 @@ them in-band).
 """
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -281,6 +282,22 @@ class Bridge:
     await context.abort(code, str(exc) or type(exc).__name__,
                         trailing_metadata=(("rs-error", name),))
 
+  @contextlib.asynccontextmanager
+  async def _streaming(self, context):
+    """Body of a streaming call: authorizes it, yields a threading.Event set once the call
+    ended (for waits on the thread pool), and ends the call with the status of an exception
+    raised in the body (a cancelled call just ends: nobody awaits its status)."""
+    await self._authorize(context)
+    ended = threading.Event()
+    try:
+      yield ended
+    except asyncio.CancelledError:
+      pass
+    except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
+      await self._fail(context, e)
+    finally:
+      ended.set()
+
   async def _drive(self, gen, emit=None):
     """Runs a handler generator: yielded dicts go to `emit` (an async callable; dropped when
     None), yielded _Blocking calls run on the thread pool. Returns the generator's value."""
@@ -356,10 +373,8 @@ class Bridge:
   async def _insert(self, request_iterator, context):
     """A remote client's insert stream: each logical message holds the ops of one
     Client.insert (ids and seqs local to it) and gets one ack once they were handled."""
-    await self._authorize(context)
     asm = wire.Reassembler(self._config.max_message_bytes)
-    cancelled = threading.Event()
-    try:
+    async with self._streaming(context) as cancelled:
       while True:
         frame = await context.read()
         if frame is grpc.aio.EOF:
@@ -374,67 +389,55 @@ class Bridge:
         finally:
           stream.close()
         await self._write_msg(context, ack)
-    except asyncio.CancelledError:
-      pass     # the call was cancelled (or the bridge stops): nobody awaits a status
-    except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
-      await self._fail(context, e)
-    finally:
-      cancelled.set()
 
   # ---- sampling
   async def _sample(self, request_iterator, context):
-    await self._authorize(context)
-    inbox = _Inbox(context, 1 << 16)
-    cancelled = threading.Event()
-    loop = asyncio.get_running_loop()
-    try:
-      msgs = await inbox.take()
-      if not msgs:
-        return
-      first = msgs[0]
-      st = self._table(wire.get_str(first, "table"))
-      n = wire.get_int(first, "n", 1, 2**62)
-      timeout_ms = wire.timeout_field(first)
-      credit = wire.get_int(first, "credit", 1, _MAX_CREDIT)
-      batch = wire.get_int(first, "batch", 1, _MAX_CREDIT, optional=True) or 1
-      credit += _credits(msgs[1:])
-      sent = 0
-      # Bytes of one sample (of the known layout, else of the last reply; unknown: one sample
-      # first), so that a reply stays near _REPLY_BYTES.
-      item_bytes = self._item_bytes.get(st.name, _REPLY_BYTES)
-      while sent < n:
-        if credit == 0:
-          msgs = await inbox.take()
-          if not msgs:
-            return     # the client closed its side: it wants no more samples
-          credit += _credits(msgs)
-        k = min(credit, n - sent, batch, max(1, _REPLY_BYTES // item_bytes))
-        reply = self._sample_now(st, k)
-        if reply is None:
-          deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-          remaining_call = context.time_remaining()
-          if remaining_call is not None:
-            call_deadline = time.monotonic() + remaining_call
-            deadline = call_deadline if deadline is None else min(deadline, call_deadline)
-          got = await loop.run_in_executor(self._pool, self._sample_wait, st, timeout_ms,
-                                           deadline, cancelled)
-          if got is None:
-            return     # cancelled
-          reply = self._encode_samples(*got)
-        await self._write_msg(context, reply)
-        item_bytes = self._item_bytes[st.name] = max(1, sum(
-            len(c.get("b", b"")) for part in reply.get("parts", [reply])
-            for c in part.get("cols", ())) // reply["n"])
-        credit -= reply["n"]
-        sent += reply["n"]
-        credit += _credits(await inbox.take(block=False) or ())
-    except asyncio.CancelledError:
-      pass     # the call was cancelled (or the bridge stops): nobody awaits a status
-    except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
-      await self._fail(context, e)
-    finally:
-      cancelled.set()
-      inbox.stop()
+    async with self._streaming(context) as cancelled:
+      inbox = _Inbox(context, 1 << 16)
+      loop = asyncio.get_running_loop()
+      try:
+        msgs = await inbox.take()
+        if not msgs:
+          return
+        first = msgs[0]
+        st = self._table(wire.get_str(first, "table"))
+        n = wire.get_int(first, "n", 1, 2**62)
+        timeout_ms = wire.timeout_field(first)
+        credit = wire.get_int(first, "credit", 1, _MAX_CREDIT)
+        batch = wire.get_int(first, "batch", 1, _MAX_CREDIT, optional=True) or 1
+        credit += _credits(msgs[1:])
+        sent = 0
+        # Bytes of one sample of the table's last reply (unknown: the first reply holds one
+        # sample), so that a reply stays near _REPLY_BYTES.
+        item_bytes = self._item_bytes.get(st.name, _REPLY_BYTES)
+        while sent < n:
+          if credit == 0:
+            msgs = await inbox.take()
+            if not msgs:
+              return     # the client closed its side: it wants no more samples
+            credit += _credits(msgs)
+          k = min(credit, n - sent, batch, max(1, _REPLY_BYTES // item_bytes))
+          reply = self._sample_now(st, k)
+          if reply is None:
+            deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+            remaining_call = context.time_remaining()
+            if remaining_call is not None:
+              call_deadline = time.monotonic() + remaining_call
+              deadline = call_deadline if deadline is None else min(deadline, call_deadline)
+            got = await loop.run_in_executor(self._pool, self._sample_wait, st, timeout_ms,
+                                             deadline, cancelled)
+            if got is None:
+              return     # cancelled
+            reply = self._encode_samples(*got)
+          await self._write_msg(context, reply)
+          item_bytes = self._item_bytes[st.name] = max(1, sum(
+              len(c.get("b", b"")) for part in reply.get("parts", [reply])
+              for c in part.get("cols", ())) // reply["n"])
+          credit -= reply["n"]
+          sent += reply["n"]
+          credit += _credits(await inbox.take(block=False) or ())
+      finally:
+        inbox.stop()
 
   def _sample_now(self, st: SharedTable, k: int) -> Optional[dict]:
     """The reply of up to k samples the limiter admits at once, or None."""
@@ -514,29 +517,23 @@ class Bridge:
 
   # ---- writing
   async def _write(self, request_iterator, context):
-    await self._authorize(context)
-    inbox = _Inbox(context, self._config.max_message_bytes)
-    cancelled = threading.Event()
-    stream = _WriteStream(self, cancelled, lambda: inbox.closed)
-    emit = functools.partial(self._write_msg, context)
-    try:
-      while True:
-        msgs = await inbox.take()
-        if not msgs:
-          return
-        for msg in msgs:
-          await self._drive(stream.handle_message(msg), emit)
-        ack = stream.ack()
-        if ack is not None:
-          await emit(ack)
-    except asyncio.CancelledError:
-      pass     # the call was cancelled (or the bridge stops): nobody awaits a status
-    except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
-      await self._fail(context, e)
-    finally:
-      cancelled.set()
-      inbox.stop()
-      stream.close()
+    async with self._streaming(context) as cancelled:
+      inbox = _Inbox(context, self._config.max_message_bytes)
+      stream = _WriteStream(self, cancelled, lambda: inbox.closed)
+      emit = functools.partial(self._write_msg, context)
+      try:
+        while True:
+          msgs = await inbox.take()
+          if not msgs:
+            return
+          for msg in msgs:
+            await self._drive(stream.handle_message(msg), emit)
+          ack = stream.ack()
+          if ack is not None:
+            await emit(ack)
+      finally:
+        inbox.stop()
+        stream.close()
 
 
 # Sample reply fields: SAMPLE_REC field, wire key, wire dtype (raw arrays of n values).
@@ -922,8 +919,8 @@ class _WriteStream:
           if slices is None:
             offs, pins = writer.columns.write(self._seg, arrays, 1, episode)
             slices = ffi.new("rs_desc_slice[]", [(off, 0, 1) for off in offs])
-          yield from self._insert_step(self._bridge._table(table), writer, slices, table,  # pylint: disable=protected-access
-                                       key, prio, timeout_ms)
+          st = self._bridge._table(table)  # pylint: disable=protected-access
+          yield from self._insert_step(st, writer, slices, table, key, prio, timeout_ms)
         except errors.DeadlineExceededError as e:
           self._errs.append([seq, e.inserted, wire.error_name(e), str(e)])
           return
