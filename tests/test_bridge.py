@@ -279,11 +279,12 @@ _values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                max_size=4), max_leaves=12)
 _keys = st.sampled_from(["op", "id", "table", "n", "credit", "keys", "prios", "descs", "d", "s",
+                         "cols", "items",
                          "cap", "ep", "step", "b", "first", "rows", "ids", "seq", "timeout_ms",
                          "upd_keys", "upd_prios", "del_keys"])
 _messages = st.one_of(
     st.binary(max_size=64),
-    st.dictionaries(_keys, _values | st.sampled_from(["items", "chunk", "rows", "obj", "drop",
+    st.dictionaries(_keys, _values | st.sampled_from(["items", "chunk", "rows", "obj", "drop", "step",
                                                       "no_such_table", "<f4", "|O"]), max_size=8)
     .map(lambda m: b"\x00" + wire.pack(m)))
 
@@ -301,8 +302,8 @@ def fuzz_target():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(method=st.sampled_from(["ServerInfo", "Mutate", "Reset", "Checkpoint", "Sample",
-                               "Write", "Insert"]), messages=st.lists(_messages, min_size=1, max_size=3))
+@given(method=st.sampled_from(["ServerInfo", "Mutate", "Reset", "Checkpoint", "Sample", "Write",
+                               "Insert"]), messages=st.lists(_messages, min_size=1, max_size=3))
 def test_fuzzed_messages_get_error_statuses_and_change_nothing(fuzz_target, method, messages):
   server, local, channel = fuzz_target
   before = local.server_info()["dist"]

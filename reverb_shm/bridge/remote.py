@@ -5,7 +5,8 @@ TrajectoryWriter a private *staging* segment in this process (unlinked at once, 
 outlives the process) and `_RemoteTable` handles whose `insert_descriptors` forward items over
 a pipelined Write stream (writes.py): each TrajectoryWriter has a stream of its own, whose items
 are confirmed asynchronously (flush / end_episode / close wait for them); Client.insert sends
-everything of one call as one message and waits for its confirmation.
+everything of one call as one message on a persistent Insert stream (a "step" op for numeric
+data) and waits for its confirmation.
 
 Sampling streams grant the bridge credits for `max_in_flight_samples` samples, refilled when
 half of them were consumed; the bridge sends samples in batches and never samples further

@@ -12,11 +12,13 @@ it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm
                               and seqs local to it) and gets one reply, the ack {"upto",
                               "errs"}, once its items were handled; its chunks are released then
   Sample      stream-stream   first {"table", "n", "timeout_ms", "credit", "batch"}, then
-                              {"credit"}; replies carry up to `batch` samples each
-                              ({"n", "keys", "probs", "sizes", "prios", "times", "cols"|"items"})
-                              and never more than the credit the client granted
-  Write       stream-stream   chunk / rows / obj / drop / items ops, one per message or several
-                              as {"ops": [...]}; items ops are confirmed in batches: after each
+                              {"credit"}; replies carry up to `batch` samples each (about
+                              4 MiB at most) and never more than the credit the client granted:
+                              {"n", "keys", "probs", "sizes", "prios", "times", "cols"|"items"}
+                              for samples of one column layout (cols: one array per column),
+                              else {"n", "parts": [that map + "pos" (uint32 positions), ...]}
+  Write       stream-stream   chunk / rows / obj / drop / items / step (see _WriteStream._step)
+                              ops, one per message or several as {"ops": [...]}; items ops are confirmed in batches: after each
                               burst of messages one {"upto": seq, "errs": [[seq, n, error class,
                               message], ...]} covers every items op up to seq
 
