@@ -18,9 +18,11 @@ it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm
                               for samples of one column layout (cols: one array per column),
                               else {"n", "parts": [that map + "pos" (uint32 positions), ...]}
   Write       stream-stream   chunk / rows / obj / drop / items / step (see _WriteStream._step)
-                              ops, one per message or several as {"ops": [...]}; items ops are confirmed in batches: after each
-                              burst of messages one {"upto": seq, "errs": [[seq, n, error class,
-                              message], ...]} covers every items op up to seq
+                              ops, one per message or several as {"ops": [...]}; items ops are
+                              confirmed in batches: one {"upto": seq, "errs": [[seq, n, error
+                              class, message], ...]} covers every items op up to seq; it goes
+                              out after a "sync" op, every 512 items, before an insert waits
+                              for its rate limiter, and when the client closed its side
 
 The server is a grpc.aio one on an event loop thread of its own (see Bridge). Every request
 is validated before it touches a table (wire.py); errors travel as gRPC status
@@ -60,6 +62,7 @@ _MAX_OPS_PER_MESSAGE = 1 << 16
 _MAX_COLUMNS = 4096
 _MAX_SLICES = 1 << 16
 _MAX_CHUNK_ROWS = 1 << 31
+_ACK_ITEMS = 512          # a Write stream's items confirmed at least this often
 _REPLY_BYTES = 4 << 20    # a Sample reply's column bytes, roughly at most
 _MAX_SAMPLE_GROUPS = 16   # layouts gathered per Sample reply (items of more: one by one)
 _MAX_LAYOUTS = 256        # cached step layouts (cleared when full)
@@ -526,13 +529,15 @@ class Bridge:
       try:
         while True:
           msgs = await inbox.take()
+          for msg in msgs or ():
+            await self._drive(stream.handle_message(msg), emit)
+          # Acks go out when asked for, every _ACK_ITEMS items, and at the end.
+          if not msgs or inbox.closed or stream.wants_ack:
+            ack = stream.ack()
+            if ack is not None:
+              await emit(ack)
           if not msgs:
             return
-          for msg in msgs:
-            await self._drive(stream.handle_message(msg), emit)
-          ack = stream.ack()
-          if ack is not None:
-            await emit(ack)
       finally:
         inbox.stop()
         stream.close()
@@ -660,6 +665,13 @@ class _WriteStream:
     self._failed: Dict[int, BaseException] = {}
     self._upto = None       # seq of the last "items" op handled since the last ack
     self._errs = []         # [seq, inserted, error class, message] of failed ones
+    self._unacked = 0       # items handled since the last ack
+    self._sync = False      # the client waits for an ack ("sync" op)
+
+  @property
+  def wants_ack(self) -> bool:
+    """Whether the ack is due: the client asked for it, or _ACK_ITEMS items wait for it."""
+    return self._upto is not None and (self._sync or self._unacked >= _ACK_ITEMS)
 
   def handle_message(self, msg: dict):
     """Handles one logical message: an op, or {"ops": [op, ...]} in order.
@@ -687,7 +699,7 @@ class _WriteStream:
     if self._upto is None:
       return None
     ack = {"upto": self._upto, "errs": self._errs}
-    self._upto, self._errs = None, []
+    self._upto, self._errs, self._unacked, self._sync = None, [], 0, False
     return ack
 
   def close(self) -> None:
@@ -696,8 +708,11 @@ class _WriteStream:
     self._chunks.clear()
 
   def handle(self, msg: dict) -> None:
-    """Handles a chunk / rows / obj / drop op."""
+    """Handles a chunk / rows / obj / drop / sync op."""
     op = wire.get_str(msg, "op")
+    if op == "sync":
+      self._sync = True
+      return
     if op == "drop":
       for cid in wire.get_list(msg, "ids", self._max_chunks):
         if isinstance(cid, int) and not isinstance(cid, bool):
@@ -802,6 +817,7 @@ class _WriteStream:
       if self._upto is not None and len(keys) and not st.can_insert(len(keys)):
         yield self.ack()   # confirm the earlier items before waiting for the limiter
       self._upto = seq
+      self._unacked += len(keys)
       yield from self._insert(st, keys, prios, blob, offs, timeout_ms)
     except wire.BadMessage:
       raise

@@ -3,7 +3,8 @@
 A WriteSession (one per TrajectoryWriter) owns one Write stream. `insert` turns items whose
 descriptors point into this process's staging segment into ops (each staging chunk is sent
 once, its new rows as they are first needed) and hands them to the stream without waiting; the
-bridge confirms the items in batches. Ops queued within a couple of milliseconds travel
+bridge confirms the items in batches (every 512 items, and at once after a "sync" op, which a
+caller that waits for confirmations sends). Ops queued within a couple of milliseconds travel
 together as one message. `await_inserts` waits for confirmations (flush, end_episode) within
 a deadline; `close`
 half-closes the stream, after which the bridge inserts what the rate limiters admit at once,
@@ -79,15 +80,18 @@ class _Stream:
     self._cond = threading.Condition()
     self._out = []
     self._closing = False
+    self._urgent = False
     self.call = conn.method("Write", "stream_stream")(self._requests(), metadata=conn.metadata)
     self._on_ack, self._on_end = on_ack, on_end
     threading.Thread(target=self._read, daemon=True, name="reverb_shm-remote-acks").start()
 
-  def send(self, ops: list) -> None:
+  def send(self, ops: list, urgent: bool = False) -> None:
+    """Queues ops; `urgent`: sent without lingering for more."""
     with self._cond:
-      if not self._out:
+      if not self._out or urgent:
         self._cond.notify()   # else the sender is awake already
       self._out.extend(ops)
+      self._urgent = self._urgent or urgent
 
   def half_close(self) -> None:
     with self._cond:
@@ -105,9 +109,9 @@ class _Stream:
           self._cond.wait()
         if not self._out:
           return
-        if not self._closing and len(self._out) < _LINGER_OPS:
+        if not (self._closing or self._urgent) and len(self._out) < _LINGER_OPS:
           self._cond.wait(_LINGER_S)   # let a burst of ops gather into one message
-        ops, self._out = self._out, []
+        ops, self._out, self._urgent = self._out, [], False
       yield from wire.frames(wire.pack(ops[0] if len(ops) == 1 else {"ops": ops}))
 
   def _read(self) -> None:
@@ -356,8 +360,8 @@ class WriteSession:
             self._sent[chunk.off] = chunk
             self._sent_bytes += chunk.size
       ops.append(_items_op(batch))
-    if ops:
-      self._stream.send(ops)
+    if ops:   # confirmed at once: a caller may be waiting for them
+      self._stream.send(ops + [{"op": "sync"}], urgent=True)
 
   def _recover(self) -> None:
     """Reopens a broken stream (with backoff) or raises once reconnect_timeout_s passed."""
@@ -389,6 +393,8 @@ class WriteSession:
     """Waits (reconnecting as needed) until `ready()`; raises timeout_error() at the deadline."""
     self._ensure_stream()
     self._raise_error()
+    if not ready():
+      self._stream.send([{"op": "sync"}], urgent=True)   # the bridge acks at once
     while True:
       with self._cond:
         while not self._stream.ended:
