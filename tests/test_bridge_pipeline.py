@@ -289,3 +289,22 @@ def test_fifo_order_is_kept_across_layouts_in_one_reply(server_factory):
     local.insert(value, {"queue": 1.0})
   got = [s.data[0][0] for s in _remote(server).sample("queue", 30, emit_timesteps=False)]
   assert [int(np.asarray(v).reshape(-1)[0]) for v in got] == list(range(30))
+
+
+def test_writer_items_are_confirmed_without_flush(server_factory, monkeypatch):
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  acks = []
+  original = writes.WriteSession._on_ack  # pylint: disable=protected-access
+  monkeypatch.setattr(writes.WriteSession, "_on_ack",  # pylint: disable=protected-access
+                      lambda self, stream, msg: (acks.append(msg), original(self, stream, msg)))
+  writer = _remote(server).trajectory_writer(1)
+  for i in range(1100):
+    writer.append({"x": np.full(2, i, np.float32)})
+    writer.create_item("dist", 1.0, {"x": writer.history["x"][-1:]})
+  deadline = time.monotonic() + 5
+  while writer.num_pending_items and time.monotonic() < deadline:
+    time.sleep(0.01)    # the bridge confirms every 512 items or within 20 ms, unasked
+  assert writer.num_pending_items == 0
+  assert len(acks) < 100                                  # in batches, not per message
+  assert server.localhost_client().server_info()["dist"].current_size == 1000   # max_size
+  writer.close()

@@ -21,8 +21,8 @@ it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm
                               ops, one per message or several as {"ops": [...]}; items ops are
                               confirmed in batches: one {"upto": seq, "errs": [[seq, n, error
                               class, message], ...]} covers every items op up to seq; it goes
-                              out after a "sync" op, every 512 items, before an insert waits
-                              for its rate limiter, and when the client closed its side
+                              out after a "sync" op, every 512 items or 20 ms, before an insert
+                              waits for its rate limiter, and when the client closed its side
 
 The server is a grpc.aio one on an event loop thread of its own (see Bridge). Every request
 is validated before it touches a table (wire.py); errors travel as gRPC status
@@ -62,7 +62,8 @@ _MAX_OPS_PER_MESSAGE = 1 << 16
 _MAX_COLUMNS = 4096
 _MAX_SLICES = 1 << 16
 _MAX_CHUNK_ROWS = 1 << 31
-_ACK_ITEMS = 512          # a Write stream's items confirmed at least this often
+_ACK_ITEMS = 512          # a Write stream's items are confirmed at least every _ACK_ITEMS items
+_ACK_DELAY_S = 0.02       # ... and within _ACK_DELAY_S
 _REPLY_BYTES = 4 << 20    # a Sample reply's column bytes, roughly at most
 _MAX_SAMPLE_GROUPS = 16   # layouts gathered per Sample reply (items of more: one by one)
 _MAX_LAYOUTS = 256        # cached step layouts (cleared when full)
@@ -527,16 +528,20 @@ class Bridge:
       stream = _WriteStream(self, cancelled, lambda: inbox.closed)
       emit = functools.partial(self._write_msg, context)
       try:
+        loop = asyncio.get_running_loop()
+        last_ack = loop.time()
         while True:
-          msgs = await inbox.take()
+          msgs = await inbox.take(timeout=_ACK_DELAY_S if stream.has_ack else None)
           for msg in msgs or ():
             await self._drive(stream.handle_message(msg), emit)
-          # Acks go out when asked for, every _ACK_ITEMS items, and at the end.
-          if not msgs or inbox.closed or stream.wants_ack:
+          # Acks go out when asked for, every _ACK_ITEMS items or _ACK_DELAY_S, and at the end.
+          if (msgs is None or inbox.closed or stream.wants_ack or
+              stream.has_ack and loop.time() - last_ack >= _ACK_DELAY_S):
             ack = stream.ack()
             if ack is not None:
               await emit(ack)
-          if not msgs:
+              last_ack = loop.time()
+          if msgs is None:
             return
       finally:
         inbox.stop()
@@ -607,15 +612,23 @@ class _Inbox:
     async with self._cond:
       self._cond.notify_all()
 
-  async def take(self, block: bool = True) -> Optional[list]:
-    """Every message received so far (waiting for one if `block`); None at the end.
+  async def take(self, block: bool = True, timeout: Optional[float] = None) -> Optional[list]:
+    """Every message received so far (waiting for one if `block`, up to `timeout` seconds if
+    given: [] when none came); None at the end.
 
     Raises:
       BadMessage: the client sent a malformed frame (after the messages before it).
     """
     async with self._cond:
       if block:
-        await self._cond.wait_for(lambda: self._msgs or self.closed)
+        ready = self._cond.wait_for(lambda: self._msgs or self.closed)
+        if timeout is None:
+          await ready
+        else:
+          try:
+            await asyncio.wait_for(ready, timeout)
+          except asyncio.TimeoutError:
+            return []
       msgs, self._msgs, self._queued_bytes = self._msgs, [], 0
       self._cond.notify_all()
       if not msgs and self._error is not None:
@@ -667,6 +680,11 @@ class _WriteStream:
     self._errs = []         # [seq, inserted, error class, message] of failed ones
     self._unacked = 0       # items handled since the last ack
     self._sync = False      # the client waits for an ack ("sync" op)
+
+  @property
+  def has_ack(self) -> bool:
+    """Whether items were handled since the last ack."""
+    return self._upto is not None
 
   @property
   def wants_ack(self) -> bool:

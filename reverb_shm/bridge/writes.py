@@ -2,14 +2,13 @@
 
 A WriteSession (one per TrajectoryWriter) owns one Write stream. `insert` turns items whose
 descriptors point into this process's staging segment into ops (each staging chunk is sent
-once, its new rows as they are first needed) and hands them to the stream without waiting; the
-bridge confirms the items in batches (every 512 items, and at once after a "sync" op, which a
-caller that waits for confirmations sends). Ops queued within a couple of milliseconds travel
-together as one message. `await_inserts` waits for confirmations (flush, end_episode) within
-a deadline; `close`
-half-closes the stream, after which the bridge inserts what the rate limiters admit at once,
-and reports items it could not insert. An error the bridge reports for an item is raised by
-the session's next call.
+once, its new rows as they are first needed) and hands them to the stream without waiting. Ops
+queued within a few milliseconds travel together as one message. The bridge confirms the
+items in batches: every 512 items or 20 ms, and at once after a "sync" op, which a caller
+waiting for confirmations sends. `await_inserts` waits for confirmations (flush,
+end_episode) within a deadline; `close` half-closes the stream, after which the bridge
+inserts what the rate limiters admit at once, and reports items it could not insert. An
+error the bridge reports for an item is raised by the session's next call.
 
 The bytes sent for a chunk are kept while an unconfirmed item or the LRU of sent chunks
 (bounded by `sent_bytes_budget`) refers to it. If the stream breaks, the session reconnects
@@ -38,7 +37,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 MAX_IN_FLIGHT_ITEMS = 4096        # unconfirmed items before insert waits for confirmations
 MAX_IN_FLIGHT_BYTES = 32 << 20    # chunk bytes of unconfirmed items, likewise
 _CLOSE_GRACE_S = 5.0              # close() waits this long for the last confirmations
-_LINGER_S, _LINGER_OPS = 0.002, 256   # a message waits this long for more ops, unless this many
+_LINGER_S, _LINGER_OPS = 0.006, 256   # a message waits this long for more ops, unless this many
 
 
 class _SentChunk:
