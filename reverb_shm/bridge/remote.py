@@ -166,11 +166,10 @@ class _RemoteTable:
     session = self._session
     if session is None or session.has_error():
       return 0
-    keys = np.frombuffer(ffi.buffer(keys_c, 8 * n), np.uint64)
-    prios = np.frombuffer(ffi.buffer(prios_c, 8 * n), np.float64)
-    offs = np.frombuffer(ffi.buffer(offs_c, 8 * (n + 1)), np.uint64)
+    offs = ffi.unpack(offs_c, n + 1)   # ints
     try:
-      return session.insert(self.name, keys, prios, ffi.buffer(blob_c, int(offs[-1]))[:], offs,
+      return session.insert(self.name, ffi.buffer(keys_c, 8 * n)[:],
+                            ffi.buffer(prios_c, 8 * n)[:], ffi.buffer(blob_c, offs[-1])[:], offs,
                             deadline_ns, timeout_ms)
     except errors.DeadlineExceededError:
       return 0

@@ -197,12 +197,20 @@ class WriteSession:
     """Queues n items (uint64 keys, float64 priorities, descriptors into the staging segment)
     for the bridge; returns n without waiting for their confirmation.
 
+    keys / prios are arrays or their little-endian bytes; offs: the n+1 descriptor offsets in
+    `blob` (an array or a list of ints).
+
     Raises:
       DeadlineExceededError (inserted=0): too many items are unconfirmed and none were
         confirmed before `deadline_ns` (0: do not wait, -1: no deadline).
       The error the bridge reported for an earlier item; ServerUnavailableError.
     """
-    n = len(keys)
+    n = len(offs) - 1
+    if not isinstance(keys, bytes):
+      keys = np.ascontiguousarray(keys, "<u8").tobytes()
+    if not isinstance(prios, bytes):
+      prios = np.ascontiguousarray(prios, "<f8").tobytes()
+    starts = offs[:-1] if isinstance(offs, list) else offs[:-1].tolist()
     with self._lock:
       stream = self._stream
       # Fast path without the ack thread's lock: a healthy stream with room (acks only
@@ -219,11 +227,10 @@ class WriteSession:
                      f"within timeout_ms={timeout_ms}", inserted=0))
       elif stream is None or stream.ended or self._error is not None or self._stale:
         self._wait(lambda: True, deadline_ns, None)   # (re)connects; raises a pending error
-      batch = _Batch(next(self._seqs), table, np.ascontiguousarray(keys, "<u8").tobytes(),
-                     np.ascontiguousarray(prios, "<f8").tobytes(), n)
+      batch = _Batch(next(self._seqs), table, keys, prios, n)
       ops = []
       staging = self._staging()
-      for start in offs[:-1].tolist():
+      for start in starts:
         item = []
         for slices, squeeze in chunks.decode_descriptor(blob, start):
           column = []
