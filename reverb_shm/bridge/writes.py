@@ -37,7 +37,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 MAX_IN_FLIGHT_ITEMS = 4096        # unconfirmed items before insert waits for confirmations
 MAX_IN_FLIGHT_BYTES = 32 << 20    # chunk bytes of unconfirmed items, likewise
 _CLOSE_GRACE_S = 5.0              # close() waits this long for the last confirmations
-_LINGER_S, _LINGER_OPS = 0.006, 256   # a message waits this long for more ops, unless this many
+_LINGER_S, _LINGER_OPS = 0.002, 256   # a message waits this long for more ops, unless this many
 
 
 class _SentChunk:
