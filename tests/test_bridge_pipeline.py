@@ -308,3 +308,21 @@ def test_writer_items_are_confirmed_without_flush(server_factory, monkeypatch):
   assert len(acks) < 100                                  # in batches, not per message
   assert server.localhost_client().server_info()["dist"].current_size == 1000   # max_size
   writer.close()
+
+
+def test_a_burst_of_items_is_inserted_in_order_past_a_full_limiter(server_factory):
+  server = server_factory([reverb_shm.Table.queue("queue", 5)], bridge=BridgeConfig())
+  writer = _remote(server).trajectory_writer(1)
+  for i in range(12):          # one burst: the bridge inserts 5 with one call, then waits
+    writer.append({"x": np.full(2, i, np.float32)})
+    writer.create_item("queue", 1.0, {"x": writer.history["x"][-1:]})
+  got = []
+  local = server.localhost_client()
+  t = threading.Thread(target=lambda: got.extend(
+      int(s.data[0][0, 0]) for s in local.sample("queue", 12, emit_timesteps=False,
+                                                 rate_limiter_timeout_ms=10_000)))
+  t.start()
+  writer.flush(timeout_ms=10_000)
+  t.join(timeout=20)
+  assert got == list(range(12)) and writer.num_pending_items == 0
+  writer.close()

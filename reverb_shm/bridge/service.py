@@ -698,16 +698,32 @@ class _WriteStream:
     the _Blocking waits of such inserts (see Bridge._drive).
     """
     ops = [msg] if "op" in msg else wire.get_list(msg, "ops", _MAX_OPS_PER_MESSAGE)
+    run = []   # prepared items ops of one table, inserted together (see _items_run)
     for op in ops:
       if not isinstance(op, dict):
         raise wire.BadMessage(f"Write ops must be maps, got {type(op).__name__}")
       kind = wire.get_str(op, "op")
       if kind == "items":
-        yield from self._items(op)
-      elif kind == "step":
+        prepared = self._prepare_items(op)
+        if prepared is None:
+          continue
+        if run and (prepared[1] is not run[0][1] or prepared[5] is not None):
+          yield from self._items_run(run)
+          run = []
+        if prepared[5] is None:
+          run.append(prepared)
+        else:
+          yield from self._items(prepared)
+        continue
+      if kind in ("drop", "step") and run:   # a drop may release chunks of the run's items
+        yield from self._items_run(run)
+        run = []
+      if kind == "step":
         yield from self._step(op)
       else:
         self.handle(op)
+    if run:
+      yield from self._items_run(run)
 
   def ack(self) -> Optional[dict]:
     """{"upto": seq, "errs": [...]} for the items ops handled since the last ack, or None.
@@ -820,8 +836,9 @@ class _WriteStream:
     self._chunks[cid] = chunks.object_chunk(self._seg, values, episode_id=episode,
                                             start_step=step)
 
-  def _items(self, msg: dict):
-    """Inserts the items of an "items" op; yields the pending ack first if it would wait."""
+  def _prepare_items(self, msg: dict) -> Optional[tuple]:
+    """(seq, table, keys, priorities, descriptors, timeout_ms) of a validated "items" op, or
+    None after recording its error (BadMessage propagates)."""
     seq = wire.get_int(msg, "seq", 0, 2**63)
     try:
       st = self._bridge._table(wire.get_str(msg, "table"))  # pylint: disable=protected-access
@@ -831,20 +848,59 @@ class _WriteStream:
       if len(descs) != len(keys):
         raise wire.BadMessage(f"{len(keys)} keys for {len(descs)} item descriptors")
       timeout_ms = wire.timeout_field(msg)
-      blob, offs = chunks.join_descriptors([self._descriptor(d) for d in descs])
-      if self._upto is not None and len(keys) and not st.can_insert(len(keys)):
-        yield self.ack()   # confirm the earlier items before waiting for the limiter
-      self._upto = seq
-      self._unacked += len(keys)
-      yield from self._insert(st, keys, prios, blob, offs, timeout_ms)
+      return seq, st, keys, prios, [self._descriptor(d) for d in descs], timeout_ms
     except wire.BadMessage:
       raise
+    except (errors.ReverbError, ValueError, TypeError) as e:
+      self._upto = seq
+      self._errs.append([seq, 0, wire.error_name(e), str(e)])
+      return None
+
+  def _items(self, prepared: tuple, start: int = 0):
+    """Inserts the items [start:] of a prepared "items" op; yields the pending ack first if it
+    would wait."""
+    seq, st, keys, prios, descs, timeout_ms = prepared
+    try:
+      blob, offs = chunks.join_descriptors(descs)
+      if self._upto is not None and len(keys) and not st.can_insert(len(keys) - start):
+        yield self.ack()   # confirm the earlier items before waiting for the limiter
+      self._upto = seq
+      self._unacked += len(keys) - start
+      yield from self._insert(st, keys, prios, blob, offs, timeout_ms, start)
     except errors.DeadlineExceededError as e:
       self._upto = seq
       self._errs.append([seq, e.inserted, wire.error_name(e), str(e)])
     except (errors.ReverbError, ValueError, TypeError) as e:
       self._upto = seq
       self._errs.append([seq, 0, wire.error_name(e), str(e)])
+
+  def _items_run(self, run: list):
+    """Inserts consecutive prepared "items" ops of one table (no timeouts) with one call when
+    the limiter admits them all at once; from the first item it holds back, op by op."""
+    first = 0
+    if len(run) > 1:
+      st = run[0][1]
+      keys = np.concatenate([p[2] for p in run])
+      try:
+        blob, offs = chunks.join_descriptors([d for p in run for d in p[4]])
+        st.insert_descriptors(keys, np.concatenate([p[3] for p in run]), blob, offs, 0)
+        done = len(keys)
+      except errors.DeadlineExceededError as e:
+        done = e.inserted
+      except (errors.ReverbError, ValueError, TypeError):
+        done = 0          # an invalid item: op by op, which reports it for its op alone
+      for p in run:       # the ops inserted whole
+        if done < len(p[2]):
+          break
+        done -= len(p[2])
+        self._upto = p[0]
+        self._unacked += len(p[2])
+        first += 1
+      if first < len(run) and done:
+        yield from self._items(run[first], done)   # the rest of a partly inserted op
+        first += 1
+    for p in run[first:]:
+      yield from self._items(p)
 
   def _descriptor(self, desc) -> bytes:
     """An item descriptor with stream chunk ids replaced by arena offsets (all validated)."""
@@ -875,15 +931,15 @@ class _WriteStream:
       columns.append((slices, col[1]))
     return chunks.encode_descriptor(columns)
 
-  def _insert(self, st: SharedTable, keys, prios, blob, offs, timeout_ms):
-    """Inserts the items; a generator returning n (see _insert_with)."""
+  def _insert(self, st: SharedTable, keys, prios, blob, offs, timeout_ms, start: int = 0):
+    """Inserts the items [start:]; a generator returning n (see _insert_with)."""
     def attempt(done: int, wait_ms: int) -> None:
       start, end = int(offs[done]), int(offs[-1])
       st.insert_descriptors(keys[done:], prios[done:], blob[start:end], offs[done:] - offs[done],
                             wait_ms)
-    return (yield from self._insert_with(st, len(keys), attempt, timeout_ms))
+    return (yield from self._insert_with(st, len(keys), attempt, timeout_ms, start))
 
-  def _insert_with(self, st: SharedTable, n: int, attempt, timeout_ms):
+  def _insert_with(self, st: SharedTable, n: int, attempt, timeout_ms, start: int = 0):
     """Inserts n items by `attempt(done, wait_ms)` (inserts items [done:] waiting up to
     wait_ms, raising DeadlineExceededError with `inserted`); a generator returning n.
 
@@ -894,10 +950,10 @@ class _WriteStream:
     """
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
     try:
-      attempt(0, 0)
+      attempt(start, 0)
       return n
     except errors.DeadlineExceededError as e:
-      done = e.inserted
+      done = start + e.inserted
     if self._closing() or timeout_ms == 0:
       raise self._timeout(st, n, done, timeout_ms, "")
     return (yield _Blocking(lambda: self._insert_waiting(st, n, attempt, timeout_ms, deadline,
