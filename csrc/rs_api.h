@@ -393,3 +393,13 @@ int rs_encode_windows(uint32_t n, uint32_t ncols, const rs_window_seg *segs,
                       const uint32_t *lengths, const int64_t *starts, uint32_t starts_stride,
                       const double *priorities, uint32_t nonneg, uint8_t *blob, uint64_t blob_cap,
                       uint64_t *offs, uint64_t *size_out);
+
+/* ---- issue 7 (round 3, bridge) ---- */
+/* Groups n sampled items (pinned by the caller) by column layout: group_out[i] is the group of
+ * item i, numbered from 0 in order of first appearance. Items of one group have the same number
+ * of columns and, per column, the same squeeze flag, total rows, and dtype / element shape in
+ * every chunk the column reads, so rs_gather copies each column of a group into one array.
+ * An item with an object column (row_bytes 0) or mixed element types within a column, and the
+ * items of layouts beyond the first max_groups (<= 64), get UINT32_MAX. *ngroups_out = groups. */
+int rs_group_layouts(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t max_groups,
+                     uint32_t *group_out, uint32_t *ngroups_out);

@@ -279,11 +279,12 @@ _values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                max_size=4), max_leaves=12)
 _keys = st.sampled_from(["op", "id", "table", "n", "credit", "keys", "prios", "descs", "d", "s",
+                         "cols", "items",
                          "cap", "ep", "step", "b", "first", "rows", "ids", "seq", "timeout_ms",
                          "upd_keys", "upd_prios", "del_keys"])
 _messages = st.one_of(
     st.binary(max_size=64),
-    st.dictionaries(_keys, _values | st.sampled_from(["items", "chunk", "rows", "obj", "drop",
+    st.dictionaries(_keys, _values | st.sampled_from(["items", "chunk", "rows", "obj", "drop", "step",
                                                       "no_such_table", "<f4", "|O"]), max_size=8)
     .map(lambda m: b"\x00" + wire.pack(m)))
 
@@ -301,17 +302,17 @@ def fuzz_target():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(method=st.sampled_from(["ServerInfo", "Mutate", "Reset", "Checkpoint", "Sample",
-                               "Write"]), messages=st.lists(_messages, min_size=1, max_size=3))
+@given(method=st.sampled_from(["ServerInfo", "Mutate", "Reset", "Checkpoint", "Sample", "Write",
+                               "Insert"]), messages=st.lists(_messages, min_size=1, max_size=3))
 def test_fuzzed_messages_get_error_statuses_and_change_nothing(fuzz_target, method, messages):
   server, local, channel = fuzz_target
   before = local.server_info()["dist"]
   path = f"/{wire.SERVICE}/{method}"
-  if method in ("Sample", "Write"):
+  if method in ("Sample", "Write", "Insert"):
     call = channel.stream_stream(path)(iter(messages), timeout=5)
     try:
       replies = list(call)
-      if method == "Write":   # acks of "items" ops: a fuzzed item can only have failed
+      if method in ("Write", "Insert"):   # acks of "items" ops: a fuzzed item can only have failed
         for reply in replies:
           ack = wire.unpack(reply[1:])
           assert [e[0] for e in ack["errs"]][-1:] == [ack["upto"]]

@@ -12,7 +12,8 @@ grpc = pytest.importorskip("grpc")
 
 import reverb_shm  # pylint: disable=g-bad-import-order
 from reverb_shm import errors, rate_limiters, selectors
-from reverb_shm.bridge import Bridge, BridgeConfig, RemoteClient, service, writes
+from reverb_shm.specs import TensorSpec
+from reverb_shm.bridge import Bridge, BridgeConfig, RemoteClient, service, wire, writes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,11 +107,50 @@ def test_client_insert_is_one_message_for_every_table(server_factory, monkeypatc
     return original(self, msg)
   monkeypatch.setattr(service._WriteStream, "handle_message", spy)  # pylint: disable=protected-access
   client.insert({"x": np.arange(3), "y": np.float32(1)}, {"a": 1.0, "b": 2.0})
-  assert calls == [["chunk", "chunk", "items", "items"]]   # the data once, for both tables
+  client.insert({"x": np.arange(3), "y": "text"}, {"a": 3.0, "b": 4.0})
+  # Numeric steps: one "step" op; object columns: chunks sent once, then one item per table.
+  assert calls == [["step"], ["chunk", "obj", "items", "items"]]
   infos = server.localhost_client().server_info()
-  assert (infos["a"].current_size, infos["b"].current_size) == (1, 1)
-  sample = next(server.localhost_client().sample("b", emit_timesteps=False))
-  assert sample.data[0].tolist() == [[0, 1, 2]] and sample.info.priority == 2.0
+  assert (infos["a"].current_size, infos["b"].current_size) == (2, 2)
+  samples = list(server.localhost_client().sample("b", 100, emit_timesteps=False))
+  by_prio = {s.info.priority: s.data for s in samples}   # uniform: both items, surely
+  assert by_prio[2.0][0].tolist() == [[0, 1, 2]] and by_prio[2.0][1].tolist() == [1.0]
+  assert by_prio[4.0][1].tolist() == [b"text"]   # strings come back as bytes, as in Reverb
+
+
+def _insert_stream_round_trip(server, msg: dict) -> dict:
+  """Sends one raw message on an Insert stream; returns the reply (raises grpc.RpcError)."""
+  with grpc.insecure_channel(server.bridge_address) as channel:
+    call = channel.stream_stream(f"/{wire.SERVICE}/Insert")(iter(wire.frames(wire.pack(msg))),
+                                                           timeout=10)
+    return wire.unpack(next(call)[1:])
+
+
+def test_step_ops_are_validated_by_the_bridge(server_factory):
+  typed = reverb_shm.Table("typed", selectors.Uniform(), selectors.Fifo(), 10,
+                           rate_limiters.MinSize(1), signature={"x": TensorSpec([3], np.int32)})
+  server = server_factory([_uniform("a"), typed],
+                          bridge=BridgeConfig())
+  ok = {"op": "step", "cols": [["<f4", [3]]], "ep": 7, "timeout_ms": None,
+        "b": np.arange(3, dtype=np.float32).tobytes(), "items": [[1, "a", 42, 1.5]]}
+  assert _insert_stream_round_trip(server, {"ops": [ok]}) == {"upto": 1, "errs": []}
+  for bad in ({"b": b"\0" * 11}, {"cols": [["|O", [3]]]}, {"cols": [["<f4", [-3]]]},
+              {"cols": "x"}, {"items": [[1, "a", -1, 1.0]]}, {"items": [["1", "a", 1, 1.0]]}):
+    with pytest.raises(grpc.RpcError) as e:
+      _insert_stream_round_trip(server, {"ops": [dict(ok, **bad)]})
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+  # Errors of the tables: the signature (checked at the bridge too), the priority, the name.
+  for items, error in (([[1, "typed", 1, 1.0]], "InvalidArgumentError"),
+                       ([[1, "a", 2, float("nan")]], "InvalidArgumentError"),
+                       ([[1, "nope", 3, 1.0]], "UnknownTableError")):
+    ack = _insert_stream_round_trip(server, {"ops": [dict(ok, items=items,
+                                                          cols=[["<f4", [1, 3]]])]})
+    assert ack["upto"] == 1 and ack["errs"][0][:3] == [1, 0, error], ack
+  local = server.localhost_client()
+  assert local.server_info()["a"].current_size == 1
+  assert local.server_info()["typed"].current_size == 0
+  sample = next(local.sample("a", emit_timesteps=False))
+  assert sample.info.key == 42 and sample.data[0].tolist() == [[0.0, 1.0, 2.0]]
 
 
 def test_client_insert_waits_for_its_rate_limiter(server_factory):
@@ -128,19 +168,24 @@ def test_client_insert_waits_for_its_rate_limiter(server_factory):
   assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 1
 
 
+def _reply_sizes(monkeypatch) -> list:
+  """The list of the sample counts of every Sample reply the bridge sends from now on."""
+  sizes = []
+  original = service.Bridge._write_msg  # pylint: disable=protected-access
+
+  async def spy(context, msg):
+    sizes.append(msg["n"])
+    await original(context, msg)
+  monkeypatch.setattr(service.Bridge, "_write_msg", staticmethod(spy))  # pylint: disable=protected-access
+  return sizes
+
+
 def test_samples_arrive_in_batches_within_the_credit(server_factory, monkeypatch):
   server = server_factory([_uniform()], bridge=BridgeConfig())
   local = server.localhost_client()
   for i in range(50):
     local.insert(np.full(2, i), {"dist": 1.0})
-  sizes = []
-  original = service.Bridge._sample_batch  # pylint: disable=protected-access
-
-  def spy(self, st, k, timeout_ms, context):
-    reply = original(self, st, k, timeout_ms, context)
-    sizes.append(reply["n"])
-    return reply
-  monkeypatch.setattr(service.Bridge, "_sample_batch", spy)  # pylint: disable=protected-access
+  sizes = _reply_sizes(monkeypatch)
   client = _remote(server, max_in_flight_samples=8)
   samples = list(client.sample("dist", 40, emit_timesteps=False))
   assert len(samples) == 40 and sum(sizes) == 40
@@ -199,4 +244,85 @@ def test_staging_exhaustion_names_its_setting(server_factory):
   writer = _remote(server, staging_bytes=2 << 20).trajectory_writer(1)
   with pytest.raises(errors.ResourceExhaustedError, match="REVERB_SHM_STAGING_MB.*staging_bytes"):
     writer.append({"x": np.zeros(1 << 20, np.float32)})   # 4 MiB > the 2 MiB staging arena
+  writer.close()
+
+
+def test_sample_replies_are_capped_in_bytes(server_factory, monkeypatch):
+  server = server_factory([_uniform()], bridge=BridgeConfig(), arena_bytes=64 << 20)
+  local = server.localhost_client()
+  for i in range(4):
+    local.insert(np.full(1 << 18, i, np.float32), {"dist": 1.0})   # 1 MiB items
+  sizes = _reply_sizes(monkeypatch)
+  samples = list(_remote(server).sample("dist", 40, emit_timesteps=False))
+  assert len(samples) == 40 and sum(sizes) == 40
+  assert max(sizes[1:]) <= 4          # ~4 MiB per reply once the item size is known
+  assert all(s.data[0][0, 0] == s.data[0][0, -1] for s in samples)
+
+
+def test_samples_of_mixed_layouts_are_gathered_in_runs(server_factory):
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  local = server.localhost_client()
+  for i in range(20):
+    local.insert(np.full(3, i, np.float32), {"dist": 1.0})
+    local.insert(np.full(2, -i, np.int64), {"dist": 1.0})
+  local.insert("text", {"dist": 1.0})
+  seen = set()
+  for s in _remote(server).sample("dist", 400, emit_timesteps=False):
+    col = s.data[0]
+    if col.dtype == np.float32:
+      assert col.shape == (1, 3) and col.min() == col.max()
+    elif col.dtype == np.int64:
+      assert col.shape == (1, 2) and col.min() == col.max() <= 0
+    else:
+      assert col.tolist() == [b"text"]
+    seen.add(col.dtype.kind)
+  assert seen == {"f", "i", "O"}
+  items = server.shared_table("dist").items()
+  assert len(items) == 41 and int(items["times_sampled"].sum()) == 400
+
+
+def test_fifo_order_is_kept_across_layouts_in_one_reply(server_factory):
+  server = server_factory([reverb_shm.Table.queue("queue", 100)], bridge=BridgeConfig())
+  local = server.localhost_client()
+  for i in range(30):
+    value = [np.float32(i), np.full(2, i), str(i)][i % 3]
+    local.insert(value, {"queue": 1.0})
+  got = [s.data[0][0] for s in _remote(server).sample("queue", 30, emit_timesteps=False)]
+  assert [int(np.asarray(v).reshape(-1)[0]) for v in got] == list(range(30))
+
+
+def test_writer_items_are_confirmed_without_flush(server_factory, monkeypatch):
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  acks = []
+  original = writes.WriteSession._on_ack  # pylint: disable=protected-access
+  monkeypatch.setattr(writes.WriteSession, "_on_ack",  # pylint: disable=protected-access
+                      lambda self, stream, msg: (acks.append(msg), original(self, stream, msg)))
+  writer = _remote(server).trajectory_writer(1)
+  for i in range(1100):
+    writer.append({"x": np.full(2, i, np.float32)})
+    writer.create_item("dist", 1.0, {"x": writer.history["x"][-1:]})
+  deadline = time.monotonic() + 5
+  while writer.num_pending_items and time.monotonic() < deadline:
+    time.sleep(0.01)    # the bridge confirms every 512 items or within 20 ms, unasked
+  assert writer.num_pending_items == 0
+  assert len(acks) < 100                                  # in batches, not per message
+  assert server.localhost_client().server_info()["dist"].current_size == 1000   # max_size
+  writer.close()
+
+
+def test_a_burst_of_items_is_inserted_in_order_past_a_full_limiter(server_factory):
+  server = server_factory([reverb_shm.Table.queue("queue", 5)], bridge=BridgeConfig())
+  writer = _remote(server).trajectory_writer(1)
+  for i in range(12):          # one burst: the bridge inserts 5 with one call, then waits
+    writer.append({"x": np.full(2, i, np.float32)})
+    writer.create_item("queue", 1.0, {"x": writer.history["x"][-1:]})
+  got = []
+  local = server.localhost_client()
+  t = threading.Thread(target=lambda: got.extend(
+      int(s.data[0][0, 0]) for s in local.sample("queue", 12, emit_timesteps=False,
+                                                 rate_limiter_timeout_ms=10_000)))
+  t.start()
+  writer.flush(timeout_ms=10_000)
+  t.join(timeout=20)
+  assert got == list(range(12)) and writer.num_pending_items == 0
   writer.close()

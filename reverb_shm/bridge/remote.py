@@ -5,7 +5,8 @@ TrajectoryWriter a private *staging* segment in this process (unlinked at once, 
 outlives the process) and `_RemoteTable` handles whose `insert_descriptors` forward items over
 a pipelined Write stream (writes.py): each TrajectoryWriter has a stream of its own, whose items
 are confirmed asynchronously (flush / end_episode / close wait for them); Client.insert sends
-everything of one call as one message and waits for its confirmation.
+everything of one call as one message on a persistent Insert stream (a "step" op for numeric
+data) and waits for its confirmation.
 
 Sampling streams grant the bridge credits for `max_in_flight_samples` samples, refilled when
 half of them were consumed; the bridge sends samples in batches and never samples further
@@ -28,6 +29,7 @@ from reverb_shm import errors, shm, specs, structure, timeouts
 from reverb_shm import client as client_lib
 from reverb_shm import trajectory_writer as tw
 from reverb_shm import table as table_lib
+from reverb_shm._lib import ffi
 from reverb_shm.bridge import security, wire, writes
 from reverb_shm.replay_sample import SampleInfo
 from reverb_shm.selectors import PRIORITIZED
@@ -39,7 +41,7 @@ DEFAULT_SENT_BYTES_BUDGET = 64 << 20
 _CHANNEL_OPTIONS = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                     ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_pings_without_data", 0))
-_SAMPLE_BATCH = 64      # samples per bridge reply at most
+_SAMPLE_BATCH = 128     # samples per bridge reply at most (the bridge also caps its bytes)
 _CODE_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: errors.UnknownTableError,
@@ -100,11 +102,14 @@ class _Connection:
     self.creds = client._creds  # pylint: disable=protected-access
     self.channel = self.creds.channel(self.address, _CHANNEL_OPTIONS)
     self.metadata = self.creds.metadata()
+    self.insert_streams = []   # idle persistent Insert streams (writes.InsertStream)
 
   def method(self, name: str, kind: str = "unary_unary"):
     return getattr(self.channel, kind)(f"/{wire.SERVICE}/{name}")
 
   def close(self) -> None:
+    while self.insert_streams:
+      self.insert_streams.pop().close()
     self.channel.close()
 
   # ---- unary calls (retried while the bridge is unreachable)
@@ -151,10 +156,23 @@ class _RemoteTable:
                                 np.asarray(offs, np.uint64), deadline_ns, timeout_ms)
 
   def _insert_validated(self, n, keys_c, prios_c, blob_c, offs_c, deadline_ns, timeout_ms) -> int:
-    """SharedTable's immediate-insert fast path has no remote form: reports 0 items inserted,
-    so the TrajectoryWriter queues them and its queue streams them (pipelined) through
-    insert_descriptors."""
-    return 0
+    """SharedTable's immediate-insert fast path (the TrajectoryWriter's create_item): the items
+    (C buffers of n keys / priorities, the descriptor blob and n+1 offsets) join the writer's
+    stream at once when its in-flight bound allows, as insert_descriptors would; returns n.
+
+    Returns 0 (the writer then queues the items and its queue path reports the problem) while
+    the stream holds an error to report, or when the in-flight bound is reached.
+    """
+    session = self._session
+    if session is None or session.has_error():
+      return 0
+    offs = ffi.unpack(offs_c, n + 1)   # ints
+    try:
+      return session.insert(self.name, ffi.buffer(keys_c, 8 * n)[:],
+                            ffi.buffer(prios_c, 8 * n)[:], ffi.buffer(blob_c, offs[-1])[:], offs,
+                            deadline_ns, timeout_ms)
+    except errors.DeadlineExceededError:
+      return 0
 
   def mutate(self, updates=None, deletes=None):
     updates = updates or {}
@@ -248,15 +266,16 @@ class RemoteClient(client_lib.Client):
       the least recently used are dropped.
     reconnect_timeout_s: how long a call retries an unreachable bridge before raising
       ServerUnavailableError.
-    max_in_flight_samples: samples a sampling stream may prefetch (credits are refilled when
-      half of them were consumed).
+    max_in_flight_samples: samples a sampling stream may prefetch (default 256; credits are
+      refilled when half of them were consumed). The bridge sends them in replies of up to
+      128 samples and about 4 MiB; lower this for large items to bound the memory held.
   """
 
   def __init__(self, server_address: str,
                credentials: Optional[security.ClientCredentials] = None, *,
                staging_bytes: Optional[int] = None,
                sent_bytes_budget: int = DEFAULT_SENT_BYTES_BUDGET,
-               reconnect_timeout_s: float = 10.0, max_in_flight_samples: int = 64):
+               reconnect_timeout_s: float = 10.0, max_in_flight_samples: int = 256):
     super().__init__(server_address)
     self._explicit_creds = credentials
     self._creds = credentials or security.ClientCredentials.from_env()
@@ -275,6 +294,7 @@ class RemoteClient(client_lib.Client):
     self._inserter = writes.OneMessageInserter(server_address, self._connection,
                                                reconnect_timeout_s, rpc_error)
     self._entries = {}
+    self._layouts = {}   # (dtype, shape) per column -> the "cols" of Client.insert's step op
 
   def __reduce__(self):
     return _rebuild, (self.server_address, self._explicit_creds, self.staging_bytes,
@@ -307,6 +327,18 @@ class RemoteClient(client_lib.Client):
     wire_timeout = (None if timeouts.deadline_from_ms(timeout_ms) < 0
                     else int(math.ceil(timeout_ms)))
     episode_id = tw.random_u64.one()
+    if not any(a.dtype.kind == "O" for a in arrays):
+      # One "step" op: the bridge writes every column with one C call (see service._step).
+      layout = tuple((a.dtype.str, a.shape) for a in arrays)
+      cols = self._layouts.get(layout)
+      if cols is None:
+        cols = self._layouts[layout] = [[d, list(s)] for d, s in layout]
+      items = [[seq, h.name, tw.random_u64.one(), prio]
+               for seq, (h, prio) in enumerate(zip(handles, prios.tolist()), 1)]
+      self._inserter.send([{"op": "step", "cols": cols, "ep": episode_id, "items": items,
+                            "timeout_ms": wire_timeout,
+                            "b": b"".join([np.ascontiguousarray(a) for a in arrays])}])
+      return
     ops = []
     for cid, a in enumerate(arrays, 1):
       if a.dtype.kind == "O":
@@ -494,9 +526,25 @@ def _rebuild(address, creds, staging_bytes, budget, reconnect_s, in_flight):
                       reconnect_timeout_s=reconnect_s, max_in_flight_samples=in_flight)
 
 
-def _decode_samples(msg: dict):
+def _decode_samples(msg: dict, nested: bool = False):
   """[(SampleInfo, columns)] of one Sample reply (see service.py); BadMessage if malformed."""
   n = wire.get_int(msg, "n", 1, 1 << 16, what="sample reply")
+  if "parts" in msg and not nested:   # samples of several layouts, each with their positions
+    out = [None] * n
+    for part in wire.get_list(msg, "parts", n, what="sample reply"):
+      if not isinstance(part, dict):
+        raise wire.BadMessage("sample reply parts must be maps")
+      samples = _decode_samples(part, nested=True)
+      pos = wire.get(part, "pos", bytes, what="sample part")
+      if len(pos) != 4 * len(samples):
+        raise wire.BadMessage("sample part positions do not match its samples")
+      for i, sample in zip(np.frombuffer(pos, "<u4").tolist(), samples):
+        if i >= n or out[i] is not None:
+          raise wire.BadMessage(f"sample part position {i} is out of range or repeated")
+        out[i] = sample
+    if any(x is None for x in out):
+      raise wire.BadMessage("sample reply parts do not cover every sample")
+    return out
   fields = []
   for key, dtype in _INFO_DTYPES:
     data = wire.get(msg, key, bytes, what="sample reply")

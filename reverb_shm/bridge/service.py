@@ -7,24 +7,33 @@ it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm
   Mutate      unary           {"table", "upd_keys", "upd_prios", "del_keys"} -> {"updated", "deleted"}
   Reset       unary           {"table"} -> {}
   Checkpoint  unary           {} -> {"path"}
-  Insert      unary           {"ops": [...]} as one Write message (chunks and items of one
-                              Client.insert) -> the ack {"upto", "errs"}; its chunks are
-                              released at the end of the call
+  Insert      stream-stream   a client's persistent insert stream: each message is {"ops": [...]}
+                              as a Write message (chunks and items of one Client.insert, ids
+                              and seqs local to it) and gets one reply, the ack {"upto",
+                              "errs"}, once its items were handled; its chunks are released then
   Sample      stream-stream   first {"table", "n", "timeout_ms", "credit", "batch"}, then
-                              {"credit"}; replies carry up to `batch` samples each
-                              ({"n", "keys", "probs", "sizes", "prios", "times", "cols"|"items"})
-                              and never more than the credit the client granted
-  Write       stream-stream   chunk / rows / obj / drop / items ops, one per message or several
-                              as {"ops": [...]}; items ops are confirmed in batches: after each
-                              burst of messages one {"upto": seq, "errs": [[seq, n, error class,
-                              message], ...]} covers every items op up to seq
+                              {"credit"}; replies carry up to `batch` samples each (about
+                              4 MiB at most) and never more than the credit the client granted:
+                              {"n", "keys", "probs", "sizes", "prios", "times", "cols"|"items"}
+                              for samples of one column layout (cols: one array per column),
+                              else {"n", "parts": [that map + "pos" (uint32 positions), ...]}
+  Write       stream-stream   chunk / rows / obj / drop / items / step (see _WriteStream._step)
+                              ops, one per message or several as {"ops": [...]}; items ops are
+                              confirmed in batches: one {"upto": seq, "errs": [[seq, n, error
+                              class, message], ...]} covers every items op up to seq; it goes
+                              out after a "sync" op, every 512 items or 20 ms, before an insert
+                              waits for its rate limiter, and when the client closed its side
 
-Every request is validated before it touches a table (wire.py); errors travel as gRPC status
+The server is a grpc.aio one on an event loop thread of its own (see Bridge). Every request
+is validated before it touches a table (wire.py); errors travel as gRPC status
 codes with the reverb_shm error class in the `rs-error` trailing metadata (Write replies carry
 them in-band).
 """
+import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -34,7 +43,9 @@ from typing import Dict, Optional
 import grpc
 import numpy as np
 
-from reverb_shm import chunks, errors, shm, specs
+from reverb_shm import chunks, errors, shm, specs, structure, timeouts
+from reverb_shm import trajectory_writer as tw
+from reverb_shm._lib import check, ffi, lib
 from reverb_shm.bridge import security, wire
 from reverb_shm.shared_table import SharedTable
 
@@ -51,6 +62,11 @@ _MAX_OPS_PER_MESSAGE = 1 << 16
 _MAX_COLUMNS = 4096
 _MAX_SLICES = 1 << 16
 _MAX_CHUNK_ROWS = 1 << 31
+_ACK_ITEMS = 512          # a Write stream's items are confirmed at least every _ACK_ITEMS items
+_ACK_DELAY_S = 0.02       # ... and within _ACK_DELAY_S
+_REPLY_BYTES = 4 << 20    # a Sample reply's column bytes, roughly at most
+_MAX_SAMPLE_GROUPS = 16   # layouts gathered per Sample reply (items of more: one by one)
+_MAX_LAYOUTS = 256        # cached step layouts (cleared when full)
 
 _STATUS = {
     "InvalidArgumentError": grpc.StatusCode.INVALID_ARGUMENT,
@@ -74,8 +90,10 @@ class BridgeConfig:
     tls: server certificate and key (and optional client CA) for TLS.
     max_message_bytes: largest logical message (item, chunk rows) accepted, in bytes.
     max_stream_chunks: chunks one writer stream may hold at once.
-    max_concurrent_rpcs: open RPCs (each writer and sampler holds one); more get
-      RESOURCE_EXHAUSTED instead of waiting.
+    max_concurrent_rpcs: open RPCs (each remote writer and sampler holds one, and each remote
+      client one Insert stream per thread inserting at once); more get RESOURCE_EXHAUSTED
+      instead of waiting. Open streams cost no thread: only calls waiting for a rate limiter
+      use one of the bridge's pool (at most this many).
   """
   port: int = 0
   host: str = "127.0.0.1"
@@ -83,15 +101,26 @@ class BridgeConfig:
   tls: Optional[security.ServerTLS] = None
   max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
   max_stream_chunks: int = 1 << 16
-  max_concurrent_rpcs: int = 64
+  max_concurrent_rpcs: int = 1024
 
 
-class _Abort(Exception):
-  """Raised inside handlers to end the call with an error status."""
+class _Blocking:
+  """Yielded by a request handler generator: `fn()` may wait (a rate limiter), so the event
+  loop runs it on the bridge's thread pool and sends its result (or throws its exception)
+  back into the generator."""
+
+  __slots__ = ("fn",)
+
+  def __init__(self, fn):
+    self.fn = fn
 
 
 class Bridge:
   """Serves the tables of local server `server` (a name or a Server) over gRPC.
+
+  The gRPC server is asynchronous (grpc.aio) and runs an event loop on a thread of its own:
+  requests are decoded, validated and applied on that loop, without a thread handoff per
+  message; only table calls that must wait for a rate limiter run on a thread pool.
 
   Args:
     server: reverb_shm Server, or the server name (its segment must exist on this host).
@@ -109,9 +138,43 @@ class Bridge:
     name = server if isinstance(server, str) else server.name
     self._seg = shm.Segment.attach(name)
     self._tables: Dict[str, SharedTable] = {}
-    self._grpc = grpc.server(
-        concurrent.futures.ThreadPoolExecutor(max_workers=config.max_concurrent_rpcs,
-                                              thread_name_prefix="reverb_shm-bridge"),
+    self._layouts: Dict[tuple, _StepLayout] = {}
+    self._item_bytes: Dict[str, int] = {}   # table -> bytes of a sample in the last reply
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=config.max_concurrent_rpcs, thread_name_prefix="reverb_shm-bridge")
+    self._loop = asyncio.new_event_loop()
+    self._stopped = False
+    started = concurrent.futures.Future()
+    self._thread = threading.Thread(target=self._serve, args=(started,), daemon=True,
+                                    name="reverb_shm-bridge-loop")
+    self._thread.start()
+    try:
+      self._port = started.result(timeout=30)
+    except BaseException:
+      self._thread.join(timeout=5)
+      self._pool.shutdown(wait=False)
+      raise
+
+  # ---- the event loop's thread
+  def _serve(self, started: concurrent.futures.Future) -> None:
+    asyncio.set_event_loop(self._loop)
+    try:
+      self._loop.run_until_complete(self._main(started))
+    except BaseException as e:  # pylint: disable=broad-except  (reported to __init__)
+      if not started.done():
+        started.set_exception(e)
+    finally:
+      pending = asyncio.all_tasks(self._loop)
+      for task in pending:
+        task.cancel()
+      if pending:
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+      self._loop.close()
+
+  async def _main(self, started: concurrent.futures.Future) -> None:
+    config = self._config
+    self._stop_request = asyncio.Queue()   # stop(grace) puts the grace period
+    self._grpc = grpc.aio.server(
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[("grpc.so_reuseport", 0),
                  # Accept the remote clients' keepalive pings (every 10 s, also when idle)
@@ -124,7 +187,7 @@ class Bridge:
         "Mutate": grpc.unary_unary_rpc_method_handler(self._mutate),
         "Reset": grpc.unary_unary_rpc_method_handler(self._reset),
         "Checkpoint": grpc.unary_unary_rpc_method_handler(self._checkpoint),
-        "Insert": grpc.unary_unary_rpc_method_handler(self._insert),
+        "Insert": grpc.stream_stream_rpc_method_handler(self._insert),
         "Sample": grpc.stream_stream_rpc_method_handler(self._sample),
         "Write": grpc.stream_stream_rpc_method_handler(self._write),
     }
@@ -134,15 +197,17 @@ class Bridge:
         f"{config.host}:{config.port}"
     try:
       if config.tls is not None:
-        self._port = self._grpc.add_secure_port(target, config.tls.credentials())
+        port = self._grpc.add_secure_port(target, config.tls.credentials())
       else:
-        self._port = self._grpc.add_insecure_port(target)
+        port = self._grpc.add_insecure_port(target)
     except RuntimeError as e:
       raise ValueError(f"Failed to bind bridge to {target}: {e}") from None
-    if not self._port:
+    if not port:
       raise ValueError(f"Failed to bind bridge to {target}")
-    self._grpc.start()
-    self._stopped = False
+    await self._grpc.start()
+    started.set_result(port)
+    grace = await self._stop_request.get()
+    await self._grpc.stop(grace)
 
   @property
   def port(self) -> int:
@@ -155,14 +220,21 @@ class Bridge:
 
   def stop(self, grace: Optional[float] = 0.1) -> None:
     """Stops serving (open streams are cancelled after `grace` seconds). Idempotent."""
-    if not self._stopped:
-      self._stopped = True
-      self._grpc.stop(grace).wait(timeout=(grace or 0) + 5)
+    if self._stopped:
+      return
+    self._stopped = True
+    try:
+      self._loop.call_soon_threadsafe(self._stop_request.put_nowait, grace)
+    except RuntimeError:
+      pass   # the loop ended already
+    self._thread.join(timeout=(grace or 0) + 5)
+    self._pool.shutdown(wait=False, cancel_futures=True)
 
   def wait(self) -> None:
     """Blocks until the bridge stops (Ctrl-C stops it)."""
     try:
-      self._grpc.wait_for_termination()
+      while self._thread.is_alive():
+        self._thread.join(0.5)
     except KeyboardInterrupt:
       self.stop()
       raise
@@ -174,6 +246,24 @@ class Bridge:
     self.stop()
 
   # ---- helpers
+  def _column_writer(self, cols) -> "_StepLayout":
+    """The cached _StepLayout of a "step" op's [[dtype, shape], ...] (validated once)."""
+    try:
+      key = tuple((d, tuple(s)) for d, s in cols)
+      layout = self._layouts.get(key)
+    except (TypeError, ValueError):   # not a list of pairs, or unhashable parts
+      raise wire.BadMessage("step cols must be [[dtype, shape], ...]") from None
+    if layout is None:
+      if not isinstance(cols, list) or not 1 <= len(cols) <= 64:
+        raise wire.BadMessage("step cols must list 1..64 columns")
+      layout = _StepLayout([(wire.check_dtype(d, "step column"),
+                             wire.check_shape(list(s) if isinstance(s, (list, tuple)) else s,
+                                              "step column")) for d, s in key])
+      if len(self._layouts) >= _MAX_LAYOUTS:
+        self._layouts.clear()
+      self._layouts[key] = layout
+    return layout
+
   def _table(self, name: str) -> SharedTable:
     st = self._tables.get(name)
     if st is None:
@@ -181,32 +271,72 @@ class Bridge:
       self._tables[name] = st
     return st
 
-  def _authorize(self, context) -> None:
+  async def _authorize(self, context) -> None:
     if not security.token_ok(self._config.token, context.invocation_metadata()):
-      context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    "missing or wrong auth token (metadata 'authorization: Bearer TOKEN')")
+      await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong auth token (metadata 'authorization: Bearer TOKEN')")
 
   @staticmethod
-  def _fail(context, exc: BaseException):
+  async def _fail(context, exc: BaseException):
     """Ends the call with the status of `exc` (raises)."""
     if isinstance(exc, NotImplementedError):
-      context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+      await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
     name = wire.error_name(exc)
     code = _STATUS.get(name, grpc.StatusCode.INTERNAL)
     if code is grpc.StatusCode.INTERNAL:
-      _log.exception("bridge: unexpected error", exc_info=exc)
-    context.set_trailing_metadata((("rs-error", name),))
-    context.abort(code, str(exc) or type(exc).__name__)
+      _log.error("bridge: unexpected error", exc_info=exc)
+    await context.abort(code, str(exc) or type(exc).__name__,
+                        trailing_metadata=(("rs-error", name),))
 
-  def _unary(self, request: bytes, context, body):
-    self._authorize(context)
+  @contextlib.asynccontextmanager
+  async def _streaming(self, context):
+    """Body of a streaming call: authorizes it, yields a threading.Event set once the call
+    ended (for waits on the thread pool), and ends the call with the status of an exception
+    raised in the body (a cancelled call just ends: nobody awaits its status)."""
+    await self._authorize(context)
+    ended = threading.Event()
     try:
-      return wire.pack(body(wire.unpack(request, 1 << 22)))
+      yield ended
+    except asyncio.CancelledError:
+      pass
     except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
-      self._fail(context, e)
+      await self._fail(context, e)
+    finally:
+      ended.set()
+
+  async def _drive(self, gen, emit=None):
+    """Runs a handler generator: yielded dicts go to `emit` (an async callable; dropped when
+    None), yielded _Blocking calls run on the thread pool. Returns the generator's value."""
+    loop = asyncio.get_running_loop()
+    value, exc = None, None
+    while True:
+      try:
+        out = gen.throw(exc) if exc is not None else gen.send(value)
+      except StopIteration as stop:
+        return stop.value
+      value = exc = None
+      if isinstance(out, _Blocking):
+        try:
+          value = await loop.run_in_executor(self._pool, out.fn)
+        except Exception as e:  # pylint: disable=broad-except  (handled by the generator)
+          exc = e
+      elif emit is not None:
+        await emit(out)
+
+  async def _unary(self, request: bytes, context, body, blocking: bool = False):
+    await self._authorize(context)
+    try:
+      msg = wire.unpack(request, 1 << 22)
+      if blocking:
+        reply = await asyncio.get_running_loop().run_in_executor(self._pool, body, msg)
+      else:
+        reply = body(msg)
+      return wire.pack(reply)
+    except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
+      await self._fail(context, e)
 
   # ---- unary RPCs
-  def _server_info(self, request, context):
+  async def _server_info(self, request, context):
     def body(msg):
       wire.no_fields(msg, "ServerInfo")
       tables = []
@@ -215,9 +345,9 @@ class Bridge:
         tables.append({"name": name, "stats": self._seg.stats(index),
                        "signature": specs.encode_signature(st.signature)})
       return {"tables": tables}
-    return self._unary(request, context, body)
+    return await self._unary(request, context, body)
 
-  def _mutate(self, request, context):
+  async def _mutate(self, request, context):
     def body(msg):
       st = self._table(wire.get_str(msg, "table"))
       keys = wire.u64_array(msg, "upd_keys", _MAX_KEYS)
@@ -225,127 +355,197 @@ class Bridge:
       dels = wire.u64_array(msg, "del_keys", _MAX_KEYS)
       updated, deleted = st.mutate(dict(zip(keys.tolist(), prios.tolist())), dels.tolist())
       return {"updated": updated, "deleted": deleted}
-    return self._unary(request, context, body)
+    return await self._unary(request, context, body)
 
-  def _reset(self, request, context):
+  async def _reset(self, request, context):
     def body(msg):
       self._table(wire.get_str(msg, "table")).reset()
       return {}
-    return self._unary(request, context, body)
+    return await self._unary(request, context, body)
 
-  def _checkpoint(self, request, context):
+  async def _checkpoint(self, request, context):
     def body(msg):
       wire.no_fields(msg, "Checkpoint")
       from reverb_shm.client import Client  # pylint: disable=g-import-not-at-top
       return {"path": Client(f"shm://{self._seg.name}").checkpoint()}
-    return self._unary(request, context, body)
+    return await self._unary(request, context, body, blocking=True)
 
-  def _insert(self, request, context):
-    def body(msg):
-      stream = _WriteStream(self, context, lambda: False)
-      try:
-        for _ in stream.handle_message(msg):
-          pass      # nobody to confirm earlier items to before the end
-        return stream.ack() or {"upto": 0, "errs": []}
-      finally:
-        stream.close()
-    return self._unary(request, context, body)
+  @staticmethod
+  async def _write_msg(context, msg: dict) -> None:
+    for frame in wire.frames(wire.pack(msg)):
+      await context.write(frame)
+
+  # ---- inserting (Client.insert)
+  async def _insert(self, request_iterator, context):
+    """A remote client's insert stream: each logical message holds the ops of one
+    Client.insert (ids and seqs local to it) and gets one ack once they were handled."""
+    asm = wire.Reassembler(self._config.max_message_bytes)
+    async with self._streaming(context) as cancelled:
+      while True:
+        frame = await context.read()
+        if frame is grpc.aio.EOF:
+          return
+        msg = asm.feed(frame)
+        if msg is None:
+          continue
+        stream = _WriteStream(self, cancelled, lambda: False)
+        try:
+          await self._drive(stream.handle_message(msg))   # nobody to send early acks to
+          ack = stream.ack() or {"upto": 0, "errs": []}
+        finally:
+          stream.close()
+        await self._write_msg(context, ack)
 
   # ---- sampling
-  def _sample(self, request_iterator, context):
-    self._authorize(context)
-    inbox = _Inbox(request_iterator, 1 << 16)
-    try:
-      msgs = inbox.take()
-      if not msgs:
-        return
-      first = msgs[0]
-      st = self._table(wire.get_str(first, "table"))
-      n = wire.get_int(first, "n", 1, 2**62)
-      timeout_ms = wire.timeout_field(first)
-      credit = wire.get_int(first, "credit", 1, _MAX_CREDIT)
-      batch = wire.get_int(first, "batch", 1, _MAX_CREDIT, optional=True) or 1
-      credit += _credits(msgs[1:])
-      sent = 0
-      while sent < n:
-        if credit == 0:
-          msgs = inbox.take()
-          if not msgs:
-            return     # the client closed its side: it wants no more samples
-          credit += _credits(msgs)
-        reply = self._sample_batch(st, min(credit, n - sent, batch), timeout_ms, context)
-        if reply is None:
-          return       # cancelled
-        yield from wire.frames(wire.pack(reply))
-        credit -= reply["n"]
-        sent += reply["n"]
-        credit += _credits(inbox.take(block=False) or ())
-    except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
-      self._fail(context, e)
-    finally:
-      inbox.stop()
+  async def _sample(self, request_iterator, context):
+    async with self._streaming(context) as cancelled:
+      inbox = _Inbox(context, 1 << 16)
+      loop = asyncio.get_running_loop()
+      try:
+        msgs = await inbox.take()
+        if not msgs:
+          return
+        first = msgs[0]
+        st = self._table(wire.get_str(first, "table"))
+        n = wire.get_int(first, "n", 1, 2**62)
+        timeout_ms = wire.timeout_field(first)
+        credit = wire.get_int(first, "credit", 1, _MAX_CREDIT)
+        batch = wire.get_int(first, "batch", 1, _MAX_CREDIT, optional=True) or 1
+        credit += _credits(msgs[1:])
+        sent = 0
+        # Bytes of one sample of the table's last reply (unknown: the first reply holds one
+        # sample), so that a reply stays near _REPLY_BYTES.
+        item_bytes = self._item_bytes.get(st.name, _REPLY_BYTES)
+        while sent < n:
+          if credit == 0:
+            msgs = await inbox.take()
+            if not msgs:
+              return     # the client closed its side: it wants no more samples
+            credit += _credits(msgs)
+          k = min(credit, n - sent, batch, max(1, _REPLY_BYTES // item_bytes))
+          reply = self._sample_now(st, k)
+          if reply is None:
+            deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+            remaining_call = context.time_remaining()
+            if remaining_call is not None:
+              call_deadline = time.monotonic() + remaining_call
+              deadline = call_deadline if deadline is None else min(deadline, call_deadline)
+            got = await loop.run_in_executor(self._pool, self._sample_wait, st, timeout_ms,
+                                             deadline, cancelled)
+            if got is None:
+              return     # cancelled
+            reply = self._encode_samples(*got)
+          await self._write_msg(context, reply)
+          item_bytes = self._item_bytes[st.name] = max(1, sum(
+              len(c.get("b", b"")) for part in reply.get("parts", [reply])
+              for c in part.get("cols", ())) // reply["n"])
+          credit -= reply["n"]
+          sent += reply["n"]
+          credit += _credits(await inbox.take(block=False) or ())
+      finally:
+        inbox.stop()
 
-  def _sample_batch(self, st: SharedTable, k: int, timeout_ms: Optional[int],
-                    context) -> Optional[dict]:
-    """Up to k samples that the limiter admits now (at least one, waiting for it) as a wire
-    map; None if the call was cancelled while waiting."""
+  def _sample_now(self, st: SharedTable, k: int) -> Optional[dict]:
+    """The reply of up to k samples the limiter admits at once, or None."""
     try:
       recs, pins = st.sample_records(k, 0)
     except errors.DeadlineExceededError:
-      deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-      remaining_call = context.time_remaining()
-      if remaining_call is not None:
-        call_deadline = time.monotonic() + remaining_call
-        deadline = call_deadline if deadline is None else min(deadline, call_deadline)
-      while True:
-        if not context.is_active():
-          return None
-        wait_ms = _SLICE_MS
-        if deadline is not None:
-          wait_ms = max(0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
-        try:
-          recs, pins = st.sample_records(1, wait_ms)
-          break
-        except errors.DeadlineExceededError:
-          if deadline is not None and time.monotonic() >= deadline:
-            raise errors.DeadlineExceededError(
-                st.limiter_message("sample", timeout_ms)) from None
+      return None
+    return self._encode_samples(recs, pins)
+
+  @staticmethod
+  def _sample_wait(st: SharedTable, timeout_ms: Optional[int], deadline: Optional[float],
+                   cancelled: threading.Event):
+    """(records, pins) of one sample, waiting for it in slices (runs on the thread pool);
+    None once `cancelled` is set.
+
+    Raises:
+      DeadlineExceededError: nothing to sample by `deadline` (monotonic seconds).
+    """
+    while True:
+      if cancelled.is_set():
+        return None
+      wait_ms = _SLICE_MS
+      if deadline is not None:
+        wait_ms = max(0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
+      try:
+        return st.sample_records(1, wait_ms)
+      except errors.DeadlineExceededError:
+        if deadline is not None and time.monotonic() >= deadline:
+          raise errors.DeadlineExceededError(
+              st.limiter_message("sample", timeout_ms)) from None
+
+  def _encode_samples(self, recs, pins) -> dict:
+    """The wire map of sampled records (their pins are released: the columns are copies).
+
+    Items are grouped by column layout (one C call); each group's columns are gathered into
+    one array per column by one C call each. A batch of one layout is one reply; else the
+    reply is {"n", "parts": [...]}, each part holding its samples' positions ("pos", uint32).
+    Items of object columns are encoded one by one.
+    """
     try:
-      items = chunks.read_items(self._seg, recs["desc_off"], pins)
-      reply = {"n": len(recs)}
-      for field, key, dtype in _INFO_FIELDS:
-        reply[key] = np.ascontiguousarray(recs[field], dtype).tobytes()
-      ncols = {len(item) for item in items}
-      if len(ncols) == 1:
-        reply["cols"] = [_encode_batch_column([item[c] for item in items])
-                         for c in range(ncols.pop())]
-      else:
-        reply["items"] = [[_encode_column(c) for c in item] for item in items]
+      desc = np.ascontiguousarray(recs["desc_off"], np.uint64)
+      n = len(desc)
+      groups = np.empty(n, np.uint32)
+      ngroups = ffi.new("uint32_t *")
+      check(lib.rs_group_layouts(self._seg.base, n, ffi.from_buffer("uint64_t[]", desc),
+                                 _MAX_SAMPLE_GROUPS, ffi.from_buffer("uint32_t[]", groups),
+                                 ngroups), "grouping sampled items")
+      if ngroups[0] == 1 and not groups.any():
+        return self._sample_part(recs, desc, None)
+      parts = [self._sample_part(recs, desc, np.flatnonzero(groups == g))
+               for g in range(ngroups[0])]
+      odd = np.flatnonzero(groups == np.uint32(0xFFFFFFFF))
+      if len(odd):
+        parts.append(self._sample_part(recs, desc, odd, pins))
+      return {"n": n, "parts": parts}
     finally:
-      pins.release()   # the encoded columns are copies
-    return reply
+      pins.release()
+
+  def _sample_part(self, recs, desc, idx, pins=None) -> dict:
+    """Reply map of the sampled items `idx` (None: all) of one layout, gathered per column;
+    with `pins`, of items encoded one by one instead (object columns)."""
+    if idx is not None:
+      recs, desc = recs[idx], desc[idx]
+    part = {"n": len(desc)}
+    for field, key, dtype in _INFO_FIELDS:
+      part[key] = np.ascontiguousarray(recs[field], dtype).tobytes()
+    if idx is not None:
+      part["pos"] = idx.astype("<u4").tobytes()
+    if pins is None:
+      ncols = len(chunks.item_columns(self._seg, int(desc[0])))
+      part["cols"] = [wire.encode_array(chunks.gather_column(self._seg, desc, c))
+                      for c in range(ncols)]
+    else:
+      items = chunks.read_items(self._seg, desc, pins)
+      part["items"] = [[_encode_column(c) for c in item] for item in items]
+    return part
 
   # ---- writing
-  def _write(self, request_iterator, context):
-    self._authorize(context)
-    inbox = _Inbox(request_iterator, self._config.max_message_bytes)
-    stream = _WriteStream(self, context, lambda: inbox.closed)
-    try:
-      while True:
-        msgs = inbox.take()
-        if not msgs:
-          return
-        for msg in msgs:
-          for early_ack in stream.handle_message(msg):
-            yield from wire.frames(wire.pack(early_ack))
-        ack = stream.ack()
-        if ack is not None:
-          yield from wire.frames(wire.pack(ack))
-    except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
-      self._fail(context, e)
-    finally:
-      inbox.stop()
-      stream.close()
+  async def _write(self, request_iterator, context):
+    async with self._streaming(context) as cancelled:
+      inbox = _Inbox(context, self._config.max_message_bytes)
+      stream = _WriteStream(self, cancelled, lambda: inbox.closed)
+      emit = functools.partial(self._write_msg, context)
+      try:
+        loop = asyncio.get_running_loop()
+        last_ack = loop.time()
+        while True:
+          msgs = await inbox.take(timeout=_ACK_DELAY_S if stream.has_ack else None)
+          for msg in msgs or ():
+            await self._drive(stream.handle_message(msg), emit)
+          # Acks go out when asked for, every _ACK_ITEMS items or _ACK_DELAY_S, and at the end.
+          if (msgs is None or inbox.closed or stream.wants_ack or
+              stream.has_ack and loop.time() - last_ack >= _ACK_DELAY_S):
+            ack = stream.ack()
+            if ack is not None:
+              await emit(ack)
+              last_ack = loop.time()
+          if msgs is None:
+            return
+      finally:
+        inbox.stop()
+        stream.close()
 
 
 # Sample reply fields: SAMPLE_REC field, wire key, wire dtype (raw arrays of n values).
@@ -358,15 +558,6 @@ def _credits(msgs) -> int:
   return sum(wire.get_int(m, "credit", 1, _MAX_CREDIT) for m in msgs)
 
 
-def _encode_batch_column(arrays: list) -> dict:
-  """One column of a batch of samples: stacked when every item has the same numeric shape."""
-  first = arrays[0]
-  if first.dtype.kind != "O" and all(
-      a.dtype == first.dtype and a.shape == first.shape for a in arrays):
-    return wire.encode_array(np.stack(arrays))
-  return {"l": [_encode_column(a) for a in arrays]}
-
-
 def _encode_column(col: np.ndarray) -> dict:
   if col.dtype.kind == "O":
     flat = [x.item() if isinstance(x, np.generic) else x for x in col.reshape(-1)]
@@ -375,7 +566,7 @@ def _encode_column(col: np.ndarray) -> dict:
 
 
 class _Inbox:
-  """Logical messages of a client stream, read by a thread of their own.
+  """Logical messages of a client stream, read by a task of their own on the event loop.
 
   The handler takes every message that has arrived at once (so it can answer a burst with one
   reply) and learns when the client closed its side (`closed`) while it is busy.
@@ -383,51 +574,61 @@ class _Inbox:
 
   _MAX_QUEUED_BYTES = 64 << 20
 
-  def __init__(self, request_iterator, max_bytes: int):
-    self._it = request_iterator
+  def __init__(self, context, max_bytes: int):
+    self._context = context
     self._asm = wire.Reassembler(max_bytes)
-    self._cond = threading.Condition()
+    self._cond = asyncio.Condition()
     self._msgs = []
     self._queued_bytes = 0
     self._error = None
-    self._stop = False
     self.closed = False   # the client half-closed its side, or the call ended
-    threading.Thread(target=self._run, daemon=True, name="reverb_shm-bridge-inbox").start()
+    self._task = asyncio.ensure_future(self._run())
 
-  def _run(self) -> None:
+  async def _run(self) -> None:
     error, size = None, 0
     try:
-      for frame in self._it:
+      while True:
+        frame = await self._context.read()
+        if frame is grpc.aio.EOF:
+          break
         size += len(frame)
         msg = self._asm.feed(frame)
         if msg is None:
           continue
-        with self._cond:
-          while self._queued_bytes > self._MAX_QUEUED_BYTES and not self._stop:
-            self._cond.wait()    # back-pressure: the handler is behind
-          if self._stop:
-            return
+        async with self._cond:
+          # back-pressure: the handler is behind
+          await self._cond.wait_for(lambda: self._queued_bytes <= self._MAX_QUEUED_BYTES)
           self._msgs.append(msg)
           self._queued_bytes += size
           self._cond.notify_all()
         size = 0
     except wire.BadMessage as e:
       error = e
-    except Exception:  # pylint: disable=broad-except  (the call ended: grpc.RpcError)
+    except asyncio.CancelledError:
       pass
-    with self._cond:
-      self._error, self.closed = error, True
+    except Exception:  # pylint: disable=broad-except  (the call ended)
+      pass
+    self._error, self.closed = error, True
+    async with self._cond:
       self._cond.notify_all()
 
-  def take(self, block: bool = True) -> Optional[list]:
-    """Every message received so far (waiting for one if `block`); None at the end.
+  async def take(self, block: bool = True, timeout: Optional[float] = None) -> Optional[list]:
+    """Every message received so far (waiting for one if `block`, up to `timeout` seconds if
+    given: [] when none came); None at the end.
 
     Raises:
       BadMessage: the client sent a malformed frame (after the messages before it).
     """
-    with self._cond:
-      while block and not self._msgs and not self.closed:
-        self._cond.wait()
+    async with self._cond:
+      if block:
+        ready = self._cond.wait_for(lambda: self._msgs or self.closed)
+        if timeout is None:
+          await ready
+        else:
+          try:
+            await asyncio.wait_for(ready, timeout)
+          except asyncio.TimeoutError:
+            return []
       msgs, self._msgs, self._queued_bytes = self._msgs, [], 0
       self._cond.notify_all()
       if not msgs and self._error is not None:
@@ -435,39 +636,94 @@ class _Inbox:
       return msgs or None
 
   def stop(self) -> None:
-    with self._cond:
-      self._stop = True
-      self._cond.notify_all()
+    self._task.cancel()
+
+
+class _StepLayout:
+  """The columns of "step" ops of one layout: their ColumnWriter, byte ranges in the op's data,
+  and the tables whose signature they were checked against."""
+
+  def __init__(self, columns):
+    self.columns = chunks.ColumnWriter(columns)
+    self.bounds, start = [], 0
+    for dtype, shape in columns:
+      end = start + dtype.itemsize * math.prod(shape)
+      self.bounds.append((start, end))
+      start = end
+    self.nbytes = start
+    self._specs = [(dtype, (1,) + shape) for dtype, shape in columns]
+    self._checked = set()
+
+  def check(self, table: str, st: SharedTable) -> None:
+    """ValueError unless the columns match `table`'s signature (checked once per table)."""
+    if table not in self._checked:
+      signature = st.signature
+      if signature is not None:
+        tw.check_signature(table, structure.flatten(signature)[0], self._specs,
+                           allow_unbatched=True)
+      self._checked.add(table)
 
 
 class _WriteStream:
   """State of one Write stream: the chunks it wrote, by the client's chunk ids, and the
   outcome of the "items" ops since the last acknowledgement."""
 
-  def __init__(self, bridge: Bridge, context, closing):
+  def __init__(self, bridge: Bridge, cancelled: threading.Event, closing):
     self._bridge = bridge
     self._seg = bridge._seg  # pylint: disable=protected-access
-    self._context = context
+    self._cancelled = cancelled   # set when the call ended
     self._closing = closing   # () -> whether the client closed its side
     self._max_chunks = bridge._config.max_stream_chunks  # pylint: disable=protected-access
     self._chunks: Dict[int, chunks.Chunk] = {}
     self._failed: Dict[int, BaseException] = {}
     self._upto = None       # seq of the last "items" op handled since the last ack
     self._errs = []         # [seq, inserted, error class, message] of failed ones
+    self._unacked = 0       # items handled since the last ack
+    self._sync = False      # the client waits for an ack ("sync" op)
+
+  @property
+  def has_ack(self) -> bool:
+    """Whether items were handled since the last ack."""
+    return self._upto is not None
+
+  @property
+  def wants_ack(self) -> bool:
+    """Whether the ack is due: the client asked for it, or _ACK_ITEMS items wait for it."""
+    return self._upto is not None and (self._sync or self._unacked >= _ACK_ITEMS)
 
   def handle_message(self, msg: dict):
     """Handles one logical message: an op, or {"ops": [op, ...]} in order.
 
-    Yields the acks that must go out before an insert that waits for its rate limiter.
+    Yields the acks that must go out before an insert that waits for its rate limiter, and
+    the _Blocking waits of such inserts (see Bridge._drive).
     """
     ops = [msg] if "op" in msg else wire.get_list(msg, "ops", _MAX_OPS_PER_MESSAGE)
+    run = []   # prepared items ops of one table, inserted together (see _items_run)
     for op in ops:
       if not isinstance(op, dict):
         raise wire.BadMessage(f"Write ops must be maps, got {type(op).__name__}")
-      if wire.get_str(op, "op") == "items":
-        yield from self._items(op)
+      kind = wire.get_str(op, "op")
+      if kind == "items":
+        prepared = self._prepare_items(op)
+        if prepared is None:
+          continue
+        if run and (prepared[1] is not run[0][1] or prepared[5] is not None):
+          yield from self._items_run(run)
+          run = []
+        if prepared[5] is None:
+          run.append(prepared)
+        else:
+          yield from self._items(prepared)
+        continue
+      if kind in ("drop", "step") and run:   # a drop may release chunks of the run's items
+        yield from self._items_run(run)
+        run = []
+      if kind == "step":
+        yield from self._step(op)
       else:
         self.handle(op)
+    if run:
+      yield from self._items_run(run)
 
   def ack(self) -> Optional[dict]:
     """{"upto": seq, "errs": [...]} for the items ops handled since the last ack, or None.
@@ -477,7 +733,7 @@ class _WriteStream:
     if self._upto is None:
       return None
     ack = {"upto": self._upto, "errs": self._errs}
-    self._upto, self._errs = None, []
+    self._upto, self._errs, self._unacked, self._sync = None, [], 0, False
     return ack
 
   def close(self) -> None:
@@ -486,8 +742,11 @@ class _WriteStream:
     self._chunks.clear()
 
   def handle(self, msg: dict) -> None:
-    """Handles a chunk / rows / obj / drop op."""
+    """Handles a chunk / rows / obj / drop / sync op."""
     op = wire.get_str(msg, "op")
+    if op == "sync":
+      self._sync = True
+      return
     if op == "drop":
       for cid in wire.get_list(msg, "ids", self._max_chunks):
         if isinstance(cid, int) and not isinstance(cid, bool):
@@ -577,8 +836,9 @@ class _WriteStream:
     self._chunks[cid] = chunks.object_chunk(self._seg, values, episode_id=episode,
                                             start_step=step)
 
-  def _items(self, msg: dict):
-    """Inserts the items of an "items" op; yields the pending ack first if it would wait."""
+  def _prepare_items(self, msg: dict) -> Optional[tuple]:
+    """(seq, table, keys, priorities, descriptors, timeout_ms) of a validated "items" op, or
+    None after recording its error (BadMessage propagates)."""
     seq = wire.get_int(msg, "seq", 0, 2**63)
     try:
       st = self._bridge._table(wire.get_str(msg, "table"))  # pylint: disable=protected-access
@@ -588,19 +848,59 @@ class _WriteStream:
       if len(descs) != len(keys):
         raise wire.BadMessage(f"{len(keys)} keys for {len(descs)} item descriptors")
       timeout_ms = wire.timeout_field(msg)
-      blob, offs = chunks.join_descriptors([self._descriptor(d) for d in descs])
-      if self._upto is not None and len(keys) and not st.can_insert(len(keys)):
-        yield self.ack()   # confirm the earlier items before waiting for the limiter
-      self._upto = seq
-      self._insert(st, keys, prios, blob, offs, timeout_ms)
+      return seq, st, keys, prios, [self._descriptor(d) for d in descs], timeout_ms
     except wire.BadMessage:
       raise
+    except (errors.ReverbError, ValueError, TypeError) as e:
+      self._upto = seq
+      self._errs.append([seq, 0, wire.error_name(e), str(e)])
+      return None
+
+  def _items(self, prepared: tuple, start: int = 0):
+    """Inserts the items [start:] of a prepared "items" op; yields the pending ack first if it
+    would wait."""
+    seq, st, keys, prios, descs, timeout_ms = prepared
+    try:
+      blob, offs = chunks.join_descriptors(descs)
+      if self._upto is not None and len(keys) and not st.can_insert(len(keys) - start):
+        yield self.ack()   # confirm the earlier items before waiting for the limiter
+      self._upto = seq
+      self._unacked += len(keys) - start
+      yield from self._insert(st, keys, prios, blob, offs, timeout_ms, start)
     except errors.DeadlineExceededError as e:
       self._upto = seq
       self._errs.append([seq, e.inserted, wire.error_name(e), str(e)])
     except (errors.ReverbError, ValueError, TypeError) as e:
       self._upto = seq
       self._errs.append([seq, 0, wire.error_name(e), str(e)])
+
+  def _items_run(self, run: list):
+    """Inserts consecutive prepared "items" ops of one table (no timeouts) with one call when
+    the limiter admits them all at once; from the first item it holds back, op by op."""
+    first = 0
+    if len(run) > 1:
+      st = run[0][1]
+      keys = np.concatenate([p[2] for p in run])
+      try:
+        blob, offs = chunks.join_descriptors([d for p in run for d in p[4]])
+        st.insert_descriptors(keys, np.concatenate([p[3] for p in run]), blob, offs, 0)
+        done = len(keys)
+      except errors.DeadlineExceededError as e:
+        done = e.inserted
+      except (errors.ReverbError, ValueError, TypeError):
+        done = 0          # an invalid item: op by op, which reports it for its op alone
+      for p in run:       # the ops inserted whole
+        if done < len(p[2]):
+          break
+        done -= len(p[2])
+        self._upto = p[0]
+        self._unacked += len(p[2])
+        first += 1
+      if first < len(run) and done:
+        yield from self._items(run[first], done)   # the rest of a partly inserted op
+        first += 1
+    for p in run[first:]:
+      yield from self._items(p)
 
   def _descriptor(self, desc) -> bytes:
     """An item descriptor with stream chunk ids replaced by arena offsets (all validated)."""
@@ -631,29 +931,115 @@ class _WriteStream:
       columns.append((slices, col[1]))
     return chunks.encode_descriptor(columns)
 
-  def _insert(self, st: SharedTable, keys, prios, blob, offs, timeout_ms) -> int:
-    """Inserts in slices of _SLICE_MS so a cancelled call stops waiting; returns n.
+  def _insert(self, st: SharedTable, keys, prios, blob, offs, timeout_ms, start: int = 0):
+    """Inserts the items [start:]; a generator returning n (see _insert_with)."""
+    def attempt(done: int, wait_ms: int) -> None:
+      start, end = int(offs[done]), int(offs[-1])
+      st.insert_descriptors(keys[done:], prios[done:], blob[start:end], offs[done:] - offs[done],
+                            wait_ms)
+    return (yield from self._insert_with(st, len(keys), attempt, timeout_ms, start))
 
+  def _insert_with(self, st: SharedTable, n: int, attempt, timeout_ms, start: int = 0):
+    """Inserts n items by `attempt(done, wait_ms)` (inserts items [done:] waiting up to
+    wait_ms, raising DeadlineExceededError with `inserted`); a generator returning n.
+
+    The first attempt does not wait. If the limiter holds items back, the rest is inserted by
+    a _Blocking call that waits in slices of _SLICE_MS (so a cancelled call stops waiting).
     Once the client closed its side, items are inserted only if the limiter admits them at
     once (as a local writer's close() does).
     """
-    n = len(keys)
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-    done = 0
+    try:
+      attempt(start, 0)
+      return n
+    except errors.DeadlineExceededError as e:
+      done = start + e.inserted
+    if self._closing() or timeout_ms == 0:
+      raise self._timeout(st, n, done, timeout_ms, "")
+    return (yield _Blocking(lambda: self._insert_waiting(st, n, attempt, timeout_ms, deadline,
+                                                         done)))
+
+  def _insert_waiting(self, st: SharedTable, n: int, attempt, timeout_ms,
+                      deadline: Optional[float], done: int) -> int:
+    """Inserts items [done:] waiting for the limiter (on the thread pool); returns n."""
     while True:
       if self._closing():
         deadline = time.monotonic()
       wait_ms = _SLICE_MS if deadline is None else max(
           0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
-      start, end = int(offs[done]), int(offs[-1])
       try:
-        st.insert_descriptors(keys[done:], prios[done:], blob[start:end],
-                              offs[done:] - offs[done], wait_ms)
+        attempt(done, wait_ms)
         return n
       except errors.DeadlineExceededError as e:
         done += e.inserted
         expired = deadline is not None and time.monotonic() >= deadline
-        if expired or not self._context.is_active():
-          raise errors.DeadlineExceededError(
-              f"Rate limiter timeout on table {st.name!r}: insert blocked for {timeout_ms} ms; "
-              f"{done} of {n} items inserted ({e})", inserted=done) from None
+        if expired or self._cancelled.is_set():
+          raise self._timeout(st, n, done, timeout_ms, f" ({e})") from None
+
+  def _step(self, msg: dict):
+    """A "step" op: one numeric step written as single-row chunks (one C call) and inserted as
+    a one-step item into each listed table in order (Client.insert's message).
+
+    {"op": "step", "cols": [[dtype, shape], ...], "b": the rows' bytes, column after column,
+     "ep": episode id, "timeout_ms", "items": [[seq, table, key, priority], ...]}
+
+    A failing table ends the op (the tables before it keep their item), as Client.insert.
+    """
+    writer = self._bridge._column_writer(msg.get("cols"))  # pylint: disable=protected-access
+    data = wire.get(msg, "b", bytes)
+    if len(data) != writer.nbytes:
+      raise wire.BadMessage(f"step data holds {len(data)} bytes, its columns need "
+                            f"{writer.nbytes}")
+    episode = wire.get_int(msg, "ep", 0, 2**64 - 1)
+    timeout_ms = wire.timeout_field(msg)
+    entries = wire.get_list(msg, "items", _MAX_COLUMNS)
+    for entry in entries:
+      if (not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[1], str)
+          or any(isinstance(x, bool) or not isinstance(x, int) for x in (entry[0], entry[2]))
+          or not 0 <= entry[0] < 2**63 or not 0 <= entry[2] < 2**64
+          or not isinstance(entry[3], (int, float)) or isinstance(entry[3], bool)):
+        raise wire.BadMessage("step items must be [seq, table, key, priority]")
+    if not entries:
+      return
+    view = memoryview(data)
+    arrays = [view[a:b] for a, b in writer.bounds]
+    slices = pins = None
+    try:
+      for seq, table, key, prio in entries:
+        self._upto = seq
+        try:
+          if slices is None:
+            offs, pins = writer.columns.write(self._seg, arrays, 1, episode)
+            slices = ffi.new("rs_desc_slice[]", [(off, 0, 1) for off in offs])
+          st = self._bridge._table(table)  # pylint: disable=protected-access
+          yield from self._insert_step(st, writer, slices, table, key, prio, timeout_ms)
+        except errors.DeadlineExceededError as e:
+          self._errs.append([seq, e.inserted, wire.error_name(e), str(e)])
+          return
+        except (errors.ReverbError, ValueError, TypeError) as e:
+          self._errs.append([seq, 0, wire.error_name(e), str(e)])
+          return
+    finally:
+      if pins is not None:
+        pins.release()
+
+  def _insert_step(self, st: SharedTable, writer: _StepLayout, slices, table: str, key: int,
+                   prio, timeout_ms):
+    """Inserts the one-step item over `slices` (C rs_desc_slice[]); a generator returning 1."""
+    writer.check(table, st)
+    prios = st._priorities(prio, 1)  # pylint: disable=protected-access
+    keys_c = ffi.new("uint64_t *", key)
+    prios_c = ffi.from_buffer("double[]", prios)
+    columns = writer.columns
+
+    def attempt(done: int, wait_ms: int) -> None:
+      if not done:
+        st._insert_slices_validated(  # pylint: disable=protected-access
+            1, keys_c, prios_c, columns, slices, 0, timeouts.deadline_from_ms(wait_ms), wait_ms)
+    return (yield from self._insert_with(st, 1, attempt, timeout_ms))
+
+  @staticmethod
+  def _timeout(st: SharedTable, n: int, done: int, timeout_ms, detail: str):
+    return errors.DeadlineExceededError(
+        f"Rate limiter timeout on table {st.name!r}: insert blocked for {timeout_ms} ms; "
+        f"{done} of {n} items inserted{detail}", inserted=done)

@@ -2,13 +2,13 @@
 
 A WriteSession (one per TrajectoryWriter) owns one Write stream. `insert` turns items whose
 descriptors point into this process's staging segment into ops (each staging chunk is sent
-once, its new rows as they are first needed) and hands them to the stream without waiting; the
-bridge confirms the items in batches. Ops queued within a couple of milliseconds travel
-together as one message. `await_inserts` waits for confirmations (flush, end_episode) within
-a deadline; `close`
-half-closes the stream, after which the bridge inserts what the rate limiters admit at once,
-and reports items it could not insert. An error the bridge reports for an item is raised by
-the session's next call.
+once, its new rows as they are first needed) and hands them to the stream without waiting. Ops
+queued within a few milliseconds travel together as one message. The bridge confirms the
+items in batches: every 512 items or 20 ms, and at once after a "sync" op, which a caller
+waiting for confirmations sends. `await_inserts` waits for confirmations (flush,
+end_episode) within a deadline; `close` half-closes the stream, after which the bridge
+inserts what the rate limiters admit at once, and reports items it could not insert. An
+error the bridge reports for an item is raised by the session's next call.
 
 The bytes sent for a chunk are kept while an unconfirmed item or the LRU of sent chunks
 (bounded by `sent_bytes_budget`) refers to it. If the stream breaks, the session reconnects
@@ -17,6 +17,7 @@ with its chunks and original keys (re-inserting a key only updates that item's p
 """
 import collections
 import itertools
+import queue
 import sys
 import threading
 import time
@@ -78,15 +79,18 @@ class _Stream:
     self._cond = threading.Condition()
     self._out = []
     self._closing = False
+    self._urgent = False
     self.call = conn.method("Write", "stream_stream")(self._requests(), metadata=conn.metadata)
     self._on_ack, self._on_end = on_ack, on_end
     threading.Thread(target=self._read, daemon=True, name="reverb_shm-remote-acks").start()
 
-  def send(self, ops: list) -> None:
+  def send(self, ops: list, urgent: bool = False) -> None:
+    """Queues ops; `urgent`: sent without lingering for more."""
     with self._cond:
-      if not self._out:
+      if not self._out or urgent:
         self._cond.notify()   # else the sender is awake already
       self._out.extend(ops)
+      self._urgent = self._urgent or urgent
 
   def half_close(self) -> None:
     with self._cond:
@@ -104,9 +108,9 @@ class _Stream:
           self._cond.wait()
         if not self._out:
           return
-        if not self._closing and len(self._out) < _LINGER_OPS:
+        if not (self._closing or self._urgent) and len(self._out) < _LINGER_OPS:
           self._cond.wait(_LINGER_S)   # let a burst of ops gather into one message
-        ops, self._out = self._out, []
+        ops, self._out, self._urgent = self._out, [], False
       yield from wire.frames(wire.pack(ops[0] if len(ops) == 1 else {"ops": ops}))
 
   def _read(self) -> None:
@@ -193,25 +197,40 @@ class WriteSession:
     """Queues n items (uint64 keys, float64 priorities, descriptors into the staging segment)
     for the bridge; returns n without waiting for their confirmation.
 
+    keys / prios are arrays or their little-endian bytes; offs: the n+1 descriptor offsets in
+    `blob` (an array or a list of ints).
+
     Raises:
       DeadlineExceededError (inserted=0): too many items are unconfirmed and none were
         confirmed before `deadline_ns` (0: do not wait, -1: no deadline).
       The error the bridge reported for an earlier item; ServerUnavailableError.
     """
-    n = len(keys)
+    n = len(offs) - 1
+    if not isinstance(keys, bytes):
+      keys = np.ascontiguousarray(keys, "<u8").tobytes()
+    if not isinstance(prios, bytes):
+      prios = np.ascontiguousarray(prios, "<f8").tobytes()
+    starts = offs[:-1] if isinstance(offs, list) else offs[:-1].tolist()
     with self._lock:
-      self._wait(lambda: self._in_flight_items == 0 or (
-          self._in_flight_items + n <= MAX_IN_FLIGHT_ITEMS
-          and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES), deadline_ns,
+      stream = self._stream
+      # Fast path without the ack thread's lock: a healthy stream with room (acks only
+      # lower the counters, so a stale read errs on the safe side).
+      if (stream is None or stream.ended or self._error is not None or self._stale
+          or self._in_flight_items + n > MAX_IN_FLIGHT_ITEMS
+          or self._in_flight_bytes >= MAX_IN_FLIGHT_BYTES) and self._in_flight_items:
+        self._wait(lambda: self._in_flight_items == 0 or (
+            self._in_flight_items + n <= MAX_IN_FLIGHT_ITEMS
+            and self._in_flight_bytes < MAX_IN_FLIGHT_BYTES), deadline_ns,
                  lambda: errors.DeadlineExceededError(
                      f"{self._in_flight_items} items sent to bridge {self._address} await "
                      f"confirmation (the bridge's rate limiter is behind); 0 of {n} items sent "
                      f"within timeout_ms={timeout_ms}", inserted=0))
-      batch = _Batch(next(self._seqs), table, np.ascontiguousarray(keys, "<u8").tobytes(),
-                     np.ascontiguousarray(prios, "<f8").tobytes(), n)
+      elif stream is None or stream.ended or self._error is not None or self._stale:
+        self._wait(lambda: True, deadline_ns, None)   # (re)connects; raises a pending error
+      batch = _Batch(next(self._seqs), table, keys, prios, n)
       ops = []
       staging = self._staging()
-      for start in offs[:-1].tolist():
+      for start in starts:
         item = []
         for slices, squeeze in chunks.decode_descriptor(blob, start):
           column = []
@@ -347,8 +366,8 @@ class WriteSession:
             self._sent[chunk.off] = chunk
             self._sent_bytes += chunk.size
       ops.append(_items_op(batch))
-    if ops:
-      self._stream.send(ops)
+    if ops:   # confirmed at once: a caller may be waiting for them
+      self._stream.send(ops + [{"op": "sync"}], urgent=True)
 
   def _recover(self) -> None:
     """Reopens a broken stream (with backoff) or raises once reconnect_timeout_s passed."""
@@ -380,6 +399,8 @@ class WriteSession:
     """Waits (reconnecting as needed) until `ready()`; raises timeout_error() at the deadline."""
     self._ensure_stream()
     self._raise_error()
+    if not ready():
+      self._stream.send([{"op": "sync"}], urgent=True)   # the bridge acks at once
     while True:
       with self._cond:
         while not self._stream.ended:
@@ -405,7 +426,13 @@ class WriteSession:
       tables = list(dict.fromkeys(batch.table for batch in self._unconfirmed.values()))
     return "; ".join(filter(None, map(self._describe, tables)))
 
+  def has_error(self) -> bool:
+    """Whether the bridge reported an error that the next call raises."""
+    return self._error is not None
+
   def _raise_error(self) -> None:
+    if self._error is None and not self._stale:
+      return     # (set by the ack thread; checked again under the lock otherwise)
     with self._cond:
       error, self._error = self._error, None
       stale, self._stale = self._stale, []
@@ -470,11 +497,43 @@ def _new_chunk(staging, off: int, header, identity: tuple) -> _SentChunk:
   return chunk
 
 
+class InsertStream:
+  """One persistent Insert call of a connection: one request message per Client.insert, one
+  reply (its ack) per request. Used by one caller at a time (see OneMessageInserter)."""
+
+  def __init__(self, conn):
+    self._out = queue.SimpleQueue()
+    self._asm = wire.Reassembler()
+    self._call = conn.method("Insert", "stream_stream")(self._requests(), metadata=conn.metadata)
+
+  def _requests(self):
+    while True:
+      frame = self._out.get()
+      if frame is None:
+        return
+      yield frame
+
+  def round_trip(self, payload: bytes) -> dict:
+    """Sends one encoded message; returns the bridge's reply (raises grpc.RpcError)."""
+    for frame in wire.frames(payload):
+      self._out.put(frame)
+    for frame in self._call:
+      reply = self._asm.feed(frame)
+      if reply is not None:
+        return reply
+    raise _LocalRpcError(grpc.StatusCode.UNAVAILABLE, "the bridge ended the insert stream")
+
+  def close(self) -> None:
+    self._out.put(None)
+    self._call.cancel()
+
+
 class OneMessageInserter:
   """Client.insert's path: the ops of one call (its chunks, whole, and its items) travel as
-  one unary Insert call (or, above one frame, over a Write stream of their own); `send`
-  returns when the bridge confirmed them. Retried with backoff while the bridge is
-  unreachable, for up to `reconnect_timeout_s` (a re-sent item keeps its key).
+  one message on a persistent Insert stream of the connection (taken from its idle ones, or
+  opened); `send` returns when the bridge confirmed them. Retried with backoff on a new
+  stream while the bridge is unreachable, for up to `reconnect_timeout_s` (a re-sent item
+  keeps its key). A call interrupted before its reply (Ctrl-C) cancels its stream.
   """
 
   def __init__(self, address: str, connection: Callable, reconnect_timeout_s: float,
@@ -495,13 +554,17 @@ class OneMessageInserter:
     backoff = BACKOFF_START_S
     while True:
       conn = self._connection()
+      idle = conn.insert_streams
       try:
-        if len(payload) <= wire.FRAME_BYTES:
-          ack = wire.unpack(conn.method("Insert")(payload, metadata=conn.metadata))
-        else:
-          ack = self._send_framed(conn, payload)
+        stream = idle.pop()
+      except IndexError:
+        stream = InsertStream(conn)
+      try:
+        ack = stream.round_trip(payload)
+        idle.append(stream)
         break
       except grpc.RpcError as e:
+        stream.close()
         now = time.monotonic()
         if e.code() not in RETRYABLE:
           raise self._rpc_error(e, self._address) from None
@@ -511,29 +574,12 @@ class OneMessageInserter:
               f"{self._reconnect_s}: {self._rpc_error(e, self._address)}") from None
         time.sleep(min(backoff, give_up - now))
         backoff = min(2 * backoff, BACKOFF_MAX_S)
+      except BaseException:
+        stream.close()   # its reply is still due: the stream cannot be reused
+        raise
     for err in ack.get("errs") or ():
       if isinstance(err, list) and len(err) == 4:
         raise wire.make_error(err[2], err[3], inserted=err[1])
-
-  @staticmethod
-  def _send_framed(conn, payload: bytes) -> dict:
-    """Sends one large message over a Write stream of its own; returns the bridge's ack."""
-    done = threading.Event()
-
-    def requests():   # stays open until the ack: a half-closed stream stops waiting
-      yield from wire.frames(payload)
-      done.wait()
-    call = conn.method("Write", "stream_stream")(requests(), metadata=conn.metadata)
-    asm = wire.Reassembler()
-    try:
-      for frame in call:
-        ack = asm.feed(frame)
-        if ack is not None:
-          return ack
-    finally:
-      done.set()
-      call.cancel()
-    return {}
 
 
 def _items_op(batch: _Batch) -> dict:
