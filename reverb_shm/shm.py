@@ -716,8 +716,10 @@ def remove_stale(dry_run: bool = False, names: Optional[Iterable[str]] = None) -
   """
   if names is not None:
     names = _segment_names(names)
-  removed = [row["path"] for row in _scan(names, reclaim=not dry_run) if not row["alive"]]
-  return removed + prune_stale_aliases(dry_run, names) + _prune_orphan_sidecars(dry_run, names)
+  stale = [row for row in _scan(names, reclaim=not dry_run) if not row["alive"]]
+  doomed = {row["name"] for row in stale}   # a dry run leaves them, yet reports their sidecars
+  return ([row["path"] for row in stale] + prune_stale_aliases(dry_run, names) +
+          _prune_orphan_sidecars(dry_run, names, doomed))
 
 
 def sidecar_path(name: str, kind: str) -> str:
@@ -729,12 +731,13 @@ def sidecar_path(name: str, kind: str) -> str:
   return os.path.join(SHM_DIR, f"{_PREFIX[:-1]}-{kind}.{validate_server_name(name)}")
 
 
-def _prune_orphan_sidecars(dry_run: bool, names) -> List[str]:
+def _prune_orphan_sidecars(dry_run: bool, names, doomed: Iterable[str] = ()) -> List[str]:
+  """Sidecars whose segment is gone (or in `doomed`: stale segments being removed)."""
   def is_stale(entry: str) -> bool:
     if not entry.startswith(_PREFIX[:-1] + "-") or "." not in entry:
       return False
     name = entry.split(".", 1)[1]
     return (bool(_NAME_RE.fullmatch(name)) and (names is None or name in names)
-            and not os.path.exists(segment_path(name)))
+            and (name in doomed or not os.path.exists(segment_path(name))))
 
   return _unlink_stale_files(is_stale, dry_run)

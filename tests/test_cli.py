@@ -73,6 +73,9 @@ def test_gc_removes_segment_of_a_killed_server(server_name, capsys):
   # Only this test's server: the suite never removes other people's stale segments.
   assert cli.main(["gc", server_name, "--dry-run"]) == 0
   assert os.path.exists(path)
+  dry = capsys.readouterr().out   # the dry run names what the real one removes
+  assert f"would remove /dev/shm/rvshm-checkpointer.{server_name}" in dry, dry
+  assert "would remove 3 stale object(s)" in dry, dry
   assert cli.main(["gc", server_name]) == 0
   out = capsys.readouterr().out
   assert path in out and f"/dev/shm/rvshm.port.{port}" in out
