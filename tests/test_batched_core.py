@@ -151,6 +151,28 @@ def test_uniform_batched_draws_are_uniform(server_factory, n_items):
   assert counts.min() > 0
 
 
+@pytest.mark.parametrize("deleted", [100, 600])
+def test_uniform_draws_over_a_table_with_free_records_are_uniform(server_factory, deleted):
+  """100 of 1000 deleted: picks draw records directly and reject the free ones; 600 deleted:
+  picks go through the dense array. Either way each live item has probability 1/size."""
+  (st,) = _tables(server_factory, selectors.Uniform(), selectors.Fifo(), 1000, names=("t",))
+  _insert(st, np.arange(1000), np.ones(1000))
+  gone = np.random.default_rng(deleted).choice(1000, deleted, replace=False)
+  assert st.delete(gone.astype(np.uint64)) == deleted
+  live = np.setdiff1d(np.arange(1000), gone)
+  n = 100_000
+  infos = [st.sample_batch(5000, timeout_ms=0).info for _ in range(n // 5000)]
+  keys = np.concatenate([i.key for i in infos]).astype(np.int64)
+  np.testing.assert_array_equal(np.concatenate([i.probability for i in infos]), 1 / len(live))
+  counts = np.bincount(keys, minlength=1000)
+  assert counts[gone].sum() == 0
+  counts = counts[live]
+  expected = n / len(live)
+  chi2 = ((counts - expected)**2 / expected).sum()
+  assert chi2 < (len(live) - 1) + 6 * np.sqrt(2 * (len(live) - 1))
+  st.check()
+
+
 def test_gather_copies_rows_of_every_small_size(server_factory):
   """Single-slice rows of 1..64 bytes (the inlined copy sizes and others) and a multi-row column."""
   sizes = [1, 2, 3, 4, 8, 12, 16, 24, 32, 40, 64, 72]
