@@ -120,7 +120,7 @@ static void pick_records(void *base, rs_table_hdr *th, uint32_t k, uint32_t *rec
     rs_rand_fill(bits, m);
     for (uint32_t j = 0; j < m; j++) {
       recs_out[b + j] = rs_rand_below(bits[j], cap);
-      __builtin_prefetch(&recs[recs_out[b + j]], 1);
+      __builtin_prefetch(&recs[recs_out[b + j]], 1, 1);   /* hint L2, as gather_round */
     }
   }
   for (uint32_t j = 0; j < k; j++) {
