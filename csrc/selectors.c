@@ -124,17 +124,25 @@ static inline void draw_positions(uint32_t k, uint32_t bound, uint32_t *out, con
   }
 }
 
+/* Draws per pick_records pick before it takes the pick from the dense array instead (each
+ * draw is rejected with probability < 1/4: 1 pick in 4**REJECT_DRAWS goes there). */
+#define REJECT_DRAWS 32
+
 /* k uniform picks among the table's live records by rejection: a draw over all cap records is
- * kept when the record is valid, so every live item has probability 1/size (exact). The record
- * lines read here are the ones sample_round reads next. */
+ * kept when the record is valid, so every live item has probability 1/size (exact); a pick
+ * that draws REJECT_DRAWS free records in a row is drawn from the dense array, uniform too,
+ * so that the loop is bounded. The record lines read here are the ones sample_round reads
+ * next. */
 static void pick_records(void *base, rs_table_hdr *th, uint32_t k, uint32_t *recs_out, double *probs) {
   const rs_rec *recs = rs_recs(base, th);
-  uint32_t cap = th->cap;
-  double p = 1.0 / (double)th->size;
+  uint32_t cap = th->cap, n = (uint32_t)th->size;
+  double p = 1.0 / (double)n;
   draw_positions(k, cap, recs_out, recs, sizeof *recs, 1);
   for (uint32_t j = 0; j < k; j++) {
     uint32_t r = recs_out[j];
-    while (!recs[r].valid) r = rs_rand_below(rs_rand_u64(), cap);
+    for (int draws = 1; !recs[r].valid; draws++)
+      r = draws < REJECT_DRAWS ? rs_rand_below(rs_rand_u64(), cap)
+                               : rs_dense(base, th)[rs_rand_below(rs_rand_u64(), n)];
     recs_out[j] = r;
     probs[j] = p;
   }
