@@ -42,8 +42,8 @@ int rs_insert_rows(void *base, uint32_t slot, uint32_t table, uint32_t n, uint64
       }
     rc = rs_insert_slices(base, slot, table, n, keys, priorities, ncols, slices, col_flags,
                           deadline_ns, slice_ns, done_out);
-    if (rc != RS_EAGAIN) {   /* the items (if any) hold the chunks now */
-      int urc = rs_unpin(base, slot, ncols, pins_out);
+    if (rc != RS_EAGAIN) {   /* the items (if any) hold the chunks now; pins of this call */
+      int urc = rs_unpin_fresh(base, slot, ncols, pins_out);
       if (rc == RS_OK) rc = urc;
     }
   }
