@@ -285,7 +285,7 @@ void rs_recount(void *base);
 #define RS_STREAM_MIN_BYTES (16u << 10)
 /* memcpy of n bytes into shared memory that no one reads soon (a fresh chunk): from
  * RS_STREAM_MIN_BYTES on, the 64-byte-aligned part of dst is written with non-temporal stores
- * (no read of the destination lines, no eviction of the cache's working set), then fenced. */
+ * (the destination lines are neither read first nor kept in the cache), then fenced. */
 void rs_copy_stream(void *dst, const void *src, uint64_t n);
 
 #endif
