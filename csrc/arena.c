@@ -1043,7 +1043,7 @@ int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hd
   /* The chunks are private to this writer until published: copy without any lock. */
   for (uint32_t c = 0; c < ncols; c++) {
     rs_chunk_hdr *h = rs_chunk(base, offs_out[c]);
-    memcpy((char *)h + CHUNK_DATA_OFF, data[c], nbytes[c]);
+    rs_copy_stream((char *)h + CHUNK_DATA_OFF, data[c], nbytes[c]);
     __atomic_store_n(&h->rows, rows, __ATOMIC_RELEASE);
   }
   return RS_OK;

@@ -281,4 +281,11 @@ int rs_arena_check(void *base, char *report, uint64_t report_len);
 /* Stop-the-world recount (caller holds every table lock and the arena lock). */
 void rs_recount(void *base);
 
+/* ------------------------------------------------------------------ fastpath.c (issue 6, round 3) */
+#define RS_STREAM_MIN_BYTES (16u << 10)
+/* memcpy of n bytes into shared memory that no one reads soon (a fresh chunk): from
+ * RS_STREAM_MIN_BYTES on, the 64-byte-aligned part of dst is written with non-temporal stores
+ * (the destination lines are neither read first nor kept in the cache), then fenced. */
+void rs_copy_stream(void *dst, const void *src, uint64_t n);
+
 #endif

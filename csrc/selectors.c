@@ -100,6 +100,53 @@ void rs_sel_rebuild(void *base, rs_table_hdr *th, int si) {
 
 /* ---------------------------------------------------------------- picking */
 #define PICK_BATCH 64
+/* Uniform picks draw record ids directly (rejecting free records) while at least
+ * DENSE_NUM/DENSE_DEN of the records hold items: fewer than 4/3 draws per pick on average, and
+ * no dense[] read (one cache miss per pick fewer). */
+#define DENSE_NUM 3u
+#define DENSE_DEN 4u
+
+/* k uniform positions in [0, bound) into out[], each element of `array` (elem bytes apart) at
+ * those positions requested as it is drawn, so the scattered reads are all in flight at once
+ * (for writing: the records that sample_round updates). */
+static inline void draw_positions(uint32_t k, uint32_t bound, uint32_t *out, const void *array,
+                                  uint64_t elem, int for_write) {
+  for (uint32_t b = 0; b < k; b += PICK_BATCH) {
+    uint32_t m = k - b < PICK_BATCH ? k - b : PICK_BATCH;
+    uint64_t bits[PICK_BATCH];
+    rs_rand_fill(bits, m);
+    for (uint32_t j = 0; j < m; j++) {
+      out[b + j] = rs_rand_below(bits[j], bound);
+      const char *at = (const char *)array + out[b + j] * elem;
+      if (for_write) __builtin_prefetch(at, 1, 1);   /* hint L2: measured faster here */
+      else __builtin_prefetch(at, 0);
+    }
+  }
+}
+
+/* Draws per pick_records pick before it takes the pick from the dense array instead (each
+ * draw is rejected with probability < 1/4: 1 pick in 4**REJECT_DRAWS goes there). */
+#define REJECT_DRAWS 32
+
+/* k uniform picks among the table's live records by rejection: a draw over all cap records is
+ * kept when the record is valid, so every live item has probability 1/size (exact); a pick
+ * that draws REJECT_DRAWS free records in a row is drawn from the dense array, uniform too,
+ * so that the loop is bounded. The record lines read here are the ones sample_round reads
+ * next. */
+static void pick_records(void *base, rs_table_hdr *th, uint32_t k, uint32_t *recs_out, double *probs) {
+  const rs_rec *recs = rs_recs(base, th);
+  uint32_t cap = th->cap, n = (uint32_t)th->size;
+  double p = 1.0 / (double)n;
+  draw_positions(k, cap, recs_out, recs, sizeof *recs, 1);
+  for (uint32_t j = 0; j < k; j++) {
+    uint32_t r = recs_out[j];
+    for (int draws = 1; !recs[r].valid; draws++)
+      r = draws < REJECT_DRAWS ? rs_rand_below(rs_rand_u64(), cap)
+                               : rs_dense(base, th)[rs_rand_below(rs_rand_u64(), n)];
+    recs_out[j] = r;
+    probs[j] = p;
+  }
+}
 
 void rs_sel_pick(void *base, rs_table_hdr *th, int si, uint32_t k, uint32_t *recs_out,
                  double *probs) {
@@ -126,16 +173,11 @@ void rs_sel_pick(void *base, rs_table_hdr *th, int si, uint32_t k, uint32_t *rec
       /* every weight is 0: uniform over all items */
     } /* fall through */
     case RS_SEL_UNIFORM:
-      /* positions first, so the scattered dense[] reads are all in flight at once */
-      for (uint32_t b = 0; b < k; b += PICK_BATCH) {
-        uint32_t m = k - b < PICK_BATCH ? k - b : PICK_BATCH;
-        uint64_t bits[PICK_BATCH];
-        rs_rand_fill(bits, m);
-        for (uint32_t j = 0; j < m; j++) {
-          recs_out[b + j] = rs_rand_below(bits[j], n);
-          __builtin_prefetch(&dense[recs_out[b + j]], 0);
-        }
+      if ((uint64_t)n * DENSE_DEN >= (uint64_t)th->cap * DENSE_NUM) {
+        pick_records(base, th, k, recs_out, probs);
+        return;
       }
+      draw_positions(k, n, recs_out, dense, sizeof *dense, 0);
       for (uint32_t j = 0; j < k; j++) {
         recs_out[j] = dense[recs_out[j]];
         probs[j] = 1.0 / n;

@@ -1,6 +1,7 @@
 /* The six item selectors (SPEC §3), each usable as the sampler (si 0) or the remover (si 1).
  *
- * Uniform uses the table's dense array and Fifo/Lifo its insertion-order list (both kept by
+ * Uniform draws record ids directly (rejecting free records) while >= 3/4 of the records hold
+ * items, else uses the table's dense array; Fifo/Lifo use its insertion-order list (both kept by
  * table.c for every table); Prioritized keeps a sum tree (leaf = record id) and MinHeap/MaxHeap
  * a binary heap of record ids per selector. Callers hold the table lock. */
 #ifndef RS_SELECTORS_H

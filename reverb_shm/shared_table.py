@@ -5,6 +5,7 @@ argument is validated here before anything reaches shared memory. Thread-safe: t
 locks the table; a SharedTable may be shared between threads.
 """
 import math
+import operator
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -611,7 +612,8 @@ class SharedTable:
     layout = self._gather_layout
     if layout is None:
       return self._sample_batch_first(n, timeout_ms, out)
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n < 2**31:
+    if type(n) is not int and (isinstance(n, bool) or not isinstance(n, (int, np.integer))) or \
+        not 1 <= n < 2**31:
       raise ValueError(f"number of samples must be an int >= 1, got {n!r}")
     if out is None:
       targets = [np.empty((n,) + shape, dtype) for dtype, shape, _ in layout]
@@ -685,7 +687,7 @@ class SharedTable:
     if plan is not None and plan[0] is layout and plan[1] is out:
       leaves = plan[2]
       same = (type(out) in (list, tuple) and len(out) == len(leaves) and
-              all(a is b for a, b in zip(out, leaves)))
+              all(map(operator.is_, out, leaves)))
       if not same:
         same = all(a is b for a, b in zip(structure.flatten(out)[0], leaves))
       if same and plan[3] >= n:

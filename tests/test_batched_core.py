@@ -151,6 +151,28 @@ def test_uniform_batched_draws_are_uniform(server_factory, n_items):
   assert counts.min() > 0
 
 
+@pytest.mark.parametrize("deleted", [100, 600])
+def test_uniform_draws_over_a_table_with_free_records_are_uniform(server_factory, deleted):
+  """100 of 1000 deleted: picks draw records directly and reject the free ones; 600 deleted:
+  picks go through the dense array. Either way each live item has probability 1/size."""
+  (st,) = _tables(server_factory, selectors.Uniform(), selectors.Fifo(), 1000, names=("t",))
+  _insert(st, np.arange(1000), np.ones(1000))
+  gone = np.random.default_rng(deleted).choice(1000, deleted, replace=False)
+  assert st.delete(gone.astype(np.uint64)) == deleted
+  live = np.setdiff1d(np.arange(1000), gone)
+  n = 100_000
+  infos = [st.sample_batch(5000, timeout_ms=0).info for _ in range(n // 5000)]
+  keys = np.concatenate([i.key for i in infos]).astype(np.int64)
+  np.testing.assert_array_equal(np.concatenate([i.probability for i in infos]), 1 / len(live))
+  counts = np.bincount(keys, minlength=1000)
+  assert counts[gone].sum() == 0
+  counts = counts[live]
+  expected = n / len(live)
+  chi2 = ((counts - expected)**2 / expected).sum()
+  assert chi2 < (len(live) - 1) + 6 * np.sqrt(2 * (len(live) - 1))
+  st.check()
+
+
 def test_gather_copies_rows_of_every_small_size(server_factory):
   """Single-slice rows of 1..64 bytes (the inlined copy sizes and others) and a multi-row column."""
   sizes = [1, 2, 3, 4, 8, 12, 16, 24, 32, 40, 64, 72]
@@ -166,6 +188,24 @@ def test_gather_copies_rows_of_every_small_size(server_factory):
   flat = dict(zip(sorted(data), batch.data)) if isinstance(batch.data, list) else batch.data
   for name, column in data.items():
     np.testing.assert_array_equal(np.asarray(flat[name]), column[keys])
+  st.check()
+
+
+@pytest.mark.parametrize("row_bytes", [16383, 16384, 16385, 28224, 40001])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_large_chunks_streamed_into_the_arena_read_back_exactly(server_factory, row_bytes, rows):
+  """Chunks of >= 16 KiB are written with non-temporal stores (aligned body, copied head and
+  tail): every byte reads back, through the gather and the zero-copy sample."""
+  table = reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 10,
+                           rate_limiters.MinSize(1))
+  st = server_factory([table]).shared_table("t")
+  data = np.random.default_rng(row_bytes).integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+  st.insert({"x": data}, 1.0, keys=np.arange(rows, dtype=np.uint64), timeout_ms=0)
+  batch = st.sample_batch(20, timeout_ms=0)
+  got = batch.data[0] if isinstance(batch.data, list) else batch.data["x"]
+  np.testing.assert_array_equal(np.asarray(got), data[batch.info.key.astype(np.int64)])
+  for sample in st.sample(5, timeout_ms=0):
+    np.testing.assert_array_equal(np.asarray(sample.data[0]), data[sample.info.key])
   st.check()
 
 
