@@ -51,6 +51,10 @@ def run_runner(python, script, args, workloads, timeout):
          "--warmup", str(args.warmup), "--items", str(args.items), "--frames", str(args.frames),
          "--scales", *map(str, args.scales)]
   env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  # No idle BLAS worker threads spinning beside the measured loop (every runner alike): numpy's
+  # OpenBLAS pool costs a few % of a 2-core machine and none of the workloads use BLAS.
+  for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    env.setdefault(var, "1")
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
   except (OSError, subprocess.TimeoutExpired) as e:
