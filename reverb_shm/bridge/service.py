@@ -165,6 +165,8 @@ class Bridge:
         started.set_exception(e)
     finally:
       pending = asyncio.all_tasks(self._loop)
+      if pending:   # RPC tasks end by themselves once the server stopped; cancel stragglers only
+        _, pending = self._loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
       for task in pending:
         task.cancel()
       if pending:
