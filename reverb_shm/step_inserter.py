@@ -101,7 +101,7 @@ class StepInserter:
     self._buffers = None      # their uint8_t[] cdata
     self._writer = None       # chunks.ColumnWriter of the layout
     self._fast = None         # what _stage_same_layout compares (flat dict first steps)
-    self._stage = None        # insert()'s one-pass staging (_compile_stager), or None
+    self._stage = None        # insert()'s one-pass staging (_one_pass_stager), or None
     self._priorities = np.zeros(self._capacity, np.float64)
     self._keys = np.zeros(self._capacity, np.uint64)
     self._priorities_c = ffi.from_buffer("double[]", self._priorities)
@@ -256,7 +256,7 @@ class StepInserter:
       self._fast = (tuple(step), getter, tuple(map(type, getter(step))),
                     tuple((i, dtype, shape) for i, (v, (dtype, shape))
                           in enumerate(zip(getter(step), columns)) if type(v) is np.ndarray))
-      self._stage = _compile_stager(order, self._fast[2], self._rows, self._priorities)
+      self._stage = _one_pass_stager(order, self._fast[2], self._rows, self._priorities)
     return arrays
 
   def flush(self) -> np.ndarray:
@@ -310,7 +310,7 @@ class StepInserter:
     self.close()
 
 
-def _compile_stager(keys: tuple, leaf_types: tuple, rows: list, priorities: np.ndarray):
+def _one_pass_stager(keys: tuple, leaf_types: tuple, rows: list, priorities: np.ndarray):
   """StepInserter.insert's one-pass staging of flat dict steps with the first step's `keys`
   (sorted) and `leaf_types`, whose leaves are scalars (numpy or Python) or 1-d arrays of native
   numeric dtypes; None for other layouts.
@@ -320,38 +320,33 @@ def _compile_stager(keys: tuple, leaf_types: tuple, rows: list, priorities: np.n
   a value of the column's own type exactly and whose slice assignment requires an array of the
   column's format and length, and the priority into `priorities`. It returns False when the
   step is not such a dict, the priority not a float in [0, inf), or a value does not convert
-  (the row may then be partly written: the caller overwrites it or leaves it unstaged). It is
-  straight-line code generated for the layout: per leaf, a loop or map costs several times
-  more. Only generated names appear in its source; keys, types and views are bound values.
+  (the row may then be partly written: the caller overwrites it or leaves it unstaged).
   """
-  env = {"_INF": _INF, "_prios": memoryview(priorities)}
-  fetch, checks, writes = [], [], []
-  for i, (leaf_type, r) in enumerate(zip(leaf_types, rows)):
+  plan = []   # (key, leaf type, memoryview of the flattened rows, 1-d length or 0: a scalar)
+  for key, leaf_type, r in zip(keys, leaf_types, rows):
     scalar = leaf_type is not np.ndarray
     if (r.dtype.char not in _MEMORYVIEW_FORMATS or not r.dtype.isnative
         or r.ndim != (1 if scalar else 2)):
       return None
-    env.update({f"_k{i}": keys[i], f"_t{i}": leaf_type, f"_v{i}": memoryview(r.reshape(-1))})
-    fetch.append(f"x{i} = step[_k{i}]")
-    checks.append(f"type(x{i}) is not _t{i}")
-    n = r.shape[1] if not scalar else None
-    writes.append(f"_v{i}[row] = x{i}" if scalar else f"_v{i}[row * {n}:row * {n} + {n}] = x{i}")
-  source = "\n".join([
-      "def stage(step, priority, row):",
-      f"  if type(step) is not dict or len(step) != {len(keys)} or type(priority) is not float"
-      " or not 0.0 <= priority < _INF:",
-      "    return False",
-      "  try:",
-      *[f"    {line}" for line in fetch],
-      "  except KeyError:",
-      "    return False",
-      f"  if {' or '.join(checks)}:",
-      "    return False",
-      "  try:",
-      *[f"    {line}" for line in writes],
-      "  except (ValueError, TypeError, OverflowError, NotImplementedError):",
-      "    return False",
-      "  _prios[row] = priority",
-      "  return True"])
-  exec(compile(source, "<StepInserter stage>", "exec"), env)  # pylint: disable=exec-used
-  return env["stage"]
+    plan.append((key, leaf_type, memoryview(r.reshape(-1)), 0 if scalar else r.shape[1]))
+  plan = tuple(plan)
+  num_keys, prios = len(plan), memoryview(priorities)
+
+  def stage(step, priority: float, row: int) -> bool:
+    if (type(step) is not dict or len(step) != num_keys or type(priority) is not float
+        or not 0.0 <= priority < _INF):
+      return False
+    try:
+      for key, leaf_type, view, n in plan:
+        x = step[key]
+        if type(x) is not leaf_type:
+          return False
+        if n:
+          view[row * n:row * n + n] = x
+        else:
+          view[row] = x
+    except (KeyError, ValueError, TypeError, OverflowError, NotImplementedError):
+      return False
+    prios[row] = priority
+    return True
+  return stage
