@@ -306,8 +306,8 @@ class Client:
           infos, columns = batch
           remaining -= len(infos.key)
           infos = _new_tuples(SampleInfo, zip(*[field.tolist() for field in infos]))
-          # Row views of the private batch arrays (0-d views for scalar columns).
-          items = map(list, zip(*[list(c) if c.ndim > 1 else _row_views(c) for c in columns]))
+          # Row views of the private batch arrays (iterating one; 0-d views for scalar columns).
+          items = map(list, zip(*[c if c.ndim > 1 else _row_views(c) for c in columns]))
           yield from Client._emit(infos, items, emit_timesteps, treedef)
           continue
       recs, pins = st.sample_records(1, timeout_ms)
