@@ -312,8 +312,8 @@ class StepInserter:
 
 def _one_pass_stager(keys: tuple, leaf_types: tuple, rows: list, priorities: np.ndarray):
   """StepInserter.insert's one-pass staging of flat dict steps with the first step's `keys`
-  (sorted) and `leaf_types`, whose leaves are scalars (numpy or Python) or 1-d arrays of native
-  numeric dtypes; None for other layouts.
+  (sorted) and `leaf_types`, whose leaves are scalars (numpy or Python) or non-empty 1-d arrays
+  of native numeric dtypes; None for other layouts.
 
   The function returned, stage(step, priority, row) -> bool, writes each leaf through a
   memoryview of its staging rows (`rows`, one array per leaf), whose item assignment converts
@@ -326,7 +326,7 @@ def _one_pass_stager(keys: tuple, leaf_types: tuple, rows: list, priorities: np.
   for key, leaf_type, r in zip(keys, leaf_types, rows):
     scalar = leaf_type is not np.ndarray
     if (r.dtype.char not in _MEMORYVIEW_FORMATS or not r.dtype.isnative
-        or r.ndim != (1 if scalar else 2)):
+        or r.ndim != (1 if scalar else 2) or r.size == 0):
       return None
     plan.append((key, leaf_type, memoryview(r.reshape(-1)), 0 if scalar else r.shape[1]))
   plan = tuple(plan)
