@@ -5,6 +5,7 @@ A Client names a server by address ('localhost:PORT', 'HOST:PORT' of this host, 
 address, so it can be handed to spawned processes.
 """
 import collections.abc
+import operator
 import os
 import time
 from itertools import repeat
@@ -305,9 +306,8 @@ class Client:
           infos, columns = batch
           remaining -= len(infos.key)
           infos = _new_tuples(SampleInfo, zip(*[field.tolist() for field in infos]))
-          # Row views of the private batch arrays (0-d views for scalar columns).
-          items = map(list, zip(*[list(c) if c.ndim > 1 else list(map(c.__getitem__, _rows(len(c))))
-                                  for c in columns]))
+          # Row views of the private batch arrays (iterating one; 0-d views for scalar columns).
+          items = map(list, zip(*[c if c.ndim > 1 else _row_views(c) for c in columns]))
           yield from Client._emit(infos, items, emit_timesteps, treedef)
           continue
       recs, pins = st.sample_records(1, timeout_ms)
@@ -525,12 +525,21 @@ def _new_tuples(cls, values):
   return map(tuple.__new__, repeat(cls), values)
 
 
-_ROWS = tuple((i, Ellipsis) for i in range(_SAMPLE_AHEAD))
+_ROW_GETTERS = {}   # n -> itemgetter of the 0-d row views of a 1-d column of n rows
 
 
-def _rows(n: int) -> tuple:
-  """(i, ...) for i < n: the indices of the 0-d row views of a 1-d batch column."""
-  return _ROWS[:n] if n <= len(_ROWS) else tuple((i, Ellipsis) for i in range(n))
+def _row_views(column: np.ndarray) -> tuple:
+  """The 0-d views column[i, ...] of each row i of a 1-d batch column, taken in one C call
+  (an itemgetter of every row's index; a map of column.__getitem__ costs half as much again)."""
+  n = len(column)
+  getter = _ROW_GETTERS.get(n)
+  if getter is None:
+    if n < 2:   # (an itemgetter of one index returns the item, not a tuple)
+      return tuple(column[i, ...] for i in range(n))
+    if len(_ROW_GETTERS) >= _SAMPLE_AHEAD:
+      _ROW_GETTERS.clear()
+    getter = _ROW_GETTERS[n] = operator.itemgetter(*[(i, Ellipsis) for i in range(n)])
+  return getter(column)
 
 
 def _key(key) -> np.uint64:

@@ -26,6 +26,7 @@ __all__ = ["SharedTable"]
 _U8, _I8, _F8, _I4 = (np.dtype(t) for t in ("<u8", "<i8", "<f8", "<i4"))
 _INF = math.inf
 _MAX_PLANS = 64   # validated column layouts remembered per table (SharedTable.insert)
+_GATHER_TEMPLATES = {}   # column layout -> rs_gather_col[] with its out pointers unset
 
 
 def _as_u64(ptr_array):
@@ -738,12 +739,21 @@ class SharedTable:
 def _gather_cols(layout, targets):
   """rs_gather_col[] writing column c of sampled item i to row i of targets[c] (C-contiguous).
 
-  The pointers are only valid while `targets` live: callers keep them.
+  The pointers are only valid while `targets` live: callers keep them. The fields that depend
+  only on the layout are copied from a template made once per layout.
   """
+  template = _GATHER_TEMPLATES.get(layout)
+  if template is None:
+    template = ffi.new("rs_gather_col[]", len(layout))
+    for g, (dtype, _, col_bytes) in zip(template, layout):
+      g.stride = col_bytes
+      g.col_bytes = col_bytes
+      g.dtype = dtype.str.encode()
+    if len(_GATHER_TEMPLATES) >= _MAX_PLANS:
+      _GATHER_TEMPLATES.clear()
+    _GATHER_TEMPLATES[layout] = template
   cols = ffi.new("rs_gather_col[]", len(layout))
-  for g, (dtype, _, col_bytes), t in zip(cols, layout, targets):
-    g.out = ffi.cast("uint8_t *", ffi.from_buffer(t, require_writable=True))
-    g.stride = col_bytes
-    g.col_bytes = col_bytes
-    g.dtype = dtype.str.encode()
+  ffi.memmove(cols, template, ffi.sizeof(template))
+  for g, t in zip(cols, targets):
+    g.out = ffi.from_buffer("uint8_t[]", t, require_writable=True)
   return cols

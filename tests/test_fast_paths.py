@@ -226,3 +226,28 @@ def test_client_sample_emit_timesteps_on_the_gather_path(server_factory):
     steps = next(client.sample("t", 1))
     assert [float(s.data[0]) for s in steps] == [0.0, 1.0, 2.0]
     assert [s.data[1].tolist() for s in steps] == [[0, 1], [1, 2], [2, 3]]
+
+
+@pytest.mark.parametrize("num_samples", [1, 2, 3, 256, 300])
+def test_client_sample_gather_path_builds_the_documented_objects(server_factory, num_samples):
+  """Every batch size of the gather path (one item, 2, a full sampling-ahead batch and one
+  more) yields ReplaySample(SampleInfo of Python scalars, [row view, 0-d view, 0-d view])
+  whose values belong to the sampled key, as the first (learning) call does."""
+  server = server_factory([_table()])
+  client = server.localhost_client()
+  st = server.shared_table("t")
+  keys = st.insert(_steps(0, 40), np.arange(40) + 1.0).tolist()
+  first = next(client.sample("t", 1, emit_timesteps=False))   # learns the layout
+  for sample in [first] + list(client.sample("t", num_samples, emit_timesteps=False)):
+    assert type(sample) is reverb_shm.ReplaySample and type(sample.info) is reverb_shm.SampleInfo
+    info = sample.info
+    assert [type(v) for v in info] == [int, float, int, float, int]
+    i = keys.index(info.key)
+    assert info.priority == i + 1.0 and info.table_size == 40 and info.probability == 1 / 40
+    assert type(sample.data) is list and len(sample.data) == 3
+    act, obs, rew = sample.data
+    for col, dtype, shape in ((act, np.int64, ()), (obs, np.float32, (3,)),
+                              (rew, np.float32, ())):
+      assert type(col) is np.ndarray and col.dtype == dtype and col.shape == shape
+    assert act == i and obs.tolist() == [i] * 3 and rew == i * 0.5
+  assert st.stats()["samples"] == 1 + num_samples
