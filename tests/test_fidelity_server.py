@@ -13,7 +13,7 @@ import pytest
 import reverb_shm
 from reverb_shm import cli, errors, rate_limiters, selectors, server_config
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIN_SIZE_1 = ("rate_limiter { samples_per_insert: 1 min_size_to_sample: 1 "
@@ -42,7 +42,7 @@ def _python(code: str, *args, preexec_fn=None) -> subprocess.Popen:
   return proc
 
 
-def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 20) -> str:
+def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 60) -> str:
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     line = proc.stdout.readline()
@@ -89,7 +89,7 @@ def test_wait_raises_keyboard_interrupt_on_sigint_and_removes_the_segment(server
   _wait_for_line(proc, "ready")
   assert os.path.exists(f"/dev/shm/rvshm.{name}")
   proc.send_signal(signal.SIGINT)
-  out, _ = proc.communicate(timeout=20)
+  out, _ = proc.communicate(timeout=60)
   assert "KeyboardInterrupt True" in out
   assert not os.path.exists(f"/dev/shm/rvshm.{name}")
 
@@ -115,7 +115,7 @@ def test_stop_wakes_calls_blocked_in_another_process(server_factory, blocked_cal
   time.sleep(0.3)
   assert proc.poll() is None          # still blocked on the rate limiter
   server.stop()
-  out, err = proc.communicate(timeout=20)
+  out, err = proc.communicate(timeout=60)
   assert proc.returncode == 0, err
   assert "woken TableClosedError" in out and "closed" in out.lower()
 
@@ -217,7 +217,7 @@ def test_cli_serves_the_config_until_sigint(how, tmp_path, server_name):
   segment = f"/dev/shm/rvshm.{name if how == 'serve' else f'reverb_{port}'}"
   assert os.path.exists(segment)
   proc.send_signal(signal.SIGINT)
-  proc.communicate(timeout=20)
+  proc.communicate(timeout=60)
   assert proc.returncode == 0
   assert not os.path.exists(segment)
   with pytest.raises(errors.DeadlineExceededError):
