@@ -403,3 +403,13 @@ int rs_encode_windows(uint32_t n, uint32_t ncols, const rs_window_seg *segs,
  * items of layouts beyond the first max_groups (<= 64), get UINT32_MAX. *ngroups_out = groups. */
 int rs_group_layouts(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t max_groups,
                      uint32_t *group_out, uint32_t *ngroups_out);
+
+/* ---- issue 6 (round 3, priority caps checked before staging) ---- */
+/* Largest priority whose weight (priority ** exponent) every Prioritized selector of the table
+ * admits, computed with pow (callers compare with a small margin and confirm a priority above
+ * it with rs_check_priorities); +inf without a Prioritized selector, NaN for a bad table. */
+double rs_table_priority_bound(void *base, uint32_t table);
+/* RS_OK when every priority would be admitted by an insert into the table (finite; >= 0 and
+ * weight within the sum-tree cap for Prioritized selectors), else RS_EINVAL naming the first
+ * bad one. Reads only the table's fixed configuration: no lock, no state change. */
+int rs_check_priorities(void *base, uint32_t table, uint32_t n, const double *priorities);

@@ -1165,3 +1165,25 @@ int rs_insert_slices(void *base, uint32_t slot, uint32_t table, uint32_t n, cons
   }
   return rc;
 }
+
+/* ================================================================== priority checks (no state) */
+double rs_table_priority_bound(void *base, uint32_t table) {
+  rs_table_hdr *th = NULL;
+  if (table_arg(base, table, &th)) return NAN;
+  double bound = INFINITY;
+  for (int si = 0; si < 2; si++) {
+    const rs_selector *s = &th->sel[si];
+    if (s->kind != RS_SEL_PRIORITIZED || !(s->exponent > 0)) continue;
+    double b = pow(rs_sel_weight_cap(th->tree_leaves), 1.0 / s->exponent);
+    if (b < bound) bound = b;
+  }
+  return bound;
+}
+
+int rs_check_priorities(void *base, uint32_t table, uint32_t n, const double *priorities) {
+  rs_table_hdr *th = NULL;
+  int rc = table_arg(base, table, &th);
+  if (rc) return rc;
+  if (n && !priorities) return rs_set_error(RS_EINVAL, "rs_check_priorities: priorities is NULL");
+  return check_priorities(th, n, priorities, "insert");
+}

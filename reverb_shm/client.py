@@ -42,7 +42,7 @@ class _TableHandle:
   """What the client and its writers need of one table, cached per attached segment."""
 
   __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized",
-               "insert_plans")
+               "priority_bound", "insert_plans")
 
   def __init__(self, seg: shm.Segment, name: str):
     self.seg = seg
@@ -54,6 +54,7 @@ class _TableHandle:
                            else structure.flatten(self.signature)[0])
     stats = seg.stats(self.index)
     self.prioritized = PRIORITIZED in (stats["sampler_kind"], stats["remover_kind"])
+    self.priority_bound = self.table.priority_bound   # above it: the exact sum-tree cap check
     self.insert_plans = {}   # (dtype, shape) per step leaf -> ColumnWriter, or None: not fast
 
   def insert_plan(self, columns: tuple) -> Optional[chunks.ColumnWriter]:
@@ -366,7 +367,8 @@ class Client:
                         f"{type(deletes).__name__} {deletes!r:.60}")
       deletes = list(deletes)
     st = self._table_handle(table).table
-    if type(updates) is dict and not deletes and _KEY_TYPES.issuperset(map(type, updates)):
+    if (type(updates) is dict and not deletes and type(st) is SharedTable
+        and _KEY_TYPES.issuperset(map(type, updates))):
       try:   # the common case (keys of sampled items): one pass into arrays, one C call
         keys = np.fromiter(updates, np.uint64, len(updates))
       except OverflowError:   # a key outside [0, 2**64): the checks below name it

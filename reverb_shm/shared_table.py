@@ -49,6 +49,7 @@ class SharedTable:
     self._signature_loaded = False
     self._signature_tree = None   # (number of leaves, treedef) of the signature
     self._validates_negative = None
+    self._priority_bound = None
     self._column_writers = {}     # (dtype, shape) per column -> chunks.ColumnWriter
     self._insert_plans = {}       # (dtype, batch shape) per leaf of a valid batch -> writer
     self._gather_layout = None    # ((dtype, item shape, bytes) per column) of sampled items
@@ -91,6 +92,33 @@ class SharedTable:
       s = self._seg.stats(self._index)
       self._validates_negative = PRIORITIZED in (s["sampler_kind"], s["remover_kind"])
     return self._validates_negative
+
+  @property
+  def priority_bound(self) -> float:
+    """Priorities up to this value are within the sum-tree weight cap of every Prioritized
+    selector of the table (+inf without one); a larger one is checked exactly by
+    check_priority_cap. Read once from the table's fixed configuration."""
+    bound = self._priority_bound
+    if bound is None:
+      raw = lib.rs_table_priority_bound(self._seg.base, self._index)
+      bound = self._priority_bound = raw * (1 - 1e-9) if raw < _INF else _INF
+    return bound
+
+  def check_priority_cap(self, priorities) -> None:
+    """Raises, changing nothing, unless an insert would admit every one of `priorities`.
+
+    Args:
+      priorities: float or float64[n].
+
+    Raises:
+      InvalidArgumentError (a ValueError): a priority that is not finite, negative on a
+        Prioritized table, or whose weight priority ** exponent exceeds the table's sum-tree
+        cap (float64 max / (2 * leaves)), so that the weights' total stays finite.
+    """
+    p = np.ascontiguousarray(priorities, np.float64).reshape(-1)
+    check(lib.rs_check_priorities(self._seg.base, self._index, len(p),
+                                  ffi.from_buffer("double[]", p)),
+          "checking priorities")
 
   def __repr__(self):
     return f"SharedTable({self._seg.name}/{self._name})"

@@ -9,6 +9,7 @@ with Reverb's writers, which send items in batches.
 Also the cheap flattening of the hot paths (`flat_leaves`).
 """
 import math
+import os
 import operator
 from typing import Any, List, Optional
 
@@ -107,6 +108,8 @@ class StepInserter:
     self._priorities_c = ffi.from_buffer("double[]", self._priorities)
     self._keys_c = ffi.from_buffer("uint64_t[]", self._keys)
     self._prioritized = table._prioritized()  # pylint: disable=protected-access
+    self._priority_bound = table.priority_bound
+    self._pid = os.getpid()
 
   @property
   def capacity(self) -> int:
@@ -143,7 +146,8 @@ class StepInserter:
         others) and the next insert() or flush() tries again.
     """
     stage, row = self._stage, self._staged   # (the one-pass path; None until the first step
-    if stage is not None and row < self._capacity and stage(step, priority, row):  # and closed)
+    if (stage is not None and row < self._capacity and type(priority) is float  # and closed)
+        and priority <= self._priority_bound and stage(step, priority, row)):
       self._staged = row = row + 1
       if row == self._capacity:
         self.flush()
@@ -154,6 +158,8 @@ class StepInserter:
       priority = self._check_priority(priority)
     if priority < 0 and self._prioritized:
       self._check_priority(priority)
+    if priority > self._priority_bound:   # the exact sum-tree cap check (raises if above it)
+      self._table.check_priority_cap(priority)
     if self._staged == self._capacity:   # a flush failed before: try again first
       self.flush()
     row = self._staged
@@ -271,6 +277,9 @@ class StepInserter:
       ResourceExhaustedError: the arena is full; TableClosedError: the server stopped. The
         steps stay staged.
     """
+    if os.getpid() != self._pid:
+      raise RuntimeError("StepInserter used across a fork: its staged steps belong to the parent; "
+                         "create a StepInserter in each process")
     n = self._staged
     if n == 0:
       return np.zeros(0, np.uint64)

@@ -153,6 +153,16 @@ def check_signature(table_name: str, flat_signature: Optional[list], columns: Se
           f"{None if spec.shape is None else list(spec.shape)} (spec {spec!r}).")
 
 
+def _window_starts(starts) -> np.ndarray:
+  """int64 copy of create_window_items' `starts`; IndexError for values no int64 holds
+  (an unsigned 2**64 - 1 must not wrap to -1, the last step)."""
+  starts = np.asarray(starts)
+  if starts.dtype.kind == "u" and starts.size and int(starts.max()) > np.iinfo(np.int64).max:
+    raise IndexError(f"window start {int(starts.max())} is out of range (starts are step "
+                     f"positions in the history, negative counting from the end)")
+  return np.ascontiguousarray(starts, np.int64)
+
+
 def _check_priorities(prios: np.ndarray, handle) -> None:
   """ValueError (check_priority's) for the first priority that is not finite, or negative on a
   Prioritized table."""
@@ -1157,6 +1167,8 @@ class TrajectoryWriter:
       handle = self._table(table)
     if type(priority) is not float or not 0.0 <= priority < math.inf:   # not NaN either
       priority = check_priority(priority, handle.name, handle.prioritized)
+    if priority > getattr(handle, "priority_bound", math.inf):   # (remote: the bridge checks)
+      handle.table.check_priority_cap(priority)   # above the sum-tree cap: raises now
     leaves = None
     keys = self._item_keys
     if keys is not None and type(trajectory) is dict and len(trajectory) == keys[0]:
@@ -1249,7 +1261,9 @@ class TrajectoryWriter:
       raise ValueError(f"priorities must have shape ({n},) (one per item), got {prios.shape}")
     if n == 0:
       return
-    starts = np.ascontiguousarray(starts, np.int64)
+    if prios.max() > getattr(handle, "priority_bound", math.inf):
+      handle.table.check_priority_cap(prios)   # above the sum-tree cap: nothing is created
+    starts = _window_starts(starts)
     kind = self._kind(handle, tuple((col, length, False) for col in cols))
     self._flush_batch()
     self._publish()

@@ -117,7 +117,7 @@ def test_bad_step_is_rejected_and_changes_nothing(server_factory, bad, match):
     _check_step_item(s, i)
 
 
-@pytest.mark.parametrize("priority", [float("nan"), float("inf"), "high", None, -1.0])
+@pytest.mark.parametrize("priority", [float("nan"), float("inf"), "high", None, -1.0, 1e308])
 def test_bad_priority_is_rejected_and_changes_nothing(server_factory, priority):
   table = _fifo_table(sampler=selectors.Prioritized(1.0))
   st = server_factory([table]).shared_table("t")
