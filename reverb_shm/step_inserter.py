@@ -10,6 +10,7 @@ Also the cheap flattening of the hot paths (`flat_leaves`).
 """
 import math
 import os
+import warnings
 import operator
 from typing import Any, List, Optional
 
@@ -315,8 +316,16 @@ class StepInserter:
   def __enter__(self) -> "StepInserter":
     return self
 
-  def __exit__(self, *exc_info) -> None:
-    self.close()
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc_type is None:
+      self.close()
+      return
+    try:   # the block raised: still insert what was staged, but never hide the block's error
+      self.close()
+    except Exception as flush_error:  # pylint: disable=broad-except
+      warnings.warn(f"StepInserter: flushing on exit after {exc_type.__name__} failed "
+                    f"({type(flush_error).__name__}: {flush_error}); {self._staged} staged "
+                    f"steps were not inserted", RuntimeWarning, stacklevel=2)
 
 
 def _one_pass_stager(keys: tuple, leaf_types: tuple, rows: list, priorities: np.ndarray):

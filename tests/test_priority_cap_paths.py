@@ -80,3 +80,14 @@ def test_remote_priority_updates(server_factory):
   key = int(server.shared_table("t").items()["key"][0])
   remote.mutate_priorities("t", updates={key: 7.5, key + 1: 2.0})   # unknown keys are skipped
   assert server.shared_table("t").items()["priority"].tolist() == [7.5]
+
+
+def test_a_failing_flush_on_exit_never_hides_the_blocks_error(server_factory):
+  server = server_factory([_prioritized()])
+  st = server.shared_table("t")
+  with pytest.raises(KeyError, match="from the block"):
+    with pytest.warns(RuntimeWarning, match="flushing on exit after KeyError failed"):
+      with st.step_inserter(capacity=8) as inserter:
+        inserter.insert({"x": np.float32(0)}, 1.0)
+        server.stop()                       # the exit's flush fails: TableClosedError
+        raise KeyError("from the block")
