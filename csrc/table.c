@@ -663,6 +663,30 @@ int rs_sample(void *base, uint32_t slot, uint32_t table, uint32_t n, int64_t dea
 }
 
 /* ================================================================== gather (no lock) */
+/* memcpy of nb bytes, with the row sizes of small fixed-size columns inlined. */
+static inline void copy_row(uint8_t *dst, const char *src, uint64_t nb) {
+  switch (nb) {
+    case 1: memcpy(dst, src, 1); break;
+    case 2: memcpy(dst, src, 2); break;
+    case 4: memcpy(dst, src, 4); break;
+    case 8: memcpy(dst, src, 8); break;
+    case 12: memcpy(dst, src, 12); break;
+    case 16: memcpy(dst, src, 16); break;
+    case 24: memcpy(dst, src, 24); break;
+    case 32: memcpy(dst, src, 32); break;
+    case 64: memcpy(dst, src, 64); break;
+    default: memcpy(dst, src, nb);
+  }
+}
+
+/* Source of a slice's rows in its chunk; `shift` is the item reference's row shift. */
+static inline const char *slice_src(void *base, const rs_desc_slice *sl, uint64_t shift,
+                                    uint64_t *nb) {
+  const rs_chunk_hdr *ch = rs_chunk(base, sl->chunk_off);
+  *nb = (uint64_t)sl->nrows * ch->row_bytes;
+  return (const char *)ch + ch->data_offset + ((uint64_t)sl->row_offset + shift) * ch->row_bytes;
+}
+
 
 int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col, uint8_t *out,
               uint64_t out_stride, uint64_t col_bytes) {
@@ -689,9 +713,9 @@ int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col, u
     uint8_t *dst = out + (uint64_t)i * out_stride;
     uint64_t shift = rs_ref_shift(desc_offs[i]);
     for (uint32_t j = 0; j < c->nslices; j++) {
-      const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
-      uint64_t nb = (uint64_t)s[j].nrows * ch->row_bytes;
-      memcpy(dst, (const char *)ch + ch->data_offset + (s[j].row_offset + shift) * ch->row_bytes, nb);
+      uint64_t nb;
+      const char *src = slice_src(base, &s[j], shift, &nb);
+      copy_row(dst, src, nb);
       dst += nb;
     }
   }
@@ -977,30 +1001,6 @@ static sample_info sample_info_at(void *info, uint32_t n) {
   sample_info si = {w, (double *)(w + n), (int64_t *)(w + 2ull * n), (double *)(w + 3ull * n),
                     (int32_t *)(w + 4ull * n)};
   return si;
-}
-
-/* memcpy of nb bytes, with the row sizes of small fixed-size columns inlined. */
-static inline void copy_row(uint8_t *dst, const char *src, uint64_t nb) {
-  switch (nb) {
-    case 1: memcpy(dst, src, 1); break;
-    case 2: memcpy(dst, src, 2); break;
-    case 4: memcpy(dst, src, 4); break;
-    case 8: memcpy(dst, src, 8); break;
-    case 12: memcpy(dst, src, 12); break;
-    case 16: memcpy(dst, src, 16); break;
-    case 24: memcpy(dst, src, 24); break;
-    case 32: memcpy(dst, src, 32); break;
-    case 64: memcpy(dst, src, 64); break;
-    default: memcpy(dst, src, nb);
-  }
-}
-
-/* Source of a slice's rows in its chunk; `shift` is the item reference's row shift. */
-static inline const char *slice_src(void *base, const rs_desc_slice *sl, uint64_t shift,
-                                    uint64_t *nb) {
-  const rs_chunk_hdr *ch = rs_chunk(base, sl->chunk_off);
-  *nb = (uint64_t)sl->nrows * ch->row_bytes;
-  return (const char *)ch + ch->data_offset + ((uint64_t)sl->row_offset + shift) * ch->row_bytes;
 }
 
 #define GATHER_COLS 8   /* up to this many columns, the first pass keeps each row's source */

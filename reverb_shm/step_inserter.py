@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from reverb_shm import chunks, structure, timeouts
+from reverb_shm import chunks, structure, timeouts, trajectory_writer
 from reverb_shm._lib import ffi, lib
 
 __all__ = ["StepInserter", "flat_leaves"]
@@ -156,9 +156,9 @@ class StepInserter:
     if self._closed:
       raise RuntimeError("StepInserter is closed")
     if type(priority) is not float or not -math.inf < priority < math.inf:
-      priority = self._check_priority(priority)
+      priority = trajectory_writer.check_priority(priority, self._table.name, self._prioritized)
     if priority < 0 and self._prioritized:
-      self._check_priority(priority)
+      trajectory_writer.check_priority(priority, self._table.name, True)   # raises
     if priority > self._priority_bound:   # the exact sum-tree cap check (raises if above it)
       self._table.check_priority_cap(priority)
     if self._staged == self._capacity:   # a flush failed before: try again first
@@ -172,19 +172,6 @@ class StepInserter:
     self._staged = row + 1
     if row + 1 == self._capacity:
       self.flush()
-
-  def _check_priority(self, priority) -> float:
-    """`priority` as a float; ValueError unless finite (and >= 0 on a Prioritized table)."""
-    try:
-      value = float(priority)
-    except (TypeError, ValueError):
-      raise ValueError(f"priority must be a number, got {priority!r}") from None
-    if not math.isfinite(value):
-      raise ValueError(f"priority must be finite, got {value} (table {self._table.name!r})")
-    if value < 0 and self._prioritized:
-      raise ValueError(f"priority must be >= 0 for a Prioritized table, got {value} "
-                       f"(table {self._table.name!r})")
-    return value
 
   def _stage_same_layout(self, step, row: int) -> bool:
     """Writes `step` into staging row `row` when it is a flat dict with the first step's keys
