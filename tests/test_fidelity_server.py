@@ -68,12 +68,15 @@ def test_wait_raises_keyboard_interrupt_on_sigint_and_removes_the_segment(server
                                  name={name!r}, arena_bytes=1 << 20)
       import sys, threading, time
       def announce_when_waiting():
-        # 'ready' only once the main thread is inside Server.wait's try block (blocked in
-        # Event.wait), so the test's SIGINT cannot land before wait's handler is in place.
+        # 'ready' only once the main thread is blocked in the Event.wait called by Server.wait
+        # (not, e.g., the one in Thread.start), so the test's SIGINT cannot land before wait's
+        # handler is in place.
         main = threading.main_thread().ident
+        waiting = (threading.Event.wait.__code__, type(server).wait.__code__)
         while True:
           frame = sys._current_frames().get(main)
-          while frame is not None and frame.f_code is not threading.Event.wait.__code__:
+          while frame is not None and (
+              frame.f_code, getattr(frame.f_back, "f_code", None)) != waiting:
             frame = frame.f_back
           if frame is not None:
             print('ready', flush=True)
