@@ -1,8 +1,14 @@
 """The compiled C core and the one place where its status codes become exceptions."""
 from reverb_shm import errors
+from reverb_shm import _hot  # noqa: F401  (re-exported)
 from reverb_shm._core import ffi, lib  # noqa: F401  (re-exported)
 
-__all__ = ["ffi", "lib", "check", "last_error", "raise_for"]
+__all__ = ["ffi", "lib", "hot", "check", "last_error", "raise_for"]
+
+# reverb_shm._hot (csrc/hot/) calls the core through these addresses: one copy of the core.
+_hot.bind(tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
+                for name in _hot.CORE_FUNCTIONS))
+hot = _hot
 
 
 def last_error() -> str:

@@ -1,0 +1,49 @@
+/*
+ * reverb_shm._hot: CPython-API fast paths for per-step Python calls (Client.insert of one step,
+ * TrajectoryWriter.append / history / create_item).
+ *
+ * Why a second compiled module: cffi cannot take or build Python objects, so a per-step call
+ * that goes through cffi pays for flattening a dict, checking each leaf and converting a dozen
+ * arguments in Python (about 10 us). This module does only that object work in C and then calls
+ * the C core through function pointers taken from reverb_shm._core (one copy of the core, one
+ * thread-local error message). It holds no policy: every function either completes the common
+ * case or returns a "not handled" / status-code result, and the Python layer takes its general
+ * path, which validates and raises (reverb_shm/_lib.py stays the one place where core status
+ * codes become exceptions).
+ */
+#ifndef RS_HOT_H
+#define RS_HOT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* numpy's C API: one table per module, imported by hot_module.c (which defines HOT_MODULE_MAIN). */
+#define PY_ARRAY_UNIQUE_SYMBOL rs_hot_ARRAY_API
+#ifndef HOT_MODULE_MAIN
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+#include <numpy/arrayscalars.h>
+
+#include "../rs_api.h"
+
+/* The C core's entry points, bound once at import by reverb_shm/_lib.py (hot_module.c lists
+ * their names in CORE_FUNCTIONS, in this order). */
+typedef struct {
+  int (*insert_rows)(void *base, uint32_t slot, uint32_t table, uint32_t n, uint64_t *keys,
+                     const double *priorities, uint32_t ncols, const rs_chunk_hdr *metas,
+                     const uint8_t *const *data, const uint32_t *col_flags, uint64_t episode_id,
+                     uint32_t flags, int64_t deadline_ns, int64_t slice_ns,
+                     uint64_t *chunk_offs_out, uint32_t *pins_out, uint32_t *done_out);
+} hot_core_fns;
+
+extern hot_core_fns hot_core;
+extern int hot_core_bound;
+
+/* Each feature file adds its functions and types to the module; 0 on success, -1 with a Python
+ * exception set. */
+int hot_insert_init(PyObject *module);
+int hot_writer_init(PyObject *module);
+
+#endif
