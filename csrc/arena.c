@@ -551,8 +551,6 @@ static uint64_t dtype_itemsize(const char *s) {
   return kind == 'U' ? 4 * n : n;
 }
 
-static int is_object_dtype(const char *s) { return !strcmp(s, "O") || !strcmp(s, "|O"); }
-
 /* Validate chunk metadata; on success *nbytes is the payload capacity in bytes. */
 static int chunk_meta_check(const rs_chunk_hdr *m, uint64_t *nbytes) {
   if (!memchr(m->dtype, 0, sizeof m->dtype) || !m->dtype[0])
@@ -568,7 +566,7 @@ static int chunk_meta_check(const rs_chunk_hdr *m, uint64_t *nbytes) {
     if (__builtin_mul_overflow(elems, (uint64_t)m->shape[i], &elems))
       return rs_set_error(RS_EINVAL, "chunk element shape too large (overflows 64 bits)");
   }
-  if (is_object_dtype(m->dtype)) {
+  if (rs_dtype_is_object(m->dtype)) {
     if (m->row_bytes != 0)
       return rs_set_error(RS_EINVAL, "object chunk row_bytes %llu, expected 0 (sizes are in nbytes)",
                           (unsigned long long)m->row_bytes);
@@ -1002,7 +1000,7 @@ int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hd
     rs_chunk_hdr m = metas[c];
     m.capacity = rows;
     int rc = chunk_meta_check(&m, &nbytes[c]);
-    if (rc == RS_OK && is_object_dtype(m.dtype))
+    if (rc == RS_OK && rs_dtype_is_object(m.dtype))
       rc = rs_set_error(RS_EINVAL, "rs_write_chunks: column %u is an object column; expected "
                         "fixed-size rows", c);
     if (rc) return rc;

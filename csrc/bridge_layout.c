@@ -20,7 +20,7 @@ static uint64_t uniform_rows(void *base, const rs_desc_hdr *d, uint32_t c,
   if (col->nslices == 0) return 0;
   const rs_desc_slice *s = rs_desc_slices(d) + col->first_slice;
   const rs_chunk_hdr *first = rs_chunk(base, s[0].chunk_off);
-  if (first->row_bytes == 0) return 0;
+  if (rs_dtype_is_object(first->dtype)) return 0;
   uint64_t rows = 0;
   for (uint32_t j = 0; j < col->nslices; j++) {
     if (j && !same_element(first, rs_chunk(base, s[j].chunk_off))) return 0;

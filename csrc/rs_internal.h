@@ -276,6 +276,11 @@ int rs_unpin_fresh(void *base, uint32_t slot, uint32_t n, const uint32_t *pins);
  * reference and returns its block's blob (add rs_ref_shift(ref) to every row_offset). */
 const rs_desc_hdr *rs_desc_blob(void *base, uint64_t desc_off);
 rs_chunk_hdr *rs_chunk(void *base, uint64_t chunk_off);
+/* Is a chunk dtype ("O" / "|O") the object (msgpack payload) kind? Numeric chunks may also have
+ * row_bytes 0 (zero-element rows such as shape (0, 3)), so row_bytes is no object marker. */
+static inline int rs_dtype_is_object(const char *dtype) {
+  return (dtype[0] == 'O' && dtype[1] == 0) || (dtype[0] == '|' && dtype[1] == 'O' && dtype[2] == 0);
+}
 /* Verify allocator and refcount invariants; caller holds every lock. */
 int rs_arena_check(void *base, char *report, uint64_t report_len);
 /* Stop-the-world recount (caller holds every table lock and the arena lock). */

@@ -533,7 +533,7 @@ static int layout_ok(void *base, uint64_t desc_off, uint32_t ncols, const rs_gat
     uint64_t bytes = 0;
     for (uint32_t j = dc[c].first_slice, end = j + dc[c].nslices; j < end; j++) {
       const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
-      if (ch->row_bytes == 0 || memcmp(ch->dtype, cols[c].dtype, sizeof ch->dtype)) return 0;
+      if (rs_dtype_is_object(ch->dtype) || memcmp(ch->dtype, cols[c].dtype, sizeof ch->dtype)) return 0;
       bytes += (uint64_t)s[j].nrows * ch->row_bytes;
     }
     if (bytes != cols[c].col_bytes) return 0;
@@ -702,7 +702,7 @@ int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col, u
     uint64_t bytes = 0;
     for (uint32_t j = 0; j < c->nslices; j++) {
       const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
-      if (ch->row_bytes == 0)
+      if (rs_dtype_is_object(ch->dtype))
         return rs_set_error(RS_EINVAL, "rs_gather: item %u column %u is an object column (no fixed "
                             "row size); it cannot be gathered", i, col);
       bytes += (uint64_t)s[j].nrows * ch->row_bytes;
