@@ -457,7 +457,13 @@ class SharedTable:
       cap = size[0] + 16
 
   def check(self) -> None:
-    """Runs the C invariant checker over the whole segment (see Segment.check)."""
+    """Runs the C invariant checker over the whole segment (see Segment.check).
+
+    Raises:
+      CorruptError: an invariant does not hold (the message is the checker's report).
+      TableClosedError: the server stopped.
+    """
+    self._open_stats()
     self._seg.check()
 
   # ---- high level

@@ -149,6 +149,8 @@ def test_handles_after_stop_in_the_same_process_raise(server_factory):
     st.size  # pylint: disable=pointless-statement
   with pytest.raises(errors.TableClosedError, match="closed"):
     st.info  # pylint: disable=pointless-statement
+  with pytest.raises(errors.TableClosedError, match="closed"):
+    st.check()
   with pytest.raises(errors.ServerUnavailableError):
     client.insert(np.int32(1), {"t": 1.0})
 
