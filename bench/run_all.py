@@ -115,6 +115,11 @@ def ratios(results):
     if r["workload"] == "metadata":
       out.append({"ratio": "metadata bytes per item beyond payload (lower is better)",
                   "value": r["bytes_per_item"], "target": 128, "met": r["bytes_per_item"] <= 128})
+      if "attach_rss_bytes" in r:   # RSS grows only with the pages a process touches
+        v = r["attach_rss_bytes"] / r["segment_bytes"]
+        out.append({"ratio": f"attach RSS growth / segment (+{r['sample_rss_bytes'] / 2**20:.0f} "
+                             "MiB after 2560 samples)",
+                    "value": v, "target": 0.01, "met": v <= 0.01})
   return out
 
 

@@ -285,9 +285,42 @@ def metadata(args):
     used0 = seg.info()["arena_used"]
     fill(srv.shared_table(TABLE), n, block=10_000)
     arena_bytes = (seg.info()["arena_used"] - used0) / n - STEP_BYTES
+    rss = attach_rss(srv.shared_table_name(TABLE))
+    segment_bytes = seg.info()["total_size"]
   return [row("metadata", "fastest", "SharedTable.insert(10k) of 1-step items", 0,
               table_bytes_per_item=table_bytes, arena_bytes_per_item=arena_bytes,
-              bytes_per_item=table_bytes + arena_bytes)]
+              bytes_per_item=table_bytes + arena_bytes, segment_bytes=segment_bytes, **rss)]
+
+
+def _rss_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _attach_rss_child(name, conn):
+  before = _rss_bytes()
+  table = reverb.SharedTable.attach(name)
+  table.size  # pylint: disable=pointless-statement
+  attached = _rss_bytes()
+  out = [np.empty(256, np.int64), np.empty((256, 8), np.float32), np.empty(256, np.float32)]
+  for _ in range(10):
+    table.sample_batch(256, out=out)
+  conn.send((attached - before, _rss_bytes() - attached))
+
+
+def attach_rss(name) -> dict:
+  """RSS growth (bytes) of a fresh process that attaches to the table, and of its next 10
+  sample_batch(256) calls: it maps the whole segment but should pay only for pages it touches."""
+  ctx = multiprocessing.get_context("spawn")
+  parent, child = ctx.Pipe()
+  proc = ctx.Process(target=_attach_rss_child, args=(name, child))
+  proc.start()
+  if not parent.poll(120):
+    proc.kill()
+    raise RuntimeError("attach_rss: the attaching process did not answer in 120 s")
+  attach, sampling = parent.recv()
+  proc.join(60)
+  return {"attach_rss_bytes": attach, "sample_rss_bytes": sampling}
 
 
 WORKLOADS = {

@@ -160,3 +160,41 @@ def test_prioritized_fifo_table_structures_stay_within_128_bytes_per_item(max_si
   uniform = (_region_bytes(max_size, lib.RS_SEL_UNIFORM, lib.RS_SEL_FIFO)
              - _region_bytes(1000, lib.RS_SEL_UNIFORM, lib.RS_SEL_FIFO)) / (max_size - 1000)
   assert heap - uniform == pytest.approx(16 + 4, abs=0.1)   # rs_heap_aux + the heap array
+
+
+def _attach_and_measure(name, conn):
+  def rss():
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * 4096
+  before = rss()
+  table = reverb_shm.SharedTable.attach(name)
+  size = table.size
+  attached = rss()
+  table.sample_batch(64)
+  conn.send((size, attached - before, rss() - attached))
+
+
+def test_an_attaching_process_pays_only_for_the_pages_it_touches(server_factory):
+  """A process attaching to a 256 MiB segment holding 100k items maps all of it, but its RSS
+  grows by what it reads (header, its slot, the table's stats), not by the segment size."""
+  import multiprocessing  # pylint: disable=import-outside-toplevel
+  server = server_factory([_table(max_size=100_000)], arena_bytes=256 << 20)
+  st = server.shared_table("t")
+  for s in range(0, 100_000, 20_000):
+    st.insert(_rows(20_000, s), np.ones(20_000))
+  total = server._segment.info()["total_size"]   # pylint: disable=protected-access
+  ctx = multiprocessing.get_context("spawn")
+  parent, child = ctx.Pipe()
+  proc = ctx.Process(target=_attach_and_measure, args=(server.shared_table_name("t"), child))
+  proc.start()
+  try:
+    assert parent.poll(90), "the attaching process did not answer in 90 s"
+    size, attach, sample = parent.recv()
+  finally:
+    proc.join(30)
+    if proc.is_alive():
+      proc.kill()
+  assert size == 100_000 and total > 256 << 20
+  assert attach < 4 << 20, f"attaching grew RSS by {attach} bytes of a {total}-byte segment"
+  # 64 random items: a record, tree and data pages each, far below the segment's size
+  assert sample < 16 << 20, f"sampling 64 items grew RSS by {sample} bytes"
