@@ -16,11 +16,14 @@ class DeadlineExceededError(ReverbError):
   Attributes:
     inserted: for batched inserts (SharedTable.insert_descriptors), how many of the first items
       were inserted before the deadline; the others were not. 0 otherwise.
+    keys: for StepInserter.flush, uint64[inserted] keys of the items that were inserted (in
+      staging order); None otherwise.
   """
 
-  def __init__(self, *args, inserted: int = 0):
+  def __init__(self, *args, inserted: int = 0, keys=None):
     super().__init__(*args)
     self.inserted = inserted
+    self.keys = keys
 
 
 class InvalidArgumentError(ReverbError, builtins.ValueError):

@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from reverb_shm import chunks, structure, timeouts, trajectory_writer
+from reverb_shm import chunks, errors, structure, timeouts, trajectory_writer
 from reverb_shm._lib import ffi, lib
 
 __all__ = ["StepInserter", "flat_leaves"]
@@ -261,7 +261,8 @@ class StepInserter:
 
     Raises:
       DeadlineExceededError: the rate limiter did not admit every item within timeout_ms; the
-        items it admitted are inserted and the others stay staged (`inserted` says how many).
+        items it admitted are inserted and the others stay staged (`inserted` says how many,
+        `keys` holds their keys).
       ResourceExhaustedError: the arena is full; TableClosedError: the server stopped. The
         steps stay staged.
     """
@@ -281,6 +282,8 @@ class StepInserter:
     except Exception as e:  # pylint: disable=broad-except
       done = getattr(e, "inserted", 0)
       if done:   # keep the steps the limiter did not admit, at the front
+        if isinstance(e, errors.DeadlineExceededError):
+          e.keys = self._keys[:done].copy()
         for r in self._rows:
           r[:n - done] = r[done:n].copy()
         self._priorities[:n - done] = self._priorities[done:n].copy()

@@ -246,6 +246,8 @@ def test_rate_limiter_timeout_keeps_unadmitted_steps_staged(server_factory):
     inserter.flush()
   admitted = e.value.inserted
   assert 0 < admitted < 7 and st.size == admitted and inserter.pending == 7 - admitted
+  assert e.value.keys.dtype == np.uint64 and len(e.value.keys) == admitted
+  assert sorted(e.value.keys.tolist()) == sorted(st.items()["key"].tolist())   # the admitted ones
   got = _drain(st)
   for _ in range(10):   # sampling makes room again; each flush inserts what is admitted
     if not inserter.pending:
