@@ -319,24 +319,7 @@ def test_plan_declines_after_a_fork_without_python_hooks(server_factory):
     client.insert(w1_step(i), {"q": 1.0})
   plan = client._hot_plans["q"]  # pylint: disable=protected-access
   libc_fork = ctypes.PyDLL(None).fork   # (PyDLL: the GIL stays held across the call)
-  pid = libc_fork()
-  if pid == 0:
-    code = 1
-    try:
-      code = 0 if plan.insert(w1_step(9), 1.0, None) is None else 2
-    finally:
-      os._exit(code)  # pylint: disable=protected-access
-  deadline = time.monotonic() + 30
-  while time.monotonic() < deadline:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-      break
-    time.sleep(0.01)
-  else:
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    pytest.fail("child hung")
-  assert os.waitstatus_to_exitcode(status) == 0
+  assert run_in_fork(lambda: plan.insert(w1_step(9), 1.0, None), fork=libc_fork) == "OK None"
   assert server.shared_table("q").size == 3
   assert plan.insert(w1_step(9), 1.0, None) is True   # the parent's plan still works here
 
