@@ -1,4 +1,5 @@
-"""C insert plans: Client.insert of one step and SharedTable.insert of a batch in one C call.
+"""C insert plans: Client.insert of one step and SharedTable.insert of a batch in one C call
+(and StepInserter.insert's staging of a step, `stager`).
 
 A plan (reverb_shm._hot.InsertPlan, csrc/hot/hot_insert.c) is made for one table, one
 registration of this process with the segment and one data layout (nest structure, and per
@@ -20,7 +21,7 @@ import numpy as np
 from reverb_shm import timeouts
 from reverb_shm._lib import ffi, hot, lib
 
-__all__ = ["PlanCache", "client_insert", "finish", "template"]
+__all__ = ["PlanCache", "client_insert", "finish", "stager", "template"]
 
 _MAX_PLANS = 64   # layouts remembered per table and registration
 _MAX_NODES = 256  # containers and leaves of a template (csrc/hot/hot_insert.c HOT_MAX_NODES)
@@ -125,21 +126,50 @@ class PlanCache:
       self._registration, self._plans = registration, {}
     plan = self._plans.get(spec)
     if plan is None:
-      if (_count_nodes(spec) > _MAX_NODES or len(columns) > _MAX_LEAVES
-          or _columns(spec, []) != [(np.dtype(d), tuple(s)) for d, s in columns]):
+      plan = _make_plan(table, spec, self._batched, columns, writer, registration,
+                        (writer, generation, 1 if self._batched else 0, self._owner))
+      if plan is None:
         return None
-      squeeze = 1 if self._batched else 0
-      plan = hot.InsertPlan(
-          spec, self._batched, seg, registration, seg.address, slot, table.index,
-          int(ffi.cast("uintptr_t", writer.metas)),
-          int(ffi.cast("uintptr_t", writer.squeeze_flags[squeeze])),
-          _ROWS_FLAGS[self._batched], table._prioritized(),  # pylint: disable=protected-access
-          timeouts.SLICE_NS, timeouts.deadline_from_ms,
-          (writer, generation, squeeze, self._owner))
       if len(self._plans) >= _MAX_PLANS:
         self._plans.clear()
       self._plans[spec] = plan
     return plan
+
+
+def _make_plan(table, spec: tuple, batched: bool, columns: tuple, writer, registration,
+               context: tuple, **stager):
+  """The InsertPlan of template `spec` for `table` (None if `spec` does not describe `columns`
+  or is too large); `stager`: InsertPlan's stage_rows, stage_priorities and capacity."""
+  if (_count_nodes(spec) > _MAX_NODES or len(columns) > _MAX_LEAVES
+      or _columns(spec, []) != [(np.dtype(d), tuple(s)) for d, s in columns]):
+    return None
+  seg, squeeze = table.segment, 1 if batched else 0
+  return hot.InsertPlan(
+      spec, batched, seg, registration, seg.address, registration[1], table.index,
+      int(ffi.cast("uintptr_t", writer.metas)),
+      int(ffi.cast("uintptr_t", writer.squeeze_flags[squeeze])),
+      _ROWS_FLAGS[batched], table._prioritized(),  # pylint: disable=protected-access
+      timeouts.SLICE_NS, timeouts.deadline_from_ms, context, **stager)
+
+
+def stager(table, step, columns: tuple, writer, rows: list, priorities: np.ndarray):
+  """StepInserter's one-call staging of steps shaped like `step` (its first, checked step), or
+  None when a plan cannot take that layout.
+
+  Returns:
+    stage(step, priority, row) -> bool: copies a step of exactly that layout into row `row` of
+    `rows` (one C-contiguous (capacity, *item shape) array per leaf) and the priority (a
+    finite float or an int a float64 holds exactly, >= 0 on a Prioritized table) into
+    priorities[row]; False, writing nothing, for anything else.
+  """
+  spec = template(step, False)
+  if spec is None:
+    return None
+  registration = (None, 0, 0)   # (stage() never inserts: it is never compared)
+  plan = _make_plan(table, spec, False, columns, writer, registration, (rows, priorities),
+                    stage_rows=tuple(r.ctypes.data for r in rows),
+                    stage_priorities=priorities.ctypes.data, capacity=len(priorities))
+  return None if plan is None else plan.stage
 
 
 def finish(result: tuple, table, priorities, timeout_ms):
@@ -157,6 +187,7 @@ def finish(result: tuple, table, priorities, timeout_ms):
   Raises:
     As SharedTable._finish_rows (DeadlineExceededError with `inserted`, the core's errors).
   """
+  # pylint: disable=protected-access
   plan, rc, done, deadline_ns, keys, chunk_offs, pins = result
   writer, generation, squeeze, owner = plan.context
   table = owner if table is None else table
@@ -164,8 +195,8 @@ def finish(result: tuple, table, priorities, timeout_ms):
     n, keys_c, prios_c = 1, ffi.new("uint64_t *", keys), ffi.new("double *", float(priorities))
   else:
     n, keys_c = len(keys), ffi.from_buffer("uint64_t[]", keys)
-    prios_c = ffi.from_buffer("double[]", table._priorities(priorities, n))  # pylint: disable=protected-access
-  table._finish_rows(rc, done, chunk_offs, pins, generation, writer, n,  # pylint: disable=protected-access
-                     keys_c, prios_c, squeeze, deadline_ns, timeout_ms)
+    prios_c = ffi.from_buffer("double[]", table._priorities(priorities, n))
+  table._finish_rows(rc, done, chunk_offs, pins, generation, writer, n, keys_c, prios_c, squeeze,
+                     deadline_ns, timeout_ms)
   return keys
 

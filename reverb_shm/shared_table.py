@@ -301,7 +301,8 @@ class SharedTable:
       slices = writer.row_slices(chunk_offs, n)
       try:
         self._insert_slices_validated(n - done, keys_c + done, prios_c + done, writer,
-                                      slices + done * writer.ncols, squeeze, deadline_ns, timeout_ms)
+                                      slices + done * writer.ncols, squeeze, deadline_ns,
+                                      timeout_ms)
       except errors.DeadlineExceededError as e:
         total = done + e.inserted
         raise errors.DeadlineExceededError(

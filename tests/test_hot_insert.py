@@ -304,7 +304,8 @@ def test_forked_child_makes_its_own_plan(server_factory, spy):
     return declined, own is not parent_plan, spy[-1]
   assert run_in_fork(child) == "OK (None, True, True)"
   client.insert(w1_step(4), {"q": 3.0})
-  assert spy[-1] is True and client._hot_plans["q"] is parent_plan  # pylint: disable=protected-access
+  assert spy[-1] is True
+  assert client._hot_plans["q"] is parent_plan  # pylint: disable=protected-access
   items = drain(server.shared_table("q"), 7)
   assert [p for p, _ in items] == [1.0] * 3 + [2.0] * 3 + [3.0]
   assert [int(cols[0][0]) for _, cols in items] == [0, 1, 2, 10, 11, 12, 4]
@@ -434,3 +435,40 @@ def test_references_are_balanced(server_factory):
     assert type(plan.insert(data, prio, 0)) is tuple              # limiter full: RS_ETIMEDOUT
     st.sample(2, timeout_ms=1000)
   assert [sys.getrefcount(x) for x in tracked] == before
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_step_inserter_staging_stores_what_the_python_path_stores(server_factory, layout):
+  make = LAYOUTS[layout]
+  server = server_factory([reverb_shm.Table.queue("hot", 100),
+                           reverb_shm.Table.queue("py", 100)])
+  with server.shared_table("hot").step_inserter(capacity=8) as inserter:
+    for i in range(20):
+      inserter.insert(make(i), float(i))
+    assert inserter._stage is not None  # pylint: disable=protected-access
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(hot_plans, "stager", lambda *args: None)
+    with server.shared_table("py").step_inserter(capacity=8) as inserter:
+      for i in range(20):
+        inserter.insert(make(i), float(i))
+      assert inserter._stage is None  # pylint: disable=protected-access
+  assert_same_items(drain(server.shared_table("hot"), 20), drain(server.shared_table("py"), 20))
+
+
+def test_step_inserter_staging_declines_without_writing(server_factory):
+  st = server_factory([reverb_shm.Table.queue("q", 100)]).shared_table("q")
+  inserter = st.step_inserter(capacity=4)
+  inserter.insert(w1_step(0), 1.0)
+  stage = inserter._stage  # pylint: disable=protected-access
+  rows_before = [r.copy() for r in inserter._rows]  # pylint: disable=protected-access
+  for bad in (dict(w1_step(1), obs=np.zeros(8)), dict(w1_step(1), action=1.5), [w1_step(1)],
+              dict(w1_step(1), extra=1)):
+    assert stage(bad, 2.0, 1) is False
+  for priority in (float("nan"), float("inf"), "1", None):
+    assert stage(w1_step(1), priority, 1) is False
+  assert stage(w1_step(1), 1.0, 4) is False   # beyond capacity
+  for r, before in zip(inserter._rows, rows_before):  # pylint: disable=protected-access
+    assert r.tobytes() == before.tobytes()
+  assert inserter._priorities[1] == 0.0  # pylint: disable=protected-access
+  inserter.close()
+  assert st.size == 1

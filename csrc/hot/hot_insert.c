@@ -1,5 +1,6 @@
 /*
- * One-call insert of a step (Client.insert) or a batch (SharedTable.insert) of a known layout.
+ * One-call insert of a step (Client.insert) or a batch (SharedTable.insert) of a known layout,
+ * and one-call staging of a step (StepInserter.insert).
  *
  * An InsertPlan is made by Python (reverb_shm/hot_plans.py) for one table, one registration of
  * this process with the segment and one step layout that the Python path has already checked
@@ -9,6 +10,8 @@
  * not handle exactly as the Python path would makes it return None having done nothing, and
  * the caller takes the Python path (which validates and raises). A failed core call returns
  * its status and partial-progress state for Python to finish or raise (reverb_shm/_lib.py).
+ * A stager plan (StepInserter) also copies a matched step into a row of private staging arrays
+ * (stage(); no core call).
  *
  * Layout template (built by hot_plans.template, also the plan cache key), pre-order:
  *   (0, sorted str keys, children)   a dict (exactly dict) with exactly these keys
@@ -66,6 +69,9 @@ typedef struct {
   const uint32_t *col_flags;
   int64_t slice_ns;
   unsigned long fork_epoch;
+  uint32_t capacity;       /* stagers (StepInserter): rows of each staging array; else 0 */
+  uint8_t **stage_rows;    /* stagers: C-contiguous (capacity, *item shape) array per column */
+  double *stage_prios;     /* stagers: float64[capacity] */
 } InsertPlan;
 
 /* Bumped in the child of every fork (any fork(): Python's hooks may not run for all of them);
@@ -332,6 +338,35 @@ done:
   return result;
 }
 
+/* stage(step, priority, row): StepInserter.insert's staging of one step into row `row` of the
+ * staging arrays; True when staged, False when not handled (nothing written). */
+static PyObject *InsertPlan_stage(InsertPlan *p, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "stage(step, priority, row) takes 3 arguments");
+    return NULL;
+  }
+  double prio;
+  Py_ssize_t row = PyLong_AsSsize_t(args[2]);
+  if (row == -1 && PyErr_Occurred()) return NULL;
+  if (p->capacity == 0 || row < 0 || row >= (Py_ssize_t)p->capacity ||
+      !one_priority(p, args[1], &prio))
+    Py_RETURN_FALSE;
+  hot_gather g;
+  g.nheld = 0;
+  g.batch = -1;
+  Py_ssize_t ni = 0;
+  int ok = match(p, &ni, args[0], &g) && ni == p->nnodes;
+  if (ok) {
+    for (uint32_t c = 0; c < p->ncols; c++) {
+      uint64_t bytes = p->metas[c].row_bytes;
+      memcpy(p->stage_rows[c] + (uint64_t)row * bytes, g.data[c], bytes);
+    }
+    p->stage_prios[row] = prio;
+  }
+  release_held(&g);
+  return PyBool_FromLong(ok);
+}
+
 static PyObject *InsertPlan_insert(InsertPlan *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 3) {
     PyErr_SetString(PyExc_TypeError, "insert(data, priorities, timeout_ms) takes 3 arguments");
@@ -389,6 +424,7 @@ static void InsertPlan_dealloc(InsertPlan *self) {
   Py_XDECREF(self->registration);
   Py_XDECREF(self->deadline_fn);
   Py_XDECREF(self->context);
+  PyMem_Free(self->stage_rows);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -468,16 +504,20 @@ static int compile_spec(InsertPlan *p, PyObject *spec, int batched) {
 static PyObject *InsertPlan_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   static char *kwlist[] = {"template", "batched", "segment", "registration", "base", "slot",
                            "table", "metas", "col_flags", "rows_flags", "prioritized",
-                           "slice_ns", "deadline_fn", "context", NULL};
-  PyObject *spec, *segment, *registration, *deadline_fn, *context;
+                           "slice_ns", "deadline_fn", "context", "stage_rows",
+                           "stage_priorities", "capacity", NULL};
+  PyObject *spec, *segment, *registration, *deadline_fn, *context, *stage_rows = Py_None;
+  unsigned long long stage_prios = 0;
+  unsigned int capacity = 0;
   int batched, prioritized;
   unsigned long long base, metas, col_flags;
   unsigned int slot, table, rows_flags;
   long long slice_ns;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOOKIIKKIpLOO", kwlist, &spec, &batched,
-                                   &segment, &registration, &base, &slot, &table, &metas,
-                                   &col_flags, &rows_flags, &prioritized, &slice_ns,
-                                   &deadline_fn, &context))
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOOKIIKKIpLOO|$OKI", kwlist, &spec,
+                                   &batched, &segment, &registration, &base, &slot, &table,
+                                   &metas, &col_flags, &rows_flags, &prioritized, &slice_ns,
+                                   &deadline_fn, &context, &stage_rows, &stage_prios,
+                                   &capacity))
     return NULL;
   if (!hot_core_bound) {
     PyErr_SetString(PyExc_RuntimeError, "reverb_shm._hot is not bound to the core");
@@ -516,6 +556,28 @@ static PyObject *InsertPlan_new(PyTypeObject *type, PyObject *args, PyObject *kw
   p->rows_flags = rows_flags;
   p->slice_ns = slice_ns;
   p->fork_epoch = fork_epoch;
+  if (capacity > 0) {   /* a stager: the staging arrays' addresses (kept alive by `context`) */
+    if (batched || !PyTuple_Check(stage_rows) || PyTuple_GET_SIZE(stage_rows) != p->ncols ||
+        !stage_prios) {
+      PyErr_SetString(PyExc_ValueError, "InsertPlan: a stager takes one staging address per "
+                      "column and a priorities address, and is not batched");
+      goto fail;
+    }
+    p->stage_rows = PyMem_Calloc(p->ncols, sizeof(uint8_t *));
+    if (p->stage_rows == NULL) {
+      PyErr_NoMemory();
+      goto fail;
+    }
+    for (uint32_t c = 0; c < p->ncols; c++) {
+      p->stage_rows[c] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(stage_rows, c));
+      if (p->stage_rows[c] == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "InsertPlan: null address");
+        goto fail;
+      }
+    }
+    p->stage_prios = (double *)(uintptr_t)stage_prios;
+    p->capacity = capacity;
+  }
   return (PyObject *)p;
 fail:
   Py_DECREF(p);
@@ -527,6 +589,10 @@ static PyMethodDef InsertPlan_methods[] = {
      "insert(data, priorities, timeout_ms): True / the uint64[n] keys (batched) when inserted; "
      "None when not handled (nothing done); (plan, status, done, deadline_ns, keys, chunk "
      "offsets, pins) when the core returned another status."},
+    {"stage", (PyCFunction)(void (*)(void))InsertPlan_stage, METH_FASTCALL,
+     "stage(step, priority, row): stagers only: copies the step into row `row` of the staging "
+     "arrays and the priority into the priorities array; True when staged, False when not "
+     "handled (nothing written)."},
     {NULL, NULL, 0, NULL}};
 
 static PyObject *InsertPlan_get_context(InsertPlan *self, void *closure) {
