@@ -13,7 +13,7 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from reverb_shm import chunks, errors, shm, structure, timeouts
+from reverb_shm import chunks, errors, hot_plans, shm, structure, timeouts
 from reverb_shm import step_inserter as step_inserter_lib
 from reverb_shm._lib import ffi, lib
 from reverb_shm import table as table_lib
@@ -42,7 +42,7 @@ class _TableHandle:
   """What the client and its writers need of one table, cached per attached segment."""
 
   __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized",
-               "priority_bound", "insert_plans")
+               "priority_bound", "insert_plans", "hot_plans")
 
   def __init__(self, seg: shm.Segment, name: str):
     self.seg = seg
@@ -56,6 +56,7 @@ class _TableHandle:
     self.prioritized = PRIORITIZED in (stats["sampler_kind"], stats["remover_kind"])
     self.priority_bound = self.table.priority_bound   # above it: the exact sum-tree cap check
     self.insert_plans = {}   # (dtype, shape) per step leaf -> ColumnWriter, or None: not fast
+    self.hot_plans = hot_plans.PlanCache(batched=False, owner=self.table)   # C one-call plans
 
   def insert_plan(self, columns: tuple) -> Optional[chunks.ColumnWriter]:
     """The ColumnWriter of Client.insert's one-call path for steps of `columns` ((dtype, shape)
@@ -107,6 +108,7 @@ class Client:
     self._seg = None
     self._seg_pid = None
     self._handles: Dict[str, _TableHandle] = {}
+    self._hot_plans = {}   # table name -> its handle's C plan of the last step layout inserted
     self._column_writers = {}   # (dtype, shape) per column -> chunks.ColumnWriter
 
   def __reduce__(self):
@@ -130,7 +132,7 @@ class Client:
     # A segment closed in this process (its Server stopped here) is never used again.
     if seg is None or self._seg_pid != os.getpid() or seg._closed:  # pylint: disable=protected-access
       seg = shm.Segment.attach(shm.resolve_address(self._address))
-      self._seg, self._seg_pid, self._handles = seg, os.getpid(), {}
+      self._seg, self._seg_pid, self._handles, self._hot_plans = seg, os.getpid(), {}, {}
     return seg
 
   def _table_handle(self, table: str) -> _TableHandle:
@@ -176,6 +178,12 @@ class Client:
       ResourceExhaustedError: the chunk arena is full.
       TableClosedError: the server stopped.
     """
+    result = hot_plans.client_insert(self._hot_plans, data, priorities, timeout_ms)
+    if result is True:   # the common case, done in one C call (reverb_shm/hot_plans.py)
+      return
+    if result is not None:   # the core call failed or waited past a slice: finish or raise
+      hot_plans.finish(result, None, next(iter(priorities.values())), timeout_ms)
+      return
     if self._insert_fast(data, priorities, timeout_ms):
       return
     handles, prios, arrays = checked_insert(self, data, priorities)
@@ -204,8 +212,9 @@ class Client:
         c.release()
 
   def _insert_fast(self, data, priorities, timeout_ms) -> bool:
-    """Client.insert's hot path: one numeric step into one known table whose layout was checked
-    before (_TableHandle.insert_plan), with one rs_insert_rows call. Returns False, having done
+    """Client.insert's Python hot path: one numeric step into one known table whose layout was
+    checked before (_TableHandle.insert_plan), with one rs_insert_rows call; it also makes the C
+    plan that inserts later steps of this layout (hot_plans). Returns False, having done
     nothing, for anything else; the general path then checks everything (and raises)."""
     if type(priorities) is not dict or len(priorities) != 1:
       return False
@@ -222,9 +231,13 @@ class Client:
       arrays = step_inserter_lib.step_arrays(data)
     except ValueError:
       return False
-    writer = handle.insert_plan(tuple([(a.dtype, a.shape) for a in arrays]))
+    columns = tuple([(a.dtype, a.shape) for a in arrays])
+    writer = handle.insert_plan(columns)
     if writer is None:
       return False
+    plan = handle.hot_plans.get(handle.table, data, columns, writer)
+    if plan is not None:
+      self._hot_plans[name] = plan
     handle.table._insert_rows(  # pylint: disable=protected-access
         writer, 1, ffi.new("uint64_t *"), ffi.new("double *", prio),
         chunks.row_buffers(arrays), 0, _RANDOM_KEY_AND_EPISODE,

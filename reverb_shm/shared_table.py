@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from reverb_shm import chunks, errors, specs, structure
+from reverb_shm import chunks, errors, hot_plans, specs, structure
 from reverb_shm import step_inserter as step_inserter_lib
 from reverb_shm import table as table_lib
 from reverb_shm import timeouts
@@ -52,6 +52,8 @@ class SharedTable:
     self._priority_bound = None
     self._column_writers = {}     # (dtype, shape) per column -> chunks.ColumnWriter
     self._insert_plans = {}       # (dtype, batch shape) per leaf of a valid batch -> writer
+    self._hot_plans = hot_plans.PlanCache(batched=True)   # C one-call plans by batch layout
+    self._hot_plan = None         # the plan of the last batch layout inserted
     self._gather_layout = None    # ((dtype, item shape, bytes) per column) of sampled items
     self._out_cache = None        # (layout, out, leaves, rows, rs_gather_col[]) of sample_batch
 
@@ -275,21 +277,32 @@ class SharedTable:
                             timeouts.SLICE_NS, out, pins_c, done_c)
     if rc == lib.RS_OK:
       return n
-    done = done_c[0]
+    return self._finish_rows(rc, done_c[0], list(out[0:ncols]),
+                             np.frombuffer(ffi.buffer(pins_c, 4 * ncols), np.uint32), generation,
+                             writer, n, keys_c, prios_c, squeeze, deadline_ns, timeout_ms)
+
+  def _finish_rows(self, rc: int, done: int, chunk_offs: list, pins, generation: int,
+                   writer: chunks.ColumnWriter, n: int, keys_c, prios_c, squeeze: int,
+                   deadline_ns: int, timeout_ms) -> int:
+    """Finishes an rs_insert_rows call (_insert_rows, or reverb_shm._hot's InsertPlan) that
+    returned `rc` != RS_OK having inserted `done` items: raises its error, or (RS_EAGAIN) inserts
+    the rest from the chunks it still holds (chunk_offs / pins per column, taken under
+    registration `generation`) and releases them. Returns n; raises as _insert_rows."""
     if rc != lib.RS_EAGAIN:
       if rc == lib.RS_ETIMEDOUT:
         raise errors.DeadlineExceededError(
             f"{self._limiter_message('insert', timeout_ms)}; {done} of {n} items inserted",
             inserted=done)
       check(rc, f"inserting into table {self._name!r} ({done} of {n} items inserted)"
-            + (seg.arena_hint if rc == lib.RS_ENOSPC else ""))
+            + (self._seg.arena_hint if rc == lib.RS_ENOSPC else ""))
     # Waiting past one slice: finish the held chunks' items here so Ctrl-C is handled.
-    pins = chunks.Pins(seg, generation, np.frombuffer(ffi.buffer(pins_c, 4 * ncols), np.uint32))
+    pins = chunks.Pins(self._seg, generation, np.asarray(pins, np.uint32))
     try:
-      slices = writer.row_slices(list(out[0:ncols]), n)
+      slices = writer.row_slices(chunk_offs, n)
       try:
         self._insert_slices_validated(n - done, keys_c + done, prios_c + done, writer,
-                                      slices + done * ncols, squeeze, deadline_ns, timeout_ms)
+                                      slices + done * writer.ncols, squeeze, deadline_ns,
+                                      timeout_ms)
       except errors.DeadlineExceededError as e:
         total = done + e.inserted
         raise errors.DeadlineExceededError(
@@ -542,6 +555,12 @@ class SharedTable:
       ResourceExhaustedError: the arena cannot hold the data.
       DeadlineExceededError: the rate limiter did not admit every item in time.
     """
+    plan = self._hot_plan
+    if plan is not None and keys is None:   # the common case in one C call (hot_plans)
+      result = plan.insert(data, priorities, timeout_ms)
+      if result is not None:
+        return result if type(result) is not tuple else hot_plans.finish(
+            result, self, priorities, timeout_ms)
     arrays, writer = self._insert_plan(data)
     b = arrays[0].shape[0]
     if (type(priorities) is float and b == 1 and -_INF < priorities < _INF
@@ -556,6 +575,9 @@ class SharedTable:
       keys = self._keys(keys, b)
     deadline = timeouts.deadline_from_ms(timeout_ms)  # validated before anything is written
     if writer is not None:  # numeric columns: one C call
+      if flags:   # later batches of this layout: in one C call with the plan
+        self._hot_plan = self._hot_plans.get(
+            self, data, tuple([(a.dtype, a.shape[1:]) for a in arrays]), writer)
       self._insert_rows(writer, b, _as_u64(keys), prios_c, chunks.row_buffers(arrays),
                         chunks.SQUEEZE, flags, deadline, timeout_ms)
       return keys

@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from reverb_shm import chunks, errors, structure, timeouts, trajectory_writer
+from reverb_shm import chunks, errors, hot_plans, structure, timeouts, trajectory_writer
 from reverb_shm._lib import ffi, lib
 
 __all__ = ["StepInserter", "flat_leaves"]
@@ -30,10 +30,6 @@ _NUMERIC_VALUES = frozenset([np.ndarray] + [t for t in np.sctypeDict.values()
                                             np.dtype(t).kind in "biufc"])
 _DICT_ORDERS = {}   # tuple of a dict's str keys in insertion order -> the keys sorted
 _MAX_ORDERS = 256
-# Formats of native numeric dtypes whose memoryview item assignment converts a value of the
-# column's own type exactly (or raises): StepInserter's one-pass staging writes through them.
-_MEMORYVIEW_FORMATS = frozenset("?bBhHiIlLqQfd")
-_INF = math.inf
 
 
 def flat_leaves(nest: Any) -> List[Any]:
@@ -103,7 +99,7 @@ class StepInserter:
     self._buffers = None      # their uint8_t[] cdata
     self._writer = None       # chunks.ColumnWriter of the layout
     self._fast = None         # what _stage_same_layout compares (flat dict first steps)
-    self._stage = None        # insert()'s one-pass staging (_one_pass_stager), or None
+    self._stage = None        # insert()'s one-call staging (hot_plans.stager), or None
     self._priorities = np.zeros(self._capacity, np.float64)
     self._keys = np.zeros(self._capacity, np.uint64)
     self._priorities_c = ffi.from_buffer("double[]", self._priorities)
@@ -146,7 +142,7 @@ class StepInserter:
       Errors of flush() when this step fills the staging rows: the step stays staged (with the
         others) and the next insert() or flush() tries again.
     """
-    stage, row = self._stage, self._staged   # (the one-pass path; None until the first step
+    stage, row = self._stage, self._staged   # (the one-call path; None until the first step
     if (stage is not None and row < self._capacity and type(priority) is float  # and closed)
         and priority <= self._priority_bound and stage(step, priority, row)):
       self._staged = row = row + 1
@@ -250,7 +246,8 @@ class StepInserter:
       self._fast = (tuple(step), getter, tuple(map(type, getter(step))),
                     tuple((i, dtype, shape) for i, (v, (dtype, shape))
                           in enumerate(zip(getter(step), columns)) if type(v) is np.ndarray))
-      self._stage = _one_pass_stager(order, self._fast[2], self._rows, self._priorities)
+    self._stage = hot_plans.stager(self._table, step, columns, self._writer, self._rows,
+                                   self._priorities)
     return arrays
 
   def flush(self) -> np.ndarray:
@@ -317,44 +314,3 @@ class StepInserter:
                     f"({type(flush_error).__name__}: {flush_error}); {self._staged} staged "
                     f"steps were not inserted", RuntimeWarning, stacklevel=2)
 
-
-def _one_pass_stager(keys: tuple, leaf_types: tuple, rows: list, priorities: np.ndarray):
-  """StepInserter.insert's one-pass staging of flat dict steps with the first step's `keys`
-  (sorted) and `leaf_types`, whose leaves are scalars (numpy or Python) or non-empty 1-d arrays
-  of native numeric dtypes; None for other layouts.
-
-  The function returned, stage(step, priority, row) -> bool, writes each leaf through a
-  memoryview of its staging rows (`rows`, one array per leaf), whose item assignment converts
-  a value of the column's own type exactly and whose slice assignment requires an array of the
-  column's format and length, and the priority into `priorities`. It returns False when the
-  step is not such a dict, the priority not a float in [0, inf), or a value does not convert
-  (the row may then be partly written: the caller overwrites it or leaves it unstaged).
-  """
-  plan = []   # (key, leaf type, memoryview of the flattened rows, 1-d length or 0: a scalar)
-  for key, leaf_type, r in zip(keys, leaf_types, rows):
-    scalar = leaf_type is not np.ndarray
-    if (r.dtype.char not in _MEMORYVIEW_FORMATS or not r.dtype.isnative
-        or r.ndim != (1 if scalar else 2) or r.size == 0):
-      return None
-    plan.append((key, leaf_type, memoryview(r.reshape(-1)), 0 if scalar else r.shape[1]))
-  plan = tuple(plan)
-  num_keys, prios = len(plan), memoryview(priorities)
-
-  def stage(step, priority: float, row: int) -> bool:
-    if (type(step) is not dict or len(step) != num_keys or type(priority) is not float
-        or not 0.0 <= priority < _INF):
-      return False
-    try:
-      for key, leaf_type, view, n in plan:
-        x = step[key]
-        if type(x) is not leaf_type:
-          return False
-        if n:
-          view[row * n:row * n + n] = x
-        else:
-          view[row] = x
-    except (KeyError, ValueError, TypeError, OverflowError, NotImplementedError):
-      return False
-    prios[row] = priority
-    return True
-  return stage

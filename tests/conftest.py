@@ -52,14 +52,15 @@ def uniform_table():
                           rate_limiters.MinSize(1))
 
 
-def run_in_fork(fn, timeout: float = 30):
+def run_in_fork(fn, timeout: float = 30, fork=os.fork):
   """Runs fn() in a forked child and returns "OK <result>" or "ERR <Type>: <message>".
 
   Raises AssertionError if the child crashes or does not finish within `timeout` seconds (it
-  is then killed): a hang never blocks the test run.
+  is then killed): a hang never blocks the test run. `fork` makes the child (os.fork, or e.g.
+  libc's fork, which runs no Python at-fork hook).
   """
   read_end, write_end = os.pipe()
-  pid = os.fork()
+  pid = fork()
   if pid == 0:  # child
     code = 1
     try:

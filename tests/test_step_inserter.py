@@ -207,8 +207,8 @@ def test_one_pass_staging_rejects_what_the_checked_path_rejects(server_factory, 
 
 
 def test_one_pass_staging_falls_back_for_other_layouts(server_factory):
-  """Leaves the one-pass path does not take (0-d, 2-d and empty arrays, float16) still
-  round-trip through the checked path."""
+  """Leaves the former Python one-pass path did not take (0-d, 2-d and empty arrays, float16)
+  round-trip through the one-call C staging (hot_plans.stager) too."""
   st = server_factory([_fifo_table()]).shared_table("t")
   layouts = [lambda i: {"a": np.array(i, np.int32), "m": np.full((2, 2), i, np.float32),
                         "h": np.float16(i)},
@@ -218,7 +218,7 @@ def test_one_pass_staging_falls_back_for_other_layouts(server_factory):
     inserter = st.step_inserter(capacity=8)
     for step in steps:
       inserter.insert(step, 1.0)
-    assert inserter._stage is None   # pylint: disable=protected-access
+    assert inserter._stage is not None   # pylint: disable=protected-access
     inserter.close()
     for step, s in zip(steps, _drain(st)):
       for key, col in zip(sorted(step), s.data):
