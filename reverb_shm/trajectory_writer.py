@@ -811,16 +811,12 @@ class TrajectoryWriter(hot.WriterBase):
 
   # ---- properties
 
-  @property
-  def history(self):
-    """Union structure of the appended steps; its leaves are column histories.
+  # history (the union structure of the appended steps, leaves: column histories) is the C
+  # base's property: `_structure`, else _no_history().
 
-    Raises:
-      RuntimeError: nothing has been appended yet.
-    """
-    if self._structure is None:
-      raise RuntimeError("history is not available before the first append() call")
-    return self._structure
+  @staticmethod
+  def _no_history():
+    raise RuntimeError("history is not available before the first append() call")
 
   @property
   def episode_steps(self) -> int:
@@ -1301,15 +1297,10 @@ class TrajectoryWriter(hot.WriterBase):
     try:
       while i < len(batch):
         kind = batch[i][0]
-        j = i + 1
-        while j < len(batch) and batch[j][0] is kind:
-          j += 1
-        run = batch[i:j]
-        positions = np.array([entry[2] for entry in run], np.int64)
+        j, positions, priorities = hot.batch_run(batch, i)
         blob, offs = self._encode_windows(kind, positions)
         i = j
-        self._insert_encoded(kind[0], [entry[1] for entry in run], blob, offs, kind[1],
-                             positions, insert)
+        self._insert_encoded(kind[0], priorities, blob, offs, kind[1], positions, insert)
     except BaseException:
       self._batch = batch[i:] + self._batch
       raise

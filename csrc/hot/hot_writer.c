@@ -94,6 +94,19 @@ static PyTypeObject ColumnBaseType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* The last type found to be a ColumnBase subclass (the writer's _Column): an identity check
+ * instead of an MRO walk per call. */
+static PyTypeObject *known_column_type = NULL;
+
+static int is_column(PyObject *o) {
+  PyTypeObject *t = Py_TYPE(o);
+  if (t == known_column_type) return 1;
+  if (!PyType_IsSubtype(t, &ColumnBaseType)) return 0;
+  Py_INCREF(t);   /* held: its address can then not be reused by another type */
+  Py_XSETREF(known_column_type, t);
+  return 1;
+}
+
 /* First position of the column's open run, or -1 when it has none (or it is malformed). */
 static Py_ssize_t open_run_pos(ColumnBase *col) {
   PyObject *run = col->open;
@@ -283,7 +296,7 @@ static int exact_int(PyObject *o, long long *out) {
  * window directly; everything else (and every error) goes to the Python _getitem. */
 static PyObject *history_subscript(HistoryBase *self, PyObject *index) {
   PyObject *c = self->column;
-  if (c != NULL && window_type != NULL && PyObject_TypeCheck(c, &ColumnBaseType)) {
+  if (c != NULL && window_type != NULL && is_column(c)) {
     ColumnBase *col = (ColumnBase *)c;
     long long v;
     if (PySlice_Check(index)) {
@@ -332,6 +345,7 @@ typedef struct {
   PyObject *pending;     /* _pending: deque of items behind the rate limiter */
   PyObject *item_keys;   /* _item_keys: sorted keys of the last flat-dict trajectory, or None */
   PyObject *last_kind;   /* _last_kind: the last item kind _kind() returned, or None */
+  PyObject *structure;   /* _structure: union skeleton of the steps (history), or None */
   Py_ssize_t hist_step;  /* _hist_step */
   Py_ssize_t episode_steps;    /* _episode_steps */
   Py_ssize_t item_batch_size;  /* _item_batch_size */
@@ -345,6 +359,7 @@ static int writer_traverse(WriterBase *self, visitproc visit, void *arg) {
   Py_VISIT(self->pending);
   Py_VISIT(self->item_keys);
   Py_VISIT(self->last_kind);
+  Py_VISIT(self->structure);
   return 0;
 }
 
@@ -355,6 +370,7 @@ static int writer_clear(WriterBase *self) {
   Py_CLEAR(self->pending);
   Py_CLEAR(self->item_keys);
   Py_CLEAR(self->last_kind);
+  Py_CLEAR(self->structure);
   return 0;
 }
 
@@ -374,6 +390,7 @@ typedef struct {
   PyObject *view;          /* writable rows of the column's open chunk from the next row on */
   PyArray_Descr *dtype;    /* the column's dtype */
   PyTypeObject *scalar;    /* dtype.type for element shape (), else NULL */
+  Py_ssize_t scalar_off;   /* offset of such a scalar's value in the scalar object */
   char *rows;              /* view's data */
   npy_intp stride;         /* bytes between rows */
   npy_intp row_bytes;
@@ -427,6 +444,30 @@ static void fast_dealloc(FastAppend *self) {
 }
 
 static PyTypeObject FastAppendType;
+
+/* Offset of the value in a numpy scalar of dtype d's own type (its `obval`, elsize bytes), or
+ * -1 for types whose scalars the fast append does not read directly. */
+static Py_ssize_t scalar_value_offset(PyArray_Descr *d) {
+  switch (d->type_num) {
+    case NPY_BOOL: return offsetof(PyBoolScalarObject, obval);
+    case NPY_BYTE: return offsetof(PyByteScalarObject, obval);
+    case NPY_UBYTE: return offsetof(PyUByteScalarObject, obval);
+    case NPY_SHORT: return offsetof(PyShortScalarObject, obval);
+    case NPY_USHORT: return offsetof(PyUShortScalarObject, obval);
+    case NPY_INT: return offsetof(PyIntScalarObject, obval);
+    case NPY_UINT: return offsetof(PyUIntScalarObject, obval);
+    case NPY_LONG: return offsetof(PyLongScalarObject, obval);
+    case NPY_ULONG: return offsetof(PyULongScalarObject, obval);
+    case NPY_LONGLONG: return offsetof(PyLongLongScalarObject, obval);
+    case NPY_ULONGLONG: return offsetof(PyULongLongScalarObject, obval);
+    case NPY_HALF: return offsetof(PyHalfScalarObject, obval);
+    case NPY_FLOAT: return offsetof(PyFloatScalarObject, obval);
+    case NPY_DOUBLE: return offsetof(PyDoubleScalarObject, obval);
+    case NPY_CFLOAT: return offsetof(PyCFloatScalarObject, obval);
+    case NPY_CDOUBLE: return offsetof(PyCDoubleScalarObject, obval);
+    default: return -1;
+  }
+}
 
 /* FastAppend(treedef, keys, cols, base, limit, segment, generation): cols is a tuple of
  * (column, view, dtype) with view a C-contiguous writable array of the column's rows. */
@@ -491,8 +532,10 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     fc->rows = PyArray_BYTES(arr);
     fc->stride = PyArray_STRIDE(arr, 0);
     /* A scalar is copied as its native value: only into native byte order columns. */
-    fc->scalar = (fc->ndim == 0 && PyArray_ISNBO(fc->dtype->byteorder)) ? fc->dtype->typeobj
-                                                                       : NULL;
+    fc->scalar_off = scalar_value_offset(fc->dtype);
+    fc->scalar = (fc->ndim == 0 && fc->scalar_off > 0 && PyArray_ISNBO(fc->dtype->byteorder))
+                     ? fc->dtype->typeobj
+                     : NULL;
     if (PyArray_DIM(arr, 0) < limit - base) {
       PyErr_SetString(PyExc_ValueError, "FastAppend: a view has fewer rows than limit - base");
       Py_DECREF(self);
@@ -546,7 +589,7 @@ static int fast_write(FastAppend *fa, WriterBase *w, PyObject *const *leaves) {
       if (dt != fc->dtype && !PyArray_EquivTypes(dt, fc->dtype)) return 0;
       memcpy(dst, PyArray_BYTES(arr), (size_t)fc->row_bytes);
     } else if (fc->scalar != NULL && Py_TYPE(leaf) == fc->scalar) {
-      PyArray_ScalarAsCtype(leaf, dst);
+      memcpy(dst, (char *)leaf + fc->scalar_off, (size_t)fc->row_bytes);
     } else {
       return 0;
     }
@@ -709,7 +752,7 @@ static int create_item_fast(WriterBase *self, PyObject *table, PyObject *priorit
     PyObject *leaf = leaves[i];
     if (Py_TYPE(leaf) != window_type) goto done;
     WindowBase *w = (WindowBase *)leaf;
-    if (w->wcol == NULL || !PyObject_TypeCheck(w->wcol, &ColumnBaseType)) goto done;
+    if (w->wcol == NULL || !is_column(w->wcol)) goto done;
     ColumnBase *col = (ColumnBase *)w->wcol;
     if (col->writer != (PyObject *)self || w->wgen != col->gen ||
         w->wstart < col->n - col->keep_alive || w->wstart < col->floor)
@@ -820,6 +863,8 @@ static PyMemberDef writer_members[] = {
      "Sorted keys of the last flat-dict trajectory, or None."},
     {"_last_kind", T_OBJECT, offsetof(WriterBase, last_kind), 0,
      "The item kind _kind() returned last, or None."},
+    {"_structure", T_OBJECT, offsetof(WriterBase, structure), 0,
+     "Union structure of the appended steps (leaves: column histories), or None."},
     {"_hist_step", T_PYSSIZET, offsetof(WriterBase, hist_step), 0,
      "Closed steps since the last clear."},
     {"_episode_steps", T_PYSSIZET, offsetof(WriterBase, episode_steps), 0,
@@ -827,6 +872,25 @@ static PyMemberDef writer_members[] = {
     {"_item_batch_size", T_PYSSIZET, offsetof(WriterBase, item_batch_size), 0,
      "Window items batched before an insert."},
     {"_closed", T_BOOL, offsetof(WriterBase, closed), 0, "close() was called."},
+    {NULL}};
+
+static PyObject *s_no_history;
+
+/* writer.history: _structure, or the Python _no_history() (which raises) before any append. */
+static PyObject *writer_get_history(WriterBase *self, void *closure) {
+  if (self->structure != NULL && self->structure != Py_None) {
+    Py_INCREF(self->structure);
+    return self->structure;
+  }
+  return PyObject_CallMethodNoArgs((PyObject *)self, s_no_history);
+}
+
+static PyGetSetDef writer_getset[] = {
+    {"history", (getter)writer_get_history, NULL,
+     "Union structure of the appended steps; its leaves are column histories.\n\n"
+     "Raises:\n"
+     "  RuntimeError: nothing has been appended yet.\n",
+     NULL},
     {NULL}};
 
 static PyTypeObject WriterBaseType = {
@@ -839,6 +903,7 @@ static PyTypeObject WriterBaseType = {
     .tp_dealloc = (destructor)writer_dealloc,
     .tp_methods = writer_methods,
     .tp_members = writer_members,
+    .tp_getset = writer_getset,
     .tp_new = PyType_GenericNew,
 };
 
@@ -858,12 +923,80 @@ static PyObject *hot_writer_setup(PyObject *module, PyObject *arg) {
   Py_RETURN_NONE;
 }
 
+
+/* batch_run(batch, i) -> (j, positions, priorities): the run of batch entries (kind, priority,
+ * starts) from i on that share entry i's kind object; positions int64 (j - i, len(starts)),
+ * priorities float64 (j - i,). */
+static PyObject *hot_batch_run(PyObject *module, PyObject *args) {
+  PyObject *batch;
+  Py_ssize_t i;
+  if (!PyArg_ParseTuple(args, "O!n:batch_run", &PyList_Type, &batch, &i)) return NULL;
+  Py_ssize_t len = PyList_GET_SIZE(batch);
+  if (i < 0 || i >= len) {
+    PyErr_SetString(PyExc_IndexError, "batch_run: start outside the batch");
+    return NULL;
+  }
+  PyObject *first = PyList_GET_ITEM(batch, i);
+  if (!PyTuple_Check(first) || PyTuple_GET_SIZE(first) != 3 ||
+      !PyTuple_Check(PyTuple_GET_ITEM(first, 2))) {
+    PyErr_SetString(PyExc_TypeError, "batch_run: entries must be (kind, priority, starts)");
+    return NULL;
+  }
+  PyObject *kind = PyTuple_GET_ITEM(first, 0);
+  Py_ssize_t ncols = PyTuple_GET_SIZE(PyTuple_GET_ITEM(first, 2));
+  Py_ssize_t j = i + 1;
+  while (j < len) {
+    PyObject *e = PyList_GET_ITEM(batch, j);
+    if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3 || PyTuple_GET_ITEM(e, 0) != kind) break;
+    j++;
+  }
+  npy_intp dims[2] = {j - i, ncols};
+  PyObject *pos = PyArray_SimpleNew(2, dims, NPY_INT64);
+  PyObject *prio = PyArray_SimpleNew(1, dims, NPY_FLOAT64);
+  if (pos == NULL || prio == NULL) goto fail;
+  int64_t *p = (int64_t *)PyArray_DATA((PyArrayObject *)pos);
+  double *q = (double *)PyArray_DATA((PyArrayObject *)prio);
+  /* Entries are read again by index: converting a value may run Python code (__index__). */
+  for (Py_ssize_t k = i; k < j; k++) {
+    if (k >= PyList_GET_SIZE(batch)) goto changed;
+    PyObject *e = PyList_GET_ITEM(batch, k);
+    Py_INCREF(e);
+    PyObject *starts = PyTuple_GET_ITEM(e, 2);
+    int bad = !PyTuple_Check(starts) || PyTuple_GET_SIZE(starts) != ncols;
+    double v = bad ? 0.0 : PyFloat_AsDouble(PyTuple_GET_ITEM(e, 1));
+    bad = bad || (v == -1.0 && PyErr_Occurred());
+    q[k - i] = v;
+    for (Py_ssize_t c = 0; !bad && c < ncols; c++) {
+      long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(starts, c));
+      bad = s == -1 && PyErr_Occurred();
+      p[(k - i) * ncols + c] = s;
+    }
+    Py_DECREF(e);
+    if (bad) {
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "batch_run: entries must be (kind, priority, starts)");
+      goto fail;
+    }
+  }
+  return Py_BuildValue("(nNN)", j, pos, prio);
+changed:
+  PyErr_SetString(PyExc_RuntimeError, "batch_run: the batch changed while it was read");
+fail:
+  Py_XDECREF(pos);
+  Py_XDECREF(prio);
+  return NULL;
+}
+
 static PyMethodDef writer_module_methods[] = {
     {"writer_setup", hot_writer_setup, METH_O,
      "writer_setup(TrajectoryColumn): the window type the C paths create (once, at import)."},
     {"new_window", hot_new_window, METH_VARARGS,
      "new_window(column, start, stop, squeeze, index) -> TrajectoryColumn over positions "
      "[start, stop) of column (the caller checked that they are stored and alive)."},
+    {"batch_run", hot_batch_run, METH_VARARGS,
+     "batch_run(batch, i) -> (j, positions, priorities): entries i..j-1 of the writer's batch "
+     "of (kind, priority, starts) share entry i's kind; positions int64 [j - i, ncols] (their "
+     "starts), priorities float64 [j - i]."},
     {NULL}};
 
 int hot_writer_init(PyObject *module) {
@@ -878,7 +1011,7 @@ int hot_writer_init(PyObject *module) {
   struct { PyObject **slot; const char *text; } names[] = {
       {&s_getitem, "_getitem"}, {&s_append, "_append"}, {&s_create_item, "_create_item"},
       {&s_flush_batch, "_flush_batch"}, {&s_generation, "_generation"},
-      {&s_priority_bound, "priority_bound"}};
+      {&s_priority_bound, "priority_bound"}, {&s_no_history, "_no_history"}};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
     if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) ==
                                       NULL)
