@@ -416,11 +416,13 @@ class _Column(hot.ColumnBase):
             if run[_POS] < stop and self.run_end(run) > start]
 
   def collect(self) -> None:
-    """Releases the holders of runs that left the keep-alive window."""
+    """Releases the holders of runs that left the keep-alive window, unless window items are
+    batched: those may use the runs, which the writer's next batch insert then releases."""
+    if self.writer._batch:  # pylint: disable=protected-access
+      return
     first = self.alive_from()
     runs = self.runs
     while runs and runs[0] is not self.open and runs[0][_POS] + runs[0][_COUNT] <= first:
-      self.writer._flush_batch()   # pylint: disable=protected-access  (items may use them)
       self._drop(runs.popleft())
 
   @staticmethod
@@ -681,14 +683,15 @@ class _Pending:
     self.holders = holders      # distinct _Holders it references
 
 
-def _fast_append(writer, data, treedef, plan) -> Optional[hot.FastAppend]:
-  """The fast append after a complete step `data` that wrote every column of `plan`, if it
-  applies: steps like `data` (same structure; every leaf an ndarray of its column's dtype and
-  shape, or a scalar of its dtype's type for shape ()) are then one row write per column, with
-  no flattening of flat dicts and no C core call (rows are published with the next item batch),
-  until a column's chunk is full or a run leaves a keep-alive window. Made before a fork, it
-  declines in the child (the slow path refuses)."""
-  columns = plan[0]
+def _fast_append(writer, columns: list, treedef, keys: Optional[tuple]
+                 ) -> Optional[hot.FastAppend]:
+  """The fast append after a complete step that wrote every one of `columns` (one per leaf of
+  `treedef`; `keys` its sorted keys when steps are flat dicts), if it applies: steps like it
+  (same structure; every leaf an ndarray of its column's dtype and shape, or a scalar of its
+  dtype's type for shape ()) are then one row write per column, with no flattening of flat
+  dicts and no C core call (rows are published with the next item batch), until a column's
+  chunk is full or a run leaves a keep-alive window (the C path then asks `_renew_fast`). Made
+  before a fork, it declines in the child (the slow path refuses)."""
   if len(columns) != len(writer._columns) or len({id(c) for c in columns}) != len(columns):  # pylint: disable=protected-access
     return None
   cols = []
@@ -703,15 +706,18 @@ def _fast_append(writer, data, treedef, plan) -> Optional[hot.FastAppend]:
     cols.append((col, holder.data[holder.used:], col.dtype))
   base = writer._hist_step  # pylint: disable=protected-access
   limit = base + room
-  for col in columns:      # next release of a run that leaves the keep-alive window
-    runs = col.runs
-    if runs[0] is not col.open:
-      limit = min(limit, runs[0][_POS] + runs[0][_COUNT] + col.keep_alive)
+  for col in columns:      # next run to leave the keep-alive window (expired ones wait for
+    for run in col.runs:   # the batch insert)
+      if run is col.open:
+        break
+      expiry = run[_POS] + run[_COUNT] + col.keep_alive
+      if expiry > base:
+        limit = min(limit, expiry)
+        break
   if limit <= base:
     return None
   segment = writer._segment  # pylint: disable=protected-access
-  return hot.FastAppend(treedef, _flat_dict_keys(data, len(columns)), tuple(cols), base, limit,
-                        segment, segment.generation)
+  return hot.FastAppend(treedef, keys, tuple(cols), base, limit, segment, segment.generation)
 
 
 # --------------------------------------------------------------------------------------------
@@ -897,7 +903,7 @@ class TrajectoryWriter(hot.WriterBase):
     if not partial_step:
       self._collect()
       if len(writes) == len(leaves):
-        self._fast = self._make_fast(data, treedef, plan)
+        self._fast = self._make_fast(plan[0], treedef, _flat_dict_keys(data, len(leaves)))
 
   def extend(self, steps: Any) -> None:
     """Appends T complete steps at once (reverb_shm extension; one chunk write per column).
@@ -954,6 +960,16 @@ class TrajectoryWriter(hot.WriterBase):
     self._collect()
 
   _make_fast = _fast_append
+
+  def _renew_fast(self) -> Optional[hot.FastAppend]:
+    """Called by the C fast append when a step reaches its FastAppend's limit: releases the
+    runs that left their keep-alive window (see _Column.collect) and returns the next
+    FastAppend, also set as `_fast` (None: the step takes the slow path)."""
+    fast, self._fast = self._fast, None
+    self._collect()
+    if fast is not None:
+      self._fast = self._make_fast([entry[0] for entry in fast.cols], fast.treedef, fast.keys)
+    return self._fast
 
   def _make_plan(self, data, treedef):
     paths, _, _ = structure.flatten_with_paths(data)
@@ -1304,6 +1320,7 @@ class TrajectoryWriter(hot.WriterBase):
     except BaseException:
       self._batch = batch[i:] + self._batch
       raise
+    self._collect()     # runs kept for the batch (queued items hold their chunks)
 
   @staticmethod
   def _encode_windows(kind: tuple, starts: np.ndarray, priorities: Optional[np.ndarray] = None,

@@ -23,7 +23,7 @@ class GeneralWriter(TrajectoryWriter):
   append = TrajectoryWriter._append
   create_item = TrajectoryWriter._create_item
 
-  def _make_fast(self, data, treedef, plan):
+  def _make_fast(self, columns, treedef, keys):
     return None
 
 
@@ -504,3 +504,28 @@ def test_c_base_fields_are_the_python_attributes(pair):
   with pytest.raises(ValueError):   # a view shorter than the limit
     reverb_shm._lib.hot.FastAppend(None, None, ((col, np.zeros((1, 3), np.float32),
                                                  np.dtype(np.float32)),), 0, 5, None, 0)
+
+
+def test_expired_chunks_are_released_at_once_or_after_the_batch_that_may_use_them(pair):
+  """The fast append stops where a run leaves its keep-alive window: with no window item
+  batched, its chunk is released at that step; otherwise at the batch's insert."""
+  fast, _ = pair(keep_alive=2)
+  seg = pair.servers[0].shared_table("a").segment
+  col = None
+  for t in range(259):        # chunks of 256 rows: steps 0..255 leave the window at step 258
+    fast.append({"x": np.float32(t)})
+    col = col or fast._by_path[("x",)]
+    assert len(col.runs) == (2 if 256 <= t <= 257 else 1), t
+  assert seg.info()["num_chunks"] == 1
+  fast.end_episode()
+  for t in range(259):
+    fast.append({"x": np.float32(t)})
+    if t:
+      fast.create_item("a", 1.0, {"x": fast.history["x"][-2:]})
+  assert len(col.runs) == 2                # expired, kept for the batched items
+  assert fast.num_pending_items == 0       # inserts the batch: the expired run goes
+  assert len(col.runs) == 1
+  assert seg.info()["num_chunks"] == 2     # the items hold the first chunk
+  for t in range(259, 300):
+    fast.append({"x": np.float32(t)})
+  assert fast.general["append"] == 4       # episode starts and chunk boundaries only

@@ -36,7 +36,7 @@ static void on_fork_child(void) { fork_epoch++; }
 static PyTypeObject *window_type = NULL;
 
 static PyObject *s_getitem, *s_append, *s_create_item, *s_flush_batch, *s_generation,
-    *s_priority_bound;
+    *s_priority_bound, *s_renew_fast;
 
 #define MAX_LEAVES 64   /* larger steps / items take the Python path */
 
@@ -400,6 +400,7 @@ typedef struct {
 
 typedef struct {
   PyObject_HEAD
+  PyObject *cols_arg;      /* the (column, view, dtype) tuples it was made from */
   PyObject *treedef;       /* structure of the steps it applies to */
   PyObject *keys;          /* sorted str keys when steps are flat dicts, else NULL */
   PyObject *segment;       /* the writer's shm.Segment */
@@ -412,6 +413,7 @@ typedef struct {
 } FastAppend;
 
 static int fast_traverse(FastAppend *self, visitproc visit, void *arg) {
+  Py_VISIT(self->cols_arg);
   Py_VISIT(self->treedef);
   Py_VISIT(self->keys);
   Py_VISIT(self->segment);
@@ -424,6 +426,7 @@ static int fast_traverse(FastAppend *self, visitproc visit, void *arg) {
 }
 
 static int fast_clear(FastAppend *self) {
+  Py_CLEAR(self->cols_arg);
   Py_CLEAR(self->treedef);
   Py_CLEAR(self->keys);
   Py_CLEAR(self->segment);
@@ -542,6 +545,8 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
       return NULL;
     }
   }
+  Py_INCREF(cols);
+  self->cols_arg = cols;
   Py_INCREF(treedef);
   self->treedef = treedef;
   if (keys != Py_None) {
@@ -558,12 +563,15 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   return (PyObject *)self;
 }
 
+#define FAST_AT_LIMIT 2
+
 /* Writes leaves[i] as the next row of column i and closes the step: 1; 0 when the step does
  * not qualify (nothing the Python path reads changed: rows past the columns' ends are unused);
+ * FAST_AT_LIMIT (nothing changed) when the step is the FastAppend's limit (see _renew_fast);
  * -1 with an exception set (only on interpreter errors such as MemoryError). */
 static int fast_write(FastAppend *fa, WriterBase *w, PyObject *const *leaves) {
   Py_ssize_t step = w->hist_step;
-  if (step < fa->base || step >= fa->limit || fa->epoch != fork_epoch) return 0;
+  if (step < fa->base || step > fa->limit || fa->epoch != fork_epoch) return 0;
   PyObject *gen = PyObject_GetAttr(fa->segment, s_generation);
   if (gen == NULL) {
     PyErr_Clear();
@@ -575,6 +583,7 @@ static int fast_write(FastAppend *fa, WriterBase *w, PyObject *const *leaves) {
     PyErr_Clear();
     return 0;
   }
+  if (step == fa->limit) return FAST_AT_LIMIT;
   Py_ssize_t k = step - fa->base;
   for (Py_ssize_t i = 0; i < fa->ncols; i++) {
     fa_col *fc = &fa->cols[i];
@@ -614,7 +623,7 @@ static PyObject *fast_write_method(FastAppend *self, PyObject *const *args, Py_s
     r = fast_write(self, (WriterBase *)args[0], PySequence_Fast_ITEMS(seq));
   Py_DECREF(seq);
   if (r < 0) return NULL;
-  return PyBool_FromLong(r);
+  return PyBool_FromLong(r == 1);
 }
 
 static PyMethodDef fast_methods[] = {
@@ -626,6 +635,10 @@ static PyMethodDef fast_methods[] = {
 static PyMemberDef fast_members[] = {
     {"treedef", T_OBJECT, offsetof(FastAppend, treedef), READONLY,
      "Structure of the steps it applies to."},
+    {"keys", T_OBJECT, offsetof(FastAppend, keys), READONLY,
+     "Sorted keys of its flat-dict steps, or None."},
+    {"cols", T_OBJECT, offsetof(FastAppend, cols_arg), READONLY,
+     "The (column, view, dtype) tuples it was made from."},
     {"limit", T_PYSSIZET, offsetof(FastAppend, limit), READONLY,
      "First history step it does not write."},
     {NULL}};
@@ -690,9 +703,18 @@ static PyObject *writer_append(WriterBase *self, PyObject *const *args, Py_ssize
     FastAppend *fa = (FastAppend *)fast;
     PyObject *leaves[MAX_LEAVES];
     if (fa->keys != NULL && dict_leaves(args[0], fa->keys, leaves)) {
+      Py_ssize_t n = fa->ncols;
       Py_INCREF(fast);    /* the writer's _fast may change while it is in use */
       int r = fast_write(fa, self, leaves);
-      release_leaves(leaves, fa->ncols);
+      if (r == FAST_AT_LIMIT) {    /* runs to release or a full chunk: renew, then retry */
+        PyObject *next = PyObject_CallMethodNoArgs((PyObject *)self, s_renew_fast);
+        r = next == NULL ? -1 : 0;
+        if (next != NULL && Py_TYPE(next) == &FastAppendType &&
+            ((FastAppend *)next)->ncols == n && ((FastAppend *)next)->keys != NULL)
+          r = fast_write((FastAppend *)next, self, leaves) == 1;
+        Py_XDECREF(next);
+      }
+      release_leaves(leaves, n);
       Py_DECREF(fast);
       if (r < 0) return NULL;
       if (r > 0) Py_RETURN_NONE;
@@ -1011,7 +1033,8 @@ int hot_writer_init(PyObject *module) {
   struct { PyObject **slot; const char *text; } names[] = {
       {&s_getitem, "_getitem"}, {&s_append, "_append"}, {&s_create_item, "_create_item"},
       {&s_flush_batch, "_flush_batch"}, {&s_generation, "_generation"},
-      {&s_priority_bound, "priority_bound"}, {&s_no_history, "_no_history"}};
+      {&s_priority_bound, "priority_bound"}, {&s_no_history, "_no_history"},
+      {&s_renew_fast, "_renew_fast"}};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
     if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) ==
                                       NULL)
