@@ -4,7 +4,9 @@ Every column (one leaf path of the appended nests) owns a current chunk allocate
 arena; `append` writes the step's row straight into it and publishes it, so an item referencing
 rows already appended can be inserted at once. The writer holds a pin on each chunk until every
 row of it has left the column's keep-alive window (its last `num_keep_alive_refs` steps) and no
-queued item needs it; items in tables keep chunks alive by refcount in the C core.
+queued item needs it (nor a batched window item: while some are batched, rows that left the
+window are kept until the batch is inserted); items in tables keep chunks alive by refcount in
+the C core.
 
 Items are inserted as soon as the table's rate limiter allows it without waiting; otherwise they
 wait in a bounded FIFO queue that `create_item`, `flush`, `end_episode` and `close` drain.
@@ -194,7 +196,8 @@ def _as_column_array(leaf) -> np.ndarray:
 # its count implicit, n - first_pos, so that appending a step costs one row write per column.
 # Refs (CellRef, TrajectoryColumn windows) are (column, clear generation, position) and are checked
 # against the column's keep-alive window when used; a holder is released once every run on it has
-# left that window, no queued item needs it and it is no longer the column's current chunk.
+# left that window (and no window item is batched), no queued item needs it and it is no longer
+# the column's current chunk.
 
 _POS, _HOLDER, _ROW, _COUNT = range(4)
 
