@@ -732,38 +732,49 @@ static int create_item_fast(WriterBase *self, PyObject *table, PyObject *priorit
                             PyObject *trajectory) {
   if (self->closed || !PyUnicode_CheckExact(table) || self->tables == NULL ||
       !PyDict_CheckExact(self->tables) || !PyFloat_CheckExact(priority) ||
-      self->item_keys == NULL || !PyTuple_Check(self->item_keys) || self->batch == NULL ||
-      !PyList_CheckExact(self->batch) || self->last_kind == NULL ||
-      !PyTuple_Check(self->last_kind) || PyTuple_GET_SIZE(self->last_kind) < 2)
+      self->last_kind == NULL || !PyTuple_Check(self->last_kind) ||
+      PyTuple_GET_SIZE(self->last_kind) < 2)
     return 0;
   double p = PyFloat_AS_DOUBLE(priority);
   if (!(p >= 0.0 && p < INFINITY)) return 0;   /* NaN too */
-  PyObject *handle = PyDict_GetItemWithError(self->tables, table);
+  PyObject *handle = PyDict_GetItemWithError(self->tables, table);   /* str keys: no Python */
   if (handle == NULL) {
     PyErr_Clear();
     return 0;
   }
   if (handle != PyTuple_GET_ITEM(self->last_kind, 0)) return 0;
-  Py_INCREF(handle);
+  PyObject *kind = self->last_kind;   /* held from here on: it holds the handle */
+  Py_INCREF(kind);
   PyObject *bound = PyObject_GetAttr(handle, s_priority_bound);
-  Py_DECREF(handle);   /* the kind holds it too */
   if (bound == NULL) {
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-      PyErr_Clear();
+    int missing = PyErr_ExceptionMatches(PyExc_AttributeError);
+    PyErr_Clear();   /* missing: no bound (the remote table checks); else Python raises it */
+    if (!missing) {
+      Py_DECREF(kind);
       return 0;
     }
-    PyErr_Clear();    /* no bound: the remote table checks */
   } else {
     int ok = PyFloat_CheckExact(bound) && p <= PyFloat_AS_DOUBLE(bound);
     Py_DECREF(bound);
-    if (!ok) return 0;
+    if (!ok) {
+      Py_DECREF(kind);
+      return 0;
+    }
   }
-  PyObject *kind = self->last_kind;
-  Py_INCREF(kind);
+  /* Read after the attribute lookup, which may have run Python code. */
+  PyObject *keys = self->item_keys;
+  if (keys == NULL || !PyTuple_Check(keys) || self->batch == NULL ||
+      !PyList_CheckExact(self->batch)) {
+    Py_DECREF(kind);
+    return 0;
+  }
+  Py_INCREF(keys);   /* a key lookup may run Python code (a colliding key's __eq__) */
   PyObject *leaves[MAX_LEAVES];
-  Py_ssize_t n = PyTuple_GET_SIZE(self->item_keys);
+  Py_ssize_t n = PyTuple_GET_SIZE(keys);
   int r = 0;
-  if (!dict_leaves(trajectory, self->item_keys, leaves)) {
+  int found = dict_leaves(trajectory, keys, leaves);
+  Py_DECREF(keys);
+  if (!found) {
     Py_DECREF(kind);
     return 0;
   }
@@ -983,8 +994,9 @@ static PyObject *hot_batch_run(PyObject *module, PyObject *args) {
     if (k >= PyList_GET_SIZE(batch)) goto changed;
     PyObject *e = PyList_GET_ITEM(batch, k);
     Py_INCREF(e);
-    PyObject *starts = PyTuple_GET_ITEM(e, 2);
-    int bad = !PyTuple_Check(starts) || PyTuple_GET_SIZE(starts) != ncols;
+    PyObject *starts = PyTuple_Check(e) && PyTuple_GET_SIZE(e) == 3 ? PyTuple_GET_ITEM(e, 2)
+                                                                  : NULL;
+    int bad = starts == NULL || !PyTuple_Check(starts) || PyTuple_GET_SIZE(starts) != ncols;
     double v = bad ? 0.0 : PyFloat_AsDouble(PyTuple_GET_ITEM(e, 1));
     bad = bad || (v == -1.0 && PyErr_Occurred());
     q[k - i] = v;
