@@ -966,12 +966,36 @@ class TrajectoryWriter(hot.WriterBase):
 
   def _renew_fast(self) -> Optional[hot.FastAppend]:
     """Called by the C fast append when a step reaches its FastAppend's limit: releases the
-    runs that left their keep-alive window (see _Column.collect) and returns the next
-    FastAppend, also set as `_fast` (None: the step takes the slow path)."""
+    runs that left their keep-alive window (see _Column.collect), starts new chunks for the
+    columns whose chunk is full (after inserting the batched items, as the slow path does at a
+    chunk boundary) and returns the next FastAppend, also set as `_fast` (None: the step takes
+    the slow path).
+
+    Raises:
+      ResourceExhaustedError: the chunk arena is full (nothing changed but the batch insert).
+      TableClosedError: the server stopped (from the batch insert).
+    """
     fast, self._fast = self._fast, None
     self._collect()
-    if fast is not None:
-      self._fast = self._make_fast([entry[0] for entry in fast.cols], fast.treedef, fast.keys)
+    if fast is None:
+      return None
+    columns = [entry[0] for entry in fast.cols]
+    full = [col for col in columns if col.needs_chunk()]
+    if full:
+      self._flush_batch()
+      fresh = []
+      try:
+        for col in full:
+          fresh += self._fresh_holders(col, 1, self._episode_steps)
+      except BaseException:
+        for holder in fresh:
+          holder.force_release()
+        raise
+      for col, holder in zip(full, fresh):
+        col.close_chunk()
+        col.holder = holder
+        col.add_rows(holder, 0, 0, keep_open=True)   # the fast append writes its rows
+    self._fast = self._make_fast(columns, fast.treedef, fast.keys)
     return self._fast
 
   def _make_plan(self, data, treedef):
@@ -1017,24 +1041,13 @@ class TrajectoryWriter(hot.WriterBase):
     start_step = self._episode_steps
     try:
       for (_, _, arr, _), col in zip(writes, resolved):
-        fresh = []
         if col.is_object:
           rows = list(arr) if batched else [arr]
           chunk = chunks.object_chunk(seg, rows, episode_id=self._episode_id,
                                       start_step=start_step)
-          fresh.append(_Holder(chunk, values=[_object_row(r, col.shape) for r in rows]))
+          allocated.append([_Holder(chunk, values=[_object_row(r, col.shape) for r in rows])])
         else:
-          room = 0 if col.needs_chunk() else col.holder.capacity - col.holder.used
-          step = start_step + room
-          remaining = num_steps - room
-          while remaining > 0:
-            capacity = col.chunk_length()
-            chunk = chunks.alloc_chunk(seg, col.dtype, col.shape, capacity,
-                                       episode_id=self._episode_id, start_step=step)
-            fresh.append(_Holder(chunk))
-            remaining -= capacity
-            step += capacity
-        allocated.append(fresh)
+          allocated.append(self._fresh_holders(col, num_steps, start_step))
     except BaseException:
       for fresh in allocated:
         for holder in fresh:
@@ -1072,6 +1085,27 @@ class TrajectoryWriter(hot.WriterBase):
       self._step_open = True
       return
     self._close_steps(num_steps)
+
+  def _fresh_holders(self, col: _Column, num_steps: int, start_step: int) -> List[_Holder]:
+    """New chunks for the rows of `num_steps` steps (from episode step `start_step`) of numeric
+    column `col` that its current chunk has no room for; all or nothing."""
+    room = 0 if col.needs_chunk() else col.holder.capacity - col.holder.used
+    step = start_step + room
+    remaining = num_steps - room
+    fresh = []
+    try:
+      while remaining > 0:
+        capacity = col.chunk_length()
+        chunk = chunks.alloc_chunk(self._segment, col.dtype, col.shape, capacity,
+                                   episode_id=self._episode_id, start_step=step)
+        fresh.append(_Holder(chunk))
+        remaining -= capacity
+        step += capacity
+    except BaseException:
+      for holder in fresh:
+        holder.force_release()
+      raise
+    return fresh
 
   def _close_steps(self, num_steps: int) -> None:
     """Closes the open step (num_steps = 1) or the num_steps steps extend() wrote; columns

@@ -518,8 +518,11 @@ def test_expired_chunks_are_released_at_once_or_after_the_batch_that_may_use_the
     assert len(col.runs) == (2 if 256 <= t <= 257 else 1), t
   assert seg.info()["num_chunks"] == 1
   fast.end_episode()
+  table = pair.servers[0].shared_table("a")
   for t in range(259):
     fast.append({"x": np.float32(t)})
+    if t == 256:     # the chunk boundary inserted the batched items
+      assert not fast._batch and table.size == 255
     if t:
       fast.create_item("a", 1.0, {"x": fast.history["x"][-2:]})
   assert len(col.runs) == 2                # expired, kept for the batched items
@@ -528,4 +531,27 @@ def test_expired_chunks_are_released_at_once_or_after_the_batch_that_may_use_the
   assert seg.info()["num_chunks"] == 2     # the items hold the first chunk
   for t in range(259, 300):
     fast.append({"x": np.float32(t)})
-  assert fast.general["append"] == 4       # episode starts and chunk boundaries only
+  assert fast.general["append"] == 2       # episode starts only: chunk boundaries in C
+
+
+def test_a_full_arena_at_a_chunk_boundary_raises_as_the_general_path(server_factory):
+  servers = [server_factory(_tables(), arena_bytes=2 << 20) for _ in range(2)]
+  fast = CountingWriter(servers[0].localhost_client(), 2)
+  general = GeneralWriter(servers[1].localhost_client(), 2)
+  outcomes = []
+  for t in range(400):     # rows of 8 KB: chunks of 8 rows, kept alive by the items
+    outcome = _same(fast, general, lambda w, t=t: w.append({"x": np.full(1024, t, np.float64)}))
+    if t:
+      _same(fast, general, lambda w: w.create_item("a", 1.0, {"x": H(w)("x", slice(-2, None))}))
+    outcomes.append(outcome[0])
+    if outcome[0] != "ok":
+      break
+  assert outcomes[-1] == "ResourceExhaustedError" and len(outcomes) > 16
+  assert fast.episode_steps == general.episode_steps == len(outcomes) - 1
+  assert fast.general["append"] <= 2      # the first step and the failing one
+  for w in (fast, general):
+    w.flush()
+  fast_items, general_items = (_stored_items(s, "a") for s in servers)
+  assert fast_items == general_items and len(fast_items) == len(outcomes) - 1
+  for w in (fast, general):
+    w.close()
