@@ -4,7 +4,9 @@ Every column (one leaf path of the appended nests) owns a current chunk allocate
 arena; `append` writes the step's row straight into it and publishes it, so an item referencing
 rows already appended can be inserted at once. The writer holds a pin on each chunk until every
 row of it has left the column's keep-alive window (its last `num_keep_alive_refs` steps) and no
-queued item needs it; items in tables keep chunks alive by refcount in the C core.
+queued item needs it (nor a batched window item: while some are batched, rows that left the
+window are kept until the batch is inserted); items in tables keep chunks alive by refcount in
+the C core.
 
 Items are inserted as soon as the table's rate limiter allows it without waiting; otherwise they
 wait in a bounded FIFO queue that `create_item`, `flush`, `end_episode` and `close` drain.
@@ -17,7 +19,6 @@ the column read as None, which a TrajectoryColumn rejects with ValueError (SPEC 
 """
 import collections
 import math
-import operator
 import os
 import warnings
 from typing import Any, List, Optional, Sequence, Tuple
@@ -25,7 +26,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from reverb_shm import chunks, errors, structure, timeouts
-from reverb_shm._lib import check, ffi, lib
+from reverb_shm._lib import check, ffi, hot, lib
 
 __all__ = ["TrajectoryWriter", "TrajectoryColumn", "CellRef"]
 
@@ -171,17 +172,13 @@ def _check_priorities(prios: np.ndarray, handle) -> None:
     check_priority(prios[bad[0]], handle.name, handle.prioritized)
 
 
-def _flat_dict_getter(nest, num_leaves: int):
-  """(len, getter) returning the leaves of dicts with `nest`'s str keys in flatten order, when
-  `nest` is such a dict of leaves; else None."""
+def _flat_dict_keys(nest, num_leaves: int) -> Optional[tuple]:
+  """`nest`'s str keys in flatten order when `nest` is a non-empty dict of `num_leaves` leaves
+  with str keys (the C fast paths then take leaves by key); else None."""
   if type(nest) is not dict or len(nest) != num_leaves or not nest or not all(
       type(k) is str for k in nest):
     return None
-  keys = sorted(nest)
-  if len(keys) == 1:
-    key = keys[0]
-    return 1, lambda d: (d[key],)
-  return len(keys), operator.itemgetter(*keys)
+  return tuple(sorted(nest))
 
 
 def _as_column_array(leaf) -> np.ndarray:
@@ -199,10 +196,10 @@ def _as_column_array(leaf) -> np.ndarray:
 # its count implicit, n - first_pos, so that appending a step costs one row write per column.
 # Refs (CellRef, TrajectoryColumn windows) are (column, clear generation, position) and are checked
 # against the column's keep-alive window when used; a holder is released once every run on it has
-# left that window, no queued item needs it and it is no longer the column's current chunk.
+# left that window (and no window item is batched), no queued item needs it and it is no longer
+# the column's current chunk.
 
 _POS, _HOLDER, _ROW, _COUNT = range(4)
-_new_object = object.__new__
 
 
 
@@ -304,12 +301,15 @@ class CellRef:
     return f"CellRef(column={self._column.path}, {state})"
 
 
-class _Column:
-  """One leaf path of the union structure: dtype/shape, runs and keep-alive window."""
+class _Column(hot.ColumnBase):
+  """One leaf path of the union structure: dtype/shape, runs and keep-alive window.
 
-  __slots__ = ("writer", "index", "path", "dtype", "shape", "is_object", "row_bytes",
-               "keep_alive", "max_chunk_length", "holder", "runs", "open", "n", "gen", "floor",
-               "history")
+  writer, open, n, gen, floor and keep_alive are fields of the C base, which the C fast paths
+  (csrc/hot/hot_writer.c) read and write directly.
+  """
+
+  __slots__ = ("index", "path", "dtype", "shape", "is_object", "row_bytes",
+               "max_chunk_length", "holder", "runs", "history")
 
   def __init__(self, writer, index, path, dtype, shape, keep_alive, max_chunk_length, n):
     self.writer = writer
@@ -419,11 +419,13 @@ class _Column:
             if run[_POS] < stop and self.run_end(run) > start]
 
   def collect(self) -> None:
-    """Releases the holders of runs that left the keep-alive window."""
+    """Releases the holders of runs that left the keep-alive window, unless window items are
+    batched: those may use the runs, which the writer's next batch insert then releases."""
+    if self.writer._batch:  # pylint: disable=protected-access
+      return
     first = self.alive_from()
     runs = self.runs
     while runs and runs[0] is not self.open and runs[0][_POS] + runs[0][_COUNT] <= first:
-      self.writer._flush_batch()   # pylint: disable=protected-access  (items may use them)
       self._drop(runs.popleft())
 
   @staticmethod
@@ -454,7 +456,7 @@ class _Column:
       holder.close()
 
 
-class _ColumnHistory:
+class _ColumnHistory(hot.HistoryBase):
   """The history of one column, as found in `writer.history` (a leaf for nest libraries).
 
   Index with an int (a squeezed single-step TrajectoryColumn), a slice or a list of ints (a
@@ -462,13 +464,16 @@ class _ColumnHistory:
   steps since the writer last cleared its buffers; negative positions count from the end.
   Deliberately not a Sequence, so that nest libraries treat it as a leaf.
 
+  Indexing is the C base's: `h[-k:]` and `h[i]` over the column's open chunk are built in C,
+  everything else by `_getitem`.
+
   Raises (on indexing):
     IndexError: a position (or explicit slice bound) outside the column's steps.
     ValueError: a selected position is None (expired, skipped or before the column existed).
     TypeError: another index type.
   """
 
-  __slots__ = ("_column",)
+  __slots__ = ()
 
   def __init__(self, column: _Column):
     self._column = column
@@ -506,17 +511,10 @@ class _ColumnHistory:
                            f"has {n} steps since its buffers were last cleared")
     return range(*s.indices(n))
 
-  def __getitem__(self, index) -> "TrajectoryColumn":
+  def _getitem(self, index) -> "TrajectoryColumn":
+    """The general path of indexing (see the class docstring)."""
     column = self._column
     if type(index) is slice:
-      start = index.start
-      if index.stop is None and index.step is None and type(start) is int and start < 0:
-        n = column.n     # the usual history[col][-k:], inside the open run and alive
-        first = n + start
-        run = column.open
-        if (run is not None and first >= run[_POS] and first >= n - column.keep_alive and
-            first >= column.floor):
-          return _window(column, first, n, False, index)
       positions = self._positions(index)
       if positions.step == 1 and positions.stop > positions.start and column.covers(
           positions.start, positions.stop):
@@ -537,7 +535,7 @@ class _ColumnHistory:
     return f"ColumnHistory(path={self._column.path}, len={self._column.n})"
 
 
-class TrajectoryColumn:
+class TrajectoryColumn(hot.WindowBase):
   """Steps of one column selected for an item (SPEC §6).
 
   Args:
@@ -549,7 +547,7 @@ class TrajectoryColumn:
     ValueError: a reference is None, or `squeeze` with other than one reference.
   """
 
-  __slots__ = ("_cells", "_squeeze", "_path", "_win")
+  __slots__ = ()   # _cells, _squeeze, _path and _win are the C base's
 
   def __init__(self, data_references: Sequence[Optional[CellRef]], *, squeeze: bool = False,
                path: Optional[tuple] = None):
@@ -650,14 +648,10 @@ class TrajectoryColumn:
     return f"TrajectoryColumn(path={self.path}, shape={self.shape}, squeeze={self._squeeze})"
 
 
-def _window(column: _Column, start: int, stop: int, squeeze: bool, index) -> TrajectoryColumn:
-  """A TrajectoryColumn over positions [start, stop) of column (all stored and alive)."""
-  tc = _new_object(TrajectoryColumn)
-  tc._cells = None
-  tc._squeeze = squeeze
-  tc._path = None
-  tc._win = (column, column.gen, start, stop, index)
-  return tc
+hot.writer_setup(TrajectoryColumn)
+# _window(column, start, stop, squeeze, index): a TrajectoryColumn over positions [start, stop)
+# of column (all stored and alive).
+_window = hot.new_window
 
 
 def _column_slices(refs: List[CellRef]) -> Tuple[list, list]:
@@ -692,83 +686,41 @@ class _Pending:
     self.holders = holders      # distinct _Holders it references
 
 
-class _FastAppend:
-  """append() of a step like the last complete one while every column's chunk has room: one
-  row write per column, no flattening of flat dicts, no C call (rows are published with the
-  next item batch)."""
-
-  __slots__ = ("getter", "nkeys", "treedef", "cols", "base", "limit", "generation", "segment",
-               "pid")
-
-  @classmethod
-  def make(cls, writer, data, treedef, plan) -> Optional["_FastAppend"]:
-    """The fast path after a complete step that wrote every column of `plan`, if it applies."""
-    columns = plan[0]
-    if len(columns) != len(writer._columns) or len({id(c) for c in columns}) != len(columns):  # pylint: disable=protected-access
+def _fast_append(writer, columns: list, treedef, keys: Optional[tuple]
+                 ) -> Optional[hot.FastAppend]:
+  """The fast append after a complete step that wrote every one of `columns` (one per leaf of
+  `treedef`; `keys` its sorted keys when steps are flat dicts), if it applies: steps like it
+  (same structure; every leaf an ndarray of its column's dtype and shape, or a scalar of its
+  dtype's type for shape ()) are then one row write per column, with no flattening of flat
+  dicts and no C core call (rows are published with the next item batch), until a column's
+  chunk is full or a run leaves a keep-alive window (the C path then asks `_renew_fast`). Made
+  before a fork, it declines in the child (the slow path refuses)."""
+  if len(columns) != len(writer._columns) or len({id(c) for c in columns}) != len(columns):  # pylint: disable=protected-access
+    return None
+  cols = []
+  room = _AUTO_MAX_ROWS << 20
+  for col in columns:
+    run = col.open if col is not None else None
+    if col is None or col.is_object or run is None or run[_HOLDER] is not col.holder:
       return None
-    cols = []
-    room = _AUTO_MAX_ROWS << 20
-    for col in columns:
-      run = col.open
-      if col is None or col.is_object or run is None or run[_HOLDER] is not col.holder:
-        return None
-      col.sync()
-      holder = col.holder
-      room = min(room, holder.capacity - holder.used)
-      # one step of an already-present column: ndarrays of its dtype/shape, or its scalar type
-      cols.append((col, holder.data[holder.used:], col.dtype, col.shape,
-                   col.dtype.type if col.shape == () else np.ndarray))
-    base = writer._hist_step  # pylint: disable=protected-access
-    limit = base + room
-    for col in columns:      # next release of a run that leaves the keep-alive window
-      runs = col.runs
-      if runs[0] is not col.open:
-        limit = min(limit, runs[0][_POS] + runs[0][_COUNT] + col.keep_alive)
-    if limit <= base:
-      return None
-    fast = cls()
-    keys = _flat_dict_getter(data, len(columns))
-    fast.nkeys, fast.getter = keys if keys is not None else (0, None)
-    fast.treedef = treedef
-    fast.cols = tuple(cols)
-    fast.base = base
-    fast.limit = limit
-    fast.segment = writer._segment  # pylint: disable=protected-access
-    fast.generation = fast.segment.generation
-    fast.pid = os.getpid()      # a fork child takes the slow path (which refuses)
-    return fast
-
-  def append(self, writer, data) -> bool:
-    """Appends `data` as a complete step; False (nothing changed) when it does not apply."""
-    leaves = None
-    if self.getter is not None and type(data) is dict and len(data) == self.nkeys:
-      try:
-        leaves = self.getter(data)
-      except KeyError:
-        return False
-    else:
-      leaves, treedef = structure.flatten(data)
-      if treedef != self.treedef:
-        return False
-    step = writer._hist_step  # pylint: disable=protected-access
-    if (step >= self.limit or self.segment.generation != self.generation or
-        os.getpid() != self.pid):
-      return False
-    k = step - self.base
-    for leaf, (_, view, dtype, shape, kind) in zip(leaves, self.cols):
-      t = type(leaf)
-      if t is np.ndarray:
-        if leaf.dtype != dtype or leaf.shape != shape:
-          return False      # rows written so far are beyond `used`: harmless
-      elif t is not kind:
-        return False
-      view[k] = leaf
-    step += 1
-    for col, _, _, _, _ in self.cols:
-      col.n = step
-    writer._hist_step = step  # pylint: disable=protected-access
-    writer._episode_steps += 1  # pylint: disable=protected-access
-    return True
+    col.sync()
+    holder = col.holder
+    room = min(room, holder.capacity - holder.used)
+    cols.append((col, holder.data[holder.used:], col.dtype))
+  base = writer._hist_step  # pylint: disable=protected-access
+  limit = base + room
+  for col in columns:      # next run to leave the keep-alive window (expired ones wait for
+    for run in col.runs:   # the batch insert)
+      if run is col.open:
+        break
+      expiry = run[_POS] + run[_COUNT] + col.keep_alive
+      if expiry > base:
+        limit = min(limit, expiry)
+        break
+  if limit <= base:
+    return None
+  segment = writer._segment  # pylint: disable=protected-access
+  return hot.FastAppend(treedef, keys, tuple(cols), base, limit, segment, segment.generation)
 
 
 # --------------------------------------------------------------------------------------------
@@ -817,7 +769,7 @@ def _prune(node):
 # The writer
 
 
-class TrajectoryWriter:
+class TrajectoryWriter(hot.WriterBase):
   """Writes steps into shared memory and inserts items referencing them (SPEC §6).
 
   Obtain one with `Client.trajectory_writer(num_keep_alive_refs)`. Not thread-safe: use a writer
@@ -858,8 +810,9 @@ class TrajectoryWriter:
     self._pending = collections.deque()
     self._batch = []             # (item kind, priority, starts) of window items not yet inserted
     self._kinds = {}             # (handle, ((column, length, squeeze), ...)) -> itself, validated
-    self._fast = None            # _FastAppend of the last complete step, or None
-    self._item_keys = None       # (len, getter) of the last flat-dict trajectory's leaves
+    self._last_kind = None       # the kind _kind() returned last (create_item's C fast path)
+    self._fast = None            # hot.FastAppend of the last complete step, or None
+    self._item_keys = None       # sorted keys of the last flat-dict trajectory, or None
     self._window_cols = None     # (history, its columns) for create_window_items
     self._tables = {}
     self._last_deadline_error = None
@@ -867,16 +820,12 @@ class TrajectoryWriter:
 
   # ---- properties
 
-  @property
-  def history(self):
-    """Union structure of the appended steps; its leaves are column histories.
+  # history (the union structure of the appended steps, leaves: column histories) is the C
+  # base's property: `_structure`, else _no_history().
 
-    Raises:
-      RuntimeError: nothing has been appended yet.
-    """
-    if self._structure is None:
-      raise RuntimeError("history is not available before the first append() call")
-    return self._structure
+  @staticmethod
+  def _no_history():
+    raise RuntimeError("history is not available before the first append() call")
 
   @property
   def episode_steps(self) -> int:
@@ -899,24 +848,16 @@ class TrajectoryWriter:
     return len(self._pending) + len(self._batch) + _in_flight(self._client)
 
   # ---- appending
+  # append(data, *, partial_step=False) is the C base's (documented there): a flat-dict step
+  # that the fast append takes is written in C, any other call comes here.
 
-  def append(self, data: Any, *, partial_step: bool = False) -> None:
-    """Appends one step (or part of one) to the episode.
-
-    Args:
-      data: a nest (dict/list/tuple/namedtuple) of arrays or Python values. Leaves that are None
-        are omitted from the step. New fields may appear at any step.
-      partial_step: leave the step open so that later appends add fields to it.
-
-    Raises:
-      ValueError: a value's dtype or shape differs from its column's (message names the path),
-        an unsupported dtype, or a field already set in the open step. Nothing is written.
-      ResourceExhaustedError: the chunk arena is full. Nothing is written.
-      RuntimeError: the writer is closed.
-    """
+  def _append(self, data: Any, *, partial_step: bool = False) -> None:
+    """append()'s general path."""
     fast = self._fast
-    if fast is not None and not partial_step and fast.append(self, data):
-      return
+    if fast is not None and not partial_step:
+      leaves, treedef = structure.flatten(data)
+      if treedef == fast.treedef and fast.write(self, leaves):
+        return
     self._check_open()
     self._fast = None
     self._check_usable()
@@ -965,7 +906,7 @@ class TrajectoryWriter:
     if not partial_step:
       self._collect()
       if len(writes) == len(leaves):
-        self._fast = _FastAppend.make(self, data, treedef, plan)
+        self._fast = self._make_fast(plan[0], treedef, _flat_dict_keys(data, len(leaves)))
 
   def extend(self, steps: Any) -> None:
     """Appends T complete steps at once (reverb_shm extension; one chunk write per column).
@@ -1021,6 +962,42 @@ class TrajectoryWriter:
     self._write_steps(writes, num_steps, None, treedef, plan)
     self._collect()
 
+  _make_fast = _fast_append
+
+  def _renew_fast(self) -> Optional[hot.FastAppend]:
+    """Called by the C fast append when a step reaches its FastAppend's limit: releases the
+    runs that left their keep-alive window (see _Column.collect), starts new chunks for the
+    columns whose chunk is full (after inserting the batched items, as the slow path does at a
+    chunk boundary) and returns the next FastAppend, also set as `_fast` (None: the step takes
+    the slow path).
+
+    Raises:
+      ResourceExhaustedError: the chunk arena is full (nothing changed but the batch insert).
+      TableClosedError: the server stopped (from the batch insert).
+    """
+    fast, self._fast = self._fast, None
+    self._collect()
+    if fast is None:
+      return None
+    columns = [entry[0] for entry in fast.cols]
+    full = [col for col in columns if col.needs_chunk()]
+    if full:
+      self._flush_batch()
+      fresh = []
+      try:
+        for col in full:
+          fresh += self._fresh_holders(col, 1, self._episode_steps)
+      except BaseException:
+        for holder in fresh:
+          holder.force_release()
+        raise
+      for col, holder in zip(full, fresh):
+        col.close_chunk()
+        col.holder = holder
+        col.add_rows(holder, 0, 0, keep_open=True)   # the fast append writes its rows
+    self._fast = self._make_fast(columns, fast.treedef, fast.keys)
+    return self._fast
+
   def _make_plan(self, data, treedef):
     paths, _, _ = structure.flatten_with_paths(data)
     plan = ([self._by_path.get(p) for p in paths], paths)
@@ -1064,24 +1041,13 @@ class TrajectoryWriter:
     start_step = self._episode_steps
     try:
       for (_, _, arr, _), col in zip(writes, resolved):
-        fresh = []
         if col.is_object:
           rows = list(arr) if batched else [arr]
           chunk = chunks.object_chunk(seg, rows, episode_id=self._episode_id,
                                       start_step=start_step)
-          fresh.append(_Holder(chunk, values=[_object_row(r, col.shape) for r in rows]))
+          allocated.append([_Holder(chunk, values=[_object_row(r, col.shape) for r in rows])])
         else:
-          room = 0 if col.needs_chunk() else col.holder.capacity - col.holder.used
-          step = start_step + room
-          remaining = num_steps - room
-          while remaining > 0:
-            capacity = col.chunk_length()
-            chunk = chunks.alloc_chunk(seg, col.dtype, col.shape, capacity,
-                                       episode_id=self._episode_id, start_step=step)
-            fresh.append(_Holder(chunk))
-            remaining -= capacity
-            step += capacity
-        allocated.append(fresh)
+          allocated.append(self._fresh_holders(col, num_steps, start_step))
     except BaseException:
       for fresh in allocated:
         for holder in fresh:
@@ -1120,6 +1086,27 @@ class TrajectoryWriter:
       return
     self._close_steps(num_steps)
 
+  def _fresh_holders(self, col: _Column, num_steps: int, start_step: int) -> List[_Holder]:
+    """New chunks for the rows of `num_steps` steps (from episode step `start_step`) of numeric
+    column `col` that its current chunk has no room for; all or nothing."""
+    room = 0 if col.needs_chunk() else col.holder.capacity - col.holder.used
+    step = start_step + room
+    remaining = num_steps - room
+    fresh = []
+    try:
+      while remaining > 0:
+        capacity = col.chunk_length()
+        chunk = chunks.alloc_chunk(self._segment, col.dtype, col.shape, capacity,
+                                   episode_id=self._episode_id, start_step=step)
+        fresh.append(_Holder(chunk))
+        remaining -= capacity
+        step += capacity
+    except BaseException:
+      for holder in fresh:
+        holder.force_release()
+      raise
+    return fresh
+
   def _close_steps(self, num_steps: int) -> None:
     """Closes the open step (num_steps = 1) or the num_steps steps extend() wrote; columns
     that were not written read as None at those positions."""
@@ -1138,29 +1125,11 @@ class TrajectoryWriter:
 
   # ---- items
 
-  def create_item(self, table: str, priority: float, trajectory: Any) -> None:
-    """Creates an item referencing the given steps.
+  # create_item(table, priority, trajectory) is the C base's (documented there): a flat-dict
+  # window item of the last item kind is batched in C, any other call comes here.
 
-    Items whose every column is a contiguous window of one column's steps (`history[c][a:b]`,
-    `history[c][i]`) are batched: they are inserted with one C call at the next chunk
-    boundary, every `item_batch_size` (256) items, or at `flush`, `end_episode`, `close` or
-    `num_pending_items` (Reverb's items also reach the table when their chunks are finalised).
-    Other items, and every item while earlier ones wait for the rate limiter, are inserted at
-    once. An item the rate limiter does not admit right away waits in a FIFO queue (see
-    `flush`); with more than 1024 items queued, this call blocks on the oldest.
-
-    Args:
-      table: name of the table.
-      priority: finite float (non-negative on tables with a Prioritized selector).
-      trajectory: nest whose leaves are TrajectoryColumns (from `history`). The sample's data
-        has one column per leaf in nest-flatten order.
-
-    Raises:
-      TypeError: a leaf is not a TrajectoryColumn.
-      ValueError: empty trajectory, bad priority, unknown table, expired refs, mixed
-        dtypes/shapes in a column, or (validate_items) a signature mismatch.
-      TableClosedError: the server stopped.
-    """
+  def _create_item(self, table: str, priority: float, trajectory: Any) -> None:
+    """create_item()'s general path."""
     handle = self._tables.get(table)
     if handle is None or self._closed:
       self._check_open()
@@ -1169,16 +1138,8 @@ class TrajectoryWriter:
       priority = check_priority(priority, handle.name, handle.prioritized)
     if priority > getattr(handle, "priority_bound", math.inf):   # (remote: the bridge checks)
       handle.table.check_priority_cap(priority)   # above the sum-tree cap: raises now
-    leaves = None
-    keys = self._item_keys
-    if keys is not None and type(trajectory) is dict and len(trajectory) == keys[0]:
-      try:
-        leaves = keys[1](trajectory)
-      except KeyError:
-        pass
-    if leaves is None:
-      leaves, _ = structure.flatten(trajectory)
-      self._item_keys = _flat_dict_getter(trajectory, len(leaves))
+    leaves, _ = structure.flatten(trajectory)
+    self._item_keys = _flat_dict_keys(trajectory, len(leaves))
     entry = self._window_entry(handle, priority, leaves)
     if entry is None:
       self._create_general(handle, [priority], [trajectory])
@@ -1351,6 +1312,7 @@ class TrajectoryWriter:
       kind = self._kinds[key] = (
           handle, sig, ffi.new("uint32_t[]", [SQUEEZE_FLAG if sq else 0 for _, _, sq in sig]),
           ffi.new("uint32_t[]", [length for _, length, _ in sig]))
+    self._last_kind = kind
     return kind
 
   def _check_usable(self) -> None:
@@ -1388,18 +1350,14 @@ class TrajectoryWriter:
     try:
       while i < len(batch):
         kind = batch[i][0]
-        j = i + 1
-        while j < len(batch) and batch[j][0] is kind:
-          j += 1
-        run = batch[i:j]
-        positions = np.array([entry[2] for entry in run], np.int64)
+        j, positions, priorities = hot.batch_run(batch, i)
         blob, offs = self._encode_windows(kind, positions)
         i = j
-        self._insert_encoded(kind[0], [entry[1] for entry in run], blob, offs, kind[1],
-                             positions, insert)
+        self._insert_encoded(kind[0], priorities, blob, offs, kind[1], positions, insert)
     except BaseException:
       self._batch = batch[i:] + self._batch
       raise
+    self._collect()     # runs kept for the batch (queued items hold their chunks)
 
   @staticmethod
   def _encode_windows(kind: tuple, starts: np.ndarray, priorities: Optional[np.ndarray] = None,
