@@ -41,6 +41,12 @@ typedef struct {
 extern hot_core_fns hot_core;
 extern int hot_core_bound;
 
+/* Bumped in the child of every fork (pthread_atfork, registered once by hot_module.c: any
+ * fork(), not only those that run Python's hooks). An object caching process-local state (an
+ * insert plan, a writer's fast append) records the epoch it was made in and is never used in a
+ * child. */
+extern volatile unsigned long hot_fork_epoch;
+
 /* Each feature file adds its functions and types to the module; 0 on success, -1 with a Python
  * exception set. */
 int hot_insert_init(PyObject *module);

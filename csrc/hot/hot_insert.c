@@ -68,16 +68,11 @@ typedef struct {
   const rs_chunk_hdr *metas;
   const uint32_t *col_flags;
   int64_t slice_ns;
-  unsigned long fork_epoch;
+  unsigned long fork_epoch;   /* hot_fork_epoch when made */
   uint32_t capacity;       /* stagers (StepInserter): rows of each staging array; else 0 */
   uint8_t **stage_rows;    /* stagers: C-contiguous (capacity, *item shape) array per column */
   double *stage_prios;     /* stagers: float64[capacity] */
 } InsertPlan;
-
-/* Bumped in the child of every fork (any fork(): Python's hooks may not run for all of them);
- * a plan made before the fork is then never used in the child. */
-static volatile unsigned long fork_epoch = 0;
-static void bump_fork_epoch(void) { fork_epoch++; }
 
 static PyObject *str_registration;
 
@@ -214,7 +209,7 @@ static int one_priority(const InsertPlan *p, PyObject *obj, double *out) {
  * the core call returned another status; NULL only on an internal error (out of memory). */
 static PyObject *plan_insert(InsertPlan *p, PyObject *data, PyObject *priorities,
                              PyObject *timeout_ms) {
-  if (p->fork_epoch != fork_epoch) Py_RETURN_NONE;
+  if (p->fork_epoch != hot_fork_epoch) Py_RETURN_NONE;
   PyObject *reg = PyObject_GetAttr(p->segment, str_registration);
   if (reg == NULL) {
     PyErr_Clear();
@@ -555,7 +550,7 @@ static PyObject *InsertPlan_new(PyTypeObject *type, PyObject *args, PyObject *kw
   p->col_flags = (const uint32_t *)(uintptr_t)col_flags;
   p->rows_flags = rows_flags;
   p->slice_ns = slice_ns;
-  p->fork_epoch = fork_epoch;
+  p->fork_epoch = hot_fork_epoch;
   if (capacity > 0) {   /* a stager: the staging arrays' addresses (kept alive by `context`) */
     if (batched || !PyTuple_Check(stage_rows) || PyTuple_GET_SIZE(stage_rows) != p->ncols ||
         !stage_prios) {
@@ -630,10 +625,6 @@ static PyMethodDef insert_functions[] = {
     {NULL, NULL, 0, NULL}};
 
 int hot_insert_init(PyObject *module) {
-  if (pthread_atfork(NULL, NULL, bump_fork_epoch) != 0) {
-    PyErr_SetString(PyExc_RuntimeError, "pthread_atfork failed");
-    return -1;
-  }
   str_registration = PyUnicode_InternFromString("_registration");
   if (str_registration == NULL || PyType_Ready(&InsertPlan_Type) < 0) return -1;
   if (PyModule_AddObjectRef(module, "InsertPlan", (PyObject *)&InsertPlan_Type) < 0) return -1;

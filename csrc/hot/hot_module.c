@@ -2,8 +2,13 @@
 #define HOT_MODULE_MAIN
 #include "hot.h"
 
+#include <pthread.h>
+
 hot_core_fns hot_core;
 int hot_core_bound = 0;
+volatile unsigned long hot_fork_epoch = 0;
+
+static void bump_fork_epoch(void) { hot_fork_epoch++; }
 
 /* Names of hot_core_fns' members' core functions, in member order. */
 static const char *const core_names[] = {"rs_insert_rows"};
@@ -52,6 +57,10 @@ PyMODINIT_FUNC PyInit__hot(void) {
     PyTuple_SET_ITEM(names, i, s);
   }
   if (PyModule_AddObject(m, "CORE_FUNCTIONS", names) < 0) { Py_DECREF(names); goto fail; }
+  if (pthread_atfork(NULL, NULL, bump_fork_epoch) != 0) {
+    PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+    goto fail;
+  }
   if (hot_insert_init(m) < 0 || hot_writer_init(m) < 0) goto fail;
   return m;
 fail:

@@ -28,9 +28,6 @@
 #include <pthread.h>
 #include <structmember.h>
 
-/* Bumped in a fork child (pthread_atfork): a FastAppend remembers the epoch it was made in. */
-static volatile unsigned long fork_epoch = 0;
-static void on_fork_child(void) { fork_epoch++; }
 
 /* TrajectoryColumn (a WindowBase subclass), set by writer_setup(); NULL until then. */
 static PyTypeObject *window_type = NULL;
@@ -407,7 +404,7 @@ typedef struct {
   PyObject *generation;    /* its registration generation when made */
   Py_ssize_t base;         /* writer._hist_step when made: row 0 of every view */
   Py_ssize_t limit;        /* first step it must not write (chunk full, a run to release) */
-  unsigned long epoch;     /* fork_epoch when made */
+  unsigned long epoch;     /* hot_fork_epoch when made */
   Py_ssize_t ncols;
   fa_col *cols;
 } FastAppend;
@@ -559,7 +556,7 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   self->generation = generation;
   self->base = base;
   self->limit = limit;
-  self->epoch = fork_epoch;
+  self->epoch = hot_fork_epoch;
   return (PyObject *)self;
 }
 
@@ -571,7 +568,7 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
  * -1 with an exception set (only on interpreter errors such as MemoryError). */
 static int fast_write(FastAppend *fa, WriterBase *w, PyObject *const *leaves) {
   Py_ssize_t step = w->hist_step;
-  if (step < fa->base || step > fa->limit || fa->epoch != fork_epoch) return 0;
+  if (step < fa->base || step > fa->limit || fa->epoch != hot_fork_epoch) return 0;
   PyObject *gen = PyObject_GetAttr(fa->segment, s_generation);
   if (gen == NULL) {
     PyErr_Clear();
@@ -1034,14 +1031,6 @@ static PyMethodDef writer_module_methods[] = {
     {NULL}};
 
 int hot_writer_init(PyObject *module) {
-  static int atfork_done = 0;
-  if (!atfork_done) {
-    if (pthread_atfork(NULL, NULL, on_fork_child) != 0) {
-      PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
-      return -1;
-    }
-    atfork_done = 1;
-  }
   struct { PyObject **slot; const char *text; } names[] = {
       {&s_getitem, "_getitem"}, {&s_append, "_append"}, {&s_create_item, "_create_item"},
       {&s_flush_batch, "_flush_batch"}, {&s_generation, "_generation"},
