@@ -27,6 +27,7 @@ import numpy as np
 
 from reverb_shm import errors, shm, specs, structure, timeouts
 from reverb_shm import client as client_lib
+from reverb_shm import step_inserter
 from reverb_shm import trajectory_writer as tw
 from reverb_shm import table as table_lib
 from reverb_shm._lib import ffi
@@ -41,6 +42,7 @@ DEFAULT_SENT_BYTES_BUDGET = 64 << 20
 _CHANNEL_OPTIONS = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                     ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_pings_without_data", 0))
+_MAX_STEP_LAYOUTS = 64   # step layouts cached per remote table handle
 _SAMPLE_BATCH = 128     # samples per bridge reply at most (the bridge also caps its bytes)
 _CODE_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
@@ -197,7 +199,8 @@ class _RemoteTable:
 class _RemoteHandle:
   """What Client and TrajectoryWriter need of one remote table (cf. client._TableHandle)."""
 
-  __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized")
+  __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized",
+               "_step_columns")
 
   def __init__(self, client: "RemoteClient", index: int, entry: dict,
                session: Optional[writes.WriteSession]):
@@ -210,6 +213,28 @@ class _RemoteHandle:
                            else structure.flatten(self.signature)[0])
     stats = entry["stats"]
     self.prioritized = PRIORITIZED in (stats["sampler_kind"], stats["remover_kind"])
+    self._step_columns = {}
+
+  def step_columns(self, columns: tuple) -> Optional[list]:
+    """The "cols" of RemoteClient.insert's step op for steps of `columns` ((dtype, shape) per
+    leaf), checked once against the table's signature; None when such steps take the general
+    path (object or unsupported dtypes, a mismatch: it raises the error)."""
+    cols = self._step_columns.get(columns, False)
+    if cols is False:
+      try:
+        for i, (dtype, _) in enumerate(columns):
+          tw.check_supported_dtype(dtype, i)
+          if dtype.kind == "O":
+            raise ValueError("object column")
+        tw.check_signature(self.name, self.flat_signature,
+                           [(d, (1,) + shape) for d, shape in columns], allow_unbatched=True)
+        cols = [[d.str, list(shape)] for d, shape in columns]
+      except ValueError:
+        cols = None
+      if len(self._step_columns) >= _MAX_STEP_LAYOUTS:
+        self._step_columns.clear()
+      self._step_columns[columns] = cols
+    return cols
 
 
 class _WriterClient:
@@ -322,6 +347,8 @@ class RemoteClient(client_lib.Client):
       As Client.insert; ServerUnavailableError when the bridge stays unreachable for
       reconnect_timeout_s.
     """
+    if self._insert_fast(data, priorities, timeout_ms):
+      return
     handles, prios, arrays = client_lib.checked_insert(self, data, priorities)
     # Validated here; the bridge applies it (whole milliseconds, None = forever) per table.
     wire_timeout = (None if timeouts.deadline_from_ms(timeout_ms) < 0
@@ -355,6 +382,39 @@ class RemoteClient(client_lib.Client):
                   "prios": np.array([prio], "<f8").tobytes(), "descs": [desc],
                   "timeout_ms": wire_timeout})
     self._inserter.send(ops)
+
+  def _insert_fast(self, data, priorities, timeout_ms) -> bool:
+    """insert's common case: one numeric step into one table whose handle is cached and whose
+    layout was checked before (_RemoteHandle.step_columns), without a timeout or with whole
+    milliseconds; sends the same "step" op as the general path. Returns False, having done
+    nothing, for anything else: the general path then checks everything (and raises)."""
+    if type(priorities) is not dict or len(priorities) != 1 or not (
+        timeout_ms is None or type(timeout_ms) is int and timeout_ms >= 0):
+      return False
+    (name, prio), = priorities.items()
+    if type(prio) is not float or not -math.inf < prio < math.inf:
+      if type(prio) is not int or not -2**53 < prio < 2**53:
+        return False
+      prio = float(prio)
+    self._connection()   # (a fork child drops the cached handles)
+    handle = self._handles.get(name)
+    if handle is None or prio < 0 and handle.prioritized:
+      return False
+    try:
+      arrays = step_inserter.step_arrays(data)
+    except ValueError:
+      return False
+    cols = handle.step_columns(tuple([(a.dtype, a.shape) for a in arrays]))
+    if cols is None:
+      return False
+    try:
+      payload = b"".join(arrays)
+    except (BufferError, TypeError, ValueError):   # not C-contiguous
+      payload = b"".join([np.ascontiguousarray(a) for a in arrays])
+    self._inserter.send([{"op": "step", "cols": cols, "ep": tw.random_u64.one(),
+                          "items": [[1, name, tw.random_u64.one(), prio]],
+                          "timeout_ms": timeout_ms, "b": payload}])
+    return True
 
   def writer_session(self) -> _WriterClient:
     """The client a new TrajectoryWriter uses: its own pipelined Write stream."""
