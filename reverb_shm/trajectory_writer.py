@@ -828,8 +828,8 @@ class TrajectoryWriter:
     num_keep_alive_refs: steps each column keeps referenceable (>= 1).
     validate_items: check items against their table's signature in `create_item`.
     item_batch_size: window items `create_item` batches before inserting them with one C
-      call (reverb_shm extension; 1 inserts every item at once, as writers of a bridge
-      client always do).
+      call, or (a bridge client's writer) sending them in one message (reverb_shm extension;
+      1 inserts or sends every item at once).
 
   Raises:
     ValueError: `num_keep_alive_refs < 1` or `item_batch_size < 1`.
@@ -841,8 +841,6 @@ class TrajectoryWriter:
     num_keep_alive_refs = _check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
     self._item_batch_size = _check_positive_int(item_batch_size, "item_batch_size")
     self._client = _writer_client(client)
-    if hasattr(self._client, "await_inserts"):   # asynchronous: items stream one by one
-      self._item_batch_size = 1
     self._segment = client._segment()  # pylint: disable=protected-access
     self._default_keep_alive = num_keep_alive_refs
     self._validate_items = bool(validate_items)

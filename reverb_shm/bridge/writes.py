@@ -227,10 +227,12 @@ class WriteSession:
                      f"within timeout_ms={timeout_ms}", inserted=0))
       elif stream is None or stream.ended or self._error is not None or self._stale:
         self._wait(lambda: True, deadline_ns, None)   # (re)connects; raises a pending error
-      batch = _Batch(next(self._seqs), table, keys, prios, n)
-      ops = []
+      # One "items" op per item, so that the bridge confirms each as soon as it is in (a
+      # batch of them is inserted with one call there while the limiter admits them).
+      ops, batches, in_use = [], [], {}
       staging = self._staging()
-      for start in starts:
+      for i, start in enumerate(starts):
+        batch = _Batch(next(self._seqs), table, keys[8 * i:8 * i + 8], prios[8 * i:8 * i + 8], 1)
         item = []
         for slices, squeeze in chunks.decode_descriptor(blob, start):
           column = []
@@ -239,12 +241,15 @@ class WriteSession:
             column.append((chunk, row, nrows))
           item.append((column, squeeze))
         batch.descs.append(item)
-      self._evict(ops, batch.chunks)
-      ops.append(_items_op(batch))
+        in_use.update(batch.chunks)
+        ops.append(_items_op(batch))
+        batches.append(batch)
+      self._evict(ops, in_use)
       with self._cond:
-        self._unconfirmed[batch.seq] = batch
+        for batch in batches:
+          self._unconfirmed[batch.seq] = batch
+          self._in_flight_bytes += batch.nbytes
         self._in_flight_items += n
-        self._in_flight_bytes += batch.nbytes
       self._stream.send(ops)
       return n
 
