@@ -406,6 +406,59 @@ def test_writer_items_are_confirmed_without_flush(server_factory, monkeypatch):
   writer.close()
 
 
+def _wait_for_size(server, table: str, size: int) -> int:
+  deadline = time.monotonic() + 5
+  while True:
+    now = server.localhost_client().server_info()[table].current_size
+    if now == size or time.monotonic() > deadline:
+      return now
+    time.sleep(0.01)
+
+
+def test_remote_writer_batches_items_as_a_local_writer_does(server_factory, monkeypatch):
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  items_ops = []
+  original = service._WriteStream.handle_message  # pylint: disable=protected-access
+
+  def spy(self, msg):
+    ops = [msg] if "op" in msg else msg["ops"]
+    items_ops.append(sum(op["op"] == "items" for op in ops))
+    return original(self, msg)
+  monkeypatch.setattr(service._WriteStream, "handle_message", spy)  # pylint: disable=protected-access
+  writer = _remote(server).trajectory_writer(2)    # item_batch_size 256, as a local writer
+  for i in range(300):
+    writer.append({"x": np.full(2, i, np.float32)})
+    if i:
+      writer.create_item("dist", float(i), {"x": writer.history["x"][-2:]})
+  # Batches of up to 256 items (fewer at a chunk boundary), each as one message; the last
+  # items wait for flush.
+  deadline = time.monotonic() + 5
+  while sum(items_ops) < 256 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  time.sleep(0.1)
+  sent = sum(items_ops)
+  assert 256 <= sent < 299 and len(items_ops) <= 3, items_ops
+  assert _wait_for_size(server, "dist", sent) == sent
+  writer.flush()
+  assert sum(items_ops) == 299 and len(items_ops) <= 4, items_ops
+  assert server.localhost_client().server_info()["dist"].current_size == 299
+  got = {(s.info.priority, tuple(s.data[0][:, 0].tolist())) for s in
+         server.localhost_client().sample("dist", 300, emit_timesteps=False)}
+  assert got <= {(float(i), (i - 1.0, i)) for i in range(1, 300)} and len(got) > 100
+  writer.close()
+  # item_batch_size=1: every item leaves at once, without flush.
+  one = reverb_shm.TrajectoryWriter(_remote(server), 1, item_batch_size=1)
+  items_ops.clear()
+  for i in range(3):
+    one.append({"x": np.full(2, i, np.float32)})
+    one.create_item("dist", 0.5, {"x": one.history["x"][-1:]})
+    deadline = time.monotonic() + 5
+    while sum(items_ops) < i + 1 and time.monotonic() < deadline:
+      time.sleep(0.01)
+  assert sum(items_ops) == 3
+  one.close()
+
+
 def test_a_burst_of_items_is_inserted_in_order_past_a_full_limiter(server_factory):
   server = server_factory([reverb_shm.Table.queue("queue", 5)], bridge=BridgeConfig())
   writer = _remote(server).trajectory_writer(1)
