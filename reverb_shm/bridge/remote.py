@@ -27,7 +27,6 @@ import numpy as np
 
 from reverb_shm import errors, shm, specs, structure, timeouts
 from reverb_shm import client as client_lib
-from reverb_shm import step_inserter
 from reverb_shm import trajectory_writer as tw
 from reverb_shm import table as table_lib
 from reverb_shm._lib import ffi
@@ -388,31 +387,20 @@ class RemoteClient(client_lib.Client):
     layout was checked before (_RemoteHandle.step_columns), without a timeout or with whole
     milliseconds; sends the same "step" op as the general path. Returns False, having done
     nothing, for anything else: the general path then checks everything (and raises)."""
-    if type(priorities) is not dict or len(priorities) != 1 or not (
-        timeout_ms is None or type(timeout_ms) is int and timeout_ms >= 0):
+    if not (timeout_ms is None or type(timeout_ms) is int and timeout_ms >= 0):
       return False
-    (name, prio), = priorities.items()
-    if type(prio) is not float or not -math.inf < prio < math.inf:
-      if type(prio) is not int or not -2**53 < prio < 2**53:
-        return False
-      prio = float(prio)
-    self._connection()   # (a fork child drops the cached handles)
-    handle = self._handles.get(name)
-    if handle is None or prio < 0 and handle.prioritized:
+    # (_connection: a fork child drops the cached handles)
+    found = client_lib.one_step(self, data, priorities, self._connection,
+                                _RemoteHandle.step_columns)
+    if found is None:
       return False
-    try:
-      arrays = step_inserter.step_arrays(data)
-    except ValueError:
-      return False
-    cols = handle.step_columns(tuple([(a.dtype, a.shape) for a in arrays]))
-    if cols is None:
-      return False
+    handle, prio, arrays, cols = found
     try:
       payload = b"".join(arrays)
     except (BufferError, TypeError, ValueError):   # not C-contiguous
       payload = b"".join([np.ascontiguousarray(a) for a in arrays])
     self._inserter.send([{"op": "step", "cols": cols, "ep": tw.random_u64.one(),
-                          "items": [[1, name, tw.random_u64.one(), prio]],
+                          "items": [[1, handle.name, tw.random_u64.one(), prio]],
                           "timeout_ms": timeout_ms, "b": payload}])
     return True
 
