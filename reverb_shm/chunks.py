@@ -71,13 +71,15 @@ def desc_blocks(desc_offs) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- pins
-class Pins:
-  """Pins (chunk holds or sampled-item pins) taken by this process under one registration.
+class OwnedPins:
+  """Pins (chunk holds or sampled-item pins) taken by this process under one registration,
+  released only by :meth:`release`: by their owner's close(), or, if that never runs, when this
+  process ends (a dead process's pins are reclaimed). For chunks whose owner's own finaliser
+  still needs them: in a reference cycle the collector may finalise the pins before the owner.
 
-  Released with one rs_unpin call by :meth:`release` or when garbage collected; arrays viewing
-  pinned data keep this object alive through their `.base`. Releasing is a no-op once that
-  registration is over (Segment.close() or Server.stop() dropped every pin of the slot; in a
-  forked child the pins belong to the parent). Thread-safe.
+  Releasing is a no-op once that registration is over (Segment.close() or Server.stop()
+  dropped every pin of the slot; in a forked child the pins belong to the parent).
+  Thread-safe.
 
   Args:
     seg: the Segment.
@@ -105,6 +107,13 @@ class Pins:
     pins, self._pins = self._pins, None
     if pins is not None and len(pins):
       self._seg.unpin(self._generation, pins)
+
+
+class Pins(OwnedPins):
+  """OwnedPins that are also released when garbage collected; arrays viewing pinned data keep
+  this object alive through their `.base`."""
+
+  __slots__ = ()
 
   def __del__(self):
     try:
@@ -167,10 +176,15 @@ class Chunk:
     episode_id, start_step: episode and step of row 0.
     data: writable view (capacity, *shape) into shared memory; None for object chunks.
 
+  Args:
+    seg, off, pin, generation: the segment, the chunk's offset, its writer pin and the
+      registration generation the pin was taken under.
+    owned: the pin is released only by :meth:`release` (OwnedPins), not when garbage collected.
+
   Not thread-safe (one writer per chunk).
   """
 
-  def __init__(self, seg, off: int, pin: int, generation: int):
+  def __init__(self, seg, off: int, pin: int, generation: int, owned: bool = False):
     meta = _ChunkMeta(seg, off)
     self._seg = seg
     self._generation = generation
@@ -182,7 +196,7 @@ class Chunk:
     self.shape = meta.shape
     self.episode_id = meta.episode_id
     self.start_step = meta.start_step
-    self._pins = Pins(seg, generation, np.array([pin], np.uint32))
+    self._pins = (OwnedPins if owned else Pins)(seg, generation, np.array([pin], np.uint32))
     if self.dtype is _OBJECT:
       self.data = None
     else:
@@ -302,8 +316,9 @@ def _alloc(seg, dtype_code: bytes, shape: tuple, row_bytes: int, nbytes: int, ca
 
 
 def alloc_chunk(seg, dtype, shape: Sequence[int], capacity: int, episode_id: int = 0,
-                start_step: int = 0) -> Chunk:
-  """Allocates a numeric chunk of `capacity` rows of `shape` x `dtype` in the arena.
+                start_step: int = 0, owned: bool = False) -> Chunk:
+  """Allocates a numeric chunk of `capacity` rows of `shape` x `dtype` in the arena (`owned`:
+  see Chunk).
 
   Raises:
     ValueError: unsupported dtype, rank > 8, bad capacity.
@@ -317,7 +332,7 @@ def alloc_chunk(seg, dtype, shape: Sequence[int], capacity: int, episode_id: int
   row_bytes = dtype.itemsize * math.prod(shape)
   off, pin, generation = _alloc(seg, dtype.str.encode(), shape, row_bytes, row_bytes * capacity,
                           capacity, episode_id, start_step)
-  return Chunk(seg, off, pin, generation)
+  return Chunk(seg, off, pin, generation, owned)
 
 
 class ColumnWriter:
@@ -412,8 +427,10 @@ def _pack_row(row) -> bytes:
                         for x in arr.reshape(-1)], use_bin_type=True)
 
 
-def object_chunk(seg, values: list, episode_id: int = 0, start_step: int = 0) -> Chunk:
-  """Stores rows of str/bytes/object elements (all of one element shape) as msgpack.
+def object_chunk(seg, values: list, episode_id: int = 0, start_step: int = 0,
+                 owned: bool = False) -> Chunk:
+  """Stores rows of str/bytes/object elements (all of one element shape) as msgpack (`owned`:
+  see Chunk).
 
   Raises:
     ValueError: rows of different shapes or elements msgpack cannot encode.
@@ -433,7 +450,7 @@ def object_chunk(seg, values: list, episode_id: int = 0, start_step: int = 0) ->
   ends = np.cumsum([len(p) for p in packed], dtype=np.uint64)
   nbytes = 8 * n + int(ends[-1])
   off, pin, generation = _alloc(seg, b"O", tuple(shape), 0, nbytes, n, episode_id, start_step)
-  chunk = Chunk(seg, off, pin, generation)
+  chunk = Chunk(seg, off, pin, generation, owned)
   start = _ChunkMeta(seg, off).data_address - seg.address
   seg.buf[start:start + 8 * n] = ends.tobytes()
   seg.buf[start + 8 * n:start + nbytes] = b"".join(packed)

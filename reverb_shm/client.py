@@ -216,28 +216,14 @@ class Client:
     checked before (_TableHandle.insert_plan), with one rs_insert_rows call; it also makes the C
     plan that inserts later steps of this layout (hot_plans). Returns False, having done
     nothing, for anything else; the general path then checks everything (and raises)."""
-    if type(priorities) is not dict or len(priorities) != 1:
+    found = one_step(self, data, priorities, self._segment, _TableHandle.insert_plan)
+    if found is None:
       return False
-    (name, prio), = priorities.items()
-    if type(prio) is not float or not -_INF < prio < _INF:
-      if type(prio) is not int or not -_MAX_EXACT < prio < _MAX_EXACT:
-        return False
-      prio = float(prio)
-    self._segment()
-    handle = self._handles.get(name)
-    if handle is None or (prio < 0 and handle.prioritized):
-      return False
-    try:
-      arrays = step_inserter_lib.step_arrays(data)
-    except ValueError:
-      return False
-    columns = tuple([(a.dtype, a.shape) for a in arrays])
-    writer = handle.insert_plan(columns)
-    if writer is None:
-      return False
-    plan = handle.hot_plans.get(handle.table, data, columns, writer)
+    handle, prio, arrays, writer = found
+    plan = handle.hot_plans.get(handle.table, data, tuple([(a.dtype, a.shape) for a in arrays]),
+                                writer)
     if plan is not None:
-      self._hot_plans[name] = plan
+      self._hot_plans[handle.name] = plan
     handle.table._insert_rows(  # pylint: disable=protected-access
         writer, 1, ffi.new("uint64_t *"), ffi.new("double *", prio),
         chunks.row_buffers(arrays), 0, _RANDOM_KEY_AND_EPISODE,
@@ -499,6 +485,36 @@ class Client:
     from reverb_shm import checkpointers  # pylint: disable=g-import-not-at-top
     seg = self._segment()
     return checkpointers.for_server(seg.name).save(seg)
+
+
+def one_step(client, data: Any, priorities: Dict[str, float], refresh, plan):
+  """(table handle, float priority, leaf arrays, plan) of a Client.insert call its one-call
+  paths may take: one table whose handle `client` has cached, a finite priority (>= 0 on
+  Prioritized tables), a step whose leaves are numeric numpy values or convert by
+  structure.to_array, and `plan(handle, ((dtype, shape) per leaf))` not None (the handle's
+  cached, checked plan for that layout). `refresh()` runs before the handle lookup (it drops
+  stale handles, e.g. after a fork).
+
+  Returns None, having done nothing else, for anything else: the general path (see
+  checked_insert) then validates and raises. Shared with the bridge's RemoteClient.insert.
+  """
+  if type(priorities) is not dict or len(priorities) != 1:
+    return None
+  (name, prio), = priorities.items()
+  if type(prio) is not float or not -_INF < prio < _INF:
+    if type(prio) is not int or not -_MAX_EXACT < prio < _MAX_EXACT:
+      return None
+    prio = float(prio)
+  refresh()
+  handle = client._handles.get(name)  # pylint: disable=protected-access
+  if handle is None or (prio < 0 and handle.prioritized):
+    return None
+  try:
+    arrays = step_inserter_lib.step_arrays(data)
+  except ValueError:
+    return None
+  found = plan(handle, tuple([(a.dtype, a.shape) for a in arrays]))
+  return None if found is None else (handle, prio, arrays, found)
 
 
 def checked_insert(client, data: Any, priorities: Dict[str, float]):

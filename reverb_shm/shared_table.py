@@ -254,9 +254,11 @@ class SharedTable:
         ncols, slices_c + i * ncols, flags, deadline_ns, timeouts.SLICE_NS, done), timeout_ms)
 
   def _insert_rows(self, writer: chunks.ColumnWriter, n: int, keys_c, prios_c, buffers,
-                   squeeze: int, flags: int, deadline_ns: int, timeout_ms) -> int:
+                   squeeze: int, flags: int, deadline_ns: int, timeout_ms,
+                   episode_id: int = 0) -> int:
     """rs_insert_rows of n validated items: column c of item i is row i of buffers[c] (n rows
     of the writer's column c each); one C call writes, inserts and releases the chunks.
+    `episode_id` goes into the chunk headers (unless flags draw one).
 
     When the rate limiter makes the call wait past a slice, the chunks it wrote and still holds
     are inserted by _insert_slices_validated and released here. Returns n.
@@ -273,7 +275,7 @@ class SharedTable:
     pins_c = ffi.cast("uint32_t *", out + ncols)
     done_c = pins_c + ncols
     rc = lib.rs_insert_rows(seg.base, slot, self._index, n, keys_c, prios_c, ncols, writer.metas,
-                            buffers, writer.squeeze_flags[squeeze], 0, flags, deadline_ns,
+                            buffers, writer.squeeze_flags[squeeze], episode_id, flags, deadline_ns,
                             timeouts.SLICE_NS, out, pins_c, done_c)
     if rc == lib.RS_OK:
       return n

@@ -780,8 +780,8 @@ class TrajectoryWriter(hot.WriterBase):
     num_keep_alive_refs: steps each column keeps referenceable (>= 1).
     validate_items: check items against their table's signature in `create_item`.
     item_batch_size: window items `create_item` batches before inserting them with one C
-      call (reverb_shm extension; 1 inserts every item at once, as writers of a bridge
-      client always do).
+      call, or (a bridge client's writer) sending them in one message (reverb_shm extension;
+      1 inserts or sends every item at once).
 
   Raises:
     ValueError: `num_keep_alive_refs < 1` or `item_batch_size < 1`.
@@ -793,8 +793,6 @@ class TrajectoryWriter(hot.WriterBase):
     num_keep_alive_refs = _check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
     self._item_batch_size = _check_positive_int(item_batch_size, "item_batch_size")
     self._client = _writer_client(client)
-    if hasattr(self._client, "await_inserts"):   # asynchronous: items stream one by one
-      self._item_batch_size = 1
     self._segment = client._segment()  # pylint: disable=protected-access
     self._default_keep_alive = num_keep_alive_refs
     self._validate_items = bool(validate_items)
@@ -1044,7 +1042,7 @@ class TrajectoryWriter(hot.WriterBase):
         if col.is_object:
           rows = list(arr) if batched else [arr]
           chunk = chunks.object_chunk(seg, rows, episode_id=self._episode_id,
-                                      start_step=start_step)
+                                      start_step=start_step, owned=True)
           allocated.append([_Holder(chunk, values=[_object_row(r, col.shape) for r in rows])])
         else:
           allocated.append(self._fresh_holders(col, num_steps, start_step))
@@ -1097,7 +1095,8 @@ class TrajectoryWriter(hot.WriterBase):
       while remaining > 0:
         capacity = col.chunk_length()
         chunk = chunks.alloc_chunk(self._segment, col.dtype, col.shape, capacity,
-                                   episode_id=self._episode_id, start_step=step)
+                                   episode_id=self._episode_id, start_step=step,
+                                   owned=True)   # released by close(), also from __del__
         fresh.append(_Holder(chunk))
         remaining -= capacity
         step += capacity
@@ -1717,6 +1716,7 @@ class TrajectoryWriter(hot.WriterBase):
     if getattr(self, "_closed", True):
       return
     try:
+      _finalising(self._client)
       self.close()
     except Exception:  # pylint: disable=broad-except  (never raise from a finaliser)
       pass
@@ -1742,7 +1742,9 @@ class TrajectoryWriter(hot.WriterBase):
 # new writer then uses (with `_segment` and `_table_handle`), whose tables confirm inserts
 # asynchronously; it offers `in_flight()` (items sent, not yet confirmed), `await_inserts(until,
 # deadline_ns, timeout_ms, what)` (returns a DeadlineExceededError on timeout, raises the tables'
-# errors) and `close_inserts()`. Local clients offer none of these: the hooks do nothing then.
+# errors), `close_inserts()` and `finalising()` (the writer is closed from its __del__: no new
+# streams, whose threads must not start inside the garbage collector). Local clients offer none
+# of these: the hooks do nothing then.
 
 
 def _writer_client(client):
@@ -1759,6 +1761,12 @@ def _await_inserts(client, until: int, deadline_ns: int, timeout_ms,
                    what: str) -> Optional[errors.DeadlineExceededError]:
   wait = getattr(client, "await_inserts", None)
   return None if wait is None else wait(until, deadline_ns, timeout_ms, what)
+
+
+def _finalising(client) -> None:
+  hook = getattr(client, "finalising", None)
+  if hook is not None:
+    hook()
 
 
 def _close_inserts(client) -> None:

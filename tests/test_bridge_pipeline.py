@@ -2,6 +2,7 @@
 
 The bridge runs in this process on loopback; tables are inspected through shared memory.
 """
+import gc
 import threading
 import time
 
@@ -151,6 +152,102 @@ def test_step_ops_are_validated_by_the_bridge(server_factory):
   assert local.server_info()["typed"].current_size == 0
   sample = next(local.sample("a", emit_timesteps=False))
   assert sample.info.key == 42 and sample.data[0].tolist() == [[0.0, 1.0, 2.0]]
+
+
+def _spy_step_at_once(monkeypatch) -> list:
+  """Records what the bridge's one-call insert path returned per Insert message."""
+  results = []
+  original = service.Bridge._step_at_once  # pylint: disable=protected-access
+
+  def spy(self, msg):
+    results.append(original(self, msg))
+    return results[-1]
+  monkeypatch.setattr(service.Bridge, "_step_at_once", spy)
+  return results
+
+
+def test_one_call_insert_paths_send_and_store_what_the_general_paths_do(server_factory,
+                                                                       monkeypatch):
+  server = server_factory([_uniform("a")], bridge=BridgeConfig())
+  client = _remote(server)
+  taken = _spy_step_at_once(monkeypatch)
+  sent = []
+  original_send = writes.OneMessageInserter.send
+  monkeypatch.setattr(writes.OneMessageInserter, "send",
+                      lambda self, ops: (sent.append(ops), original_send(self, ops))[1])
+  general = lambda *args: False  # pylint: disable=unnecessary-lambda-assignment
+  steps = [{"x": np.arange(6, dtype=np.int16)[::2], "y": np.float32(i), "z": i}
+           for i in range(4)]   # (a strided leaf: sent as a contiguous copy)
+  client.insert(steps[0], {"a": 1.0})                     # general at both ends (first use)
+  with monkeypatch.context() as m:
+    m.setattr(RemoteClient, "_insert_fast", general)
+    client.insert(steps[1], {"a": 2})                     # general client, one-call bridge
+  client.insert(steps[2], {"a": 3})                       # one call at both ends
+  client.insert(steps[3], {"a": 4.0}, timeout_ms=1000)
+  assert [s is not None for s in taken] == [False, True, True, True]
+  ops = [op for (op,) in sent]
+  for op in ops[1:]:   # the same op from both client paths, but for its random ids
+    assert {k: v for k, v in op.items() if k not in ("ep", "b", "items", "timeout_ms")} == {
+        k: v for k, v in ops[0].items() if k not in ("ep", "b", "items", "timeout_ms")}
+  assert [op["items"][0][3] for op in ops] == [1.0, 2.0, 3.0, 4.0]
+  assert [op["timeout_ms"] for op in ops] == [None, None, None, 1000]
+  assert len({op["items"][0][2] for op in ops}) == 4   # distinct random keys
+  samples = sorted(server.localhost_client().sample("a", 200, emit_timesteps=False),
+                   key=lambda s: s.info.priority)
+  got = {(s.info.priority, s.data[0].tolist()[0][1], float(s.data[1][0]), int(s.data[2][0]))
+         for s in samples}
+  assert got == {(i + 1.0, 2, float(i), i) for i in range(4)}
+  assert {s.info.key for s in samples} == {op["items"][0][2] for op in ops}
+
+
+def test_one_call_insert_path_declines_what_it_cannot_finish(server_factory, monkeypatch):
+  prioritized = reverb_shm.Table("p", selectors.Prioritized(1.0), selectors.Fifo(), 10,
+                                 rate_limiters.MinSize(1))
+  server = server_factory([reverb_shm.Table.queue("queue", 1), prioritized],
+                          bridge=BridgeConfig())
+  client = _remote(server)
+  taken = _spy_step_at_once(monkeypatch)
+  client.insert(np.int32(0), {"queue": 1.0})
+  # The queue is full: the one-call path declines, the general one reports the limiter.
+  for _ in range(2):
+    with pytest.raises(errors.DeadlineExceededError, match="queue"):
+      client.insert(np.int32(1), {"queue": 1.0}, timeout_ms=0)
+  # A priority beyond the sum-tree cap, refused alike before and after the table was opened.
+  raised = []
+  for _ in range(2):
+    with pytest.raises(errors.InvalidArgumentError) as e:
+      client.insert(np.int32(2), {"p": 1e308})
+    raised.append(str(e.value))
+  client.insert(np.int32(3), {"p": 0.5})
+  with pytest.raises(ValueError, match="negative"):
+    client.insert(np.int32(4), {"p": -1.0})
+  assert raised[0] == raised[1]
+  assert [s is not None for s in taken] == [False, False, False, False, False, True]
+  infos = server.localhost_client().server_info()
+  assert (infos["queue"].current_size, infos["p"].current_size) == (1, 1)
+  # Raw messages the one-call path must leave to the general one (which rejects them).
+  seq, key = 1, 99
+  base = {"op": "step", "cols": [["<i4", []]], "ep": 7, "timeout_ms": None,
+          "b": np.int32(5).tobytes(), "items": [[seq, "p", key, 0.25]]}
+  assert _insert_stream_round_trip(server, {"ops": [base]}) == {"upto": 1, "errs": []}
+  for bad in ({"items": [[seq, "p", key, -0.5]]}, {"items": [[seq, "p", key, float("inf")]]},
+              {"items": [[seq, "p", -1, 1.0]]}, {"ep": -1}, {"timeout_ms": -5},
+              {"b": b"\0" * 5}):
+    taken.clear()
+    try:
+      reply = _insert_stream_round_trip(server, {"ops": [dict(base, **bad)]})
+      assert reply["errs"] and reply["errs"][0][2] == "InvalidArgumentError", (bad, reply)
+    except grpc.RpcError as e:
+      assert e.code() is grpc.StatusCode.INVALID_ARGUMENT, bad
+    assert taken == [None], bad
+  # A new layout is checked against the table by the general path first, then taken at once.
+  taken.clear()
+  for new_key in (100, 101):
+    reply = _insert_stream_round_trip(server, {"ops": [dict(
+        base, cols=[["<i4", [1]]], items=[[seq, "p", new_key, 0.25]])]})
+    assert reply == {"upto": 1, "errs": []}
+  assert taken == [None, 1]
+  assert server.localhost_client().server_info()["p"].current_size == 4
 
 
 def test_client_insert_waits_for_its_rate_limiter(server_factory):
@@ -310,6 +407,60 @@ def test_writer_items_are_confirmed_without_flush(server_factory, monkeypatch):
   writer.close()
 
 
+def _wait_for_size(server, table: str, size: int) -> int:
+  deadline = time.monotonic() + 5
+  while True:
+    now = server.localhost_client().server_info()[table].current_size
+    if now == size or time.monotonic() > deadline:
+      return now
+    time.sleep(0.01)
+
+
+def test_remote_writer_batches_items_as_a_local_writer_does(server_factory, monkeypatch):
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  items_ops = []
+  original = service._WriteStream.handle_message  # pylint: disable=protected-access
+
+  def spy(self, msg):
+    ops = [msg] if "op" in msg else msg["ops"]
+    items_ops.append(sum(op["op"] == "items" for op in ops))
+    return original(self, msg)
+  monkeypatch.setattr(service._WriteStream, "handle_message", spy)  # pylint: disable=protected-access
+  writer = _remote(server).trajectory_writer(2)    # item_batch_size 256, as a local writer
+  for i in range(300):
+    writer.append({"x": np.full(2, i, np.float32)})
+    if i:
+      writer.create_item("dist", float(i), {"x": writer.history["x"][-2:]})
+  # Batches of up to 256 items, each as one message, sent at a chunk boundary (here after 255
+  # items: the 257th step opens the second 256-row chunk) or at 256 items; the last items wait
+  # for flush.
+  deadline = time.monotonic() + 5
+  while sum(items_ops) < 255 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  time.sleep(0.1)
+  sent = sum(items_ops)
+  assert sent in (255, 256) and len(items_ops) <= 3, items_ops
+  assert _wait_for_size(server, "dist", sent) == sent
+  writer.flush()
+  assert sum(items_ops) == 299 and len(items_ops) <= 4, items_ops
+  assert server.localhost_client().server_info()["dist"].current_size == 299
+  got = {(s.info.priority, tuple(s.data[0][:, 0].tolist())) for s in
+         server.localhost_client().sample("dist", 300, emit_timesteps=False)}
+  assert got <= {(float(i), (i - 1.0, i)) for i in range(1, 300)} and len(got) > 100
+  writer.close()
+  # item_batch_size=1: every item leaves at once, without flush.
+  one = reverb_shm.TrajectoryWriter(_remote(server), 1, item_batch_size=1)
+  items_ops.clear()
+  for i in range(3):
+    one.append({"x": np.full(2, i, np.float32)})
+    one.create_item("dist", 0.5, {"x": one.history["x"][-1:]})
+    deadline = time.monotonic() + 5
+    while sum(items_ops) < i + 1 and time.monotonic() < deadline:
+      time.sleep(0.01)
+  assert sum(items_ops) == 3
+  one.close()
+
+
 def test_a_burst_of_items_is_inserted_in_order_past_a_full_limiter(server_factory):
   server = server_factory([reverb_shm.Table.queue("queue", 5)], bridge=BridgeConfig())
   writer = _remote(server).trajectory_writer(1)
@@ -326,3 +477,37 @@ def test_a_burst_of_items_is_inserted_in_order_past_a_full_limiter(server_factor
   t.join(timeout=20)
   assert got == list(range(12)) and writer.num_pending_items == 0
   writer.close()
+
+
+def _collect_in_thread(seconds: float) -> bool:
+  collector = threading.Thread(target=gc.collect, daemon=True)
+  collector.start()
+  collector.join(seconds)
+  return not collector.is_alive()
+
+
+def test_unclosed_remote_writer_is_closed_by_its_finaliser_and_its_items_arrive(server_factory):
+  """Its Write stream was opened with the writer, so the finaliser (maybe run by the cyclic
+  collector) only sends on it: it never opens a stream, whose threads must not start there."""
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  writer = _remote(server).trajectory_writer(2)
+  for i in range(5):
+    writer.append({"x": np.full(2, i, np.float32)})
+    if i:
+      writer.create_item("dist", 1.0, {"x": writer.history["x"][-2:]})
+  assert server.localhost_client().server_info()["dist"].current_size == 0   # still batched
+  del writer
+  assert _collect_in_thread(10), "gc.collect() hung on an unclosed remote writer"
+  assert _wait_for_size(server, "dist", 4) == 4     # its finaliser closed (flushed) it
+
+
+def test_unclosed_remote_writer_collected_after_the_bridge_stopped_does_not_hang(server_factory):
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  writer = _remote(server).trajectory_writer(2)
+  for i in range(3):
+    writer.append({"x": np.full(2, i, np.float32)})
+    if i:
+      writer.create_item("dist", 1.0, {"x": writer.history["x"][-2:]})
+  server.stop()
+  del writer
+  assert _collect_in_thread(10), "gc.collect() hung on a remote writer of a stopped bridge"

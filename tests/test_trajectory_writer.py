@@ -456,3 +456,27 @@ def test_create_item_with_unknown_field_types_in_namedtuple_structure(writer):
   assert isinstance(history, Step)
   writer.create_item("dist", 1.0, Step(history.obs[-1:], history.act[-1]))
   writer.flush()
+
+
+def test_unclosed_writer_collected_in_a_reference_cycle_inserts_its_batched_items(
+    server_factory):
+  """A writer dropped without close() is closed by its finaliser, like Reverb's. Writers sit in
+  reference cycles (columns point back at them), so the cyclic collector finalises them together
+  with the chunks they hold: those chunks' pins must outlive the writer's own finaliser, or its
+  batched items are lost (they were, before: size 0)."""
+  server = server_factory([_uniform()])
+
+  def write_and_drop():
+    writer = server.localhost_client().trajectory_writer(2)
+    for i in range(5):
+      writer.append({"x": np.full(2, i, np.float32)})
+      if i:
+        writer.create_item("dist", float(i), {"x": writer.history["x"][-2:]})
+    assert server.localhost_client().server_info()["dist"].current_size == 0   # batched
+  write_and_drop()
+  gc.collect()
+  items = server.shared_table("dist").items()
+  assert sorted(items["priority"].tolist()) == [1.0, 2.0, 3.0, 4.0]
+  server.shared_table("dist").reset()
+  gc.collect()
+  assert server.shared_table("dist").segment.info()["arena_used"] == 0   # no pin left behind

@@ -41,6 +41,7 @@ DEFAULT_SENT_BYTES_BUDGET = 64 << 20
 _CHANNEL_OPTIONS = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                     ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.max_pings_without_data", 0))
+_MAX_STEP_LAYOUTS = 64   # step layouts cached per remote table handle
 _SAMPLE_BATCH = 128     # samples per bridge reply at most (the bridge also caps its bytes)
 _CODE_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
@@ -197,7 +198,8 @@ class _RemoteTable:
 class _RemoteHandle:
   """What Client and TrajectoryWriter need of one remote table (cf. client._TableHandle)."""
 
-  __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized")
+  __slots__ = ("name", "index", "seg", "table", "signature", "flat_signature", "prioritized",
+               "_step_columns")
 
   def __init__(self, client: "RemoteClient", index: int, entry: dict,
                session: Optional[writes.WriteSession]):
@@ -210,6 +212,28 @@ class _RemoteHandle:
                            else structure.flatten(self.signature)[0])
     stats = entry["stats"]
     self.prioritized = PRIORITIZED in (stats["sampler_kind"], stats["remover_kind"])
+    self._step_columns = {}
+
+  def step_columns(self, columns: tuple) -> Optional[list]:
+    """The "cols" of RemoteClient.insert's step op for steps of `columns` ((dtype, shape) per
+    leaf), checked once against the table's signature; None when such steps take the general
+    path (object or unsupported dtypes, a mismatch: it raises the error)."""
+    cols = self._step_columns.get(columns, False)
+    if cols is False:
+      try:
+        for i, (dtype, _) in enumerate(columns):
+          tw.check_supported_dtype(dtype, i)
+          if dtype.kind == "O":
+            raise ValueError("object column")
+        tw.check_signature(self.name, self.flat_signature,
+                           [(d, (1,) + shape) for d, shape in columns], allow_unbatched=True)
+        cols = [[d.str, list(shape)] for d, shape in columns]
+      except ValueError:
+        cols = None
+      if len(self._step_columns) >= _MAX_STEP_LAYOUTS:
+        self._step_columns.clear()
+      self._step_columns[columns] = cols
+    return cols
 
 
 class _WriterClient:
@@ -222,6 +246,7 @@ class _WriterClient:
   def __init__(self, client: "RemoteClient"):
     self._client = client
     self._session = client._new_session()  # pylint: disable=protected-access
+    self._session.open()
     self._handles = {}
 
   def _segment(self) -> shm.Segment:
@@ -247,6 +272,9 @@ class _WriterClient:
 
   def close_inserts(self) -> None:
     self._session.close()
+
+  def finalising(self) -> None:
+    self._session.finalising()
 
   def __getattr__(self, name):   # the rest of the Client API (server_info, ...)
     return getattr(self._client, name)
@@ -322,6 +350,8 @@ class RemoteClient(client_lib.Client):
       As Client.insert; ServerUnavailableError when the bridge stays unreachable for
       reconnect_timeout_s.
     """
+    if self._insert_fast(data, priorities, timeout_ms):
+      return
     handles, prios, arrays = client_lib.checked_insert(self, data, priorities)
     # Validated here; the bridge applies it (whole milliseconds, None = forever) per table.
     wire_timeout = (None if timeouts.deadline_from_ms(timeout_ms) < 0
@@ -355,6 +385,28 @@ class RemoteClient(client_lib.Client):
                   "prios": np.array([prio], "<f8").tobytes(), "descs": [desc],
                   "timeout_ms": wire_timeout})
     self._inserter.send(ops)
+
+  def _insert_fast(self, data, priorities, timeout_ms) -> bool:
+    """insert's common case: one numeric step into one table whose handle is cached and whose
+    layout was checked before (_RemoteHandle.step_columns), without a timeout or with whole
+    milliseconds; sends the same "step" op as the general path. Returns False, having done
+    nothing, for anything else: the general path then checks everything (and raises)."""
+    if not (timeout_ms is None or type(timeout_ms) is int and timeout_ms >= 0):
+      return False
+    # (_connection: a fork child drops the cached handles)
+    found = client_lib.one_step(self, data, priorities, self._connection,
+                                _RemoteHandle.step_columns)
+    if found is None:
+      return False
+    handle, prio, arrays, cols = found
+    try:
+      payload = b"".join(arrays)
+    except (BufferError, TypeError, ValueError):   # not C-contiguous
+      payload = b"".join([np.ascontiguousarray(a) for a in arrays])
+    self._inserter.send([{"op": "step", "cols": cols, "ep": tw.random_u64.one(),
+                          "items": [[1, handle.name, tw.random_u64.one(), prio]],
+                          "timeout_ms": timeout_ms, "b": payload}])
+    return True
 
   def writer_session(self) -> _WriterClient:
     """The client a new TrajectoryWriter uses: its own pipelined Write stream."""

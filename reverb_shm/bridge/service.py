@@ -139,6 +139,8 @@ class Bridge:
     self._seg = shm.Segment.attach(name)
     self._tables: Dict[str, SharedTable] = {}
     self._layouts: Dict[tuple, _StepLayout] = {}
+    self._step_buffers = (ffi.new("uint64_t[1]"), ffi.new("double[1]"))   # used on the loop only
+    self._acks: Dict[int, bytes] = {}
     self._item_bytes: Dict[str, int] = {}   # table -> bytes of a sample in the last reply
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=config.max_concurrent_rpcs, thread_name_prefix="reverb_shm-bridge")
@@ -390,6 +392,10 @@ class Bridge:
         msg = asm.feed(frame)
         if msg is None:
           continue
+        seq = self._step_at_once(msg)
+        if seq is not None:
+          await context.write(self._ack_frame(seq))
+          continue
         stream = _WriteStream(self, cancelled, lambda: False)
         try:
           await self._drive(stream.handle_message(msg))   # nobody to send early acks to
@@ -397,6 +403,59 @@ class Bridge:
         finally:
           stream.close()
         await self._write_msg(context, ack)
+
+  def _step_at_once(self, msg: dict) -> Optional[int]:
+    """Client.insert's common message inserted with one C call: {"ops": [a "step" op]} with one
+    item for a table opened and checked against the step's columns before (see
+    _WriteStream._step), whose rate limiter admits it at once. Returns the item's seq.
+
+    Returns None, having changed nothing, for anything else (another message, an invalid or
+    unusual field, a full arena, a limiter that holds the item back): the general path then
+    validates, waits and reports errors exactly as before.
+    """
+    ops = msg.get("ops")
+    if len(msg) != 1 or type(ops) is not list or len(ops) != 1:
+      return None
+    op = ops[0]
+    if type(op) is not dict or op.get("op") != "step":
+      return None
+    entries, data, episode, timeout_ms = op.get("items"), op.get("b"), op.get("ep"), \
+        op.get("timeout_ms")
+    if (type(entries) is not list or len(entries) != 1 or type(entries[0]) is not list
+        or len(entries[0]) != 4 or type(data) is not bytes or type(episode) is not int
+        or not 0 <= episode < 2**64 or timeout_ms is not None and (
+            type(timeout_ms) is not int or not 0 <= timeout_ms <= 2**62)):
+      return None
+    seq, table, key, prio = entries[0]
+    if (type(seq) is not int or type(table) is not str or type(key) is not int
+        or type(prio) is not float or not 0 <= seq < 2**63 or not 0 <= key < 2**64
+        or not math.isfinite(prio)):
+      return None
+    st = self._tables.get(table)
+    try:
+      layout = self._column_writer(op.get("cols"))
+    except wire.BadMessage:
+      return None
+    if (st is None or len(data) != layout.nbytes or not layout.checked(table)
+        or prio < 0 and st._prioritized() or prio > st.priority_bound):  # pylint: disable=protected-access
+      return None
+    keys_c, prios_c = self._step_buffers
+    keys_c[0], prios_c[0] = key, prio
+    try:
+      st._insert_rows(layout.columns, 1, keys_c, prios_c, layout.buffers(data), 0, 0, 0, 0,  # pylint: disable=protected-access
+                      episode_id=episode)
+    except errors.ReverbError:
+      return None   # nothing inserted (n = 1): the general path waits or reports the error
+    return seq
+
+  def _ack_frame(self, seq: int) -> bytes:
+    """The one-frame Insert ack of items ops up to `seq`, none failed (cached)."""
+    frame = self._acks.get(seq)
+    if frame is None:
+      if len(self._acks) >= _MAX_LAYOUTS:
+        self._acks.clear()
+      frame = self._acks[seq] = next(wire.frames(wire.pack({"upto": seq, "errs": []})))
+    return frame
 
   # ---- sampling
   async def _sample(self, request_iterator, context):
@@ -655,6 +714,15 @@ class _StepLayout:
     self.nbytes = start
     self._specs = [(dtype, (1,) + shape) for dtype, shape in columns]
     self._checked = set()
+
+  def checked(self, table: str) -> bool:
+    """Whether `check` passed for `table`."""
+    return table in self._checked
+
+  def buffers(self, data: bytes) -> list:
+    """uint8_t[] cdata of each column's bytes in a step op's `data` (nbytes long), views."""
+    view = memoryview(data)
+    return [ffi.from_buffer("uint8_t[]", view[a:b]) for a, b in self.bounds]
 
   def check(self, table: str, st: SharedTable) -> None:
     """ValueError unless the columns match `table`'s signature (checked once per table)."""

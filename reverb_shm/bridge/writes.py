@@ -181,6 +181,7 @@ class WriteSession:
     self._in_flight_bytes = 0
     self._error: Optional[Exception] = None
     self._closing = False
+    self._finalising = False             # closed from a writer's __del__: open no stream
     self._dropped = 0                    # items the bridge did not insert after close
     self._give_up = None                 # monotonic time when reconnecting stops
     self._backoff = BACKOFF_START_S
@@ -191,6 +192,12 @@ class WriteSession:
   def in_flight(self) -> int:
     """Items sent and not confirmed yet."""
     return self._in_flight_items
+
+  def open(self) -> None:
+    """Opens the Write stream now (a writer does at creation: its items may be batched until
+    its __del__, which must not open streams, see finalising())."""
+    with self._lock:
+      self._ensure_stream()
 
   def insert(self, table: str, keys: np.ndarray, prios: np.ndarray, blob: bytes, offs,
              deadline_ns: int, timeout_ms) -> int:
@@ -227,10 +234,12 @@ class WriteSession:
                      f"within timeout_ms={timeout_ms}", inserted=0))
       elif stream is None or stream.ended or self._error is not None or self._stale:
         self._wait(lambda: True, deadline_ns, None)   # (re)connects; raises a pending error
-      batch = _Batch(next(self._seqs), table, keys, prios, n)
-      ops = []
+      # One "items" op per item, so that the bridge confirms each as soon as it is in (a
+      # batch of them is inserted with one call there while the limiter admits them).
+      ops, batches, in_use = [], [], {}
       staging = self._staging()
-      for start in starts:
+      for i, start in enumerate(starts):
+        batch = _Batch(next(self._seqs), table, keys[8 * i:8 * i + 8], prios[8 * i:8 * i + 8], 1)
         item = []
         for slices, squeeze in chunks.decode_descriptor(blob, start):
           column = []
@@ -239,12 +248,15 @@ class WriteSession:
             column.append((chunk, row, nrows))
           item.append((column, squeeze))
         batch.descs.append(item)
-      self._evict(ops, batch.chunks)
-      ops.append(_items_op(batch))
+        in_use.update(batch.chunks)
+        ops.append(_items_op(batch))
+        batches.append(batch)
+      self._evict(ops, in_use)
       with self._cond:
-        self._unconfirmed[batch.seq] = batch
+        for batch in batches:
+          self._unconfirmed[batch.seq] = batch
+          self._in_flight_bytes += batch.nbytes
         self._in_flight_items += n
-        self._in_flight_bytes += batch.nbytes
       self._stream.send(ops)
       return n
 
@@ -348,10 +360,24 @@ class WriteSession:
     elif self._stream.ended:
       self._recover()
 
-  def _open(self) -> None:
-    """A new stream; every unconfirmed batch is sent again on it, in order."""
+  def finalising(self) -> None:
+    """The writer is being closed by its finaliser (__del__, possibly inside the garbage
+    collector): from now on a missing or broken stream raises instead of being (re)opened, since
+    opening one starts and waits for threads, which can deadlock inside the collector."""
+    self._finalising = True
+
+  def _check_may_open(self) -> None:
     if self._closing:
       raise RuntimeError("the writer's bridge session is closed")
+    if self._finalising:
+      raise errors.ServerUnavailableError(
+          f"a TrajectoryWriter collected without close() has no open Write stream to bridge "
+          f"{self._address}; its {self._in_flight_items} unconfirmed item(s) are dropped (call "
+          "close() or use `with` to wait for them)")
+
+  def _open(self) -> None:
+    """A new stream; every unconfirmed batch is sent again on it, in order."""
+    self._check_may_open()
     self._stream = _Stream(self._connection(), next(self._gens), self._on_ack, self._on_end)
     self._sent.clear()
     self._sent_bytes = 0
@@ -371,6 +397,7 @@ class WriteSession:
 
   def _recover(self) -> None:
     """Reopens a broken stream (with backoff) or raises once reconnect_timeout_s passed."""
+    self._check_may_open()
     stream = self._stream
     error = stream.error
     retryable = error is None or error.code() in RETRYABLE
