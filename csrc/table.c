@@ -377,7 +377,7 @@ static void item_link(void *base, rs_table_hdr *th, uint32_t r) {
   th->size++;
   for (int si = 0; si < 2; si++) rs_sel_insert(base, th, si, r);
   ep_ctx ctx = {th, rs_tepisodes(base, th), 0};
-  rs_desc_each_episode(base, rs_desc_blob(base, rec->desc_off), ep_add, &ctx);
+  rs_item_each_episode(base, rec->desc_off, ep_add, &ctx);
 }
 
 /* Remove record r from every structure (valid cleared first). The caller then releases its
@@ -399,7 +399,7 @@ static void item_unlink(void *base, rs_table_hdr *th, uint32_t r) {
   else th->order_tail = rec->prev;
   rec->prev = rec->next = RS_NONE;
   ep_ctx ctx = {th, rs_tepisodes(base, th), 0};
-  rs_desc_each_episode(base, rs_desc_blob(base, rec->desc_off), ep_drop, &ctx);
+  rs_item_each_episode(base, rec->desc_off, ep_drop, &ctx);
   rec->next_free = th->free_rec_head;
   th->free_rec_head = r;
 }
@@ -427,7 +427,7 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
     return RS_OK;
   }
   ep_ctx ctx = {th, rs_tepisodes(base, th), 0};
-  rs_desc_each_episode(base, (const rs_desc_hdr *)blob, ep_count_new, &ctx);
+  rs_desc_each_episode(base, (const rs_desc_hdr *)blob, 0, ep_count_new, &ctx);
   if ((uint64_t)th->num_episodes + ctx.count >= th->episodes_cap)
     return rs_set_error(RS_EFULL, "table '%s': episode map full (%lld episodes, capacity %u)",
                         th->name, (long long)th->num_episodes, th->episodes_cap - 1);
@@ -968,7 +968,7 @@ void rs_table_repair(void *base, uint32_t t) {
   th->num_episodes = 0;
   ep_ctx ctx = {th, em, 0};
   for (uint32_t i = 0; i < n; i++)
-    rs_desc_each_episode(base, rs_desc_blob(base, recs[dense[i]].desc_off), ep_add, &ctx);
+    rs_item_each_episode(base, recs[dense[i]].desc_off, ep_add, &ctx);
   if (th->next_insert_seq < max_ins) th->next_insert_seq = max_ins;
   if (th->next_update_seq < max_upd) th->next_update_seq = max_upd;
   if (th->inserts < th->size) th->inserts = th->size; /* died between commit and inserts++ */

@@ -14,12 +14,14 @@ Layouts a plan takes: nests of dicts with str keys, lists and tuples (exactly th
 leaves are numeric numpy arrays, numpy scalars, or Python float / int / bool (numpy's float64 /
 int64 / bool); for batched plans (SharedTable.insert), arrays with a leading batch dim only.
 """
+import math
+import os
 from typing import Any, Optional
 
 import numpy as np
 
 from reverb_shm import timeouts
-from reverb_shm._lib import ffi, hot, lib
+from reverb_shm._lib import check, ffi, hot, lib
 
 __all__ = ["PlanCache", "client_insert", "finish", "stager", "template"]
 
@@ -30,6 +32,12 @@ _PY_VALUES = {float: np.dtype(np.float64), int: np.dtype(np.int64), bool: np.dty
 _NUMPY_SCALARS = frozenset(t for t in np.sctypeDict.values()
                            if issubclass(t, np.generic) and np.dtype(t).kind in "biufc")
 _INT64_MIN, _INT64_END = -2**63, 2**63
+# Open chunks (csrc/hot/hot_insert.c): a plan appends small inserts to chunks it holds open, of
+# up to _OPEN_MAX_ROWS rows and about _OPEN_CHUNK_BYTES per column (at least _OPEN_MIN_ROWS rows;
+# rows above _OPEN_CHUNK_BYTES get chunks of their own).
+_OPEN_MAX_ROWS = 256
+_OPEN_MIN_ROWS = 4
+_OPEN_CHUNK_BYTES = 64 << 10
 # rs_insert_rows flags: Client.insert draws each item's key and episode id; SharedTable.insert
 # draws keys (episode id 0).
 _ROWS_FLAGS = {False: lib.RS_ROWS_RANDOM_KEYS | lib.RS_ROWS_RANDOM_EPISODE,
@@ -144,12 +152,44 @@ def _make_plan(table, spec: tuple, batched: bool, columns: tuple, writer, regist
       or _columns(spec, []) != [(np.dtype(d), tuple(s)) for d, s in columns]):
     return None
   seg, squeeze = table.segment, 1 if batched else 0
+  if not stager:
+    rows = _open_rows(columns)
+    if rows:
+      stager = {"open_rows": rows, "release": _open_release(seg, registration),
+                "open_flags": _ROWS_FLAGS[batched] & lib.RS_ROWS_RANDOM_EPISODE}
   return hot.InsertPlan(
       spec, batched, seg, registration, seg.address, registration[1], table.index,
       int(ffi.cast("uintptr_t", writer.metas)),
       int(ffi.cast("uintptr_t", writer.squeeze_flags[squeeze])),
       _ROWS_FLAGS[batched], table._prioritized(),  # pylint: disable=protected-access
       timeouts.SLICE_NS, timeouts.deadline_from_ms, context, **stager)
+
+
+def _open_rows(columns: tuple) -> int:
+  """Largest open-chunk capacity in rows for steps of `columns` ((dtype, item shape) per leaf);
+  0 when a row is too large to share a chunk."""
+  row = max(np.dtype(d).itemsize * math.prod(s) for d, s in columns)
+  if row > _OPEN_CHUNK_BYTES:
+    return 0
+  return min(_OPEN_MAX_ROWS, max(_OPEN_MIN_ROWS, _OPEN_CHUNK_BYTES // max(row, 1)))
+
+
+def _open_release(seg, registration: tuple):
+  """release(offs, pins) of a plan's retired open chunks: each chunk is shrunk to its published
+  rows and its pin dropped, only while `registration` is this process's current one (after
+  Segment.close or a fork the pins are gone or not ours: nothing to do)."""
+  generation = registration[2]
+
+  def release(offs: tuple, pins: tuple) -> None:
+    with seg._slot_lock:  # pylint: disable=protected-access  (against a concurrent close)
+      if seg._registration is not registration or os.getpid() != registration[0]:  # pylint: disable=protected-access
+        return
+      for off in offs:
+        rows = ffi.cast("rs_chunk_hdr *", seg.address + off).rows
+        if rows:   # (a chunk with no row is freed by the unpin)
+          check(lib.rs_chunk_shrink(seg.base, off, rows), "shrinking an open chunk")
+      seg.unpin(generation, np.array(pins, np.uint32))
+  return release
 
 
 def stager(table, step, columns: tuple, writer, rows: list, priorities: np.ndarray):
