@@ -83,7 +83,7 @@ int rs_insert_rows_at(void *base, uint32_t slot, uint32_t table, uint32_t n, uin
     for (uint32_t c = 0; c < ncols; c++) {   /* the caller's pins keep the chunks: check, no lock */
       uint64_t off = chunk_offs[c];
       const rs_chunk_hdr *ch = rs_chunk(base, off);
-      if (off < h->arena_off + 2 * RS_ALIGN || off >= h->arena_off + h->arena_size || off % RS_ALIGN ||
+      if (off < h->arena_off + RS_ALIGN || off >= h->arena_off + h->arena_size || off % RS_ALIGN ||
           rs_dtype_is_object(ch->dtype) || (uint64_t)first_row + n > ch->capacity ||
           (ch->row_bytes && !data[c]))
         return rs_set_error(RS_EINVAL, "rs_insert_rows_at: column %u: rows [%u, %llu) do not fit open "
