@@ -33,11 +33,13 @@ _NUMPY_SCALARS = frozenset(t for t in np.sctypeDict.values()
                            if issubclass(t, np.generic) and np.dtype(t).kind in "biufc")
 _INT64_MIN, _INT64_END = -2**63, 2**63
 # Open chunks (csrc/hot/hot_insert.c): a plan appends small inserts to chunks it holds open, of
-# up to _OPEN_MAX_ROWS rows and about _OPEN_CHUNK_BYTES per column (at least _OPEN_MIN_ROWS rows;
-# rows above _OPEN_CHUNK_BYTES get chunks of their own).
+# up to _OPEN_MAX_ROWS rows and about _OPEN_CHUNK_BYTES per column, but at least _OPEN_MIN_ROWS
+# rows (opening and releasing a set costs a few us: a 28 KB frame still takes 16 rows); rows
+# above _OPEN_ROW_BYTES get chunks of their own.
 _OPEN_MAX_ROWS = 256
-_OPEN_MIN_ROWS = 4
+_OPEN_MIN_ROWS = 16
 _OPEN_CHUNK_BYTES = 64 << 10
+_OPEN_ROW_BYTES = 64 << 10
 # rs_insert_rows flags: Client.insert draws each item's key and episode id; SharedTable.insert
 # draws keys (episode id 0).
 _ROWS_FLAGS = {False: lib.RS_ROWS_RANDOM_KEYS | lib.RS_ROWS_RANDOM_EPISODE,
@@ -169,26 +171,27 @@ def _open_rows(columns: tuple) -> int:
   """Largest open-chunk capacity in rows for steps of `columns` ((dtype, item shape) per leaf);
   0 when a row is too large to share a chunk."""
   row = max(np.dtype(d).itemsize * math.prod(s) for d, s in columns)
-  if row > _OPEN_CHUNK_BYTES:
+  if row > _OPEN_ROW_BYTES:
     return 0
   return min(_OPEN_MAX_ROWS, max(_OPEN_MIN_ROWS, _OPEN_CHUNK_BYTES // max(row, 1)))
 
 
 def _open_release(seg, registration: tuple):
-  """release(offs, pins) of a plan's retired open chunks: each chunk is shrunk to its published
-  rows and its pin dropped, only while `registration` is this process's current one (after
-  Segment.close or a fork the pins are gone or not ours: nothing to do)."""
-  generation = registration[2]
+  """release(offs, pins, rows, capacity) of a plan's retired open chunks (offsets and pins, one
+  per column; rows published of capacity): shrinks each chunk to its rows and drops its pin,
+  only while `registration` is this process's current one (after Segment.close or a fork the
+  pins are gone or not ours: nothing to do)."""
 
-  def release(offs: tuple, pins: tuple) -> None:
+  slot = registration[1]
+
+  def release(offs: tuple, pins: tuple, rows: int, capacity: int) -> None:
     with seg._slot_lock:  # pylint: disable=protected-access  (against a concurrent close)
       if seg._registration is not registration or os.getpid() != registration[0]:  # pylint: disable=protected-access
         return
-      for off in offs:
-        rows = ffi.cast("rs_chunk_hdr *", seg.address + off).rows
-        if rows:   # (a chunk with no row is freed by the unpin)
+      if 0 < rows < capacity:   # (a chunk with no row is freed by the unpin)
+        for off in offs:
           check(lib.rs_chunk_shrink(seg.base, off, rows), "shrinking an open chunk")
-      seg.unpin(generation, np.array(pins, np.uint32))
+      check(lib.rs_unpin(seg.base, slot, len(pins), pins), f"releasing {len(pins)} pins")
   return release
 
 

@@ -76,9 +76,11 @@ typedef struct {
   uint32_t open_rows;      /* largest open-chunk capacity in rows; 0: every insert has its own */
   uint32_t open_flags;     /* rs_open_chunks flags (RS_ROWS_RANDOM_EPISODE for Client.insert) */
   uint32_t next_cap;       /* capacity of the next open chunks (doubles up to open_rows) */
-  int refilling;           /* a thread is opening new chunks (GIL released meanwhile) */
+  int refilling;           /* a thread is opening new chunks (GIL released meanwhile) ... */
+  pthread_mutex_t refill;  /* ... holding this, which other threads wait on, GIL released */
+  int refill_ready;        /* `refill` initialised */
   struct open_set *open;   /* the open chunks new rows go to, or NULL */
-  PyObject *release_fn;    /* release(offs, pins): shrinks and unpins retired open chunks */
+  PyObject *release_fn;    /* release(offs, pins, rows, capacity): shrinks, unpins a retired set */
 } InsertPlan;
 
 /* Bumped in the child of every fork (any fork(): Python's hooks may not run for all of them);
@@ -225,7 +227,7 @@ static int one_priority(const InsertPlan *p, PyObject *obj, double *out) {
  * Every field below is read and written with the GIL held: a call reserves its rows (and counts
  * itself a user of the set) under the GIL, then copies and inserts with the GIL released. A set
  * that fills up is retired: the plan stops using it and the last user releases it (release_fn:
- * shrink to the rows published, drop the pins, both only while the plan's registration is
+ * shrink to the rows reserved, drop the pins, both only while the plan's registration is
  * current). A process that dies holding a set loses nothing but the set's unused rows: its pins
  * are reclaimed by rs_reap, and rows written for items never inserted are never referenced. */
 typedef struct open_set {
@@ -253,7 +255,7 @@ static void open_release(InsertPlan *p, open_set *s) {
       PyTuple_SET_ITEM(offs, c, o);
       PyTuple_SET_ITEM(pins, c, q);
     }
-    if (ok) r = PyObject_CallFunctionObjArgs(p->release_fn, offs, pins, NULL);
+    if (ok) r = PyObject_CallFunction(p->release_fn, "OOII", offs, pins, s->next_row, s->capacity);
     if (r == NULL) PyErr_WriteUnraisable(p->release_fn);
     Py_XDECREF(r);
     Py_XDECREF(offs);
@@ -268,49 +270,58 @@ static void open_unuse(InsertPlan *p, open_set *s) {
 }
 
 /* The open set holding n more rows, rows [*row, *row + n) reserved in it for the caller (a user
- * until open_unuse); NULL when the caller should take the one-shot path instead (another thread
- * is opening chunks, or they could not be opened: that path allocates and reports) or on an
- * internal error (Python exception set). */
+ * until open_unuse); NULL when the caller should take the one-shot path instead (the chunks
+ * could not be opened: that path allocates and reports) or on an internal error (Python
+ * exception set). A thread finding another one opening chunks waits for it (GIL released). */
 static open_set *open_reserve(InsertPlan *p, uint32_t n, uint32_t *row) {
   open_set *s = p->open;
+  while (p->refilling) {
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&p->refill);
+    pthread_mutex_unlock(&p->refill);
+    Py_END_ALLOW_THREADS
+    s = p->open;
+  }
   if (s != NULL && s->capacity - s->next_row >= n) {
     *row = s->next_row;
     s->next_row += n;
     s->users++;
     return s;
   }
-  if (p->refilling) return NULL;
-  p->refilling = 1;
-  if (s != NULL) {   /* full: retire it (its last user releases it) */
-    p->open = NULL;
-    s->retired = 1;
-    if (s->users == 0) open_release(p, s);   /* (may run Python: others see `refilling`) */
-  }
+  /* Full: retired. Released here when it has no user now, else by its last user (who may do
+   * so while the GIL is released below: `old` must not be read after that). */
+  open_set *old = s != NULL && s->users == 0 ? s : NULL;
+  p->open = NULL;
+  if (s != NULL) s->retired = 1;
   uint32_t cap = p->next_cap;
   while (cap < n) cap *= 2;
   if (cap > p->open_rows) cap = p->open_rows;
   s = PyMem_Calloc(1, sizeof *s);
   if (s == NULL) {
-    p->refilling = 0;
     PyErr_NoMemory();
-    return NULL;
+  } else {
+    int rc;
+    p->refilling = 1;
+    pthread_mutex_lock(&p->refill);   /* (uncontended: only a refiller takes it, under the GIL) */
+    Py_BEGIN_ALLOW_THREADS
+    rc = hot_core.open_chunks(p->base, p->slot, p->ncols, p->metas, cap, 0, p->open_flags,
+                              s->offs, s->pins);
+    Py_END_ALLOW_THREADS
+    if (rc == RS_OK) {
+      s->capacity = cap;
+      s->next_row = n;
+      s->users = 1;
+      *row = 0;
+      p->open = s;
+      p->next_cap = cap * 2 < p->open_rows ? cap * 2 : p->open_rows;
+    } else {
+      PyMem_Free(s);
+      s = NULL;
+    }
+    p->refilling = 0;
+    pthread_mutex_unlock(&p->refill);
   }
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  rc = hot_core.open_chunks(p->base, p->slot, p->ncols, p->metas, cap, 0, p->open_flags, s->offs,
-                            s->pins);
-  Py_END_ALLOW_THREADS
-  p->refilling = 0;
-  if (rc != RS_OK) {
-    PyMem_Free(s);
-    return NULL;
-  }
-  s->capacity = cap;
-  s->next_row = n;
-  s->users = 1;
-  *row = 0;
-  p->open = s;
-  p->next_cap = cap * 2 < p->open_rows ? cap * 2 : p->open_rows;
+  if (old != NULL) open_release(p, old);   /* (may run Python) */
   return s;
 }
 
@@ -585,6 +596,7 @@ static void InsertPlan_dealloc(InsertPlan *self) {
     s->retired = 1;
     if (s->users == 0) open_release(self, s);
   }
+  if (self->refill_ready) pthread_mutex_destroy(&self->refill);
   Py_XDECREF(self->release_fn);
   Py_XDECREF(self->context);
   PyMem_Free(self->stage_rows);
@@ -729,6 +741,11 @@ static PyObject *InsertPlan_new(PyTypeObject *type, PyObject *args, PyObject *kw
   p->open_rows = open_rows;
   p->open_flags = open_flags;
   p->next_cap = open_rows < 16 ? open_rows : 16;
+  if (pthread_mutex_init(&p->refill, NULL) != 0) {
+    PyErr_SetString(PyExc_RuntimeError, "InsertPlan: pthread_mutex_init failed");
+    goto fail;
+  }
+  p->refill_ready = 1;
   if (open_rows != 0) p->release_fn = Py_NewRef(release);
   if (capacity > 0) {   /* a stager: the staging arrays' addresses (kept alive by `context`) */
     if (batched || !PyTuple_Check(stage_rows) || PyTuple_GET_SIZE(stage_rows) != p->ncols ||
