@@ -16,7 +16,7 @@ from reverb_shm import errors, hot_plans, rate_limiters, selectors
 from reverb_shm._lib import lib
 from reverb_shm.specs import TensorSpec
 
-from conftest import run_in_fork
+from conftest import run_in_fork, run_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -263,21 +263,12 @@ def test_threads_share_a_client(server_factory):
   client = server.localhost_client()
   client.insert(w1_step(0), {"q": 1.0})
   client.insert(w1_step(0), {"q": 1.0})
-  errors_seen = []
 
   def work(t):
-    try:
-      for i in range(per_thread):
-        client.insert({"obs": np.full(8, t, np.float32), "action": np.int64(i),
-                       "reward": np.float32(t)}, {"q": float(t)})
-    except Exception as e:  # pylint: disable=broad-except
-      errors_seen.append(e)
-  threads = [threading.Thread(target=work, args=(t,)) for t in range(threads_n)]
-  for th in threads:
-    th.start()
-  for th in threads:
-    th.join(timeout=60)
-  assert not errors_seen and not any(th.is_alive() for th in threads)
+    for i in range(per_thread):
+      client.insert({"obs": np.full(8, t, np.float32), "action": np.int64(i),
+                     "reward": np.float32(t)}, {"q": float(t)})
+  run_threads(work, threads_n, timeout=60)
   st = server.shared_table("q")
   assert st.size == threads_n * per_thread + 2
   assert len(np.unique(st.items()["key"])) == st.size

@@ -6,7 +6,6 @@ kill -9, checkpoints, eviction and the server stopping."""
 import gc
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -16,7 +15,7 @@ import reverb_shm
 from reverb_shm import checkpointers, chunks, errors, hot_plans, rate_limiters, selectors
 from reverb_shm._lib import check, ffi, lib
 
-from conftest import run_in_fork
+from conftest import run_in_fork, run_threads
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -123,20 +122,11 @@ def test_threads_share_a_client_and_its_open_chunks(server_factory):
   server = server_factory([_table()])
   client = server.localhost_client()
   client.insert(step(0, 9), {"t": 1.0})
-  failures = []
 
   def work(tag):
-    try:
-      for i in range(per_thread):
-        client.insert(step(i, tag), {"t": 1.0})
-    except Exception as e:  # pylint: disable=broad-except
-      failures.append(e)
-  threads = [threading.Thread(target=work, args=(t,)) for t in range(threads_n)]
-  for th in threads:
-    th.start()
-  for th in threads:
-    th.join(timeout=120)
-  assert not failures and not any(th.is_alive() for th in threads)
+    for i in range(per_thread):
+      client.insert(step(i, tag), {"t": 1.0})
+  run_threads(work, threads_n)
   got = stored(server.segment, server.shared_table("t"))
   assert all(ok for _, _, ok in got)
   assert sorted((a, tag) for a, tag, _ in got[1:]) == sorted(

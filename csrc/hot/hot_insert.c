@@ -237,25 +237,39 @@ typedef struct open_set {
   int retired;
 } open_set;
 
+/* Two new lists: the n chunk offsets and the n pins (ints); 0, or -1 (exception set, both NULL). */
+static int held_lists(uint32_t n, const uint64_t *offs, const uint32_t *pins, PyObject **offs_out,
+                      PyObject **pins_out) {
+  PyObject *ol = PyList_New(n), *pl = PyList_New(n);
+  int ok = ol != NULL && pl != NULL;
+  for (uint32_t c = 0; ok && c < n; c++) {
+    PyObject *o = PyLong_FromUnsignedLongLong(offs[c]), *q = PyLong_FromUnsignedLong(pins[c]);
+    if (o == NULL || q == NULL) {
+      Py_XDECREF(o);
+      Py_XDECREF(q);
+      ok = 0;
+      break;
+    }
+    PyList_SET_ITEM(ol, c, o);
+    PyList_SET_ITEM(pl, c, q);
+  }
+  if (!ok) {
+    Py_XDECREF(ol);
+    Py_XDECREF(pl);
+    ol = pl = NULL;
+  }
+  *offs_out = ol;
+  *pins_out = pl;
+  return ok ? 0 : -1;
+}
+
 /* Drops set s (GIL held; any pending exception is kept). */
 static void open_release(InsertPlan *p, open_set *s) {
   if (p->fork_epoch == fork_epoch && p->release_fn != NULL) {   /* a fork child never touches them */
-    PyObject *type, *value, *tb;
+    PyObject *type, *value, *tb, *offs, *pins, *r = NULL;
     PyErr_Fetch(&type, &value, &tb);
-    PyObject *offs = PyTuple_New(p->ncols), *pins = PyTuple_New(p->ncols), *r = NULL;
-    int ok = offs != NULL && pins != NULL;
-    for (uint32_t c = 0; ok && c < p->ncols; c++) {
-      PyObject *o = PyLong_FromUnsignedLongLong(s->offs[c]), *q = PyLong_FromUnsignedLong(s->pins[c]);
-      if (o == NULL || q == NULL) {
-        Py_XDECREF(o);
-        Py_XDECREF(q);
-        ok = 0;
-        break;
-      }
-      PyTuple_SET_ITEM(offs, c, o);
-      PyTuple_SET_ITEM(pins, c, q);
-    }
-    if (ok) r = PyObject_CallFunction(p->release_fn, "OOII", offs, pins, s->next_row, s->capacity);
+    if (held_lists(p->ncols, s->offs, s->pins, &offs, &pins) == 0)
+      r = PyObject_CallFunction(p->release_fn, "OOII", offs, pins, s->next_row, s->capacity);
     if (r == NULL) PyErr_WriteUnraisable(p->release_fn);
     Py_XDECREF(r);
     Py_XDECREF(offs);
@@ -331,28 +345,14 @@ static open_set *open_reserve(InsertPlan *p, uint32_t n, uint32_t *row) {
 static PyObject *status_result(InsertPlan *p, int rc, uint32_t done_n, int64_t deadline,
                                PyObject *keys_array, uint64_t one_key, uint32_t nheld,
                                const uint64_t *offs, const uint32_t *pins) {
-  PyObject *result = NULL;
-  PyObject *offs_list = PyList_New(nheld), *pins_list = PyList_New(nheld);
+  PyObject *result = NULL, *offs_list, *pins_list;
   PyObject *keys_obj = p->batched ? Py_NewRef(keys_array) : PyLong_FromUnsignedLongLong(one_key);
-  if (offs_list != NULL && pins_list != NULL && keys_obj != NULL) {
-    int ok = 1;
-    for (uint32_t c = 0; c < nheld && ok; c++) {
-      PyObject *o = PyLong_FromUnsignedLongLong(offs[c]), *q = PyLong_FromUnsignedLong(pins[c]);
-      if (o == NULL || q == NULL) {
-        Py_XDECREF(o);
-        Py_XDECREF(q);
-        ok = 0;
-        break;
-      }
-      PyList_SET_ITEM(offs_list, c, o);
-      PyList_SET_ITEM(pins_list, c, q);
-    }
-    if (ok)
-      result = Py_BuildValue("(OiILOOO)", (PyObject *)p, rc, done_n, (long long)deadline,
-                             keys_obj, offs_list, pins_list);
+  if (keys_obj != NULL && held_lists(nheld, offs, pins, &offs_list, &pins_list) == 0) {
+    result = Py_BuildValue("(OiILOOO)", (PyObject *)p, rc, done_n, (long long)deadline, keys_obj,
+                           offs_list, pins_list);
+    Py_DECREF(offs_list);
+    Py_DECREF(pins_list);
   }
-  Py_XDECREF(offs_list);
-  Py_XDECREF(pins_list);
   Py_XDECREF(keys_obj);
   return result;
 }
