@@ -277,6 +277,39 @@ def test_timed_out_insert_leaves_only_an_unreferenced_row(server_factory):
   server.segment.check()
 
 
+class _Interrupted(Exception):
+  pass
+
+
+def _raise_interrupted(signum, frame):
+  raise _Interrupted()
+
+
+def test_signal_between_wait_slices_interrupts_and_inserts_nothing(server_factory):
+  """A plan waiting past rate-limiter slices runs signal handlers between them (as the Python
+  path's loop does): the handler's exception propagates, the row written stays unreferenced."""
+  server = server_factory([reverb_shm.Table.queue("q", 2)])
+  client = server.localhost_client()
+  for i in range(2):
+    client.insert(step(i), {"q": 1.0})
+  previous = signal.signal(signal.SIGALRM, _raise_interrupted)
+  try:
+    signal.setitimer(signal.ITIMER_REAL, 0.25)
+    t0 = time.monotonic()
+    with pytest.raises(_Interrupted):
+      client.insert(step(7), {"q": 1.0})   # waits forever (in 100 ms slices)
+    assert 0.2 < time.monotonic() - t0 < 5
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+  st = server.shared_table("q")
+  assert_items_are(server.segment, st, [(0, 0), (1, 0)])
+  st.sample(2, timeout_ms=1000)
+  client.insert(step(2), {"q": 1.0})
+  assert_items_are(server.segment, st, [(2, 0)])
+  server.segment.check()
+
+
 def test_server_stop_with_open_chunks(server_factory):
   server = server_factory([_table()])
   client = server.localhost_client()
