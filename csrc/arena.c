@@ -418,19 +418,30 @@ static int64_t share_shift(void *base, const uint8_t *blob, uint32_t len, uint64
   return shift;
 }
 
-int rs_desc_create_shared(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl, uint64_t *off_out) {
-  if (!tmpl || !blob || len < sizeof(rs_desc_hdr)) return rs_desc_create(base, blob, len, off_out);
+int rs_desc_create_shared_any(void *base, const uint8_t *blob, uint32_t len, const uint64_t *tmpls,
+                              uint32_t n, uint64_t *off_out, int *used_out) {
+  *used_out = -1;
+  if (!n || !blob || len < sizeof(rs_desc_hdr)) return rs_desc_create(base, blob, len, off_out);
   int rc = rs_alock(base);
   if (rc) return rc;
-  int64_t shift = share_shift(base, blob, len, tmpl);
+  int64_t shift = -1;
+  uint32_t i = 0;
+  for (; i < n && shift < 0; i++) shift = share_shift(base, blob, len, tmpls[i]);
   if (shift >= 0) rc = rs_desc_validate(base, blob, len);   /* the item's own rows are in range */
   if (shift >= 0 && rc == RS_OK) {
+    uint64_t tmpl = tmpls[i - 1];
     blk(base, rs_ref_off(tmpl) - RS_ALIGN)->refcount++;
     *off_out = rs_ref_make(rs_ref_off(tmpl), (uint32_t)shift);
+    *used_out = (int)(i - 1);
   }
   rs_aunlock(base);
   if (rc || shift >= 0) return rc;
   return rs_desc_create(base, blob, len, off_out);
+}
+
+int rs_desc_create_shared(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl, uint64_t *off_out) {
+  int used;
+  return rs_desc_create_shared_any(base, blob, len, &tmpl, tmpl ? 1 : 0, off_out, &used);
 }
 
 void rs_desc_release(void *base, uint64_t desc_off, int locked) {

@@ -146,6 +146,7 @@ int rs_table_region_init(void *base, uint64_t off, const rs_table_config *cfg) {
   th->blob_len = cfg->blob_len;
   th->aux_off = p.aux ? off + p.aux : 0;
   th->last_rec = RS_NONE;
+  for (uint32_t i = 0; i < RS_RECENT_TEMPLATES; i++) th->recent_recs[i] = RS_NONE;
   if (cfg->blob_len) memcpy(rs_at(base, th->blob_off), cfg->blob, cfg->blob_len);
 
   rs_rec *recs = rs_recs(base, th);
@@ -434,17 +435,31 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
   if (th->free_rec_head == RS_NONE) /* cannot happen: size <= max_size < cap */
     return rs_set_error(RS_ECORRUPT, "table '%s': no free record (size %lld)", th->name,
                         (long long)th->size);
-  /* The last inserted item's block is a template to share while a live record holds it (a
-   * stale offset could name memory that is no longer a block). */
+  /* The last inserted item's block, then recently created ones, are templates to share while a
+   * live record holds them (a stale offset could name memory that is no longer a block). */
   rs_rec *recs = rs_recs(base, th);
-  uint32_t last = th->last_rec;
-  uint64_t tmpl = last < th->cap && recs[last].valid ? recs[last].desc_off : 0;
+  uint64_t tmpls[1 + RS_RECENT_TEMPLATES];
+  uint32_t from[1 + RS_RECENT_TEMPLATES], ntmpl = 0;   /* recent_recs slot of each, or RS_NONE */
+  for (uint32_t i = 0; i <= RS_RECENT_TEMPLATES; i++) {
+    uint32_t cand = i == 0 ? th->last_rec : th->recent_recs[i - 1];
+    if (cand < th->cap && recs[cand].valid && (i == 0 || cand != th->last_rec)) {
+      tmpls[ntmpl] = recs[cand].desc_off;
+      from[ntmpl++] = i == 0 ? RS_NONE : i - 1;
+    }
+  }
   uint64_t desc;
-  int rc = rs_desc_create_shared(base, blob, len, tmpl, &desc);
+  int used;
+  int rc = rs_desc_create_shared_any(base, blob, len, tmpls, ntmpl, &desc, &used);
   if (rc) return rc;
 
   r = th->free_rec_head;
   th->last_rec = r;
+  if (used < 0) {   /* a new block: remembered in place of the oldest */
+    th->recent_recs[th->recent_next % RS_RECENT_TEMPLATES] = r;
+    th->recent_next = (th->recent_next + 1) % RS_RECENT_TEMPLATES;
+  } else if (from[used] != RS_NONE) {   /* the block's newest record holds it longest */
+    th->recent_recs[from[used]] = r;
+  }
   rs_rec *rec = &recs[r];
   th->free_rec_head = rec->next_free;
   rec->key = key;

@@ -83,6 +83,26 @@ def test_arena_per_item_is_about_the_payload(server_factory):
   seg.check()
 
 
+def test_writers_inserting_in_turn_each_keep_sharing_their_block(server_factory):
+  """Several clients (actors) inserting into one table in turn: each item still shares its
+  writer's block (the table remembers recent blocks as templates, not only the last one)."""
+  k, n = 4, 8000
+  server = server_factory([_table(max_size=n + 10)])
+  clients = [server.localhost_client() for _ in range(k)]
+  for tag, c in enumerate(clients):
+    c.insert(step(0, tag), {"t": 1.0})
+  seg = server.segment
+  before = seg.info()
+  for i in range(n):
+    clients[i % k].insert(step(i // k + 1, i % k), {"t": 1.0})
+  after = seg.info()
+  assert (after["arena_used"] - before["arena_used"]) / n - W1_PAYLOAD <= 16
+  assert after["num_descs"] - before["num_descs"] <= k * (n // k // 256 + 6)
+  expected = [(0, tag) for tag in range(k)] + [(i // k + 1, i % k) for i in range(n)]
+  assert_items_are(seg, server.shared_table("t"), expected)
+  seg.check()
+
+
 def test_data_is_correct_across_chunk_boundaries_and_sampled(server_factory):
   n = 1000   # crosses the 16, 32, 64, 128 and 256-row sets several times
   server = server_factory([_table()])
