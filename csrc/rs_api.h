@@ -433,8 +433,8 @@ int rs_open_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hdr
  * column) as rs_insert_slices. data NULL: the rows are already written and published (the
  * continuation after RS_EAGAIN with keys + done, priorities + done, first_row + done and flags
  * without RS_ROWS_RANDOM_KEYS). Rows of items not inserted stay unreferenced (wasted space,
- * never visible). RS_EINVAL when a chunk is not a live numeric chunk or the rows exceed it.
- * Validation, blocking and *done_out as rs_insert. */
+ * never visible). RS_EINVAL, with nothing written, for an invalid priority or rows that do not
+ * fit a numeric chunk of the arena. Validation, blocking and *done_out as rs_insert. */
 int rs_insert_rows_at(void *base, uint32_t slot, uint32_t table, uint32_t n, uint64_t *keys,
                       const double *priorities, uint32_t ncols, const uint64_t *chunk_offs,
                       uint32_t first_row, const uint8_t *const *data, const uint32_t *col_flags,

@@ -10,6 +10,13 @@ and returns None, and the caller takes its Python path, which validates and rais
 never used after its registration ends (segment closed, fork: the C side checks the segment's
 registration object and a fork counter), so a forked child makes its own.
 
+Open chunks: a plan appends the rows of small inserts (one step, or a batch of at most a quarter
+of its chunk capacity) to chunks it holds open (16 rows growing to _OPEN_MAX_ROWS, about
+_OPEN_CHUNK_BYTES per column; rs_open_chunks, rs_insert_rows_at), so consecutive items cost
+their payload plus a few bytes and share one descriptor block. A full set is released (pins
+dropped) by its last user; the set in use is released, shrunk to the rows used, when the plan
+is garbage collected (_open_release).
+
 Layouts a plan takes: nests of dicts with str keys, lists and tuples (exactly those types) whose
 leaves are numeric numpy arrays, numpy scalars, or Python float / int / bool (numpy's float64 /
 int64 / bool); for batched plans (SharedTable.insert), arrays with a leading batch dim only.
