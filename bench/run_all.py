@@ -113,7 +113,7 @@ def ratios(results):
                 "value": v, "target": 3.0, "met": v <= 3.0})
   for r in results.get("shm", []):
     if r["workload"] == "metadata":
-      out.append({"ratio": "metadata bytes per item beyond payload (lower is better)",
+      out.append({"ratio": f"metadata bytes per item beyond payload, {r['api']} (lower is better)",
                   "value": r["bytes_per_item"], "target": 128, "met": r["bytes_per_item"] <= 128})
       if "attach_rss_bytes" in r:   # RSS grows only with the pages a process touches
         v = r["attach_rss_bytes"] / r["segment_bytes"]

@@ -48,14 +48,10 @@ def fill(table, n, block=100_000):
     table.insert(steps(b, s), np.random.default_rng(s).random(b) + 0.1)
 
 
-# Arena bytes one Client.insert item of a W1 step takes (3 one-row chunks with their headers,
-# measured): at ~400k inserts/s the table reaches max_size within a run, so the arena must hold
-# max_size such items.
-CLIENT_INSERT_ITEM_BYTES = 1152
-
-
 def w1(args):
-  with server(reverb.selectors.Uniform(), 1_000_000, CLIENT_INSERT_ITEM_BYTES) as srv:
+  # (at ~400k inserts/s the table reaches max_size within a run: Client.insert items append to
+  # open chunks, ~48 B of arena each, so the default sizing holds max_size of them)
+  with server(reverb.selectors.Uniform(), 1_000_000) as srv:
     client = srv.localhost_client()
     table = srv.shared_table(TABLE)
     data = step(1)
@@ -293,9 +289,19 @@ def metadata(args):
     arena_bytes = (seg.info()["arena_used"] - used0) / n - STEP_BYTES
     rss = attach_rss(srv.shared_table_name(TABLE))
     segment_bytes = seg.info()["total_size"]
+  with server(reverb.selectors.Prioritized(0.6), n) as srv:   # the drop-in user's per-step path
+    seg, client, data = srv._segment, srv.localhost_client(), step(1)
+    client.insert(data, {TABLE: 1.0})
+    used0 = seg.info()["arena_used"]
+    for _ in range(n):
+      client.insert(data, {TABLE: 1.0})
+    api_arena_bytes = (seg.info()["arena_used"] - used0) / n - STEP_BYTES
   return [row("metadata", "fastest", "SharedTable.insert(10k) of 1-step items", 0,
               table_bytes_per_item=table_bytes, arena_bytes_per_item=arena_bytes,
-              bytes_per_item=table_bytes + arena_bytes, segment_bytes=segment_bytes, **rss)]
+              bytes_per_item=table_bytes + arena_bytes, segment_bytes=segment_bytes, **rss),
+          row("metadata", "reverb_api", "Client.insert of 1-step items (one call per step)", 0,
+              table_bytes_per_item=table_bytes, arena_bytes_per_item=api_arena_bytes,
+              bytes_per_item=table_bytes + api_arena_bytes)]
 
 
 def _rss_bytes() -> int:

@@ -418,19 +418,30 @@ static int64_t share_shift(void *base, const uint8_t *blob, uint32_t len, uint64
   return shift;
 }
 
-int rs_desc_create_shared(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl, uint64_t *off_out) {
-  if (!tmpl || !blob || len < sizeof(rs_desc_hdr)) return rs_desc_create(base, blob, len, off_out);
+int rs_desc_create_shared_any(void *base, const uint8_t *blob, uint32_t len, const uint64_t *tmpls,
+                              uint32_t n, uint64_t *off_out, int *used_out) {
+  *used_out = -1;
+  if (!n || !blob || len < sizeof(rs_desc_hdr)) return rs_desc_create(base, blob, len, off_out);
   int rc = rs_alock(base);
   if (rc) return rc;
-  int64_t shift = share_shift(base, blob, len, tmpl);
+  int64_t shift = -1;
+  uint32_t i = 0;
+  for (; i < n && shift < 0; i++) shift = share_shift(base, blob, len, tmpls[i]);
   if (shift >= 0) rc = rs_desc_validate(base, blob, len);   /* the item's own rows are in range */
   if (shift >= 0 && rc == RS_OK) {
+    uint64_t tmpl = tmpls[i - 1];
     blk(base, rs_ref_off(tmpl) - RS_ALIGN)->refcount++;
     *off_out = rs_ref_make(rs_ref_off(tmpl), (uint32_t)shift);
+    *used_out = (int)(i - 1);
   }
   rs_aunlock(base);
   if (rc || shift >= 0) return rc;
   return rs_desc_create(base, blob, len, off_out);
+}
+
+int rs_desc_create_shared(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl, uint64_t *off_out) {
+  int used;
+  return rs_desc_create_shared_any(base, blob, len, &tmpl, tmpl ? 1 : 0, off_out, &used);
 }
 
 void rs_desc_release(void *base, uint64_t desc_off, int locked) {
@@ -559,6 +570,8 @@ static int chunk_meta_check(const rs_chunk_hdr *m, uint64_t *nbytes) {
   if (m->ndim > RS_MAX_NDIM)
     return rs_set_error(RS_EINVAL, "chunk element rank %u, expected <= %d", m->ndim, RS_MAX_NDIM);
   if (m->capacity < 1) return rs_set_error(RS_EINVAL, "chunk capacity 0 rows, expected >= 1");
+  if (m->flags & ~(uint32_t)RS_CHUNK_ROW_EPISODES)
+    return rs_set_error(RS_EINVAL, "chunk flags 0x%x, expected 0 or RS_CHUNK_ROW_EPISODES (1)", m->flags);
   uint64_t elems = 1;
   for (uint32_t i = 0; i < m->ndim; i++) {
     if (m->shape[i] < 0)
@@ -987,24 +1000,26 @@ int rs_arena_check(void *base, char *report_buf, uint64_t report_len) {
 
 #define WRITE_CHUNKS_MAX 64   /* columns per rs_write_chunks call (stack bookkeeping) */
 
-int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hdr *metas,
-                    const uint8_t *const *data, uint32_t rows, uint64_t episode_id,
-                    uint64_t start_step, uint64_t *offs_out, uint32_t *pins_out) {
-  if (!base || (ncols && (!metas || !data || !offs_out || !pins_out)))
-    return rs_set_error(RS_EINVAL, "rs_write_chunks: NULL argument");
+/* Allocate and pin one chunk per column: metas[c] with `capacity` rows, episode_id, start_step
+ * and chunk flags `cflags`, no row published. All or nothing (RS_ENOSPC / RS_EFULL / RS_EINVAL
+ * with nothing allocated); *nbytes_out[c] is column c's payload capacity. */
+static int alloc_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hdr *metas,
+                        uint32_t capacity, uint64_t episode_id, uint64_t start_step, uint32_t cflags,
+                        const char *fn, uint64_t *offs_out, uint32_t *pins_out, uint64_t *nbytes) {
+  if (!base || (ncols && (!metas || !offs_out || !pins_out)))
+    return rs_set_error(RS_EINVAL, "%s: NULL argument", fn);
   if (ncols > WRITE_CHUNKS_MAX)
-    return rs_set_error(RS_EINVAL, "rs_write_chunks: %u columns, expected <= %d", ncols, WRITE_CHUNKS_MAX);
-  if (rows < 1) return rs_set_error(RS_EINVAL, "rs_write_chunks: rows must be >= 1, got 0");
-  uint64_t need[WRITE_CHUNKS_MAX], nbytes[WRITE_CHUNKS_MAX];
+    return rs_set_error(RS_EINVAL, "%s: %u columns, expected <= %d", fn, ncols, WRITE_CHUNKS_MAX);
+  if (capacity < 1) return rs_set_error(RS_EINVAL, "%s: rows must be >= 1, got 0", fn);
+  uint64_t need[WRITE_CHUNKS_MAX];
   for (uint32_t c = 0; c < ncols; c++) {
     rs_chunk_hdr m = metas[c];
-    m.capacity = rows;
+    m.capacity = capacity;
+    m.flags = cflags;
     int rc = chunk_meta_check(&m, &nbytes[c]);
     if (rc == RS_OK && rs_dtype_is_object(m.dtype))
-      rc = rs_set_error(RS_EINVAL, "rs_write_chunks: column %u is an object column; expected "
-                        "fixed-size rows", c);
+      rc = rs_set_error(RS_EINVAL, "%s: column %u is an object column; expected fixed-size rows", fn, c);
     if (rc) return rc;
-    if (!data[c] && nbytes[c]) return rs_set_error(RS_EINVAL, "rs_write_chunks: data[%u] is NULL", c);
     need[c] = nbytes[c] > UINT64_MAX / 2 ? (UINT64_MAX / 2) & ~TYPE_MASK
                                           : rs_align_up(RS_ALIGN + CHUNK_DATA_OFF + nbytes[c], RS_ALIGN);
   }
@@ -1029,15 +1044,30 @@ int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hd
   for (uint32_t c = 0; c < ncols; c++) {
     rs_chunk_hdr *h = rs_chunk(base, offs_out[c]);
     memcpy(h, &metas[c], sizeof *h);
-    h->capacity = rows;
+    h->capacity = capacity;
     h->nbytes = nbytes[c];
     h->data_offset = CHUNK_DATA_OFF;
     h->rows = 0;
+    h->flags = cflags;
     h->episode_id = episode_id;
     h->start_step = start_step;
     pins_out[c] = pin_push(base, slot, offs_out[c]);   /* holds the refcount of 1 */
   }
   rs_aunlock(base);
+  return RS_OK;
+}
+
+int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hdr *metas,
+                    const uint8_t *const *data, uint32_t rows, uint64_t episode_id,
+                    uint64_t start_step, uint64_t *offs_out, uint32_t *pins_out) {
+  if (ncols && !data) return rs_set_error(RS_EINVAL, "rs_write_chunks: NULL argument");
+  for (uint32_t c = 0; c < ncols && c < WRITE_CHUNKS_MAX && metas; c++)
+    if (!data[c] && metas[c].row_bytes)
+      return rs_set_error(RS_EINVAL, "rs_write_chunks: data[%u] is NULL", c);
+  uint64_t nbytes[WRITE_CHUNKS_MAX];
+  int rc = alloc_chunks(base, slot, ncols, metas, rows, episode_id, start_step, 0, "rs_write_chunks",
+                        offs_out, pins_out, nbytes);
+  if (rc) return rc;
   /* The chunks are private to this writer until published: copy without any lock. */
   for (uint32_t c = 0; c < ncols; c++) {
     rs_chunk_hdr *h = rs_chunk(base, offs_out[c]);
@@ -1045,4 +1075,17 @@ int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hd
     __atomic_store_n(&h->rows, rows, __ATOMIC_RELEASE);
   }
   return RS_OK;
+}
+
+int rs_open_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hdr *metas,
+                   uint32_t capacity, uint64_t episode_id, uint32_t flags, uint64_t *offs_out,
+                   uint32_t *pins_out) {
+  uint32_t cflags = ncols && metas ? metas[0].flags : 0;
+  if (flags & RS_ROWS_RANDOM_EPISODE) {
+    episode_id = rs_rand_u64();
+    cflags = RS_CHUNK_ROW_EPISODES;
+  }
+  uint64_t nbytes[WRITE_CHUNKS_MAX];
+  return alloc_chunks(base, slot, ncols, metas, capacity, episode_id, 0, cflags, "rs_open_chunks",
+                      offs_out, pins_out, nbytes);
 }

@@ -413,3 +413,29 @@ double rs_table_priority_bound(void *base, uint32_t table);
  * weight within the sum-tree cap for Prioritized selectors), else RS_EINVAL naming the first
  * bad one. Reads only the table's fixed configuration: no lock, no state change. */
 int rs_check_priorities(void *base, uint32_t table, uint32_t n, const double *priorities);
+
+/* ---- issue 6 (round 4, open chunks): per-step inserts appending to chunks held open ---- */
+enum {
+  RS_CHUNK_ROW_EPISODES = 1   /* rs_chunk_hdr.flags: row r is its own episode, episode_id + r */
+};
+/* Allocate one chunk per column with room for `capacity` rows (header metas[c], with capacity,
+ * nbytes, episode_id and flags set here) and no row published: open chunks that a writer fills
+ * row by row (rs_insert_rows_at). flags & RS_ROWS_RANDOM_EPISODE: the chunks get a random
+ * episode id and RS_CHUNK_ROW_EPISODES (each row its own episode, as each Client.insert item);
+ * else episode_id and the metas' flags. All or nothing; held by `slot` through pins_out[c]. */
+int rs_open_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hdr *metas,
+                   uint32_t capacity, uint64_t episode_id, uint32_t flags, uint64_t *offs_out,
+                   uint32_t *pins_out);
+/* rs_insert_rows into rows [first_row, first_row + n) of open chunks the caller holds
+ * (chunk_offs[c], one per column; rows not written before): copies n rows per column from
+ * data[c] and publishes them (a chunk's row count only grows, so concurrent writers of other
+ * rows may publish in any order), then inserts n items (item i = row first_row + i of every
+ * column) as rs_insert_slices. data NULL: the rows are already written and published (the
+ * continuation after RS_EAGAIN with keys + done, priorities + done, first_row + done and flags
+ * without RS_ROWS_RANDOM_KEYS). Rows of items not inserted stay unreferenced (wasted space,
+ * never visible). RS_EINVAL, with nothing written, for an invalid priority or rows that do not
+ * fit a numeric chunk of the arena. Validation, blocking and *done_out as rs_insert. */
+int rs_insert_rows_at(void *base, uint32_t slot, uint32_t table, uint32_t n, uint64_t *keys,
+                      const double *priorities, uint32_t ncols, const uint64_t *chunk_offs,
+                      uint32_t first_row, const uint8_t *const *data, const uint32_t *col_flags,
+                      uint32_t flags, int64_t deadline_ns, int64_t slice_ns, uint32_t *done_out);

@@ -36,6 +36,7 @@
 #define RS_MAX_NDIM 8
 #define RS_MAX_BLOB (1u << 20)
 #define RS_NBINS 48
+#define RS_RECENT_TEMPLATES 8   /* rs_table_hdr.recent_recs */
 
 static inline uint64_t rs_align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
 static inline void *rs_at(void *base, uint64_t off) { return (char *)base + off; }
@@ -176,8 +177,12 @@ typedef struct rs_table_hdr {
   int64_t repairs;
   uint64_t aux_off;                /* rs_heap_aux[cap] when a selector is a heap, else 0 */
   uint32_t last_rec;               /* record of the last insert: its DESC block may be shared */
-  uint32_t _pad3;
-  uint64_t reserved[6];
+  uint32_t recent_next;            /* next slot of recent_recs to replace */
+  /* Records of recently created DESC blocks (RS_NONE = none), tried as templates after last_rec
+   * so that writers inserting in turn (several processes' open chunks) each keep sharing theirs.
+   * Hints only: a candidate counts only while its record is valid. */
+  uint32_t recent_recs[RS_RECENT_TEMPLATES];
+  uint64_t reserved[2];
 } rs_table_hdr;
 
 static inline rs_seg_hdr *rs_seg(void *base) { return (rs_seg_hdr *)base; }
@@ -262,6 +267,10 @@ int rs_desc_create(void *base, const uint8_t *blob, uint32_t len, uint64_t *off_
  * blob equals `blob` except that every slice's row_offset is lower by one common d <=
  * RS_REF_MAX_SHIFT, take one more reference to that block instead and return it with shift d. */
 int rs_desc_create_shared(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl, uint64_t *off_out);
+/* rs_desc_create_shared over n candidate templates (each held, or 0), tried in order under one
+ * arena lock; *used_out = index of the template shared, or -1 when a new block was created. */
+int rs_desc_create_shared_any(void *base, const uint8_t *blob, uint32_t len, const uint64_t *tmpls,
+                              uint32_t n, uint64_t *off_out, int *used_out);
 /* Drop one reference (an item reference) to a DESC block; at zero drop its chunk references and
  * free it. Takes the arena lock unless `locked` (caller already holds it). */
 void rs_desc_release(void *base, uint64_t desc_off, int locked);

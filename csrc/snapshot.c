@@ -352,17 +352,27 @@ static int translate_descs(void *base, const rs_table_hdr *th, uint64_t n, const
 
 /* Distinct episodes referenced by the translated descriptors (for the episode map capacity). */
 static int count_episodes(void *base, uint64_t n, const uint8_t *descs, const uint64_t *offs, uint64_t *out) {
-  uint64_t slices = 0;
-  for (uint64_t i = 0; i < n; i++) slices += ((const rs_desc_hdr *)(descs + offs[i]))->nslices;
+  uint64_t ids = 0;   /* episode ids named (with repeats): one per slice, or per row (RS_CHUNK_ROW_EPISODES) */
+  for (uint64_t i = 0; i < n; i++) {
+    const rs_desc_hdr *d = (const rs_desc_hdr *)(descs + offs[i]);
+    const rs_desc_slice *sl = rs_desc_slices(d);
+    for (uint32_t k = 0; k < d->nslices; k++)
+      ids += rs_chunk(base, sl[k].chunk_off)->flags & RS_CHUNK_ROW_EPISODES ? sl[k].nrows : 1;
+  }
   idmap eps;
-  int rc = idmap_init(&eps, slices);
+  int rc = idmap_init(&eps, ids);
   if (rc) return rc;
   for (uint64_t i = 0; i < n; i++) {
     const rs_desc_hdr *d = (const rs_desc_hdr *)(descs + offs[i]);
     const rs_desc_slice *sl = rs_desc_slices(d);
     for (uint32_t k = 0; k < d->nslices; k++) {
+      const rs_chunk_hdr *c = rs_chunk(base, sl[k].chunk_off);
       int added;
-      idmap_get(&eps, rs_chunk(base, sl[k].chunk_off)->episode_id, &added);
+      if (!(c->flags & RS_CHUNK_ROW_EPISODES)) {
+        idmap_get(&eps, c->episode_id, &added);
+        continue;
+      }
+      for (uint32_t r = 0; r < sl[k].nrows; r++) idmap_get(&eps, c->episode_id + sl[k].row_offset + r, &added);
     }
   }
   *out = eps.n;

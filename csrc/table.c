@@ -146,6 +146,7 @@ int rs_table_region_init(void *base, uint64_t off, const rs_table_config *cfg) {
   th->blob_len = cfg->blob_len;
   th->aux_off = p.aux ? off + p.aux : 0;
   th->last_rec = RS_NONE;
+  for (uint32_t i = 0; i < RS_RECENT_TEMPLATES; i++) th->recent_recs[i] = RS_NONE;
   if (cfg->blob_len) memcpy(rs_at(base, th->blob_off), cfg->blob, cfg->blob_len);
 
   rs_rec *recs = rs_recs(base, th);
@@ -377,7 +378,7 @@ static void item_link(void *base, rs_table_hdr *th, uint32_t r) {
   th->size++;
   for (int si = 0; si < 2; si++) rs_sel_insert(base, th, si, r);
   ep_ctx ctx = {th, rs_tepisodes(base, th), 0};
-  rs_desc_each_episode(base, rs_desc_blob(base, rec->desc_off), ep_add, &ctx);
+  rs_item_each_episode(base, rec->desc_off, ep_add, &ctx);
 }
 
 /* Remove record r from every structure (valid cleared first). The caller then releases its
@@ -399,7 +400,7 @@ static void item_unlink(void *base, rs_table_hdr *th, uint32_t r) {
   else th->order_tail = rec->prev;
   rec->prev = rec->next = RS_NONE;
   ep_ctx ctx = {th, rs_tepisodes(base, th), 0};
-  rs_desc_each_episode(base, rs_desc_blob(base, rec->desc_off), ep_drop, &ctx);
+  rs_item_each_episode(base, rec->desc_off, ep_drop, &ctx);
   rec->next_free = th->free_rec_head;
   th->free_rec_head = r;
 }
@@ -427,24 +428,38 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
     return RS_OK;
   }
   ep_ctx ctx = {th, rs_tepisodes(base, th), 0};
-  rs_desc_each_episode(base, (const rs_desc_hdr *)blob, ep_count_new, &ctx);
+  rs_desc_each_episode(base, (const rs_desc_hdr *)blob, 0, ep_count_new, &ctx);
   if ((uint64_t)th->num_episodes + ctx.count >= th->episodes_cap)
     return rs_set_error(RS_EFULL, "table '%s': episode map full (%lld episodes, capacity %u)",
                         th->name, (long long)th->num_episodes, th->episodes_cap - 1);
   if (th->free_rec_head == RS_NONE) /* cannot happen: size <= max_size < cap */
     return rs_set_error(RS_ECORRUPT, "table '%s': no free record (size %lld)", th->name,
                         (long long)th->size);
-  /* The last inserted item's block is a template to share while a live record holds it (a
-   * stale offset could name memory that is no longer a block). */
+  /* The last inserted item's block, then recently created ones, are templates to share while a
+   * live record holds them (a stale offset could name memory that is no longer a block). */
   rs_rec *recs = rs_recs(base, th);
-  uint32_t last = th->last_rec;
-  uint64_t tmpl = last < th->cap && recs[last].valid ? recs[last].desc_off : 0;
+  uint64_t tmpls[1 + RS_RECENT_TEMPLATES];
+  uint32_t from[1 + RS_RECENT_TEMPLATES], ntmpl = 0;   /* recent_recs slot of each, or RS_NONE */
+  for (uint32_t i = 0; i <= RS_RECENT_TEMPLATES; i++) {
+    uint32_t cand = i == 0 ? th->last_rec : th->recent_recs[i - 1];
+    if (cand < th->cap && recs[cand].valid && (i == 0 || cand != th->last_rec)) {
+      tmpls[ntmpl] = recs[cand].desc_off;
+      from[ntmpl++] = i == 0 ? RS_NONE : i - 1;
+    }
+  }
   uint64_t desc;
-  int rc = rs_desc_create_shared(base, blob, len, tmpl, &desc);
+  int used;
+  int rc = rs_desc_create_shared_any(base, blob, len, tmpls, ntmpl, &desc, &used);
   if (rc) return rc;
 
   r = th->free_rec_head;
   th->last_rec = r;
+  if (used < 0) {   /* a new block: remembered in place of the oldest */
+    th->recent_recs[th->recent_next % RS_RECENT_TEMPLATES] = r;
+    th->recent_next = (th->recent_next + 1) % RS_RECENT_TEMPLATES;
+  } else if (from[used] != RS_NONE) {   /* the block's newest record holds it longest */
+    th->recent_recs[from[used]] = r;
+  }
   rs_rec *rec = &recs[r];
   th->free_rec_head = rec->next_free;
   rec->key = key;
@@ -968,7 +983,7 @@ void rs_table_repair(void *base, uint32_t t) {
   th->num_episodes = 0;
   ep_ctx ctx = {th, em, 0};
   for (uint32_t i = 0; i < n; i++)
-    rs_desc_each_episode(base, rs_desc_blob(base, recs[dense[i]].desc_off), ep_add, &ctx);
+    rs_item_each_episode(base, recs[dense[i]].desc_off, ep_add, &ctx);
   if (th->next_insert_seq < max_ins) th->next_insert_seq = max_ins;
   if (th->next_update_seq < max_upd) th->next_update_seq = max_upd;
   if (th->inserts < th->size) th->inserts = th->size; /* died between commit and inserts++ */

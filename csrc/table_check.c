@@ -168,7 +168,7 @@ static void check_episodes(void *base, rs_table_hdr *th, report_t *rep) {
     return;
   }
   for (uint32_t r = 0; r < th->cap; r++)
-    if (recs[r].valid == 1) rs_desc_each_episode(base, rs_desc_blob(base, recs[r].desc_off), recount_add, &rc);
+    if (recs[r].valid == 1) rs_item_each_episode(base, recs[r].desc_off, recount_add, &rc);
   rs_episode_entry *em = rs_tepisodes(base, th);
   int64_t used = 0;
   for (uint32_t i = 0; i < th->episodes_cap; i++) {

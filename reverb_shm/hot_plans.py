@@ -10,16 +10,25 @@ and returns None, and the caller takes its Python path, which validates and rais
 never used after its registration ends (segment closed, fork: the C side checks the segment's
 registration object and a fork counter), so a forked child makes its own.
 
+Open chunks: a plan appends the rows of small inserts (one step, or a batch of at most a quarter
+of its chunk capacity) to chunks it holds open (16 rows growing to _OPEN_MAX_ROWS, about
+_OPEN_CHUNK_BYTES per column; rs_open_chunks, rs_insert_rows_at), so consecutive items cost
+their payload plus a few bytes and share one descriptor block. A full set is released (pins
+dropped) by its last user; the set in use is released, shrunk to the rows used, when the plan
+is garbage collected (_open_release).
+
 Layouts a plan takes: nests of dicts with str keys, lists and tuples (exactly those types) whose
 leaves are numeric numpy arrays, numpy scalars, or Python float / int / bool (numpy's float64 /
 int64 / bool); for batched plans (SharedTable.insert), arrays with a leading batch dim only.
 """
+import math
+import os
 from typing import Any, Optional
 
 import numpy as np
 
 from reverb_shm import timeouts
-from reverb_shm._lib import ffi, hot, lib
+from reverb_shm._lib import check, ffi, hot, lib
 
 __all__ = ["PlanCache", "client_insert", "finish", "stager", "template"]
 
@@ -30,6 +39,14 @@ _PY_VALUES = {float: np.dtype(np.float64), int: np.dtype(np.int64), bool: np.dty
 _NUMPY_SCALARS = frozenset(t for t in np.sctypeDict.values()
                            if issubclass(t, np.generic) and np.dtype(t).kind in "biufc")
 _INT64_MIN, _INT64_END = -2**63, 2**63
+# Open chunks (csrc/hot/hot_insert.c): a plan appends small inserts to chunks it holds open, of
+# up to _OPEN_MAX_ROWS rows and about _OPEN_CHUNK_BYTES per column, but at least _OPEN_MIN_ROWS
+# rows (opening and releasing a set costs a few us: a 28 KB frame still takes 16 rows); rows
+# above _OPEN_ROW_BYTES get chunks of their own.
+_OPEN_MAX_ROWS = 256
+_OPEN_MIN_ROWS = 16
+_OPEN_CHUNK_BYTES = 64 << 10
+_OPEN_ROW_BYTES = 64 << 10
 # rs_insert_rows flags: Client.insert draws each item's key and episode id; SharedTable.insert
 # draws keys (episode id 0).
 _ROWS_FLAGS = {False: lib.RS_ROWS_RANDOM_KEYS | lib.RS_ROWS_RANDOM_EPISODE,
@@ -144,12 +161,45 @@ def _make_plan(table, spec: tuple, batched: bool, columns: tuple, writer, regist
       or _columns(spec, []) != [(np.dtype(d), tuple(s)) for d, s in columns]):
     return None
   seg, squeeze = table.segment, 1 if batched else 0
+  if not stager:
+    rows = _open_rows(columns)
+    if rows:
+      stager = {"open_rows": rows, "release": _open_release(seg, registration),
+                "open_flags": _ROWS_FLAGS[batched] & lib.RS_ROWS_RANDOM_EPISODE}
   return hot.InsertPlan(
       spec, batched, seg, registration, seg.address, registration[1], table.index,
       int(ffi.cast("uintptr_t", writer.metas)),
       int(ffi.cast("uintptr_t", writer.squeeze_flags[squeeze])),
       _ROWS_FLAGS[batched], table._prioritized(),  # pylint: disable=protected-access
       timeouts.SLICE_NS, timeouts.deadline_from_ms, context, **stager)
+
+
+def _open_rows(columns: tuple) -> int:
+  """Largest open-chunk capacity in rows for steps of `columns` ((dtype, item shape) per leaf);
+  0 when a row is too large to share a chunk."""
+  row = max(np.dtype(d).itemsize * math.prod(s) for d, s in columns)
+  if row > _OPEN_ROW_BYTES:
+    return 0
+  return min(_OPEN_MAX_ROWS, max(_OPEN_MIN_ROWS, _OPEN_CHUNK_BYTES // max(row, 1)))
+
+
+def _open_release(seg, registration: tuple):
+  """release(offs, pins, rows, capacity) of a plan's retired open chunks (offsets and pins, one
+  per column; rows published of capacity): shrinks each chunk to its rows and drops its pin,
+  only while `registration` is this process's current one (after Segment.close or a fork the
+  pins are gone or not ours: nothing to do)."""
+
+  slot = registration[1]
+
+  def release(offs: tuple, pins: tuple, rows: int, capacity: int) -> None:
+    with seg._slot_lock:  # pylint: disable=protected-access  (against a concurrent close)
+      if seg._registration is not registration or os.getpid() != registration[0]:  # pylint: disable=protected-access
+        return
+      if 0 < rows < capacity:   # (a chunk with no row is freed by the unpin)
+        for off in offs:
+          check(lib.rs_chunk_shrink(seg.base, off, rows), "shrinking an open chunk")
+      check(lib.rs_unpin(seg.base, slot, len(pins), pins), f"releasing {len(pins)} pins")
+  return release
 
 
 def stager(table, step, columns: tuple, writer, rows: list, priorities: np.ndarray):

@@ -2,6 +2,7 @@
 import itertools
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -89,3 +90,21 @@ def run_in_fork(fn, timeout: float = 30, fork=os.fork):
     out = f.read().decode()
   assert os.waitstatus_to_exitcode(status) == 0, out
   return out
+
+
+def run_threads(fn, n: int, timeout: float = 120) -> None:
+  """Runs fn(0) .. fn(n - 1) in n threads at once; raises AssertionError naming the exceptions
+  they raised, or if one is still running after `timeout` seconds."""
+  failures = []
+
+  def guarded(i):
+    try:
+      fn(i)
+    except Exception as e:  # pylint: disable=broad-except
+      failures.append(e)
+  threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+  for th in threads:
+    th.start()
+  for th in threads:
+    th.join(timeout=timeout)
+  assert not failures and not any(th.is_alive() for th in threads), failures

@@ -16,7 +16,7 @@ from reverb_shm import errors, hot_plans, rate_limiters, selectors
 from reverb_shm._lib import lib
 from reverb_shm.specs import TensorSpec
 
-from conftest import run_in_fork
+from conftest import run_in_fork, run_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -263,21 +263,12 @@ def test_threads_share_a_client(server_factory):
   client = server.localhost_client()
   client.insert(w1_step(0), {"q": 1.0})
   client.insert(w1_step(0), {"q": 1.0})
-  errors_seen = []
 
   def work(t):
-    try:
-      for i in range(per_thread):
-        client.insert({"obs": np.full(8, t, np.float32), "action": np.int64(i),
-                       "reward": np.float32(t)}, {"q": float(t)})
-    except Exception as e:  # pylint: disable=broad-except
-      errors_seen.append(e)
-  threads = [threading.Thread(target=work, args=(t,)) for t in range(threads_n)]
-  for th in threads:
-    th.start()
-  for th in threads:
-    th.join(timeout=60)
-  assert not errors_seen and not any(th.is_alive() for th in threads)
+    for i in range(per_thread):
+      client.insert({"obs": np.full(8, t, np.float32), "action": np.int64(i),
+                     "reward": np.float32(t)}, {"q": float(t)})
+  run_threads(work, threads_n, timeout=60)
   st = server.shared_table("q")
   assert st.size == threads_n * per_thread + 2
   assert len(np.unique(st.items()["key"])) == st.size
@@ -353,15 +344,27 @@ def _full_queue(server_factory):
   return server, client
 
 
+@pytest.fixture(params=["open_chunks", "one_shot"])
+def open_chunks(request, monkeypatch):
+  """Plans append to open chunks (the default), or (one_shot) give every insert its own chunks,
+  the path plans take for rows above hot_plans._OPEN_CHUNK_BYTES: a wait past a slice is then
+  finished by Python from the chunks the call still holds."""
+  if request.param == "one_shot":
+    monkeypatch.setattr(hot_plans, "_open_rows", lambda columns: 0)
+  return request.param == "open_chunks"
+
+
 @pytest.mark.parametrize("timeout_ms", [0, 50, 250])
-def test_client_insert_times_out_as_before(server_factory, spy, timeout_ms):
+def test_client_insert_times_out_as_before(server_factory, spy, timeout_ms, open_chunks):
   server, client = _full_queue(server_factory)
   t0 = time.monotonic()
   with pytest.raises(errors.DeadlineExceededError) as hot_error:
     client.insert(w1_step(2), {"q": 1.0}, timeout_ms=timeout_ms)
   assert time.monotonic() - t0 >= timeout_ms / 1000 * 0.95
-  assert type(spy[-1]) is tuple   # the C call waited or timed out, Python finished
-  assert spy[-1][1] == (lib.RS_EAGAIN if timeout_ms > 100 else lib.RS_ETIMEDOUT)
+  assert type(spy[-1]) is tuple   # the C call timed out (or waited past a slice), Python raised
+  # (open chunks: the plan itself waits past slices; one-shot: Python finishes after a slice)
+  assert spy[-1][1] == (lib.RS_EAGAIN if timeout_ms > 100 and not open_chunks
+                        else lib.RS_ETIMEDOUT)
   with python_paths():
     py_client = server.localhost_client()
     with pytest.raises(errors.DeadlineExceededError) as py_error:
@@ -380,7 +383,7 @@ def _sample_later(table, delay_s, n=1):
   return thread
 
 
-def test_client_insert_waits_past_slices_until_admitted(server_factory, spy):
+def test_client_insert_waits_past_slices_until_admitted(server_factory, spy, open_chunks):
   server, client = _full_queue(server_factory)
   st = server.shared_table("q")
   sampler = _sample_later(st, 0.35)
@@ -388,13 +391,16 @@ def test_client_insert_waits_past_slices_until_admitted(server_factory, spy):
   client.insert(w1_step(7), {"q": 4.0}, timeout_ms=10_000)
   assert time.monotonic() - t0 >= 0.3
   sampler.join(timeout=10)
-  assert type(spy[-1]) is tuple and spy[-1][1] == lib.RS_EAGAIN   # finished by Python
+  if open_chunks:   # the plan waited past the slices itself
+    assert spy[-1] is True
+  else:   # finished by Python
+    assert type(spy[-1]) is tuple and spy[-1][1] == lib.RS_EAGAIN
   assert st.size == 2
   (p1, c1), (p2, c2) = drain(st, 2)
   assert (p1, p2) == (1.0, 4.0) and c2[0].tolist() == [7] and c2[1].tolist() == [[7.0] * 8]
 
 
-def test_shared_table_partial_progress_matches_python_path(server_factory):
+def test_shared_table_partial_progress_matches_python_path(server_factory, open_chunks):
   for variant in ("hot", "py"):
     ctx = python_paths() if variant == "py" else contextlib.nullcontext()
     with ctx:

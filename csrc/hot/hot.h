@@ -36,6 +36,13 @@ typedef struct {
                      const uint8_t *const *data, const uint32_t *col_flags, uint64_t episode_id,
                      uint32_t flags, int64_t deadline_ns, int64_t slice_ns,
                      uint64_t *chunk_offs_out, uint32_t *pins_out, uint32_t *done_out);
+  int (*open_chunks)(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hdr *metas,
+                     uint32_t capacity, uint64_t episode_id, uint32_t flags, uint64_t *offs_out,
+                     uint32_t *pins_out);
+  int (*insert_rows_at)(void *base, uint32_t slot, uint32_t table, uint32_t n, uint64_t *keys,
+                        const double *priorities, uint32_t ncols, const uint64_t *chunk_offs,
+                        uint32_t first_row, const uint8_t *const *data, const uint32_t *col_flags,
+                        uint32_t flags, int64_t deadline_ns, int64_t slice_ns, uint32_t *done_out);
 } hot_core_fns;
 
 extern hot_core_fns hot_core;

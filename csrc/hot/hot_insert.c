@@ -72,6 +72,15 @@ typedef struct {
   uint32_t capacity;       /* stagers (StepInserter): rows of each staging array; else 0 */
   uint8_t **stage_rows;    /* stagers: C-contiguous (capacity, *item shape) array per column */
   double *stage_prios;     /* stagers: float64[capacity] */
+  /* Open chunks (see "open chunks" below): */
+  uint32_t open_rows;      /* largest open-chunk capacity in rows; 0: every insert has its own */
+  uint32_t open_flags;     /* rs_open_chunks flags (RS_ROWS_RANDOM_EPISODE for Client.insert) */
+  uint32_t next_cap;       /* capacity of the next open chunks (doubles up to open_rows) */
+  int refilling;           /* a thread is opening new chunks (GIL released meanwhile) ... */
+  pthread_mutex_t refill;  /* ... holding this, which other threads wait on, GIL released */
+  int refill_ready;        /* `refill` initialised */
+  struct open_set *open;   /* the open chunks new rows go to, or NULL */
+  PyObject *release_fn;    /* release(offs, pins, rows, capacity): shrinks, unpins a retired set */
 } InsertPlan;
 
 static PyObject *str_registration;
@@ -204,6 +213,174 @@ static int one_priority(const InsertPlan *p, PyObject *obj, double *out) {
   return 1;
 }
 
+/* ---------------------------------------------------------------- open chunks
+ * Small inserts (one step, or a batch of at most open_rows / 4 rows) append their rows to chunks
+ * the plan holds open (one per column, pinned by this process's slot, capacity growing from 16
+ * rows up to open_rows) instead of allocating chunks of their own, so consecutive items cost
+ * their payload plus a share of the chunk headers, and share one descriptor block (the core
+ * shares the previous item's block when only the row offset differs).
+ * Every field below is read and written with the GIL held: a call reserves its rows (and counts
+ * itself a user of the set) under the GIL, then copies and inserts with the GIL released. A set
+ * that fills up is retired: the plan stops using it and the last user releases it (release_fn:
+ * shrink to the rows reserved, drop the pins, both only while the plan's registration is
+ * current). A process that dies holding a set loses nothing but the set's unused rows: its pins
+ * are reclaimed by rs_reap, and rows written for items never inserted are never referenced. */
+typedef struct open_set {
+  uint64_t offs[HOT_MAX_COLS];
+  uint32_t pins[HOT_MAX_COLS];
+  uint32_t capacity, next_row, users;
+  int retired;
+} open_set;
+
+/* Two new lists: the n chunk offsets and the n pins (ints); 0, or -1 (exception set, both NULL). */
+static int held_lists(uint32_t n, const uint64_t *offs, const uint32_t *pins, PyObject **offs_out,
+                      PyObject **pins_out) {
+  PyObject *ol = PyList_New(n), *pl = PyList_New(n);
+  int ok = ol != NULL && pl != NULL;
+  for (uint32_t c = 0; ok && c < n; c++) {
+    PyObject *o = PyLong_FromUnsignedLongLong(offs[c]), *q = PyLong_FromUnsignedLong(pins[c]);
+    if (o == NULL || q == NULL) {
+      Py_XDECREF(o);
+      Py_XDECREF(q);
+      ok = 0;
+      break;
+    }
+    PyList_SET_ITEM(ol, c, o);
+    PyList_SET_ITEM(pl, c, q);
+  }
+  if (!ok) {
+    Py_XDECREF(ol);
+    Py_XDECREF(pl);
+    ol = pl = NULL;
+  }
+  *offs_out = ol;
+  *pins_out = pl;
+  return ok ? 0 : -1;
+}
+
+/* Drops set s (GIL held; any pending exception is kept). */
+static void open_release(InsertPlan *p, open_set *s) {
+  if (p->fork_epoch == hot_fork_epoch && p->release_fn != NULL) {   /* a fork child never touches them */
+    PyObject *type, *value, *tb, *offs, *pins, *r = NULL;
+    PyErr_Fetch(&type, &value, &tb);
+    if (held_lists(p->ncols, s->offs, s->pins, &offs, &pins) == 0)
+      r = PyObject_CallFunction(p->release_fn, "OOII", offs, pins, s->next_row, s->capacity);
+    if (r == NULL) PyErr_WriteUnraisable(p->release_fn);
+    Py_XDECREF(r);
+    Py_XDECREF(offs);
+    Py_XDECREF(pins);
+    PyErr_Restore(type, value, tb);
+  }
+  PyMem_Free(s);
+}
+
+static void open_unuse(InsertPlan *p, open_set *s) {
+  if (--s->users == 0 && s->retired) open_release(p, s);
+}
+
+/* The open set holding n more rows, rows [*row, *row + n) reserved in it for the caller (a user
+ * until open_unuse); NULL when the caller should take the one-shot path instead (the chunks
+ * could not be opened: that path allocates and reports) or on an internal error (Python
+ * exception set). A thread finding another one opening chunks waits for it (GIL released). */
+static open_set *open_reserve(InsertPlan *p, uint32_t n, uint32_t *row) {
+  open_set *s = p->open;
+  while (p->refilling) {
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&p->refill);
+    pthread_mutex_unlock(&p->refill);
+    Py_END_ALLOW_THREADS
+    s = p->open;
+  }
+  if (s != NULL && s->capacity - s->next_row >= n) {
+    *row = s->next_row;
+    s->next_row += n;
+    s->users++;
+    return s;
+  }
+  /* Full: retired. Released here when it has no user now, else by its last user (who may do
+   * so while the GIL is released below: `old` must not be read after that). */
+  open_set *old = s != NULL && s->users == 0 ? s : NULL;
+  p->open = NULL;
+  if (s != NULL) s->retired = 1;
+  uint32_t cap = p->next_cap;
+  while (cap < n) cap *= 2;
+  if (cap > p->open_rows) cap = p->open_rows;
+  s = PyMem_Calloc(1, sizeof *s);
+  if (s == NULL) {
+    PyErr_NoMemory();
+  } else {
+    int rc;
+    p->refilling = 1;
+    pthread_mutex_lock(&p->refill);   /* (uncontended: only a refiller takes it, under the GIL) */
+    Py_BEGIN_ALLOW_THREADS
+    rc = hot_core.open_chunks(p->base, p->slot, p->ncols, p->metas, cap, 0, p->open_flags,
+                              s->offs, s->pins);
+    Py_END_ALLOW_THREADS
+    if (rc == RS_OK) {
+      s->capacity = cap;
+      s->next_row = n;
+      s->users = 1;
+      *row = 0;
+      p->open = s;
+      p->next_cap = cap * 2 < p->open_rows ? cap * 2 : p->open_rows;
+    } else {
+      PyMem_Free(s);
+      s = NULL;
+    }
+    p->refilling = 0;
+    pthread_mutex_unlock(&p->refill);
+  }
+  if (old != NULL) open_release(p, old);   /* (may run Python) */
+  return s;
+}
+
+/* Python's state for a core status other than RS_OK: (plan, status, done, deadline_ns, keys,
+ * chunk offsets, pins) with the chunks still held (nheld of them: RS_EAGAIN of the one-shot
+ * path), or none. NULL on an internal error. */
+static PyObject *status_result(InsertPlan *p, int rc, uint32_t done_n, int64_t deadline,
+                               PyObject *keys_array, uint64_t one_key, uint32_t nheld,
+                               const uint64_t *offs, const uint32_t *pins) {
+  PyObject *result = NULL, *offs_list, *pins_list;
+  PyObject *keys_obj = p->batched ? Py_NewRef(keys_array) : PyLong_FromUnsignedLongLong(one_key);
+  if (keys_obj != NULL && held_lists(nheld, offs, pins, &offs_list, &pins_list) == 0) {
+    result = Py_BuildValue("(OiILOOO)", (PyObject *)p, rc, done_n, (long long)deadline, keys_obj,
+                           offs_list, pins_list);
+    Py_DECREF(offs_list);
+    Py_DECREF(pins_list);
+  }
+  Py_XDECREF(keys_obj);
+  return result;
+}
+
+/* Rows [row, row + n) of set s (reserved): copy and insert, waiting past rate-limiter slices
+ * here (signals are checked between slices, as the Python path's loop does). Returns the core
+ * status; *done_out = items inserted; -100 when a signal handler raised (exception set). */
+#define OPEN_INTERRUPTED (-100)
+static int open_insert(InsertPlan *p, open_set *s, uint32_t row, uint32_t n, uint64_t *keys,
+                       const double *prios, const uint8_t *const *data, int64_t deadline,
+                       uint32_t *done_out) {
+  uint32_t flags = p->rows_flags & RS_ROWS_RANDOM_KEYS, total = 0, done_n = 0;
+  int rc;
+  for (;;) {
+    Py_BEGIN_ALLOW_THREADS
+    rc = hot_core.insert_rows_at(p->base, p->slot, p->table, n - total, keys + total,
+                                 prios + total, p->ncols, s->offs, row + total, data,
+                                 p->col_flags, flags, deadline, p->slice_ns, &done_n);
+    Py_END_ALLOW_THREADS
+    total += done_n;
+    if (rc != RS_EAGAIN) break;
+    data = NULL;   /* the rows are written: insert the rest */
+    flags = 0;
+    if (PyErr_CheckSignals() < 0) {
+      rc = OPEN_INTERRUPTED;
+      break;
+    }
+  }
+  open_unuse(p, s);
+  *done_out = total;
+  return rc;
+}
+
 /* The plan's insert: Py_True (one step) / the uint64[n] keys (batched) on success; None when
  * not handled (nothing done); (plan, status, done, deadline_ns, keys, chunk offsets, pins) when
  * the core call returned another status; NULL only on an internal error (out of memory). */
@@ -284,13 +461,24 @@ static PyObject *plan_insert(InsertPlan *p, PyObject *data, PyObject *priorities
   }
 
   uint64_t offs[HOT_MAX_COLS];
-  uint32_t pins[HOT_MAX_COLS], done_n = 0;
+  uint32_t pins[HOT_MAX_COLS], done_n = 0, row = 0, nheld = p->ncols;
   int rc;
-  Py_BEGIN_ALLOW_THREADS
-  rc = hot_core.insert_rows(p->base, p->slot, p->table, n, keys, prios, p->ncols, p->metas,
-                            g.data, p->col_flags, 0, p->rows_flags, deadline, p->slice_ns, offs,
-                            pins, &done_n);
-  Py_END_ALLOW_THREADS
+  open_set *set = NULL;
+  if (p->open_rows != 0 && (uint64_t)n * 4 <= p->open_rows) {
+    set = open_reserve(p, n, &row);
+    if (set == NULL && PyErr_Occurred()) goto done;
+  }
+  if (set != NULL) {
+    rc = open_insert(p, set, row, n, keys, prios, g.data, deadline, &done_n);
+    if (rc == OPEN_INTERRUPTED) goto done;
+    nheld = 0;   /* the plan keeps the chunks */
+  } else {
+    Py_BEGIN_ALLOW_THREADS
+    rc = hot_core.insert_rows(p->base, p->slot, p->table, n, keys, prios, p->ncols, p->metas,
+                              g.data, p->col_flags, 0, p->rows_flags, deadline, p->slice_ns, offs,
+                              pins, &done_n);
+    Py_END_ALLOW_THREADS
+  }
   if (rc == RS_OK) {
     if (p->batched) {
       result = keys_array;
@@ -300,29 +488,8 @@ static PyObject *plan_insert(InsertPlan *p, PyObject *data, PyObject *priorities
     }
     goto done;
   }
-  /* Python finishes (RS_EAGAIN: the held chunks' items) or raises (_lib). */
-  PyObject *offs_list = PyList_New(p->ncols), *pins_list = PyList_New(p->ncols);
-  PyObject *keys_obj = p->batched ? Py_NewRef(keys_array) : PyLong_FromUnsignedLongLong(one_key);
-  if (offs_list != NULL && pins_list != NULL && keys_obj != NULL) {
-    int ok = 1;
-    for (uint32_t c = 0; c < p->ncols && ok; c++) {
-      PyObject *o = PyLong_FromUnsignedLongLong(offs[c]), *q = PyLong_FromUnsignedLong(pins[c]);
-      if (o == NULL || q == NULL) {
-        Py_XDECREF(o);
-        Py_XDECREF(q);
-        ok = 0;
-        break;
-      }
-      PyList_SET_ITEM(offs_list, c, o);
-      PyList_SET_ITEM(pins_list, c, q);
-    }
-    if (ok)
-      result = Py_BuildValue("(OiILOOO)", (PyObject *)p, rc, done_n, (long long)deadline,
-                             keys_obj, offs_list, pins_list);
-  }
-  Py_XDECREF(offs_list);
-  Py_XDECREF(pins_list);
-  Py_XDECREF(keys_obj);
+  /* Python finishes (RS_EAGAIN of the one-shot path: the held chunks' items) or raises (_lib). */
+  result = status_result(p, rc, done_n, deadline, keys_array, one_key, nheld, offs, pins);
   goto done;
 declined:
   result = Py_NewRef(Py_None);
@@ -418,6 +585,14 @@ static void InsertPlan_dealloc(InsertPlan *self) {
   Py_XDECREF(self->segment);
   Py_XDECREF(self->registration);
   Py_XDECREF(self->deadline_fn);
+  if (self->open != NULL) {   /* no call is using it: each holds a reference to the plan */
+    open_set *s = self->open;
+    self->open = NULL;
+    s->retired = 1;
+    if (s->users == 0) open_release(self, s);
+  }
+  if (self->refill_ready) pthread_mutex_destroy(&self->refill);
+  Py_XDECREF(self->release_fn);
   Py_XDECREF(self->context);
   PyMem_Free(self->stage_rows);
   Py_TYPE(self)->tp_free((PyObject *)self);
@@ -500,22 +675,29 @@ static PyObject *InsertPlan_new(PyTypeObject *type, PyObject *args, PyObject *kw
   static char *kwlist[] = {"template", "batched", "segment", "registration", "base", "slot",
                            "table", "metas", "col_flags", "rows_flags", "prioritized",
                            "slice_ns", "deadline_fn", "context", "stage_rows",
-                           "stage_priorities", "capacity", NULL};
+                           "stage_priorities", "capacity", "open_rows", "open_flags", "release",
+                           NULL};
   PyObject *spec, *segment, *registration, *deadline_fn, *context, *stage_rows = Py_None;
+  PyObject *release = Py_None;
   unsigned long long stage_prios = 0;
-  unsigned int capacity = 0;
+  unsigned int capacity = 0, open_rows = 0, open_flags = 0;
   int batched, prioritized;
   unsigned long long base, metas, col_flags;
   unsigned int slot, table, rows_flags;
   long long slice_ns;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOOKIIKKIpLOO|$OKI", kwlist, &spec,
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OpOOKIIKKIpLOO|$OKIIIO", kwlist, &spec,
                                    &batched, &segment, &registration, &base, &slot, &table,
                                    &metas, &col_flags, &rows_flags, &prioritized, &slice_ns,
                                    &deadline_fn, &context, &stage_rows, &stage_prios,
-                                   &capacity))
+                                   &capacity, &open_rows, &open_flags, &release))
     return NULL;
   if (!hot_core_bound) {
     PyErr_SetString(PyExc_RuntimeError, "reverb_shm._hot is not bound to the core");
+    return NULL;
+  }
+  if (open_rows != 0 && (capacity != 0 || !PyCallable_Check(release))) {
+    PyErr_SetString(PyExc_ValueError, "InsertPlan: open chunks need a release callable and no "
+                    "staging");
     return NULL;
   }
   if (!base || !metas || !col_flags || !PyCallable_Check(deadline_fn) ||
@@ -551,6 +733,15 @@ static PyObject *InsertPlan_new(PyTypeObject *type, PyObject *args, PyObject *kw
   p->rows_flags = rows_flags;
   p->slice_ns = slice_ns;
   p->fork_epoch = hot_fork_epoch;
+  p->open_rows = open_rows;
+  p->open_flags = open_flags;
+  p->next_cap = open_rows < 16 ? open_rows : 16;
+  if (pthread_mutex_init(&p->refill, NULL) != 0) {
+    PyErr_SetString(PyExc_RuntimeError, "InsertPlan: pthread_mutex_init failed");
+    goto fail;
+  }
+  p->refill_ready = 1;
+  if (open_rows != 0) p->release_fn = Py_NewRef(release);
   if (capacity > 0) {   /* a stager: the staging arrays' addresses (kept alive by `context`) */
     if (batched || !PyTuple_Check(stage_rows) || PyTuple_GET_SIZE(stage_rows) != p->ncols ||
         !stage_prios) {

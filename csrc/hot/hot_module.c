@@ -11,7 +11,7 @@ volatile unsigned long hot_fork_epoch = 0;
 static void bump_fork_epoch(void) { hot_fork_epoch++; }
 
 /* Names of hot_core_fns' members' core functions, in member order. */
-static const char *const core_names[] = {"rs_insert_rows"};
+static const char *const core_names[] = {"rs_insert_rows", "rs_open_chunks", "rs_insert_rows_at"};
 #define NCORE (sizeof(core_names) / sizeof(core_names[0]))
 
 static PyObject *hot_bind(PyObject *self, PyObject *addresses) {
