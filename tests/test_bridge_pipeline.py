@@ -511,3 +511,19 @@ def test_unclosed_remote_writer_collected_after_the_bridge_stopped_does_not_hang
   server.stop()
   del writer
   assert _collect_in_thread(10), "gc.collect() hung on a remote writer of a stopped bridge"
+
+
+def test_remote_writer_and_insert_carry_zero_element_columns(server_factory):
+  """Rows of shape (0, 3) hold no bytes: the rows ops say how many rows they add ("n")."""
+  server = server_factory([_uniform()], bridge=BridgeConfig())
+  remote = _remote(server)
+  remote.insert({"a": np.zeros((0, 3), np.float32), "b": np.int64(7)}, {"dist": 1.0})
+  with remote.trajectory_writer(2) as writer:
+    for i in range(3):
+      writer.append({"a": np.zeros((0, 3), np.float32), "b": np.int64(i)})
+      if i:
+        writer.create_item("dist", 1.0, {"a": writer.history["a"][-2:],
+                                         "b": writer.history["b"][-2:]})
+  seen = {(s.data[0].shape, str(s.data[1].tolist())) for s in
+          server.shared_table("dist").sample(60)}     # P(an item unseen) < 1e-7
+  assert seen == {((1, 0, 3), "[7]"), ((2, 0, 3), "[0, 1]"), ((2, 0, 3), "[1, 2]")}

@@ -863,7 +863,7 @@ class _WriteStream:
     self._chunks[cid] = chunks.alloc_chunk(self._seg, dtype, shape, capacity,
                                            episode_id=episode, start_step=step)
     if msg.get("b") is not None:      # the chunk's first rows, in the same op
-      self._rows(cid, {"first": 0, "b": msg["b"]})
+      self._rows(cid, {"first": 0, "b": msg["b"], **({"n": msg["n"]} if "n" in msg else {})})
 
   def _rows(self, cid: int, msg: dict) -> None:
     if cid in self._failed:
@@ -876,13 +876,14 @@ class _WriteStream:
     if chunk.data is None:
       raise wire.BadMessage(f"chunk {cid} holds objects; rows cannot be added")
     row_bytes = chunk.dtype.itemsize * math.prod(chunk.shape)
-    if first != chunk.rows or not row_bytes or len(data) % row_bytes or (
-        first + len(data) // row_bytes > chunk.capacity):
+    # "n" rows (needed for zero-element rows, which hold no bytes), else as many as "b" holds
+    k = (wire.get_int(msg, "n", 0, _MAX_CHUNK_ROWS) if "n" in msg else
+         len(data) // row_bytes if row_bytes else 0)
+    if first != chunk.rows or len(data) != k * row_bytes or first + k > chunk.capacity:
       raise wire.BadMessage(
           f"rows message for chunk {cid} does not fit: first row {first} (expected "
-          f"{chunk.rows}), {len(data)} bytes of {row_bytes}-byte rows, capacity "
+          f"{chunk.rows}), {k} rows in {len(data)} bytes of {row_bytes}-byte rows, capacity "
           f"{chunk.capacity}")
-    k = len(data) // row_bytes
     if k:
       chunk.write_rows(np.frombuffer(data, chunk.dtype).reshape((k,) + chunk.shape))
 

@@ -324,7 +324,8 @@ class WriteSession:
       self._sent.move_to_end(off)
     if chunk.rows < rows_needed:
       data = chunks.chunk_row_bytes(staging, chunk.meta, chunk.rows, rows)
-      ops.append({"op": "rows", "id": chunk.cid, "first": chunk.rows, "b": data})
+      ops.append({"op": "rows", "id": chunk.cid, "first": chunk.rows, "b": data,
+                  "n": rows - chunk.rows})
       chunk.parts.append(data)
       chunk.rows = rows
       batch.nbytes += len(data)
@@ -335,8 +336,9 @@ class WriteSession:
     """Appends the op (re)creating `chunk` with every row sent so far on the current stream."""
     chunk.cid, chunk.gen = next(self._ids), self._stream.gen
     op = dict(chunk.header, id=chunk.cid)
-    if chunk.parts:
+    if chunk.rows and chunk.header["op"] == "chunk":   # (zero-element rows have no bytes)
       op["b"] = chunk.parts[0] if len(chunk.parts) == 1 else b"".join(chunk.parts)
+      op["n"] = chunk.rows
     ops.append(op)
 
   def _evict(self, ops: list, in_use: dict) -> None:
