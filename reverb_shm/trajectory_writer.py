@@ -32,7 +32,7 @@ __all__ = ["TrajectoryWriter", "TrajectoryColumn", "CellRef"]
 
 # Auto chunk length: as many rows as fit in this byte budget, clamped to [1, _AUTO_MAX_ROWS].
 _AUTO_CHUNK_BYTES = 64 * 1024
-_AUTO_MAX_ROWS = 256
+_AUTO_MAX_ROWS = 1024
 # Items queued behind the rate limiter before create_item blocks on the oldest one.
 _MAX_PENDING = 1024
 # Window items batched by create_item before they are inserted with one C call.
@@ -1659,7 +1659,7 @@ class TrajectoryWriter(hot.WriterBase):
       path: the column's path in the step structure, e.g. ('obs',).
       num_keep_alive_refs: steps the column keeps referenceable (>= 1).
       max_chunk_length: rows per chunk (1 <= m <= num_keep_alive_refs), or None for the
-        automatic byte budget (64 KiB, 1..256 rows). Applies from the column's next chunk.
+        automatic byte budget (64 KiB, 1..1024 rows). Applies from the column's next chunk.
 
     Raises:
       ValueError: out-of-range values.

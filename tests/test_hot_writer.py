@@ -11,6 +11,7 @@ import pytest
 import reverb_shm
 from reverb_shm import chunks, errors, rate_limiters, selectors
 from reverb_shm.trajectory_writer import TrajectoryColumn, TrajectoryWriter, _ColumnHistory
+from reverb_shm.trajectory_writer import _AUTO_MAX_ROWS as _AUTO_ROWS
 
 from conftest import run_in_fork
 
@@ -196,10 +197,10 @@ def test_per_step_loop_equals_the_general_path_and_stays_in_c(pair, getitem_call
       w.end_episode()
   _assert_same_tables(pair)
   assert pair.servers[0].shared_table("a").size > 800
-  # Handed over: chunk boundaries and keep-alive releases (every 256 steps, or every 3 with
+  # Handed over: chunk boundaries and keep-alive releases (every auto chunk, or every 3 with
   # chunks of 3), switches of the item kind (the C path matches the last one), episode
   # starts; everything else stayed in C.
-  boundaries = steps // (chunk or 256) * 2 + 20
+  boundaries = steps // (chunk or _AUTO_ROWS) * 2 + 20
   assert 0 < fast.general["append"] <= boundaries
   assert 0 < fast.general["create_item"] <= switches + 10 < steps // 3
   assert getitem_calls["CountingWriter"] <= 3 * boundaries
@@ -512,24 +513,25 @@ def test_expired_chunks_are_released_at_once_or_after_the_batch_that_may_use_the
   fast, _ = pair(keep_alive=2)
   seg = pair.servers[0].shared_table("a").segment
   col = None
-  for t in range(259):        # chunks of 256 rows: steps 0..255 leave the window at step 258
+  c = _AUTO_ROWS              # rows of a chunk: steps 0..c-1 leave the window at step c + 2
+  for t in range(c + 3):
     fast.append({"x": np.float32(t)})
     col = col or fast._by_path[("x",)]
-    assert len(col.runs) == (2 if 256 <= t <= 257 else 1), t
+    assert len(col.runs) == (2 if c <= t <= c + 1 else 1), t
   assert seg.info()["num_chunks"] == 1
   fast.end_episode()
   table = pair.servers[0].shared_table("a")
-  for t in range(259):
+  for t in range(c + 3):
     fast.append({"x": np.float32(t)})
-    if t == 256:     # the chunk boundary inserted the batched items
-      assert not fast._batch and table.size == 255
+    if t == c:       # the chunk boundary inserted the batched items
+      assert not fast._batch and table.size == c - 1
     if t:
       fast.create_item("a", 1.0, {"x": fast.history["x"][-2:]})
   assert len(col.runs) == 2                # expired, kept for the batched items
   assert fast.num_pending_items == 0       # inserts the batch: the expired run goes
   assert len(col.runs) == 1
   assert seg.info()["num_chunks"] == 2     # the items hold the first chunk
-  for t in range(259, 300):
+  for t in range(c + 3, c + 44):
     fast.append({"x": np.float32(t)})
   assert fast.general["append"] == 2       # episode starts only: chunk boundaries in C
 

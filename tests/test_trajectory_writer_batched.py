@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm import errors, rate_limiters, selectors, trajectory_writer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -202,8 +202,9 @@ def test_batched_items_keep_fifo_order_behind_the_rate_limiter(client):
 
 def test_fast_append_validates_like_the_slow_path(client):
   writer = client.trajectory_writer(3)
-  data = _steps(300)
-  for t in range(300):      # crosses chunk boundaries (256 rows) on the fast path
+  n = trajectory_writer._AUTO_MAX_ROWS + 44    # pylint: disable=protected-access
+  data = _steps(n)
+  for t in range(n):        # crosses a chunk boundary (auto chunks' rows) on the fast path
     writer.append(_step(data, t))
   with pytest.raises(ValueError, match="wrong dtype"):
     writer.append({"obs": np.zeros(3, np.float64), "action": np.int64(0),
@@ -211,11 +212,11 @@ def test_fast_append_validates_like_the_slow_path(client):
   with pytest.raises(ValueError, match="incompatible shape"):
     writer.append({"obs": np.zeros(4, np.float32), "action": np.int64(0),
                    "reward": np.float32(0)})
-  assert writer.episode_steps == 300
+  assert writer.episode_steps == n
   h = writer.history
   np.testing.assert_array_equal(h["obs"][-3:].numpy(), data["obs"][-3:])
-  np.testing.assert_array_equal(h["action"][-2:].numpy(), [298, 299])
-  assert h["reward"][-1].numpy() == np.float32(149.5)
+  np.testing.assert_array_equal(h["action"][-2:].numpy(), [n - 2, n - 1])
+  assert h["reward"][-1].numpy() == data["reward"][-1]
   old = h["action"][-1]
   writer.append({"obs": np.zeros(3, np.float32), "action": np.int64(7), "reward": np.float32(1)})
   writer.append({"obs": np.zeros(3, np.float32), "action": 8, "reward": np.float32(1)})  # int
