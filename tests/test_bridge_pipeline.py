@@ -479,6 +479,15 @@ def test_a_burst_of_items_is_inserted_in_order_past_a_full_limiter(server_factor
   writer.close()
 
 
+def _remote_writer_with_batched_items(server, n_items: int):
+  writer = _remote(server).trajectory_writer(2)
+  for i in range(n_items + 1):
+    writer.append({"x": np.full(2, i, np.float32)})
+    if i:
+      writer.create_item("dist", 1.0, {"x": writer.history["x"][-2:]})
+  return writer
+
+
 def _collect_in_thread(seconds: float) -> bool:
   collector = threading.Thread(target=gc.collect, daemon=True)
   collector.start()
@@ -490,11 +499,7 @@ def test_unclosed_remote_writer_is_closed_by_its_finaliser_and_its_items_arrive(
   """Its Write stream was opened with the writer, so the finaliser (maybe run by the cyclic
   collector) only sends on it: it never opens a stream, whose threads must not start there."""
   server = server_factory([_uniform()], bridge=BridgeConfig())
-  writer = _remote(server).trajectory_writer(2)
-  for i in range(5):
-    writer.append({"x": np.full(2, i, np.float32)})
-    if i:
-      writer.create_item("dist", 1.0, {"x": writer.history["x"][-2:]})
+  writer = _remote_writer_with_batched_items(server, 4)
   assert server.localhost_client().server_info()["dist"].current_size == 0   # still batched
   del writer
   assert _collect_in_thread(10), "gc.collect() hung on an unclosed remote writer"
@@ -503,11 +508,7 @@ def test_unclosed_remote_writer_is_closed_by_its_finaliser_and_its_items_arrive(
 
 def test_unclosed_remote_writer_collected_after_the_bridge_stopped_does_not_hang(server_factory):
   server = server_factory([_uniform()], bridge=BridgeConfig())
-  writer = _remote(server).trajectory_writer(2)
-  for i in range(3):
-    writer.append({"x": np.full(2, i, np.float32)})
-    if i:
-      writer.create_item("dist", 1.0, {"x": writer.history["x"][-2:]})
+  writer = _remote_writer_with_batched_items(server, 2)
   server.stop()
   del writer
   assert _collect_in_thread(10), "gc.collect() hung on a remote writer of a stopped bridge"
