@@ -15,7 +15,7 @@ import numpy as np
 
 from reverb_shm import chunks, errors, hot_plans, shm, structure, timeouts
 from reverb_shm import step_inserter as step_inserter_lib
-from reverb_shm._lib import ffi, lib
+from reverb_shm._lib import ffi, hot, lib
 from reverb_shm import table as table_lib
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
@@ -305,6 +305,9 @@ class Client:
         if batch is not None and len(batch[0].key):   # else: another layout came up
           infos, columns = batch
           remaining -= len(infos.key)
+          if not emit_timesteps and treedef is None:   # the samples built in one C call
+            yield from hot.split_batch(ReplaySample, SampleInfo, infos, columns)
+            continue
           infos = _new_tuples(SampleInfo, zip(*[field.tolist() for field in infos]))
           # Row views of the private batch arrays (iterating one; 0-d views for scalar columns).
           items = map(list, zip(*[c if c.ndim > 1 else _row_views(c) for c in columns]))

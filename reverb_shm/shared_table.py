@@ -15,7 +15,7 @@ from reverb_shm import chunks, errors, hot_plans, specs, structure
 from reverb_shm import step_inserter as step_inserter_lib
 from reverb_shm import table as table_lib
 from reverb_shm import timeouts
-from reverb_shm._lib import check, ffi, lib
+from reverb_shm._lib import check, ffi, hot, lib
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
 from reverb_shm.shm import Segment
@@ -23,7 +23,6 @@ from reverb_shm.shm import Segment
 __all__ = ["SharedTable"]
 
 
-_U8, _I8, _F8, _I4 = (np.dtype(t) for t in ("<u8", "<i8", "<f8", "<i4"))
 _INF = math.inf
 _MAX_PLANS = 64   # validated column layouts remembered per table (SharedTable.insert)
 _GATHER_TEMPLATES = {}   # column layout -> rs_gather_col[] with its out pointers unset
@@ -55,7 +54,7 @@ class SharedTable:
     self._hot_plans = hot_plans.PlanCache(batched=True)   # C one-call plans by batch layout
     self._hot_plan = None         # the plan of the last batch layout inserted
     self._gather_layout = None    # ((dtype, item shape, bytes) per column) of sampled items
-    self._out_cache = None        # (layout, out, leaves, rows, rs_gather_col[]) of sample_batch
+    self._out_cache = None        # (layout, out, leaves, rows, rs_gather_col[], address)
 
   @classmethod
   def attach(cls, name: str) -> "SharedTable":
@@ -677,17 +676,19 @@ class SharedTable:
     if out is None:
       targets = [np.empty((n,) + shape, dtype) for dtype, shape, _ in layout]
       cols = _gather_cols(layout, targets)
+      cols_address = _address(cols)
     else:
-      targets, cols = self._out_plan(out, layout, n)
+      targets, cols, cols_address = self._out_plan(out, layout, n)
     deadline = -1 if timeout_ms is None else timeouts.deadline_from_ms(timeout_ms)
-    info = self._gather(n, n, deadline, timeout_ms, layout, cols)
+    info = self._gather(n, n, deadline, timeout_ms, layout, cols_address)
     b = len(info.key)
     data = [t if len(t) == b else t[:b] for t in targets]
     return ReplaySample(info, self._structure(data))
 
-  def _gather(self, n: int, wait_n: int, deadline_ns: int, timeout_ms, layout, cols,
+  def _gather(self, n: int, wait_n: int, deadline_ns: int, timeout_ms, layout, cols_address: int,
               stop_at_other_layout: bool = False) -> SampleInfo:
-    """rs_sample_gather of up to n items (waiting only for the first wait_n) into `cols`.
+    """rs_sample_gather of up to n items (waiting only for the first wait_n) into the columns
+    that the rs_gather_col[] at `cols_address` describes (the caller keeps it alive).
 
     An item of another layout is left unsampled and the layout forgotten (to be learnt again);
     then the items gathered before it are returned if `stop_at_other_layout` (maybe none),
@@ -700,15 +701,12 @@ class SharedTable:
       DeadlineExceededError: no item before the deadline. ValueError: an item of another
       layout (see above). TableClosedError: the server stopped.
     """
-    # The five info arrays share one allocation (the layout rs_sample_gather writes).
-    buf = np.empty((9 * n + 1) // 2, np.uint64)   # 36 * n bytes, 8-byte aligned
-    got = ffi.new("uint32_t *", 0)
-    base, slot, info = self._seg.base, self._seg.slot, ffi.from_buffer(buf)
-    rc = lib.RS_EAGAIN
-    while rc == lib.RS_EAGAIN:
-      rc = lib.rs_sample_gather(base, slot, self._index, n, wait_n, deadline_ns,
-                                timeouts.SLICE_NS, len(layout), cols, info, got)
-    b = got[0]
+    seg = self._seg
+    # One C call (reverb_shm._hot): the info buffer, rs_sample_gather with the GIL released and
+    # the SampleInfo of five arrays viewing that buffer (its layout is rs_sample_gather's).
+    rc, info = hot.sample_gather(seg.address, seg.slot, self._index, n, wait_n, deadline_ns,
+                                 timeouts.SLICE_NS, len(layout), cols_address, SampleInfo)
+    b = len(info.key)
     if rc == lib.RS_ETIMEDOUT and b == 0:
       raise errors.DeadlineExceededError(self._limiter_message("sample", timeout_ms))
     if rc == lib.RS_EINVAL:
@@ -717,9 +715,7 @@ class SharedTable:
         rc = lib.RS_OK
     if rc != lib.RS_OK and rc != lib.RS_ETIMEDOUT:
       check(rc, f"sampling from table {self._name!r}")
-    return SampleInfo(np.ndarray(b, _U8, buf, 0), np.ndarray(b, _F8, buf, 8 * n),
-                      np.ndarray(b, _I8, buf, 16 * n), np.ndarray(b, _F8, buf, 24 * n),
-                      np.ndarray(b, _I4, buf, 32 * n))
+    return info
 
   def _learn_layout(self, columns: Sequence[Tuple[np.dtype, tuple]]) -> None:
     """Remembers the (dtype, item shape, bytes) of each column of a sampled item, unless a
@@ -735,13 +731,15 @@ class SharedTable:
     if layout is None:
       return None
     targets = [np.empty((n,) + shape, dtype) for dtype, shape, _ in layout]
-    info = self._gather(n, wait_n, deadline_ns, timeout_ms, layout, _gather_cols(layout, targets),
+    cols = _gather_cols(layout, targets)   # (kept alive for the call)
+    info = self._gather(n, wait_n, deadline_ns, timeout_ms, layout, _address(cols),
                         stop_at_other_layout=True)
     b = len(info.key)
     return info, [t if b == n else t[:b] for t in targets]
 
   def _out_plan(self, out, layout, n: int):
-    """(target arrays, rs_gather_col array) for `out`, validated once per (out, layout)."""
+    """(target arrays, rs_gather_col array, its address) for `out`, validated once per (out,
+    layout)."""
     plan = self._out_cache
     if plan is not None and plan[0] is layout and plan[1] is out:
       leaves = plan[2]
@@ -750,7 +748,7 @@ class SharedTable:
       if not same:
         same = all(a is b for a, b in zip(structure.flatten(out)[0], leaves))
       if same and plan[3] >= n:
-        return plan[2], plan[4]
+        return plan[2], plan[4], plan[5]
     leaves, _ = structure.flatten(out)
     if len(leaves) != len(layout):
       raise ValueError(f"out has {len(leaves)} arrays, items have {len(layout)} columns")
@@ -763,8 +761,9 @@ class SharedTable:
                          f"{getattr(o, 'dtype', type(o).__name__)} and shape "
                          f"{getattr(o, 'shape', None)}")
     cols = _gather_cols(layout, leaves)
-    self._out_cache = (layout, out, list(leaves), min(o.shape[0] for o in leaves), cols)
-    return self._out_cache[2], cols
+    self._out_cache = (layout, out, list(leaves), min(o.shape[0] for o in leaves), cols,
+                       _address(cols))
+    return self._out_cache[2], cols, self._out_cache[5]
 
   def _sample_batch_first(self, n: int, timeout_ms, out) -> ReplaySample:
     """sample_batch through sample_records + gather_column; learns the column layout."""
@@ -792,6 +791,11 @@ class SharedTable:
     info = SampleInfo(recs["key"].copy(), recs["probability"].copy(), recs["table_size"].copy(),
                       recs["priority"].copy(), recs["times_sampled"].copy())
     return ReplaySample(info, self._structure(cols))
+
+
+def _address(cdata) -> int:
+  """The address of a cffi array (for reverb_shm._hot, which takes addresses as ints)."""
+  return int(ffi.cast("uintptr_t", cdata))
 
 
 def _gather_cols(layout, targets):

@@ -251,3 +251,54 @@ def test_client_sample_gather_path_builds_the_documented_objects(server_factory,
       assert type(col) is np.ndarray and col.dtype == dtype and col.shape == shape
     assert act == i and obs.tolist() == [i] * 3 and rew == i * 0.5
   assert st.stats()["samples"] == 1 + num_samples
+
+
+def test_sample_batch_after_the_server_stopped_raises_table_closed(server_factory):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  st.insert(_steps(0, 10), 1.0)
+  out = [np.empty(4, np.int64), np.empty((4, 3), np.float32), np.empty(4, np.float32)]
+  st.sample_batch(4, out=out)      # learns the layout: the next calls take the one-call path
+  assert st.sample_batch(4, out=out).info.key.shape == (4,)
+  server.stop()
+  for kwargs in ({"out": out}, {}):
+    with pytest.raises(errors.TableClosedError):
+      st.sample_batch(4, **kwargs)
+
+
+def test_client_sample_items_keep_their_batch_alive_and_are_private(server_factory):
+  """The row views Client.sample yields own their batch arrays: they stay valid after the
+  generator and every other item are gone, and writing to one item changes no other item nor
+  the table."""
+  server = server_factory([_table()])
+  client = server.localhost_client()
+  server.shared_table("t").insert(_steps(0, 8), 1.0)
+  next(client.sample("t", 1, emit_timesteps=False))    # learns the layout
+  items = list(client.sample("t", 64, emit_timesteps=False))
+  keep = items[5]
+  act = int(keep.data[0])
+  del items
+  gc.collect()
+  np.testing.assert_array_equal(keep.data[1], np.full(3, act, np.float32))
+  keep.data[1][:] = -1.0
+  keep.data[0][...] = 99
+  for s in client.sample("t", 64, emit_timesteps=False):
+    assert int(s.data[0]) != 99 and (s.data[1] == int(s.data[0])).all()
+
+
+def test_hot_sampling_helpers_reject_malformed_calls():
+  from reverb_shm._lib import hot  # pylint: disable=g-import-not-at-top
+  info = reverb_shm.SampleInfo(*(np.zeros(2, t) for t in (np.uint64, np.float64, np.int64,
+                                                           np.float64, np.int32)))
+  cols = [np.zeros((2, 3), np.float32)]
+  with pytest.raises(TypeError, match="info field 1"):
+    hot.split_batch(reverb_shm.ReplaySample, reverb_shm.SampleInfo,
+                    info._replace(probability=np.zeros(2, np.float32)), cols)
+  with pytest.raises(TypeError, match="column 0 must be an array of 2 rows"):
+    hot.split_batch(reverb_shm.ReplaySample, reverb_shm.SampleInfo, info, [np.zeros(3)])
+  with pytest.raises(TypeError, match="split_batch"):
+    hot.split_batch(tuple, reverb_shm.SampleInfo, info, cols)
+  with pytest.raises(ValueError, match="n must be in"):
+    hot.sample_gather(1, 0, 0, 0, 0, -1, 0, 1, 1, reverb_shm.SampleInfo)
+  with pytest.raises(ValueError, match="NamedTuple of 5 fields"):
+    hot.sample_gather(1, 0, 0, 4, 4, -1, 0, 1, 1, reverb_shm.ReplaySample)

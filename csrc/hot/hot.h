@@ -43,6 +43,9 @@ typedef struct {
                         const double *priorities, uint32_t ncols, const uint64_t *chunk_offs,
                         uint32_t first_row, const uint8_t *const *data, const uint32_t *col_flags,
                         uint32_t flags, int64_t deadline_ns, int64_t slice_ns, uint32_t *done_out);
+  int (*sample_gather)(void *base, uint32_t slot, uint32_t table, uint32_t n, uint32_t wait_n,
+                       int64_t deadline_ns, int64_t slice_ns, uint32_t ncols,
+                       const rs_gather_col *cols, void *info, uint32_t *got_io);
 } hot_core_fns;
 
 extern hot_core_fns hot_core;
@@ -58,5 +61,6 @@ extern volatile unsigned long hot_fork_epoch;
  * exception set. */
 int hot_insert_init(PyObject *module);
 int hot_writer_init(PyObject *module);
+int hot_sample_init(PyObject *module);
 
 #endif

@@ -11,7 +11,8 @@ volatile unsigned long hot_fork_epoch = 0;
 static void bump_fork_epoch(void) { hot_fork_epoch++; }
 
 /* Names of hot_core_fns' members' core functions, in member order. */
-static const char *const core_names[] = {"rs_insert_rows", "rs_open_chunks", "rs_insert_rows_at"};
+static const char *const core_names[] = {"rs_insert_rows", "rs_open_chunks", "rs_insert_rows_at",
+                                            "rs_sample_gather"};
 #define NCORE (sizeof(core_names) / sizeof(core_names[0]))
 
 static PyObject *hot_bind(PyObject *self, PyObject *addresses) {
@@ -61,7 +62,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
     PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
     goto fail;
   }
-  if (hot_insert_init(m) < 0 || hot_writer_init(m) < 0) goto fail;
+  if (hot_insert_init(m) < 0 || hot_writer_init(m) < 0 || hot_sample_init(m) < 0) goto fail;
   return m;
 fail:
   Py_DECREF(m);

@@ -1,0 +1,207 @@
+/*
+ * Sampling fast paths (SharedTable.sample_batch, Client.sample): the Python objects around one
+ * rs_sample_gather call, built in C.
+ *
+ * sample_gather: the info buffer, the call (GIL released, RS_EAGAIN retried) and the SampleInfo
+ *   of five arrays viewing that buffer. The status code goes back to Python, which maps it.
+ * split_batch: the ReplaySample of each row of a gathered batch (Python scalars for the info,
+ *   row views of the batch arrays for the data), as Client.sample yields them.
+ */
+#include "hot.h"
+
+/* The buffer layout rs_sample_gather's `info` argument expects, for a batch of n items: key u64[n],
+ * probability f64[n], table_size i64[n], priority f64[n], times_sampled i32[n]. */
+static const int info_types[5] = {NPY_UINT64, NPY_FLOAT64, NPY_INT64, NPY_FLOAT64, NPY_INT32};
+
+/* A new view of `count` elements of type `type` at `data`, owned by (keeping alive) `owner`. */
+static PyObject *view_of(PyObject *owner, int type, void *data, npy_intp count) {
+  PyObject *v = PyArray_NewFromDescr(&PyArray_Type, PyArray_DescrFromType(type), 1, &count, NULL,
+                                     data, NPY_ARRAY_CARRAY, NULL);
+  if (v == NULL) return NULL;
+  Py_INCREF(owner);
+  if (PyArray_SetBaseObject((PyArrayObject *)v, owner) < 0) {
+    Py_DECREF(v);
+    return NULL;
+  }
+  return v;
+}
+
+/* A new tuple of type `cls` (a NamedTuple: a tuple subclass with no fields of its own) of the
+ * `len` references in items (stolen, also on failure). */
+static PyObject *new_named(PyTypeObject *cls, PyObject **items, Py_ssize_t len) {
+  PyObject *t = cls->tp_alloc(cls, len);
+  if (t == NULL) {
+    for (Py_ssize_t i = 0; i < len; i++) Py_XDECREF(items[i]);
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < len; i++) PyTuple_SET_ITEM(t, i, items[i]);
+  return t;
+}
+
+static int is_named_tuple_type(PyObject *cls, Py_ssize_t fields) {
+  if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, &PyTuple_Type)) return 0;
+  PyObject *f = PyObject_GetAttrString(cls, "_fields");
+  if (f == NULL) {
+    PyErr_Clear();
+    return 0;
+  }
+  int ok = PyTuple_Check(f) && PyTuple_GET_SIZE(f) == fields;
+  Py_DECREF(f);
+  return ok;
+}
+
+static PyObject *sample_gather(PyObject *self, PyObject *args) {
+  unsigned long long address, cols_address;
+  unsigned int slot, table, n, wait_n, ncols;
+  long long deadline_ns, slice_ns;
+  PyObject *info_type;
+  if (!PyArg_ParseTuple(args, "KIIIILLIKO:sample_gather", &address, &slot, &table, &n, &wait_n,
+                        &deadline_ns, &slice_ns, &ncols, &cols_address, &info_type))
+    return NULL;
+  if (!hot_core_bound) {
+    PyErr_SetString(PyExc_RuntimeError, "reverb_shm._hot is not bound to the core");
+    return NULL;
+  }
+  if (n == 0 || n >= (1u << 31) || !is_named_tuple_type(info_type, 5)) {
+    PyErr_SetString(PyExc_ValueError, "sample_gather: n must be in [1, 2**31) and info_type a "
+                    "NamedTuple of 5 fields");
+    return NULL;
+  }
+  npy_intp words = ((npy_intp)9 * n + 1) / 2;   /* 36 bytes per item, 8-byte aligned */
+  PyObject *buf = PyArray_SimpleNew(1, &words, NPY_UINT64);
+  if (buf == NULL) return NULL;
+  char *info = PyArray_BYTES((PyArrayObject *)buf);
+  uint32_t got = 0;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  do {
+    rc = hot_core.sample_gather((void *)(uintptr_t)address, slot, table, n, wait_n, deadline_ns,
+                                slice_ns, ncols, (const rs_gather_col *)(uintptr_t)cols_address,
+                                info, &got);
+  } while (rc == RS_EAGAIN);
+  Py_END_ALLOW_THREADS
+  PyObject *fields[5];
+  for (int k = 0; k < 5; k++) {   /* field k starts at k * 8 * n bytes */
+    fields[k] = view_of(buf, info_types[k], info + (size_t)k * 8 * n, got);
+    if (fields[k] == NULL) {
+      for (int j = 0; j < k; j++) Py_DECREF(fields[j]);
+      Py_DECREF(buf);
+      return NULL;
+    }
+  }
+  Py_DECREF(buf);
+  PyObject *infos = new_named((PyTypeObject *)info_type, fields, 5);
+  if (infos == NULL) return NULL;
+  return Py_BuildValue("(iN)", rc, infos);
+}
+
+/* The Python scalar of element i of a 1-d array of one of info_types. */
+static PyObject *scalar_at(PyArrayObject *a, int type, npy_intp i) {
+  const char *p = PyArray_BYTES(a) + i * PyArray_STRIDE(a, 0);
+  switch (type) {
+    case NPY_UINT64: return PyLong_FromUnsignedLongLong(*(const npy_uint64 *)p);
+    case NPY_INT64: return PyLong_FromLongLong(*(const npy_int64 *)p);
+    case NPY_INT32: return PyLong_FromLong(*(const npy_int32 *)p);
+    default: return PyFloat_FromDouble(*(const double *)p);
+  }
+}
+
+/* Row i of column c (a (b, ...) array): a view of shape c.shape[1:] owned by c. */
+static PyObject *row_view(PyArrayObject *c, npy_intp i) {
+  PyArray_Descr *d = PyArray_DESCR(c);
+  Py_INCREF(d);
+  int flags = PyArray_FLAGS(c) & NPY_ARRAY_WRITEABLE;
+  PyObject *v = PyArray_NewFromDescr(&PyArray_Type, d, PyArray_NDIM(c) - 1, PyArray_DIMS(c) + 1,
+                                     PyArray_STRIDES(c) + 1, PyArray_BYTES(c) + i * PyArray_STRIDE(c, 0),
+                                     flags, NULL);
+  if (v == NULL) return NULL;
+  Py_INCREF(c);
+  if (PyArray_SetBaseObject((PyArrayObject *)v, (PyObject *)c) < 0) {
+    Py_DECREF(v);
+    return NULL;
+  }
+  return v;
+}
+
+static PyObject *split_batch(PyObject *self, PyObject *args) {
+  PyObject *sample_type, *info_type, *infos, *columns;
+  if (!PyArg_ParseTuple(args, "OOO!O!:split_batch", &sample_type, &info_type, &PyTuple_Type, &infos,
+                        &PyList_Type, &columns))
+    return NULL;
+  if (!is_named_tuple_type(sample_type, 2) || !is_named_tuple_type(info_type, 5) ||
+      PyTuple_GET_SIZE(infos) != 5) {
+    PyErr_SetString(PyExc_TypeError, "split_batch(ReplaySample, SampleInfo, info of 5 arrays, "
+                    "list of column arrays)");
+    return NULL;
+  }
+  npy_intp b = -1;
+  for (int k = 0; k < 5; k++) {
+    PyObject *a = PyTuple_GET_ITEM(infos, k);
+    if (!PyArray_Check(a) || PyArray_NDIM((PyArrayObject *)a) != 1 ||
+        PyArray_TYPE((PyArrayObject *)a) != info_types[k] ||
+        (b >= 0 && PyArray_DIM((PyArrayObject *)a, 0) != b)) {
+      PyErr_Format(PyExc_TypeError, "split_batch: info field %d must be a 1-d array of the "
+                   "SampleInfo dtype, all of one length", k);
+      return NULL;
+    }
+    b = PyArray_DIM((PyArrayObject *)a, 0);
+  }
+  Py_ssize_t ncols = PyList_GET_SIZE(columns);
+  for (Py_ssize_t c = 0; c < ncols; c++) {
+    PyObject *a = PyList_GET_ITEM(columns, c);
+    if (!PyArray_Check(a) || PyArray_NDIM((PyArrayObject *)a) < 1 ||
+        PyArray_DIM((PyArrayObject *)a, 0) != b) {
+      PyErr_Format(PyExc_TypeError, "split_batch: column %zd must be an array of %zd rows", c,
+                   (Py_ssize_t)b);
+      return NULL;
+    }
+  }
+  PyObject *out = PyList_New(b);
+  if (out == NULL) return NULL;
+  for (npy_intp i = 0; i < b; i++) {
+    PyObject *fields[5];
+    for (int k = 0; k < 5; k++) {
+      fields[k] = scalar_at((PyArrayObject *)PyTuple_GET_ITEM(infos, k), info_types[k], i);
+      if (fields[k] == NULL) {
+        for (int j = 0; j < k; j++) Py_DECREF(fields[j]);
+        goto fail;
+      }
+    }
+    PyObject *pair[2];
+    pair[0] = new_named((PyTypeObject *)info_type, fields, 5);
+    pair[1] = PyList_New(ncols);
+    if (pair[0] == NULL || pair[1] == NULL) {
+      Py_XDECREF(pair[0]);
+      Py_XDECREF(pair[1]);
+      goto fail;
+    }
+    for (Py_ssize_t c = 0; c < ncols; c++) {
+      PyObject *v = row_view((PyArrayObject *)PyList_GET_ITEM(columns, c), i);
+      if (v == NULL) {
+        Py_DECREF(pair[0]);
+        Py_DECREF(pair[1]);
+        goto fail;
+      }
+      PyList_SET_ITEM(pair[1], c, v);
+    }
+    PyObject *item = new_named((PyTypeObject *)sample_type, pair, 2);
+    if (item == NULL) goto fail;
+    PyList_SET_ITEM(out, i, item);
+  }
+  return out;
+fail:
+  Py_DECREF(out);
+  return NULL;
+}
+
+static PyMethodDef sample_methods[] = {
+    {"sample_gather", sample_gather, METH_VARARGS,
+     "sample_gather(address, slot, table, n, wait_n, deadline_ns, slice_ns, ncols, cols_address, "
+     "SampleInfo) -> (status, SampleInfo of 5 arrays of the B items gathered): rs_sample_gather "
+     "with the GIL released (RS_EAGAIN retried)."},
+    {"split_batch", split_batch, METH_VARARGS,
+     "split_batch(ReplaySample, SampleInfo, info, columns) -> list of ReplaySample(SampleInfo of "
+     "Python scalars, [row view of each column]) for each row of a gathered batch."},
+    {NULL, NULL, 0, NULL}};
+
+int hot_sample_init(PyObject *module) { return PyModule_AddFunctions(module, sample_methods); }
