@@ -556,11 +556,57 @@ static int layout_ok(void *base, uint64_t desc_off, uint32_t ncols, const rs_gat
   return 1;
 }
 
+#define GATHER_COLS 8   /* up to this many columns, gathers remember where each row starts */
+#define MEMO_WAYS 16     /* item blobs a gather round remembers (direct-mapped) */
+
+/* One round of rs_sample_gather (up to GATHER_COLS columns): the item blobs (one blob serves
+ * every item of a descriptor block, each at its own row shift) already checked against cols,
+ * where each single-slice column's row 0 of shift 0 is, and the distinct blobs the round pins.
+ * Valid only while the round holds its pins (a freed blob's offset can be reused): reset every
+ * round. */
+typedef struct gather_memo {
+  uint64_t blob[MEMO_WAYS];                   /* rs_ref_off of the item reference; 0 = empty */
+  const char *row0[MEMO_WAYS][GATHER_COLS];   /* NULL: the column has several slices */
+  uint64_t row_bytes[MEMO_WAYS][GATHER_COLS];
+  uint32_t npins;
+  uint64_t pin_descs[SAMPLE_ROUND];
+  uint32_t pins[SAMPLE_ROUND];
+} gather_memo;
+
+static inline uint32_t memo_way(uint64_t blob) {
+  return (uint32_t)(((blob >> 4) * 0x9E3779B97F4A7C15ull) >> 60);   /* 16 ways */
+}
+
+/* Is the blob of item reference `ref` known to have cols' layout? Checks and remembers it (and
+ * lists it for pinning) if not. 0: it has another layout. */
+static int memo_layout_ok(void *base, gather_memo *m, uint64_t ref, uint32_t ncols,
+                          const rs_gather_col *cols) {
+  uint64_t blob = rs_ref_off(ref);
+  uint32_t w = memo_way(blob);
+  if (m->blob[w] == blob) return 1;
+  if (!layout_ok(base, blob, ncols, cols)) return 0;
+  const rs_desc_hdr *d = rs_desc_blob(base, blob);
+  const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
+  const rs_desc_slice *sl = rs_desc_slices(d);
+  for (uint32_t c = 0; c < ncols; c++) {
+    const rs_desc_slice *first = &sl[dc[c].first_slice];
+    const rs_chunk_hdr *ch = rs_chunk(base, first->chunk_off);
+    m->row_bytes[w][c] = ch->row_bytes;
+    m->row0[w][c] = dc[c].nslices != 1 ? NULL
+        : (const char *)ch + ch->data_offset + (uint64_t)first->row_offset * ch->row_bytes;
+  }
+  m->blob[w] = blob;
+  m->pin_descs[m->npins++] = blob;   /* (a blob evicted and met again is pinned twice: fine) */
+  return 1;
+}
+
 /* Take up to `want` samples now (no waiting) into out[]. With `cols` (rs_sample_gather), only
  * items of that layout are taken: the round stops before the first other one, which stays
- * unsampled (RS_EINVAL if it is the first pick). */
+ * unsampled (RS_EINVAL if it is the first pick). With `memo` (rs_sample_gather, <= GATHER_COLS
+ * columns), the layout is checked once per item blob, and the round pins each distinct blob
+ * once (memo->pins) instead of each item (out[].pin is then not set). */
 static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *out,
-                        uint32_t ncols, const rs_gather_col *cols) {
+                        uint32_t ncols, const rs_gather_col *cols, gather_memo *memo) {
   void *base = op->base;
   rs_table_hdr *th = op->th;
   rs_seg_hdr *h = rs_seg(base);
@@ -576,6 +622,10 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
   uint64_t descs[SAMPLE_ROUND], doomed[SAMPLE_ROUND];
   uint32_t k = 0, ndoomed = 0;
   rs_rec *recs = rs_recs(base, th);
+  if (memo) {
+    memset(memo->blob, 0, sizeof memo->blob);
+    memo->npins = 0;
+  }
   int32_t mts = th->max_times_sampled;
 
   /* Without max_times_sampled nothing leaves the table while sampling: pick the whole run at
@@ -600,7 +650,11 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
     int other_layout = 0;
     if (cols) {
       uint32_t good = 0;
-      while (good < m && layout_ok(base, recs[picks[k + good]].desc_off, ncols, cols)) good++;
+      if (memo)
+        while (good < m && memo_layout_ok(base, memo, recs[picks[k + good]].desc_off, ncols, cols))
+          good++;
+      else
+        while (good < m && layout_ok(base, recs[picks[k + good]].desc_off, ncols, cols)) good++;
       if (good < m) {
         other_layout = 1;
         m = good;
@@ -634,7 +688,8 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
   if (k == 0) return 0;
   op->dirty = 1;
   /* Pin before dropping the table's references, so removed items' data stays alive. */
-  int rc = rs_pin_descs(base, slot, k, descs, pins);
+  int rc = memo ? rs_pin_descs(base, slot, memo->npins, memo->pin_descs, memo->pins)
+                : rs_pin_descs(base, slot, k, descs, pins);
   if (ndoomed) {
     if (rs_alock(base) == RS_OK) {
       for (uint32_t i = 0; i < ndoomed; i++) rs_desc_release(base, doomed[i], 1);
@@ -642,7 +697,8 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
     }
   }
   if (rc) return rc;
-  for (uint32_t j = 0; j < k; j++) out[j].pin = pins[j];
+  if (!memo)
+    for (uint32_t j = 0; j < k; j++) out[j].pin = pins[j];
   return (int)k;
 }
 
@@ -665,7 +721,7 @@ int rs_sample(void *base, uint32_t slot, uint32_t table, uint32_t n, int64_t dea
   rc = op_lock(&op);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     int took = 0;
-    while (*got_io < n && (took = sample_round(&op, slot, n - *got_io, out + *got_io, 0, NULL)) > 0)
+    while (*got_io < n && (took = sample_round(&op, slot, n - *got_io, out + *got_io, 0, NULL, NULL)) > 0)
       *got_io += (uint32_t)took;
     if (*got_io == n || took < 0) {
       rc = *got_io == n ? RS_OK : took;
@@ -1018,16 +1074,31 @@ static sample_info sample_info_at(void *info, uint32_t n) {
   return si;
 }
 
-#define GATHER_COLS 8   /* up to this many columns, the first pass keeps each row's source */
 
 static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
-                         uint32_t ncols, const rs_gather_col *cols, const sample_info *info) {
+                         uint32_t ncols, const rs_gather_col *cols, const sample_info *info,
+                         const gather_memo *memo) {
   /* Rows of random items are cache misses: request the first row of every column of every item
-   * up front, keeping where the single-slice columns' rows are. Every item's layout was checked
-   * against cols by sample_round (descriptors and chunk headers never change once written). */
+   * up front, keeping where the single-slice columns' rows are (from the memo of the item's blob
+   * when it has one). Every item's layout was checked against cols by sample_round (descriptors
+   * and chunk headers never change once written). */
   const char *src[SAMPLE_ROUND * GATHER_COLS];
   int keep = ncols <= GATHER_COLS;
   for (uint32_t i = 0; i < n; i++) {
+    uint64_t blob = rs_ref_off(recs[i].desc_off);
+    uint32_t w = memo_way(blob);
+    if (memo && memo->blob[w] == blob) {
+      uint64_t shift = rs_ref_shift(recs[i].desc_off);
+      for (uint32_t c = 0; c < ncols; c++) {
+        const char *p = memo->row0[w][c];
+        if (p) {
+          p += shift * memo->row_bytes[w][c];
+          __builtin_prefetch(p, 0, 1);
+        }
+        src[i * ncols + c] = p;
+      }
+      continue;
+    }
     const rs_desc_hdr *d = rs_desc_blob(base, recs[i].desc_off);
     const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
     const rs_desc_slice *s = rs_desc_slices(d);
@@ -1090,13 +1161,14 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
   if (*got_io == n) return RS_OK;
 
   rs_sample_rec recs[SAMPLE_ROUND];
+  gather_memo memo_space, *memo = ncols <= GATHER_COLS ? &memo_space : NULL;
   sample_info si = sample_info_at(info, n);
   op_t op;
   op_init(&op, base, table, "sample", &th->sampling_ns, &th->waiting_for_inserts_ns, deadline_ns,
           slice_ns);
   rc = op_lock(&op);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
-    int took = sample_round(&op, slot, n - *got_io, recs, ncols, cols);
+    int took = sample_round(&op, slot, n - *got_io, recs, ncols, cols, memo);
     if (took == 0 && *got_io >= wait_n) { /* enough: take no more than what is ready */
       op_unlock(&op);
       break;
@@ -1111,10 +1183,14 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
       break;
     }
     /* Pinned: copy the payload with no lock held, then drop the pins. */
-    gather_round(base, recs, (uint32_t)took, *got_io, ncols, cols, &si);
-    uint32_t pins[SAMPLE_ROUND];
-    for (int j = 0; j < took; j++) pins[j] = recs[j].pin;
-    rc = rs_unpin_fresh(base, slot, (uint32_t)took, pins);
+    gather_round(base, recs, (uint32_t)took, *got_io, ncols, cols, &si, memo);
+    if (memo) {
+      rc = rs_unpin_fresh(base, slot, memo->npins, memo->pins);
+    } else {
+      uint32_t pins[SAMPLE_ROUND];
+      for (int j = 0; j < took; j++) pins[j] = recs[j].pin;
+      rc = rs_unpin_fresh(base, slot, (uint32_t)took, pins);
+    }
     if (rc) break;
     *got_io += (uint32_t)took;
     if (*got_io == n) break;

@@ -78,6 +78,37 @@ def test_uniform_sample_batch_data_belongs_to_the_sampled_keys(server_factory):
   st.check()
 
 
+@pytest.mark.parametrize("max_times_sampled", [0, 1])
+def test_sample_batch_over_many_descriptor_blocks_pins_and_frees_exactly(server_factory,
+                                                                          max_times_sampled):
+  """Items from 120 insert calls (120 descriptor blocks: more than a gather round remembers, so
+  blobs are met, forgotten and met again) gather their own rows; every pin a round takes is
+  released (nothing stays allocated after reset), also when sampling removes the items."""
+  server = server_factory([_table(max_times_sampled=max_times_sampled)])
+  st = server.shared_table("t")
+  index = {}
+  for b in range(120):
+    for i, k in enumerate(st.insert(_steps(7 * b, 7), 1.0).tolist()):
+      index[k] = 7 * b + i
+  seen = []
+  while len(seen) < 840:
+    batch = st.sample_batch(256, timeout_ms=0 if max_times_sampled else None)
+    rows = np.array([index[k] for k in batch.info.key.tolist()])
+    np.testing.assert_array_equal(batch.data[0], rows)
+    np.testing.assert_array_equal(batch.data[1], np.repeat(rows[:, None], 3, 1))
+    np.testing.assert_array_equal(batch.data[2], rows * 0.5)
+    seen += rows.tolist()
+    st.check()
+  if max_times_sampled:   # every item sampled once, then removed
+    assert sorted(seen) == list(range(840)) and st.size == 0
+  st.reset()
+  info = server.segment.info()
+  # No descriptor block stays pinned; the 3 chunks left are the open-chunk set (one per column)
+  # this SharedTable keeps for its next small insert.
+  assert (info["num_descs"], info["num_chunks"]) == (0, 3)
+  server.segment.check()
+
+
 def test_sample_batch_flexible_batch_and_deadline(server_factory):
   st = server_factory([_table(sampler=selectors.Fifo(), max_times_sampled=1)]).shared_table("t")
   st.insert(_steps(0, 6), 1.0)
