@@ -32,6 +32,10 @@ void rs_index_find_many(const rs_index_entry *ix, uint32_t cap, uint32_t n, cons
   for (uint32_t i = 0; i < n; i++) out[i] = rs_index_find(ix, cap, keys[i]);
 }
 
+void rs_index_prefetch(const rs_index_entry *ix, uint32_t cap, uint32_t n, const uint64_t *keys) {
+  for (uint32_t i = 0; i < n; i++) __builtin_prefetch(&ix[home_of(keys[i], cap)], 1);
+}
+
 void rs_index_put(rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t rec) {
   uint32_t i = home_of(key, cap);
   while (ix[i].rec_plus1 != 0) i = next_slot(i, cap);

@@ -22,6 +22,8 @@ uint32_t rs_index_find(const rs_index_entry *ix, uint32_t cap, uint64_t key); /*
 /* rs_index_find of n keys into out[], their probes' first cache misses all in flight at once. */
 void rs_index_find_many(const rs_index_entry *ix, uint32_t cap, uint32_t n, const uint64_t *keys,
                         uint32_t *out);
+/* Requests the home entries of n keys about to be looked up and inserted (no effect otherwise). */
+void rs_index_prefetch(const rs_index_entry *ix, uint32_t cap, uint32_t n, const uint64_t *keys);
 void rs_index_put(rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t rec); /* key absent */
 int rs_index_remove(rs_index_entry *ix, uint32_t cap, uint64_t key);            /* 1 if removed */
 void rs_index_clear(rs_index_entry *ix, uint32_t cap);

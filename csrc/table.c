@@ -516,6 +516,8 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
           slice_ns);
   rc = op_lock(&op);
   uint32_t done = 0;
+  /* Each key's index probe is a cache miss in a large table: request them all at once. */
+  if (rc == RS_OK) rs_index_prefetch(rs_tindex(base, th), th->index_cap, n < 256 ? n : 256, keys);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     while (done < n && rs_limiter_can_insert(th, 1)) {
       rc = insert_one(base, th, keys[done], priorities[done], blob + blob_offs[done],
@@ -536,8 +538,6 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
 
 /* ================================================================== sample */
 
-/* Take up to `want` samples now (no waiting) into out[]. Returns the number taken (0 when the
- * limiter blocks) or a negative error code. */
 /* Does the item at desc_off have exactly the columns `cols` describe (bytes and dtype)? */
 static int layout_ok(void *base, uint64_t desc_off, uint32_t ncols, const rs_gather_col *cols) {
   const rs_desc_hdr *d = rs_desc_blob(base, desc_off);
@@ -600,7 +600,8 @@ static int memo_layout_ok(void *base, gather_memo *m, uint64_t ref, uint32_t nco
   return 1;
 }
 
-/* Take up to `want` samples now (no waiting) into out[]. With `cols` (rs_sample_gather), only
+/* Take up to `want` samples now (no waiting) into out[]; returns the number taken (0 when the
+ * limiter blocks) or a negative error code. With `cols` (rs_sample_gather), only
  * items of that layout are taken: the round stops before the first other one, which stays
  * unsampled (RS_EINVAL if it is the first pick). With `memo` (rs_sample_gather, <= GATHER_COLS
  * columns), the layout is checked once per item blob, and the round pins each distinct blob
