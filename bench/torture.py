@@ -3,7 +3,8 @@
 Workers (forked from this process, which owns the server) loop over every kind of operation:
   writer   TrajectoryWriter appends (chunk writes) and create_item/flush (inserts)
   inserter SharedTable.insert batches (chunk allocation + descriptor insert in one go)
-  sampler  samples batches, verifies every row's checksum, updates priorities, deletes some
+  sampler  samples batches (zero-copy samples, or gathered by sample_batch), verifies every row's
+           checksum, updates priorities, deletes some
   waiter   blocks in sample/insert on a rate-limited table (killed while asleep in the futex)
 Every payload row is 64 bytes: 60 random bytes followed by their CRC32, so any torn, freed or
 overwritten row is detected by whoever samples it.
@@ -101,6 +102,16 @@ def _sampler(server, rng):
   tables = [server.shared_table(n) for n in ("prio", "uniform")]
   while True:
     st = tables[int(rng.integers(0, 2))]
+    if rng.random() < 0.5:   # one C call samples, gathers and releases (rs_sample_gather)
+      try:
+        batch = st.sample_batch(int(rng.integers(1, 17)), timeout_ms=2000)
+      except ValueError:     # an item of another layout than the one learnt: learnt again
+        continue
+      if not rows_intact(batch.data[0]):
+        os._exit(_CORRUPT_EXIT)  # pylint: disable=protected-access
+      keys = batch.info.key.tolist()
+      st.mutate(updates={k: float(rng.random() * 10) for k in keys[::2]})
+      continue
     samples = st.sample(int(rng.integers(1, 17)), timeout_ms=2000)
     _verify(samples)
     keys = [s.info.key for s in samples]
