@@ -1,0 +1,233 @@
+"""Remote Client.insert's Insert stream on both transports: driven by the calling thread
+(bridge/direct.py, grpcio internals) and through grpcio's public API (its fallback).
+
+Each scenario runs on both and must give the same results and errors.
+"""
+import re
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+import reverb_shm  # pylint: disable=g-bad-import-order
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm.bridge import Bridge, BridgeConfig, ClientCredentials, RemoteClient, direct, wire
+from reverb_shm.specs import TensorSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+TRANSPORTS = ("direct", "public")
+
+
+@pytest.fixture
+def use_transport(monkeypatch):
+  """use(name): later Insert streams take that transport."""
+  def use(name):
+    monkeypatch.setattr(direct, "ENABLED", name == "direct")
+    monkeypatch.setattr(direct, "_failed_once", False)
+  return use
+
+
+def _stream_kinds(client: RemoteClient) -> set:
+  """Whether the client's idle Insert streams are direct ({True}, {False} or both)."""
+  return {s.is_direct for s in client._connection().insert_streams}  # pylint: disable=protected-access
+
+
+def _outcome(fn, address: str = ""):
+  try:
+    fn()
+    return "ok"
+  except Exception as e:  # pylint: disable=broad-except  (compared across transports)
+    text = str(e).replace(address, "ADDRESS") if address else str(e)
+    return type(e).__name__, re.sub(r"\d+ ms", "N ms", text)   # (waits vary)
+
+
+def _scenario(server_factory) -> tuple:
+  """Inserts that succeed and fail in every way a table can answer; returns what happened
+  and the tables' contents."""
+  typed = reverb_shm.Table("typed", selectors.Uniform(), selectors.Fifo(), 10,
+                           rate_limiters.MinSize(1), signature={"x": TensorSpec([3], np.int32)})
+  prio = reverb_shm.Table("p", selectors.Prioritized(1.0), selectors.Fifo(), 10,
+                          rate_limiters.MinSize(1))
+  server = server_factory([reverb_shm.Table.queue("queue", 1), typed, prio],
+                          bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address, reconnect_timeout_s=2.0)
+  big = np.arange((wire.FRAME_BYTES // 4) * 2 + 5, dtype=np.float32)   # three frames
+  calls = [
+      lambda: client.insert({"x": np.arange(3, dtype=np.int32)}, {"typed": 1.0}),
+      lambda: client.insert({"x": np.arange(3, dtype=np.int32)}, {"typed": 2.0}),  # fast path
+      lambda: client.insert({"x": np.arange(4, dtype=np.int32)}, {"typed": 1.0}),  # signature
+      lambda: client.insert({"x": np.arange(3, dtype=np.int64)}, {"typed": 1.0}),
+      lambda: client.insert(np.int32(0), {"nope": 1.0}),
+      lambda: client.insert(np.int32(1), {"queue": 1.0}),
+      lambda: client.insert(np.int32(2), {"queue": 1.0}, timeout_ms=0),  # full queue
+      lambda: client.insert(np.int32(2), {"queue": 1.0}, timeout_ms=50),
+      lambda: client.insert(np.int32(3), {"p": 1e308}),                  # beyond the cap
+      lambda: client.insert(big, {"p": 0.5}),
+      lambda: client.insert(np.int32(4), {"p": 0.25, "queue": 1.0}, timeout_ms=0),
+  ]
+  outcomes = [_outcome(fn, server.bridge_address) for fn in calls]
+  kinds = _stream_kinds(client)
+  local = server.localhost_client()
+  contents = {}
+  for table in ("queue", "typed", "p"):
+    size = local.server_info()[table].current_size
+    # (with replacement: 100 samples see every item of these tables but for ~1e-17)
+    n = size if table == "queue" else 100 * bool(size)
+    samples = {s.info.key: s for s in local.sample(table, n, emit_timesteps=False)}
+    assert len(samples) == size
+    contents[table] = sorted((s.info.priority, [d.tolist() for d in s.data])
+                             for s in samples.values())
+  return outcomes, contents, kinds
+
+
+def test_inserts_give_the_same_results_and_errors_on_both_transports(server_factory,
+                                                                     use_transport):
+  results = {}
+  for transport in TRANSPORTS:
+    use_transport(transport)
+    results[transport] = _scenario(server_factory)
+  (outcomes, contents, kinds), (outcomes2, contents2, kinds2) = results.values()
+  assert kinds == {True} and kinds2 == {False}   # each took the transport it was given
+  assert outcomes == outcomes2
+  assert outcomes[:2] == ["ok", "ok"] and outcomes[5] == "ok" and outcomes[9] == "ok"
+  assert [o[0] for o in outcomes[2:5]] == ["ValueError", "ValueError",   # checked locally
+                                          "UnknownTableError"]
+  assert [o[0] for o in outcomes[6:9]] == ["DeadlineExceededError", "DeadlineExceededError",
+                                          "InvalidArgumentError"]
+  assert outcomes[10][0] == "DeadlineExceededError"   # "p" took it, the full queue did not
+  assert contents == contents2
+  assert [c[0] for c in contents["p"]] == [0.25, 0.5]
+  assert contents["p"][1][1][0] == [np.arange(len(contents["p"][1][1][0][0])).tolist()]
+  assert len(contents["p"][1][1][0][0]) == (wire.FRAME_BYTES // 4) * 2 + 5
+  assert contents["queue"] == [(1.0, [[1]])]
+  assert [c[1] for c in contents["typed"]] == [[[[0, 1, 2]]]] * 2
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_refused_token_and_restarted_bridge(server_factory, use_transport, transport):
+  use_transport(transport)
+  server = server_factory([reverb_shm.Table.queue("queue", 100)])
+  bridge = Bridge(server.name, BridgeConfig(token="s3cret"))
+  port = bridge.port
+  wrong = RemoteClient(bridge.address, ClientCredentials(token="nope"), reconnect_timeout_s=0.5)
+  wrong._table_handle = lambda name: RemoteClient._table_handle(good, name)  # pylint: disable=protected-access
+  good = RemoteClient(bridge.address, ClientCredentials(token="s3cret"), reconnect_timeout_s=5)
+  good.insert(np.int32(0), {"queue": 1.0})
+  with pytest.raises(PermissionError, match="token"):
+    wrong.insert(np.int32(1), {"queue": 1.0})
+  assert _stream_kinds(good) == {transport == "direct"}
+  bridge.stop()
+  restart = threading.Timer(0.5, lambda: restarted.append(
+      Bridge(server.name, BridgeConfig(port=port, token="s3cret"))))
+  restarted = []
+  restart.start()
+  try:
+    good.insert(np.int32(2), {"queue": 1.0})   # reconnects with backoff
+  finally:
+    restart.join(timeout=30)
+    for b in restarted:
+      b.stop()
+  assert restarted
+  with pytest.raises(errors.ServerUnavailableError, match="reconnect_timeout_s"):
+    good.insert(np.int32(3), {"queue": 1.0})   # no bridge now: a clear error in ~5 s
+  local = server.localhost_client()
+  assert [int(s.data[0][0]) for s in local.sample("queue", 2, emit_timesteps=False)] == [0, 2]
+
+
+class _Interrupt(Exception):
+  pass
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_interrupted_insert_cancels_its_stream(server_factory, use_transport, transport):
+  """A signal handler's exception (Ctrl-C) ends an insert waiting at the bridge; the client
+  goes on with a new stream and the bridge stops waiting for the cancelled item."""
+  if threading.current_thread() is not threading.main_thread():
+    pytest.skip("signals reach the main thread only")
+  use_transport(transport)
+  server = server_factory([reverb_shm.Table.queue("queue", 1)], bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address, reconnect_timeout_s=2.0)
+  client.insert(np.int32(0), {"queue": 1.0})
+
+  def interrupt(*_):
+    raise _Interrupt()
+  previous = signal.signal(signal.SIGALRM, interrupt)
+  start = time.monotonic()
+  try:
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    with pytest.raises(_Interrupt):
+      client.insert(np.int32(1), {"queue": 1.0})   # the queue is full: waits at the bridge
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+  assert time.monotonic() - start < 5
+  assert not client._connection().insert_streams   # pylint: disable=protected-access
+  time.sleep(0.5)   # the bridge notices the cancellation within its wait slice
+  local = server.localhost_client()
+  assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 0
+  client.insert(np.int32(2), {"queue": 1.0}, timeout_ms=5000)
+  assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 2
+  assert _stream_kinds(client) == {transport == "direct"}
+
+
+def test_direct_streams_fall_back_to_the_public_api_when_grpc_internals_differ(
+    server_factory, use_transport, monkeypatch):
+  use_transport("direct")
+  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
+
+  def other_grpcio(self, multicallable, metadata):
+    raise AttributeError("'_StreamStreamMultiCallable' object has no attribute '_channel'")
+  monkeypatch.setattr(direct.DirectStream, "__init__", other_grpcio)
+  client = RemoteClient(server.bridge_address)
+  for i in range(3):
+    client.insert(np.int32(i), {"queue": 1.0})
+  assert _stream_kinds(client) == {False} and direct._failed_once  # pylint: disable=protected-access
+  local = server.localhost_client()
+  assert [int(s.data[0][0]) for s in local.sample("queue", 3, emit_timesteps=False)] == [0, 1, 2]
+
+
+def test_a_direct_stream_reports_the_servers_status_and_stays_ended(server_factory,
+                                                                   use_transport):
+  use_transport("direct")
+  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
+  with grpc.insecure_channel(server.bridge_address) as channel:
+    stream = direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Insert"), ())
+    ok = {"ops": [{"op": "step", "cols": [["<i4", []]], "ep": 7, "timeout_ms": None,
+                   "b": np.int32(5).tobytes(), "items": [[1, "queue", 42, 1.0]]}]}
+    reply = stream.round_trip(list(wire.frames(wire.pack(ok))))
+    assert wire.unpack(reply[1:]) == {"upto": 1, "errs": []}
+    with pytest.raises(grpc.RpcError) as e:
+      stream.round_trip([b"\x00garbage"])
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert ("rs-error", "InvalidArgumentError") in e.value.trailing_metadata()
+    assert stream.ended
+    with pytest.raises(grpc.RpcError) as again:
+      stream.round_trip(list(wire.frames(wire.pack(ok))))
+    assert again.value is e.value
+    stream.close()
+    stream.close()
+    # A stream of a closed channel is refused with CANCELLED (the client then reconnects).
+  with pytest.raises(grpc.RpcError) as closed:
+    direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Insert"), ())
+  assert closed.value.code() is grpc.StatusCode.CANCELLED
+  assert server.localhost_client().server_info()["queue"].current_size == 1
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_closed_client_inserts_again_over_a_new_connection(server_factory, use_transport,
+                                                             transport):
+  use_transport(transport)
+  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address, reconnect_timeout_s=2.0)
+  client.insert(np.int32(0), {"queue": 1.0})
+  old = client._connection()  # pylint: disable=protected-access
+  client.close()
+  client.insert(np.int32(1), {"queue": 1.0})
+  assert client._connection() is not old and _stream_kinds(client) == {transport == "direct"}  # pylint: disable=protected-access
+  local = server.localhost_client()
+  assert [int(s.data[0][0]) for s in local.sample("queue", 2, emit_timesteps=False)] == [0, 1]
