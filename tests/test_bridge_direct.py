@@ -15,7 +15,8 @@ grpc = pytest.importorskip("grpc")
 
 import reverb_shm  # pylint: disable=g-bad-import-order
 from reverb_shm import errors, rate_limiters, selectors
-from reverb_shm.bridge import Bridge, BridgeConfig, ClientCredentials, RemoteClient, direct, wire
+from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteClient, direct,
+                               service, wire)
 from reverb_shm.specs import TensorSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -231,3 +232,36 @@ def test_a_closed_client_inserts_again_over_a_new_connection(server_factory, use
   assert client._connection() is not old and _stream_kinds(client) == {transport == "direct"}  # pylint: disable=protected-access
   local = server.localhost_client()
   assert [int(s.data[0][0]) for s in local.sample("queue", 2, emit_timesteps=False)] == [0, 1]
+
+
+def test_the_bridges_one_call_path_follows_the_step_layout_of_each_message(server_factory,
+                                                                           monkeypatch):
+  """The bridge remembers the last step layout it saw; alternating layouts (and a message of
+  a remembered layout whose data does not fit it) still get what the general path gives."""
+  server = server_factory([reverb_shm.Table.queue("a", 100)], bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address)
+  taken = []
+  original = service.Bridge._step_at_once  # pylint: disable=protected-access
+  monkeypatch.setattr(service.Bridge, "_step_at_once",
+                      lambda self, msg: taken.append(original(self, msg)) or taken[-1])
+  steps = [{"x": np.full(3, i, np.int16)} if i % 2 else
+           {"x": np.full(2, i, np.int32), "y": np.float64(-i)} for i in range(6)]
+  for i, step in enumerate(steps):
+    client.insert(step, {"a": float(i)})
+  # The first step of each layout is checked by the general path, the rest take one call.
+  assert [s is not None for s in taken] == [False, False, True, True, True, True]
+  with grpc.insecure_channel(server.bridge_address) as channel:
+    stream = direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Insert"), ())
+    if stream is None:
+      pytest.skip("grpcio internals unavailable")
+    bad = {"op": "step", "cols": [["<i2", [3]]], "ep": 1, "timeout_ms": None, "b": b"\0" * 5,
+           "items": [[1, "a", 77, 1.0]]}
+    with pytest.raises(grpc.RpcError) as e:
+      stream.round_trip(list(wire.frames(wire.pack({"ops": [bad]}))))
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "step data holds 5 bytes, its columns need 6" in e.value.details()
+  assert taken[-1] is None
+  got = [(s.info.priority, [d.tolist() for d in s.data])
+         for s in server.localhost_client().sample("a", 6, emit_timesteps=False)]
+  assert got == [(float(i), [[[i] * 3]] if i % 2 else [[[i] * 2], [float(-i)]])
+                 for i in range(6)]

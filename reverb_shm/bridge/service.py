@@ -140,6 +140,7 @@ class Bridge:
     self._tables: Dict[str, SharedTable] = {}
     self._layouts: Dict[tuple, _StepLayout] = {}
     self._step_buffers = (ffi.new("uint64_t[1]"), ffi.new("double[1]"))   # used on the loop only
+    self._last_step_layout = (None, None)   # ("cols" of a step op, its _StepLayout), the last
     self._acks: Dict[int, bytes] = {}
     self._item_bytes: Dict[str, int] = {}   # table -> bytes of a sample in the last reply
     self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -432,17 +433,21 @@ class Bridge:
         or not math.isfinite(prio)):
       return None
     st = self._tables.get(table)
-    try:
-      layout = self._column_writer(op.get("cols"))
-    except wire.BadMessage:
-      return None
+    cols = op.get("cols")
+    last_cols, layout = self._last_step_layout
+    if cols != last_cols:   # (a client sends steps of one layout, mostly)
+      try:
+        layout = self._column_writer(cols)
+      except wire.BadMessage:
+        return None
+      self._last_step_layout = (cols, layout)
     if (st is None or len(data) != layout.nbytes or not layout.checked(table)
         or prio < 0 and st._prioritized() or prio > st.priority_bound):  # pylint: disable=protected-access
       return None
     keys_c, prios_c = self._step_buffers
     keys_c[0], prios_c[0] = key, prio
     try:
-      st._insert_rows(layout.columns, 1, keys_c, prios_c, layout.buffers(data), 0, 0, 0, 0,  # pylint: disable=protected-access
+      st._insert_rows(layout.columns, 1, keys_c, prios_c, layout.pointers(data), 0, 0, 0, 0,  # pylint: disable=protected-access
                       episode_id=episode)
     except errors.ReverbError:
       return None   # nothing inserted (n = 1): the general path waits or reports the error
@@ -719,10 +724,11 @@ class _StepLayout:
     """Whether `check` passed for `table`."""
     return table in self._checked
 
-  def buffers(self, data: bytes) -> list:
-    """uint8_t[] cdata of each column's bytes in a step op's `data` (nbytes long), views."""
-    view = memoryview(data)
-    return [ffi.from_buffer("uint8_t[]", view[a:b]) for a, b in self.bounds]
+  def pointers(self, data: bytes) -> list:
+    """uint8_t * to each column's bytes in a step op's `data` (nbytes long; the pointers are
+    valid while `data` lives)."""
+    base = ffi.from_buffer("uint8_t[]", data)
+    return [base + a for a, _ in self.bounds]
 
   def check(self, table: str, st: SharedTable) -> None:
     """ValueError unless the columns match `table`'s signature (checked once per table)."""
