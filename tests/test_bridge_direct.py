@@ -15,8 +15,8 @@ grpc = pytest.importorskip("grpc")
 
 import reverb_shm  # pylint: disable=g-bad-import-order
 from reverb_shm import errors, rate_limiters, selectors
-from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteClient, direct,
-                               service, wire)
+from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteClient,
+                               ServerTLS, direct, service, wire)
 from reverb_shm.specs import TensorSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -265,3 +265,21 @@ def test_the_bridges_one_call_path_follows_the_step_layout_of_each_message(serve
          for s in server.localhost_client().sample("a", 6, emit_timesteps=False)]
   assert got == [(float(i), [[[i] * 3]] if i % 2 else [[[i] * 2], [float(-i)]])
                  for i in range(6)]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_inserts_over_tls_with_a_client_certificate(server_factory, use_transport, transport,
+                                                   tmp_path):
+  import test_bridge  # pylint: disable=g-import-not-at-top  (its throwaway certificate)
+  use_transport(transport)
+  cert, key = test_bridge._self_signed(tmp_path)  # pylint: disable=protected-access
+  server = server_factory([reverb_shm.Table.queue("queue", 10)],
+                          bridge=BridgeConfig(tls=ServerTLS(cert, key, client_ca=cert)))
+  client = RemoteClient(server.bridge_address, ClientCredentials(
+      root_certificates=cert, certificate_chain=cert, private_key=key))
+  for i in range(3):
+    client.insert({"x": np.full(2, i, np.int64)}, {"queue": 1.0})
+  assert _stream_kinds(client) == {transport == "direct"}
+  local = server.localhost_client()
+  assert [s.data[0].tolist() for s in local.sample("queue", 3, emit_timesteps=False)] == [
+      [[i, i]] for i in range(3)]
