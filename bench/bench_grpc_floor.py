@@ -12,7 +12,8 @@ Measures, interleaved in rounds (medians; CPU per round trip of this process and
                client's Insert stream where grpcio allows it)
 against echo servers in their own processes (grpc.aio, as the bridge, and the sync thread-pool
 server), with 150-byte messages; then `RemoteClient.insert` of the bench_bridge step through a
-`reverb-shm bridge` process, and dm-reverb's Client.insert in /tmp/refvenv (if present), in the
+`reverb-shm bridge` process (its Insert stream driven directly, and through grpcio's public API,
+direct.py's fallback), and dm-reverb's Client.insert in /tmp/refvenv (if present), in the
 same rounds. Rates are round trips (or inserts) per second.
 """
 import argparse
@@ -195,6 +196,13 @@ def main() -> None:
     step = {"obs": np.zeros(8, np.float32), "action": np.int64(0), "reward": np.float32(0)}
     cases["bridge RemoteClient.insert"] = (
         lambda k: [client.insert(step, {"bench": 1.0}) for _ in range(k)], procs[-1].pid)
+    if direct.ENABLED:   # the same through grpcio's public stream API (direct.py's fallback)
+      public = RemoteClient(f"127.0.0.1:{port}")
+      direct.ENABLED = False
+      public.insert(step, {"bench": 1.0})   # (its Insert stream is made now)
+      direct.ENABLED = True
+      cases["bridge RemoteClient.insert, public"] = (
+          lambda k: [public.insert(step, {"bench": 1.0}) for _ in range(k)], procs[-1].pid)
     if os.path.exists(_REF_PYTHON):
       ref = subprocess.Popen([_REF_PYTHON, "-c", _REF_SCRIPT], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True,
