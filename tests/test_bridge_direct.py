@@ -283,3 +283,52 @@ def test_inserts_over_tls_with_a_client_certificate(server_factory, use_transpor
   local = server.localhost_client()
   assert [s.data[0].tolist() for s in local.sample("queue", 3, emit_timesteps=False)] == [
       [[i, i]] for i in range(3)]
+
+
+def test_bridge_inserts_append_to_open_chunks_and_stopping_releases_them(server_factory):
+  """The bridge's one-call inserts append rows to chunks it holds open (as a local
+  Client.insert does): an item costs about its payload, data and episodes are as with the
+  general path, and a stopped bridge leaves nothing behind once the items are gone."""
+  from test_open_chunks import W1_PAYLOAD, assert_items_are, step  # pylint: disable=g-import-not-at-top
+  n = 3000
+  server = server_factory([reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 10 * n,
+                                            rate_limiters.MinSize(1))])
+  bridge = Bridge(server.name)
+  try:
+    client = RemoteClient(bridge.address)
+    seg = server.segment
+    client.insert(step(0), {"t": 1.0})   # the general path checks the layout
+    before = seg.info()
+    for i in range(1, n + 1):
+      client.insert(step(i), {"t": 1.0})
+    after = seg.info()
+    assert (after["arena_used"] - before["arena_used"]) / n - W1_PAYLOAD <= 16  # (~1100 B before)
+    assert after["num_chunks"] - before["num_chunks"] <= 3 * (n // 256 + 2)
+    st = server.shared_table("t")
+    assert_items_are(seg, st, [(i, 0) for i in range(n + 1)])
+    assert client.server_info()["t"].num_episodes == n + 1   # one per item, as Client.insert
+  finally:
+    bridge.stop()
+  seg.check()
+  st.reset()
+  info = seg.info()
+  assert (info["num_chunks"], info["num_descs"], info["arena_used"]) == (0, 0, 0)
+
+
+def test_forgotten_step_layouts_release_their_open_chunks(server_factory, monkeypatch):
+  from test_open_chunks import assert_items_are, step  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(service, "_MAX_LAYOUTS", 1)   # a new layout makes the bridge forget the last
+  server = server_factory([reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100,
+                                            rate_limiters.MinSize(1))], bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address)
+  seg, st = server.segment, server.shared_table("t")
+  for i in range(3):   # the general path, then two one-call inserts into the open chunks
+    client.insert(step(i), {"t": 1.0})
+  assert_items_are(seg, st, [(0, 0), (1, 0), (2, 0)])
+  st.reset()
+  assert seg.info()["num_chunks"] == 3   # the open set, held by the bridge
+  client.insert({"x": np.int16(7)}, {"t": 1.0})   # another layout: the first one is forgotten
+  st.reset()
+  info = seg.info()
+  assert (info["num_chunks"], info["num_descs"], info["arena_used"]) == (0, 0, 0)
+  seg.check()

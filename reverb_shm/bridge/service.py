@@ -43,7 +43,7 @@ from typing import Dict, Optional
 import grpc
 import numpy as np
 
-from reverb_shm import chunks, errors, shm, specs, structure, timeouts
+from reverb_shm import chunks, errors, hot_plans, shm, specs, structure, timeouts
 from reverb_shm import trajectory_writer as tw
 from reverb_shm._lib import check, ffi, lib
 from reverb_shm.bridge import security, wire
@@ -234,6 +234,8 @@ class Bridge:
       pass   # the loop ended already
     self._thread.join(timeout=(grace or 0) + 5)
     self._pool.shutdown(wait=False, cancel_futures=True)
+    if not self._thread.is_alive():   # (else the loop may use them: freed when this process ends)
+      self._release_layouts()
 
   def wait(self) -> None:
     """Blocks until the bridge stops (Ctrl-C stops it)."""
@@ -263,11 +265,19 @@ class Bridge:
         raise wire.BadMessage("step cols must list 1..64 columns")
       layout = _StepLayout([(wire.check_dtype(d, "step column"),
                              wire.check_shape(list(s) if isinstance(s, (list, tuple)) else s,
-                                              "step column")) for d, s in key])
+                                              "step column")) for d, s in key], self._seg)
       if len(self._layouts) >= _MAX_LAYOUTS:
-        self._layouts.clear()
+        self._release_layouts()
       self._layouts[key] = layout
     return layout
+
+  def _release_layouts(self) -> None:
+    """Forgets the cached step layouts, releasing the chunks they hold open."""
+    layouts, self._layouts = self._layouts, {}
+    self._last_step_layout = (None, None)
+    for layout in layouts.values():
+      if layout.open_rows is not None:
+        layout.open_rows.release()
 
   def _table(self, name: str) -> SharedTable:
     st = self._tables.get(name)
@@ -447,8 +457,12 @@ class Bridge:
     keys_c, prios_c = self._step_buffers
     keys_c[0], prios_c[0] = key, prio
     try:
-      st._insert_rows(layout.columns, 1, keys_c, prios_c, layout.pointers(data), 0, 0, 0, 0,  # pylint: disable=protected-access
-                      episode_id=episode)
+      if layout.open_rows is not None:
+        if not layout.open_rows.insert(st, keys_c, prios_c, layout.pointers(data)):
+          return None
+      else:
+        st._insert_rows(layout.columns, 1, keys_c, prios_c, layout.pointers(data), 0, 0, 0, 0,  # pylint: disable=protected-access
+                        episode_id=episode)
     except errors.ReverbError:
       return None   # nothing inserted (n = 1): the general path waits or reports the error
     return seq
@@ -709,8 +723,10 @@ class _StepLayout:
   """The columns of "step" ops of one layout: their ColumnWriter, byte ranges in the op's data,
   and the tables whose signature they were checked against."""
 
-  def __init__(self, columns):
+  def __init__(self, columns, seg: shm.Segment):
     self.columns = chunks.ColumnWriter(columns)
+    capacity = hot_plans.open_rows(columns)
+    self.open_rows = _OpenRows(seg, self.columns, capacity) if capacity else None
     self.bounds, start = [], 0
     for dtype, shape in columns:
       end = start + dtype.itemsize * math.prod(shape)
@@ -738,6 +754,63 @@ class _StepLayout:
         tw.check_signature(table, structure.flatten(signature)[0], self._specs,
                            allow_unbatched=True)
       self._checked.add(table)
+
+
+class _OpenRows:
+  """Chunks held open for the one-call inserts of one step layout, as a local Client.insert's
+  plan holds them (hot_plans): each step is appended as the next row (rs_insert_rows_at, with
+  the client's key) instead of getting chunks of its own, so an item costs its row's bytes plus
+  a few. A full set is released (its pins dropped) and a new one opened; the chunks get a random
+  episode id with one episode per row (RS_ROWS_RANDOM_EPISODE), as a local Client.insert's.
+  Used on the event loop only; `release` when the bridge stops or forgets the layout.
+  """
+
+  def __init__(self, seg: shm.Segment, columns: chunks.ColumnWriter, capacity: int):
+    self._seg, self._columns, self._capacity = seg, columns, capacity
+    self._offs = ffi.new("uint64_t[]", columns.ncols)
+    self._pins = ffi.new("uint32_t[]", columns.ncols)
+    self._done = ffi.new("uint32_t *")
+    self._row = 0
+    self._registration = None   # the segment registration the open set was taken under
+    self._release = None        # releases the open set (hot_plans.open_release)
+
+  def insert(self, st: SharedTable, keys_c, prios_c, pointers: list) -> bool:
+    """Appends one step (`pointers`: one row per column) and inserts it as one item (key
+    keys_c[0], priority prios_c[0]) if the rate limiter admits it at once. Returns False
+    otherwise, having inserted nothing (its row stays unused: the caller inserts it another
+    way).
+
+    Raises:
+      ReverbError: the segment is closed, or no chunks could be opened (arena full).
+    """
+    seg = self._seg
+    slot, _ = seg.registration()
+    if self._release is None or self._row >= self._capacity or \
+        seg._registration is not self._registration:  # pylint: disable=protected-access
+      self._open(slot)
+    row, self._row = self._row, self._row + 1
+    columns = self._columns
+    rc = lib.rs_insert_rows_at(seg.base, slot, st.index, 1, keys_c, prios_c, columns.ncols,
+                               self._offs, row, pointers, columns.squeeze_flags[0], 0, 0,
+                               timeouts.SLICE_NS, self._done)
+    return rc == lib.RS_OK
+
+  def _open(self, slot: int) -> None:
+    self.release()
+    seg, columns = self._seg, self._columns
+    check(lib.rs_open_chunks(seg.base, slot, columns.ncols, columns.metas, self._capacity, 0,
+                             lib.RS_ROWS_RANDOM_EPISODE, self._offs, self._pins),
+          "opening chunks for the bridge's inserts" + seg.arena_hint)
+    self._registration = seg._registration  # pylint: disable=protected-access
+    self._release = hot_plans.open_release(seg, self._registration)
+    self._row = 0
+
+  def release(self) -> None:
+    """Releases the open set (shrunk to the rows used), if any."""
+    release, self._release = self._release, None
+    if release is not None:
+      n = self._columns.ncols
+      release(tuple(self._offs[0:n]), tuple(self._pins[0:n]), self._row, self._capacity)
 
 
 class _WriteStream:
