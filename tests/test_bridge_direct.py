@@ -1,7 +1,7 @@
 """Remote Client.insert's Insert stream on both transports: driven by the calling thread
-(bridge/direct.py, grpcio internals) and through grpcio's public API (its fallback).
-
-Each scenario runs on both and must give the same results and errors.
+(bridge/direct.py, grpcio internals) and through grpcio's public API (its fallback); each
+scenario runs on both and must give the same results and errors. Also the bridge's end of it:
+its one-call insert path (remembered step layout, open chunks) against the general path.
 """
 import re
 import signal
@@ -332,3 +332,22 @@ def test_forgotten_step_layouts_release_their_open_chunks(server_factory, monkey
   info = seg.info()
   assert (info["num_chunks"], info["num_descs"], info["arena_used"]) == (0, 0, 0)
   seg.check()
+
+
+def test_a_direct_stream_receives_a_reply_of_several_frames(server_factory, use_transport):
+  use_transport("direct")
+  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
+  big = np.arange(wire.FRAME_BYTES // 8 + 1000, dtype=np.float64)   # a reply of two frames
+  server.localhost_client().insert(big, {"queue": 1.0})
+  with grpc.insecure_channel(server.bridge_address) as channel:
+    stream = direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Sample"), ())
+    first = {"table": "queue", "n": 1, "timeout_ms": 1000, "credit": 1, "batch": 1}
+    asm = wire.Reassembler()
+    frames = [stream.round_trip(list(wire.frames(wire.pack(first))))]
+    reply = asm.feed(frames[-1])
+    while reply is None:
+      frames.append(stream.receive())
+      reply = asm.feed(frames[-1])
+    stream.close()
+  assert len(frames) == 2 and reply["n"] == 1
+  assert np.frombuffer(reply["cols"][0]["b"], np.float64).tolist() == big.tolist()
