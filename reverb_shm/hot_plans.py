@@ -30,7 +30,8 @@ import numpy as np
 from reverb_shm import timeouts
 from reverb_shm._lib import check, ffi, hot, lib
 
-__all__ = ["PlanCache", "client_insert", "finish", "stager", "template"]
+__all__ = ["PlanCache", "client_insert", "finish", "open_release", "open_rows", "stager",
+           "template"]
 
 _MAX_PLANS = 64   # layouts remembered per table and registration
 _MAX_NODES = 256  # containers and leaves of a template (csrc/hot/hot_insert.c HOT_MAX_NODES)
@@ -200,6 +201,10 @@ def _open_release(seg, registration: tuple):
           check(lib.rs_chunk_shrink(seg.base, off, rows), "shrinking an open chunk")
       check(lib.rs_unpin(seg.base, slot, len(pins), pins), f"releasing {len(pins)} pins")
   return release
+
+
+open_rows = _open_rows          # (also used by the gRPC bridge's one-call inserts)
+open_release = _open_release
 
 
 def stager(table, step, columns: tuple, writer, rows: list, priorities: np.ndarray):

@@ -6,7 +6,7 @@ outlives the process) and `_RemoteTable` handles whose `insert_descriptors` forw
 a pipelined Write stream (writes.py): each TrajectoryWriter has a stream of its own, whose items
 are confirmed asynchronously (flush / end_episode / close wait for them); Client.insert sends
 everything of one call as one message on a persistent Insert stream (a "step" op for numeric
-data) and waits for its confirmation.
+data) and waits for its confirmation (the calling thread drives the stream: direct.py).
 
 Sampling streams grant the bridge credits for `max_in_flight_samples` samples, refilled when
 half of them were consumed; the bridge sends samples in batches and never samples further

@@ -43,7 +43,7 @@ from typing import Dict, Optional
 import grpc
 import numpy as np
 
-from reverb_shm import chunks, errors, shm, specs, structure, timeouts
+from reverb_shm import chunks, errors, hot_plans, shm, specs, structure, timeouts
 from reverb_shm import trajectory_writer as tw
 from reverb_shm._lib import check, ffi, lib
 from reverb_shm.bridge import security, wire
@@ -140,6 +140,7 @@ class Bridge:
     self._tables: Dict[str, SharedTable] = {}
     self._layouts: Dict[tuple, _StepLayout] = {}
     self._step_buffers = (ffi.new("uint64_t[1]"), ffi.new("double[1]"))   # used on the loop only
+    self._last_step_layout = (None, None)   # ("cols" of a step op, its _StepLayout), the last
     self._acks: Dict[int, bytes] = {}
     self._item_bytes: Dict[str, int] = {}   # table -> bytes of a sample in the last reply
     self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -233,6 +234,8 @@ class Bridge:
       pass   # the loop ended already
     self._thread.join(timeout=(grace or 0) + 5)
     self._pool.shutdown(wait=False, cancel_futures=True)
+    if not self._thread.is_alive():   # (else the loop may use them: freed when this process ends)
+      self._release_layouts()
 
   def wait(self) -> None:
     """Blocks until the bridge stops (Ctrl-C stops it)."""
@@ -262,11 +265,19 @@ class Bridge:
         raise wire.BadMessage("step cols must list 1..64 columns")
       layout = _StepLayout([(wire.check_dtype(d, "step column"),
                              wire.check_shape(list(s) if isinstance(s, (list, tuple)) else s,
-                                              "step column")) for d, s in key])
+                                              "step column")) for d, s in key], self._seg)
       if len(self._layouts) >= _MAX_LAYOUTS:
-        self._layouts.clear()
+        self._release_layouts()
       self._layouts[key] = layout
     return layout
+
+  def _release_layouts(self) -> None:
+    """Forgets the cached step layouts, releasing the chunks they hold open."""
+    layouts, self._layouts = self._layouts, {}
+    self._last_step_layout = (None, None)
+    for layout in layouts.values():
+      if layout.open_rows is not None:
+        layout.open_rows.release()
 
   def _table(self, name: str) -> SharedTable:
     st = self._tables.get(name)
@@ -432,18 +443,26 @@ class Bridge:
         or not math.isfinite(prio)):
       return None
     st = self._tables.get(table)
-    try:
-      layout = self._column_writer(op.get("cols"))
-    except wire.BadMessage:
-      return None
+    cols = op.get("cols")
+    last_cols, layout = self._last_step_layout
+    if cols != last_cols:   # (a client sends steps of one layout, mostly)
+      try:
+        layout = self._column_writer(cols)
+      except wire.BadMessage:
+        return None
+      self._last_step_layout = (cols, layout)
     if (st is None or len(data) != layout.nbytes or not layout.checked(table)
         or prio < 0 and st._prioritized() or prio > st.priority_bound):  # pylint: disable=protected-access
       return None
     keys_c, prios_c = self._step_buffers
     keys_c[0], prios_c[0] = key, prio
     try:
-      st._insert_rows(layout.columns, 1, keys_c, prios_c, layout.buffers(data), 0, 0, 0, 0,  # pylint: disable=protected-access
-                      episode_id=episode)
+      if layout.open_rows is not None:
+        if not layout.open_rows.insert(st, keys_c, prios_c, layout.pointers(data)):
+          return None
+      else:
+        st._insert_rows(layout.columns, 1, keys_c, prios_c, layout.pointers(data), 0, 0, 0, 0,  # pylint: disable=protected-access
+                        episode_id=episode)
     except errors.ReverbError:
       return None   # nothing inserted (n = 1): the general path waits or reports the error
     return seq
@@ -704,8 +723,10 @@ class _StepLayout:
   """The columns of "step" ops of one layout: their ColumnWriter, byte ranges in the op's data,
   and the tables whose signature they were checked against."""
 
-  def __init__(self, columns):
+  def __init__(self, columns, seg: shm.Segment):
     self.columns = chunks.ColumnWriter(columns)
+    capacity = hot_plans.open_rows(columns)
+    self.open_rows = _OpenRows(seg, self.columns, capacity) if capacity else None
     self.bounds, start = [], 0
     for dtype, shape in columns:
       end = start + dtype.itemsize * math.prod(shape)
@@ -719,10 +740,11 @@ class _StepLayout:
     """Whether `check` passed for `table`."""
     return table in self._checked
 
-  def buffers(self, data: bytes) -> list:
-    """uint8_t[] cdata of each column's bytes in a step op's `data` (nbytes long), views."""
-    view = memoryview(data)
-    return [ffi.from_buffer("uint8_t[]", view[a:b]) for a, b in self.bounds]
+  def pointers(self, data: bytes) -> list:
+    """uint8_t * to each column's bytes in a step op's `data` (nbytes long; the pointers are
+    valid while `data` lives)."""
+    base = ffi.from_buffer("uint8_t[]", data)
+    return [base + a for a, _ in self.bounds]
 
   def check(self, table: str, st: SharedTable) -> None:
     """ValueError unless the columns match `table`'s signature (checked once per table)."""
@@ -732,6 +754,63 @@ class _StepLayout:
         tw.check_signature(table, structure.flatten(signature)[0], self._specs,
                            allow_unbatched=True)
       self._checked.add(table)
+
+
+class _OpenRows:
+  """Chunks held open for the one-call inserts of one step layout, as a local Client.insert's
+  plan holds them (hot_plans): each step is appended as the next row (rs_insert_rows_at, with
+  the client's key) instead of getting chunks of its own, so an item costs its row's bytes plus
+  a few. A full set is released (its pins dropped) and a new one opened; the chunks get a random
+  episode id with one episode per row (RS_ROWS_RANDOM_EPISODE), as a local Client.insert's.
+  Used on the event loop only; `release` when the bridge stops or forgets the layout.
+  """
+
+  def __init__(self, seg: shm.Segment, columns: chunks.ColumnWriter, capacity: int):
+    self._seg, self._columns, self._capacity = seg, columns, capacity
+    self._offs = ffi.new("uint64_t[]", columns.ncols)
+    self._pins = ffi.new("uint32_t[]", columns.ncols)
+    self._done = ffi.new("uint32_t *")
+    self._row = 0
+    self._registration = None   # the segment registration the open set was taken under
+    self._release = None        # releases the open set (hot_plans.open_release)
+
+  def insert(self, st: SharedTable, keys_c, prios_c, pointers: list) -> bool:
+    """Appends one step (`pointers`: one row per column) and inserts it as one item (key
+    keys_c[0], priority prios_c[0]) if the rate limiter admits it at once. Returns False
+    otherwise, having inserted nothing (its row stays unused: the caller inserts it another
+    way).
+
+    Raises:
+      ReverbError: the segment is closed, or no chunks could be opened (arena full).
+    """
+    seg = self._seg
+    slot, _ = seg.registration()
+    if self._release is None or self._row >= self._capacity or \
+        seg._registration is not self._registration:  # pylint: disable=protected-access
+      self._open(slot)
+    row, self._row = self._row, self._row + 1
+    columns = self._columns
+    rc = lib.rs_insert_rows_at(seg.base, slot, st.index, 1, keys_c, prios_c, columns.ncols,
+                               self._offs, row, pointers, columns.squeeze_flags[0], 0, 0,
+                               timeouts.SLICE_NS, self._done)
+    return rc == lib.RS_OK
+
+  def _open(self, slot: int) -> None:
+    self.release()
+    seg, columns = self._seg, self._columns
+    check(lib.rs_open_chunks(seg.base, slot, columns.ncols, columns.metas, self._capacity, 0,
+                             lib.RS_ROWS_RANDOM_EPISODE, self._offs, self._pins),
+          "opening chunks for the bridge's inserts" + seg.arena_hint)
+    self._registration = seg._registration  # pylint: disable=protected-access
+    self._release = hot_plans.open_release(seg, self._registration)
+    self._row = 0
+
+  def release(self) -> None:
+    """Releases the open set (shrunk to the rows used), if any."""
+    release, self._release = self._release, None
+    if release is not None:
+      n = self._columns.ncols
+      release(tuple(self._offs[0:n]), tuple(self._pins[0:n]), self._row, self._capacity)
 
 
 class _WriteStream:

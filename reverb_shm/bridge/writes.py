@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 
 from reverb_shm import chunks, errors
-from reverb_shm.bridge import wire
+from reverb_shm.bridge import direct, wire
 
 __all__ = ["WriteSession"]
 
@@ -124,23 +124,8 @@ class _Stream:
     except grpc.RpcError as e:
       error = e
     except wire.BadMessage as e:   # a bridge speaking another protocol
-      error = _LocalRpcError(grpc.StatusCode.INTERNAL, str(e))
+      error = direct.StreamError(grpc.StatusCode.INTERNAL, str(e))
     self._on_end(self, error)
-
-
-class _LocalRpcError(grpc.RpcError):
-  def __init__(self, code, details):
-    super().__init__(details)
-    self._code, self._details = code, details
-
-  def code(self):
-    return self._code
-
-  def details(self):
-    return self._details
-
-  def trailing_metadata(self):
-    return ()
 
 
 class WriteSession:
@@ -528,12 +513,24 @@ def _new_chunk(staging, off: int, header, identity: tuple) -> _SentChunk:
 
 class InsertStream:
   """One persistent Insert call of a connection: one request message per Client.insert, one
-  reply (its ack) per request. Used by one caller at a time (see OneMessageInserter)."""
+  reply (its ack) per request. Used by one caller at a time (see OneMessageInserter).
+
+  The calling thread drives the call itself (direct.DirectStream) where this grpcio allows it;
+  else the public API's request iterator and reply iterator carry the messages.
+  """
 
   def __init__(self, conn):
-    self._out = queue.SimpleQueue()
     self._asm = wire.Reassembler()
-    self._call = conn.method("Insert", "stream_stream")(self._requests(), metadata=conn.metadata)
+    method = conn.method("Insert", "stream_stream")
+    self._direct = direct.open_stream(method, conn.metadata)
+    if self._direct is None:
+      self._out = queue.SimpleQueue()
+      self._call = method(self._requests(), metadata=conn.metadata)
+
+  @property
+  def is_direct(self) -> bool:
+    """Whether the calling thread drives the call (direct.DirectStream)."""
+    return self._direct is not None
 
   def _requests(self):
     while True:
@@ -544,15 +541,23 @@ class InsertStream:
 
   def round_trip(self, payload: bytes) -> dict:
     """Sends one encoded message; returns the bridge's reply (raises grpc.RpcError)."""
+    if self._direct is not None:
+      reply = self._asm.feed(self._direct.round_trip(list(wire.frames(payload))))
+      while reply is None:   # a reply of several frames
+        reply = self._asm.feed(self._direct.receive())
+      return reply
     for frame in wire.frames(payload):
       self._out.put(frame)
     for frame in self._call:
       reply = self._asm.feed(frame)
       if reply is not None:
         return reply
-    raise _LocalRpcError(grpc.StatusCode.UNAVAILABLE, "the bridge ended the insert stream")
+    raise direct.StreamError(grpc.StatusCode.UNAVAILABLE, "the bridge ended the insert stream")
 
   def close(self) -> None:
+    if self._direct is not None:
+      self._direct.close()
+      return
     self._out.put(None)
     self._call.cancel()
 
@@ -584,16 +589,18 @@ class OneMessageInserter:
     while True:
       conn = self._connection()
       idle = conn.insert_streams
+      stream = None
       try:
-        stream = idle.pop()
-      except IndexError:
-        stream = InsertStream(conn)
-      try:
+        try:
+          stream = idle.pop()
+        except IndexError:
+          stream = InsertStream(conn)   # (a channel closed meanwhile: CANCELLED, retried)
         ack = stream.round_trip(payload)
         idle.append(stream)
         break
       except grpc.RpcError as e:
-        stream.close()
+        if stream is not None:
+          stream.close()
         now = time.monotonic()
         if e.code() not in RETRYABLE:
           raise self._rpc_error(e, self._address) from None
@@ -604,7 +611,8 @@ class OneMessageInserter:
         time.sleep(min(backoff, give_up - now))
         backoff = min(2 * backoff, BACKOFF_MAX_S)
       except BaseException:
-        stream.close()   # its reply is still due: the stream cannot be reused
+        if stream is not None:
+          stream.close()   # its reply is still due: the stream cannot be reused
         raise
     for err in ack.get("errs") or ():
       if isinstance(err, list) and len(err) == 4:

@@ -1,0 +1,353 @@
+"""Remote Client.insert's Insert stream on both transports: driven by the calling thread
+(bridge/direct.py, grpcio internals) and through grpcio's public API (its fallback); each
+scenario runs on both and must give the same results and errors. Also the bridge's end of it:
+its one-call insert path (remembered step layout, open chunks) against the general path.
+"""
+import re
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+import reverb_shm  # pylint: disable=g-bad-import-order
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteClient,
+                               ServerTLS, direct, service, wire)
+from reverb_shm.specs import TensorSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+TRANSPORTS = ("direct", "public")
+
+
+@pytest.fixture
+def use_transport(monkeypatch):
+  """use(name): later Insert streams take that transport."""
+  def use(name):
+    monkeypatch.setattr(direct, "ENABLED", name == "direct")
+    monkeypatch.setattr(direct, "_failed_once", False)
+  return use
+
+
+def _stream_kinds(client: RemoteClient) -> set:
+  """Whether the client's idle Insert streams are direct ({True}, {False} or both)."""
+  return {s.is_direct for s in client._connection().insert_streams}  # pylint: disable=protected-access
+
+
+def _outcome(fn, address: str = ""):
+  try:
+    fn()
+    return "ok"
+  except Exception as e:  # pylint: disable=broad-except  (compared across transports)
+    text = str(e).replace(address, "ADDRESS") if address else str(e)
+    return type(e).__name__, re.sub(r"\d+ ms", "N ms", text)   # (waits vary)
+
+
+def _scenario(server_factory) -> tuple:
+  """Inserts that succeed and fail in every way a table can answer; returns what happened
+  and the tables' contents."""
+  typed = reverb_shm.Table("typed", selectors.Uniform(), selectors.Fifo(), 10,
+                           rate_limiters.MinSize(1), signature={"x": TensorSpec([3], np.int32)})
+  prio = reverb_shm.Table("p", selectors.Prioritized(1.0), selectors.Fifo(), 10,
+                          rate_limiters.MinSize(1))
+  server = server_factory([reverb_shm.Table.queue("queue", 1), typed, prio],
+                          bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address, reconnect_timeout_s=2.0)
+  big = np.arange((wire.FRAME_BYTES // 4) * 2 + 5, dtype=np.float32)   # three frames
+  calls = [
+      lambda: client.insert({"x": np.arange(3, dtype=np.int32)}, {"typed": 1.0}),
+      lambda: client.insert({"x": np.arange(3, dtype=np.int32)}, {"typed": 2.0}),  # fast path
+      lambda: client.insert({"x": np.arange(4, dtype=np.int32)}, {"typed": 1.0}),  # signature
+      lambda: client.insert({"x": np.arange(3, dtype=np.int64)}, {"typed": 1.0}),
+      lambda: client.insert(np.int32(0), {"nope": 1.0}),
+      lambda: client.insert(np.int32(1), {"queue": 1.0}),
+      lambda: client.insert(np.int32(2), {"queue": 1.0}, timeout_ms=0),  # full queue
+      lambda: client.insert(np.int32(2), {"queue": 1.0}, timeout_ms=50),
+      lambda: client.insert(np.int32(3), {"p": 1e308}),                  # beyond the cap
+      lambda: client.insert(big, {"p": 0.5}),
+      lambda: client.insert(np.int32(4), {"p": 0.25, "queue": 1.0}, timeout_ms=0),
+  ]
+  outcomes = [_outcome(fn, server.bridge_address) for fn in calls]
+  kinds = _stream_kinds(client)
+  local = server.localhost_client()
+  contents = {}
+  for table in ("queue", "typed", "p"):
+    size = local.server_info()[table].current_size
+    # (with replacement: 100 samples see every item of these tables but for ~1e-17)
+    n = size if table == "queue" else 100 * bool(size)
+    samples = {s.info.key: s for s in local.sample(table, n, emit_timesteps=False)}
+    assert len(samples) == size
+    contents[table] = sorted((s.info.priority, [d.tolist() for d in s.data])
+                             for s in samples.values())
+  return outcomes, contents, kinds
+
+
+def test_inserts_give_the_same_results_and_errors_on_both_transports(server_factory,
+                                                                     use_transport):
+  results = {}
+  for transport in TRANSPORTS:
+    use_transport(transport)
+    results[transport] = _scenario(server_factory)
+  (outcomes, contents, kinds), (outcomes2, contents2, kinds2) = results.values()
+  assert kinds == {True} and kinds2 == {False}   # each took the transport it was given
+  assert outcomes == outcomes2
+  assert outcomes[:2] == ["ok", "ok"] and outcomes[5] == "ok" and outcomes[9] == "ok"
+  assert [o[0] for o in outcomes[2:5]] == ["ValueError", "ValueError",   # checked locally
+                                          "UnknownTableError"]
+  assert [o[0] for o in outcomes[6:9]] == ["DeadlineExceededError", "DeadlineExceededError",
+                                          "InvalidArgumentError"]
+  assert outcomes[10][0] == "DeadlineExceededError"   # "p" took it, the full queue did not
+  assert contents == contents2
+  assert [c[0] for c in contents["p"]] == [0.25, 0.5]
+  assert contents["p"][1][1][0] == [np.arange(len(contents["p"][1][1][0][0])).tolist()]
+  assert len(contents["p"][1][1][0][0]) == (wire.FRAME_BYTES // 4) * 2 + 5
+  assert contents["queue"] == [(1.0, [[1]])]
+  assert [c[1] for c in contents["typed"]] == [[[[0, 1, 2]]]] * 2
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_refused_token_and_restarted_bridge(server_factory, use_transport, transport):
+  use_transport(transport)
+  server = server_factory([reverb_shm.Table.queue("queue", 100)])
+  bridge = Bridge(server.name, BridgeConfig(token="s3cret"))
+  port = bridge.port
+  wrong = RemoteClient(bridge.address, ClientCredentials(token="nope"), reconnect_timeout_s=0.5)
+  wrong._table_handle = lambda name: RemoteClient._table_handle(good, name)  # pylint: disable=protected-access
+  good = RemoteClient(bridge.address, ClientCredentials(token="s3cret"), reconnect_timeout_s=5)
+  good.insert(np.int32(0), {"queue": 1.0})
+  with pytest.raises(PermissionError, match="token"):
+    wrong.insert(np.int32(1), {"queue": 1.0})
+  assert _stream_kinds(good) == {transport == "direct"}
+  bridge.stop()
+  restart = threading.Timer(0.5, lambda: restarted.append(
+      Bridge(server.name, BridgeConfig(port=port, token="s3cret"))))
+  restarted = []
+  restart.start()
+  try:
+    good.insert(np.int32(2), {"queue": 1.0})   # reconnects with backoff
+  finally:
+    restart.join(timeout=30)
+    for b in restarted:
+      b.stop()
+  assert restarted
+  with pytest.raises(errors.ServerUnavailableError, match="reconnect_timeout_s"):
+    good.insert(np.int32(3), {"queue": 1.0})   # no bridge now: a clear error in ~5 s
+  local = server.localhost_client()
+  assert [int(s.data[0][0]) for s in local.sample("queue", 2, emit_timesteps=False)] == [0, 2]
+
+
+class _Interrupt(Exception):
+  pass
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_interrupted_insert_cancels_its_stream(server_factory, use_transport, transport):
+  """A signal handler's exception (Ctrl-C) ends an insert waiting at the bridge; the client
+  goes on with a new stream and the bridge stops waiting for the cancelled item."""
+  if threading.current_thread() is not threading.main_thread():
+    pytest.skip("signals reach the main thread only")
+  use_transport(transport)
+  server = server_factory([reverb_shm.Table.queue("queue", 1)], bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address, reconnect_timeout_s=2.0)
+  client.insert(np.int32(0), {"queue": 1.0})
+
+  def interrupt(*_):
+    raise _Interrupt()
+  previous = signal.signal(signal.SIGALRM, interrupt)
+  start = time.monotonic()
+  try:
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    with pytest.raises(_Interrupt):
+      client.insert(np.int32(1), {"queue": 1.0})   # the queue is full: waits at the bridge
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+  assert time.monotonic() - start < 5
+  assert not client._connection().insert_streams   # pylint: disable=protected-access
+  time.sleep(0.5)   # the bridge notices the cancellation within its wait slice
+  local = server.localhost_client()
+  assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 0
+  client.insert(np.int32(2), {"queue": 1.0}, timeout_ms=5000)
+  assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 2
+  assert _stream_kinds(client) == {transport == "direct"}
+
+
+def test_direct_streams_fall_back_to_the_public_api_when_grpc_internals_differ(
+    server_factory, use_transport, monkeypatch):
+  use_transport("direct")
+  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
+
+  def other_grpcio(self, multicallable, metadata):
+    raise AttributeError("'_StreamStreamMultiCallable' object has no attribute '_channel'")
+  monkeypatch.setattr(direct.DirectStream, "__init__", other_grpcio)
+  client = RemoteClient(server.bridge_address)
+  for i in range(3):
+    client.insert(np.int32(i), {"queue": 1.0})
+  assert _stream_kinds(client) == {False} and direct._failed_once  # pylint: disable=protected-access
+  local = server.localhost_client()
+  assert [int(s.data[0][0]) for s in local.sample("queue", 3, emit_timesteps=False)] == [0, 1, 2]
+
+
+def test_a_direct_stream_reports_the_servers_status_and_stays_ended(server_factory,
+                                                                   use_transport):
+  use_transport("direct")
+  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
+  with grpc.insecure_channel(server.bridge_address) as channel:
+    stream = direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Insert"), ())
+    ok = {"ops": [{"op": "step", "cols": [["<i4", []]], "ep": 7, "timeout_ms": None,
+                   "b": np.int32(5).tobytes(), "items": [[1, "queue", 42, 1.0]]}]}
+    reply = stream.round_trip(list(wire.frames(wire.pack(ok))))
+    assert wire.unpack(reply[1:]) == {"upto": 1, "errs": []}
+    with pytest.raises(grpc.RpcError) as e:
+      stream.round_trip([b"\x00garbage"])
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert ("rs-error", "InvalidArgumentError") in e.value.trailing_metadata()
+    assert stream.ended
+    with pytest.raises(grpc.RpcError) as again:
+      stream.round_trip(list(wire.frames(wire.pack(ok))))
+    assert again.value is e.value
+    stream.close()
+    stream.close()
+    # A stream of a closed channel is refused with CANCELLED (the client then reconnects).
+  with pytest.raises(grpc.RpcError) as closed:
+    direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Insert"), ())
+  assert closed.value.code() is grpc.StatusCode.CANCELLED
+  assert server.localhost_client().server_info()["queue"].current_size == 1
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_closed_client_inserts_again_over_a_new_connection(server_factory, use_transport,
+                                                             transport):
+  use_transport(transport)
+  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address, reconnect_timeout_s=2.0)
+  client.insert(np.int32(0), {"queue": 1.0})
+  old = client._connection()  # pylint: disable=protected-access
+  client.close()
+  client.insert(np.int32(1), {"queue": 1.0})
+  assert client._connection() is not old and _stream_kinds(client) == {transport == "direct"}  # pylint: disable=protected-access
+  local = server.localhost_client()
+  assert [int(s.data[0][0]) for s in local.sample("queue", 2, emit_timesteps=False)] == [0, 1]
+
+
+def test_the_bridges_one_call_path_follows_the_step_layout_of_each_message(server_factory,
+                                                                           monkeypatch):
+  """The bridge remembers the last step layout it saw; alternating layouts (and a message of
+  a remembered layout whose data does not fit it) still get what the general path gives."""
+  server = server_factory([reverb_shm.Table.queue("a", 100)], bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address)
+  taken = []
+  original = service.Bridge._step_at_once  # pylint: disable=protected-access
+  monkeypatch.setattr(service.Bridge, "_step_at_once",
+                      lambda self, msg: taken.append(original(self, msg)) or taken[-1])
+  steps = [{"x": np.full(3, i, np.int16)} if i % 2 else
+           {"x": np.full(2, i, np.int32), "y": np.float64(-i)} for i in range(6)]
+  for i, step in enumerate(steps):
+    client.insert(step, {"a": float(i)})
+  # The first step of each layout is checked by the general path, the rest take one call.
+  assert [s is not None for s in taken] == [False, False, True, True, True, True]
+  with grpc.insecure_channel(server.bridge_address) as channel:
+    stream = direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Insert"), ())
+    if stream is None:
+      pytest.skip("grpcio internals unavailable")
+    bad = {"op": "step", "cols": [["<i2", [3]]], "ep": 1, "timeout_ms": None, "b": b"\0" * 5,
+           "items": [[1, "a", 77, 1.0]]}
+    with pytest.raises(grpc.RpcError) as e:
+      stream.round_trip(list(wire.frames(wire.pack({"ops": [bad]}))))
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "step data holds 5 bytes, its columns need 6" in e.value.details()
+  assert taken[-1] is None
+  got = [(s.info.priority, [d.tolist() for d in s.data])
+         for s in server.localhost_client().sample("a", 6, emit_timesteps=False)]
+  assert got == [(float(i), [[[i] * 3]] if i % 2 else [[[i] * 2], [float(-i)]])
+                 for i in range(6)]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_inserts_over_tls_with_a_client_certificate(server_factory, use_transport, transport,
+                                                   tmp_path):
+  import test_bridge  # pylint: disable=g-import-not-at-top  (its throwaway certificate)
+  use_transport(transport)
+  cert, key = test_bridge._self_signed(tmp_path)  # pylint: disable=protected-access
+  server = server_factory([reverb_shm.Table.queue("queue", 10)],
+                          bridge=BridgeConfig(tls=ServerTLS(cert, key, client_ca=cert)))
+  client = RemoteClient(server.bridge_address, ClientCredentials(
+      root_certificates=cert, certificate_chain=cert, private_key=key))
+  for i in range(3):
+    client.insert({"x": np.full(2, i, np.int64)}, {"queue": 1.0})
+  assert _stream_kinds(client) == {transport == "direct"}
+  local = server.localhost_client()
+  assert [s.data[0].tolist() for s in local.sample("queue", 3, emit_timesteps=False)] == [
+      [[i, i]] for i in range(3)]
+
+
+def test_bridge_inserts_append_to_open_chunks_and_stopping_releases_them(server_factory):
+  """The bridge's one-call inserts append rows to chunks it holds open (as a local
+  Client.insert does): an item costs about its payload, data and episodes are as with the
+  general path, and a stopped bridge leaves nothing behind once the items are gone."""
+  from test_open_chunks import W1_PAYLOAD, assert_items_are, step  # pylint: disable=g-import-not-at-top
+  n = 3000
+  server = server_factory([reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 10 * n,
+                                            rate_limiters.MinSize(1))])
+  bridge = Bridge(server.name)
+  try:
+    client = RemoteClient(bridge.address)
+    seg = server.segment
+    client.insert(step(0), {"t": 1.0})   # the general path checks the layout
+    before = seg.info()
+    for i in range(1, n + 1):
+      client.insert(step(i), {"t": 1.0})
+    after = seg.info()
+    assert (after["arena_used"] - before["arena_used"]) / n - W1_PAYLOAD <= 16  # (~1100 B before)
+    assert after["num_chunks"] - before["num_chunks"] <= 3 * (n // 256 + 2)
+    st = server.shared_table("t")
+    assert_items_are(seg, st, [(i, 0) for i in range(n + 1)])
+    assert client.server_info()["t"].num_episodes == n + 1   # one per item, as Client.insert
+  finally:
+    bridge.stop()
+  seg.check()
+  st.reset()
+  info = seg.info()
+  assert (info["num_chunks"], info["num_descs"], info["arena_used"]) == (0, 0, 0)
+
+
+def test_forgotten_step_layouts_release_their_open_chunks(server_factory, monkeypatch):
+  from test_open_chunks import assert_items_are, step  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(service, "_MAX_LAYOUTS", 1)   # a new layout makes the bridge forget the last
+  server = server_factory([reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100,
+                                            rate_limiters.MinSize(1))], bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address)
+  seg, st = server.segment, server.shared_table("t")
+  for i in range(3):   # the general path, then two one-call inserts into the open chunks
+    client.insert(step(i), {"t": 1.0})
+  assert_items_are(seg, st, [(0, 0), (1, 0), (2, 0)])
+  st.reset()
+  assert seg.info()["num_chunks"] == 3   # the open set, held by the bridge
+  client.insert({"x": np.int16(7)}, {"t": 1.0})   # another layout: the first one is forgotten
+  st.reset()
+  info = seg.info()
+  assert (info["num_chunks"], info["num_descs"], info["arena_used"]) == (0, 0, 0)
+  seg.check()
+
+
+def test_a_direct_stream_receives_a_reply_of_several_frames(server_factory, use_transport):
+  use_transport("direct")
+  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
+  big = np.arange(wire.FRAME_BYTES // 8 + 1000, dtype=np.float64)   # a reply of two frames
+  server.localhost_client().insert(big, {"queue": 1.0})
+  with grpc.insecure_channel(server.bridge_address) as channel:
+    stream = direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Sample"), ())
+    first = {"table": "queue", "n": 1, "timeout_ms": 1000, "credit": 1, "batch": 1}
+    asm = wire.Reassembler()
+    frames = [stream.round_trip(list(wire.frames(wire.pack(first))))]
+    reply = asm.feed(frames[-1])
+    while reply is None:
+      frames.append(stream.receive())
+      reply = asm.feed(frames[-1])
+    stream.close()
+  assert len(frames) == 2 and reply["n"] == 1
+  assert np.frombuffer(reply["cols"][0]["b"], np.float64).tolist() == big.tolist()
