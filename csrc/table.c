@@ -538,6 +538,23 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
 
 /* ================================================================== sample */
 
+/* Where this thread last sampled each key (process-local, direct-mapped by key): a priority
+ * update of keys it just sampled (prioritized replay's sample -> learn -> update) finds their
+ * records here instead of probing the key index, whose random cache misses are most of an
+ * update's cost in a large table. An entry is only a guess: update_round uses it only if the
+ * record, read under the table lock, is valid and holds that key (keys are unique in a table). */
+#define HINT_WAYS 1024
+typedef struct sample_hint {
+  const rs_table_hdr *th;   /* the table (header address in this process's mapping) */
+  uint64_t key;
+  uint32_t rec;
+} sample_hint;
+static __thread sample_hint sample_hints[HINT_WAYS];
+
+static inline sample_hint *hint_of(uint64_t key) {
+  return &sample_hints[(key * 0x9E3779B97F4A7C15ull) >> 54];   /* 1024 ways */
+}
+
 /* Does the item at desc_off have exactly the columns `cols` describe (bytes and dtype)? */
 static int layout_ok(void *base, uint64_t desc_off, uint32_t ncols, const rs_gather_col *cols) {
   const rs_desc_hdr *d = rs_desc_blob(base, desc_off);
@@ -672,6 +689,10 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
       if (rec->times_sampled == 1) th->num_unique_samples++;
       th->samples++;
       out[j].key = rec->key;
+      sample_hint *hint = hint_of(rec->key);
+      hint->th = th;
+      hint->key = rec->key;
+      hint->rec = picks[j];
       out[j].probability = probs[j];
       out[j].table_size = th->size;
       out[j].priority = rec->priority;
@@ -807,7 +828,23 @@ static uint32_t update_round(void *base, rs_table_hdr *th, uint32_t n, const uin
   uint32_t found[MUTATE_ROUND], leaf[MUTATE_ROUND], scratch[MUTATE_ROUND];
   double prio[MUTATE_ROUND], w[MUTATE_ROUND];
   rs_rec *recs = rs_recs(base, th);
-  rs_index_find_many(rs_tindex(base, th), th->index_cap, n, keys, found);
+  /* Keys this thread just sampled: their records from the hints (checked); others: the index. */
+  uint64_t probe_keys[MUTATE_ROUND];
+  uint32_t probe_at[MUTATE_ROUND], nprobe = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    const sample_hint *h = hint_of(keys[i]);
+    if (h->th == th && h->key == keys[i] && h->rec < th->cap && recs[h->rec].valid &&
+        recs[h->rec].key == keys[i]) {
+      found[i] = h->rec;
+    } else {
+      probe_at[nprobe] = i;
+      probe_keys[nprobe++] = keys[i];
+    }
+  }
+  if (nprobe) {
+    rs_index_find_many(rs_tindex(base, th), th->index_cap, nprobe, probe_keys, scratch);
+    for (uint32_t j = 0; j < nprobe; j++) found[probe_at[j]] = scratch[j];
+  }
   uint32_t m = 0;
   for (uint32_t i = 0; i < n; i++)
     if (found[i] != RS_NONE) {

@@ -333,3 +333,44 @@ def test_hot_sampling_helpers_reject_malformed_calls():
     hot.sample_gather(1, 0, 0, 0, 0, -1, 0, 1, 1, reverb_shm.SampleInfo)
   with pytest.raises(ValueError, match="NamedTuple of 5 fields"):
     hot.sample_gather(1, 0, 0, 4, 4, -1, 0, 1, 1, reverb_shm.ReplaySample)
+
+
+def _priorities(st):
+  items = st.items()
+  return dict(zip(items["key"].tolist(), items["priority"].tolist()))
+
+
+def test_updates_of_just_sampled_keys_change_exactly_those_items(server_factory):
+  """update_priorities after sampling finds the sampled items through this thread's hints; the
+  result is the one of updates through the key index, also when a hint went stale: the item was
+  deleted and its key inserted again (another record), or the same key lives in another table."""
+  server = server_factory([_table("a", sampler=selectors.Prioritized(0.8)),
+                           _table("b", sampler=selectors.Prioritized(0.8))])
+  a, b = server.shared_table("a"), server.shared_table("b")
+  keys = np.arange(1, 301, dtype=np.uint64)
+  a.insert(_steps(0, 300), np.ones(300), keys=keys)
+  b.insert(_steps(0, 300), np.ones(300), keys=keys)
+  sampled = a.sample_batch(64).info.key
+  assert a.update_priorities(sampled, np.arange(64) + 2.0) == 64
+  want = {int(k): 1.0 for k in keys}
+  want.update(zip(sampled.tolist(), (np.arange(64) + 2.0).tolist()))
+  # (a key sampled twice ends with its last priority, as with updates through the index)
+  assert _priorities(a) == want and set(_priorities(b).values()) == {1.0}
+  # Same keys, other table: b's items change, a's stay.
+  assert b.update_priorities(sampled, np.full(64, 7.0)) == 64
+  assert _priorities(a) == want
+  assert {k: p for k, p in _priorities(b).items() if p != 1.0} == dict.fromkeys(
+      sampled.tolist(), 7.0)
+  # Stale hints: every sampled item deleted, half of them inserted again under the same key
+  # (new records), the other half gone; more inserts reuse the freed records for other keys.
+  gone = np.unique(sampled)
+  a.delete(gone)
+  back = gone[::2]
+  a.insert(_steps(1000, len(back)), np.ones(len(back)), keys=back)
+  a.insert(_steps(2000, 40), np.ones(40), keys=np.arange(5001, 5041, dtype=np.uint64))
+  assert a.update_priorities(gone, np.full(len(gone), 9.0)) == len(back)
+  pr = _priorities(a)
+  assert all(pr[int(k)] == 9.0 for k in back) and not any(int(k) in pr for k in gone[1::2])
+  assert all(pr[k] == 1.0 for k in range(5001, 5041))
+  a.check()
+  b.check()
