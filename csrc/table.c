@@ -543,7 +543,7 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
  * records here instead of probing the key index, whose random cache misses are most of an
  * update's cost in a large table. An entry is only a guess: update_round uses it only if the
  * record, read under the table lock, is valid and holds that key (keys are unique in a table). */
-#define HINT_WAYS 1024
+#define HINT_WAYS 4096
 typedef struct sample_hint {
   const rs_table_hdr *th;   /* the table (header address in this process's mapping) */
   uint64_t key;
@@ -552,7 +552,7 @@ typedef struct sample_hint {
 static __thread sample_hint sample_hints[HINT_WAYS];
 
 static inline sample_hint *hint_of(uint64_t key) {
-  return &sample_hints[(key * 0x9E3779B97F4A7C15ull) >> 54];   /* 1024 ways */
+  return &sample_hints[(key * 0x9E3779B97F4A7C15ull) >> 52];   /* 4096 ways */
 }
 
 /* Does the item at desc_off have exactly the columns `cols` describe (bytes and dtype)? */
