@@ -54,7 +54,7 @@ class SharedTable:
     self._hot_plans = hot_plans.PlanCache(batched=True)   # C one-call plans by batch layout
     self._hot_plan = None         # the plan of the last batch layout inserted
     self._gather_layout = None    # ((dtype, item shape, bytes) per column) of sampled items
-    self._out_cache = None        # (layout, out, leaves, rows, rs_gather_col[], address)
+    self._out_cache = None        # (layout, out, leaves, rows, rs_gather_col[], address, dtypes)
 
   @classmethod
   def attach(cls, name: str) -> "SharedTable":
@@ -646,9 +646,11 @@ class SharedTable:
   def sample_batch(self, n: int, timeout_ms=None, out=None) -> ReplaySample:
     """Samples up to n items and gathers each column into one (B, ...) array.
 
-    After the first call has learnt the items' column layout (dtype and item shape per column),
-    one C call samples, gathers every column into the output arrays and releases the items;
-    items with another layout then raise ValueError.
+    After the first call has learnt the items' column layout (dtype and item shape per column)
+    from the first item it samples, one C call samples, gathers every column into the output
+    arrays and releases the items. An item of another layout ends the batch before it (it stays
+    in the table, unsampled, and its layout is learnt by the next call): B < n then, and
+    ValueError if it is the first item.
 
     Args:
       n: batch size requested.
@@ -663,7 +665,8 @@ class SharedTable:
       nest (if the table has one) or a flat list of arrays.
 
     Raises:
-      ValueError: n < 1, `out` not matching the items' columns, or items of different layouts.
+      ValueError: n < 1; `out` not matching the items' columns (on the first call: after one
+        item was sampled); the first item has another layout than the one learnt.
       DeadlineExceededError: no item could be sampled before the deadline.
       TableClosedError: the server stopped.
     """
@@ -691,8 +694,8 @@ class SharedTable:
     that the rs_gather_col[] at `cols_address` describes (the caller keeps it alive).
 
     An item of another layout is left unsampled and the layout forgotten (to be learnt again);
-    then the items gathered before it are returned if `stop_at_other_layout` (maybe none),
-    else ValueError is raised.
+    then the items gathered before it are returned (a partial batch), or, when there are none
+    and not `stop_at_other_layout`, ValueError is raised.
 
     Returns:
       SampleInfo of arrays of length B, the items gathered into rows [0, B) of the targets.
@@ -711,7 +714,7 @@ class SharedTable:
       raise errors.DeadlineExceededError(self._limiter_message("sample", timeout_ms))
     if rc == lib.RS_EINVAL:
       self._gather_layout = None   # relearn on the next call
-      if stop_at_other_layout:
+      if stop_at_other_layout or b:   # items gathered before the other one: a partial batch
         rc = lib.RS_OK
     if rc != lib.RS_OK and rc != lib.RS_ETIMEDOUT:
       check(rc, f"sampling from table {self._name!r}")
@@ -747,7 +750,9 @@ class SharedTable:
               all(map(operator.is_, out, leaves)))
       if not same:
         same = all(a is b for a, b in zip(structure.flatten(out)[0], leaves))
-      if same and plan[3] >= n:
+      # (an array made read-only, or given another dtype in place, since: validated again)
+      if same and plan[3] >= n and all(o.flags.writeable and o.dtype is d
+                                       for o, d in zip(leaves, plan[6])):
         return plan[2], plan[4], plan[5]
     leaves, _ = structure.flatten(out)
     if len(leaves) != len(layout):
@@ -762,11 +767,15 @@ class SharedTable:
                          f"{getattr(o, 'shape', None)}")
     cols = _gather_cols(layout, leaves)
     self._out_cache = (layout, out, list(leaves), min(o.shape[0] for o in leaves), cols,
-                       _address(cols))
+                       _address(cols), [o.dtype for o in leaves])
     return self._out_cache[2], cols, self._out_cache[5]
 
   def _sample_batch_first(self, n: int, timeout_ms, out) -> ReplaySample:
-    """sample_batch through sample_records + gather_column; learns the column layout."""
+    """sample_batch while no column layout is known: samples one item (waiting as sample_batch
+    does), learns its layout and validates `out` against it, then gathers up to n - 1 more of
+    that layout in C (waiting until the same deadline), stopping before an item of another
+    layout, which stays unsampled. An `out` that does not fit the first item's columns is
+    rejected after that one item was sampled (nothing else is)."""
     out_leaves = None
     if out is not None:
       out_leaves, _ = structure.flatten(out)
@@ -775,23 +784,54 @@ class SharedTable:
             or not o.flags.writeable or not o.flags.c_contiguous):
           raise ValueError(f"out leaf {i} must be a writeable C-contiguous array with at least "
                            f"{n} rows, got {getattr(o, 'shape', type(o).__name__)}")
-    recs, pins = self.sample_records(n, timeout_ms)
+    deadline = -1 if timeout_ms is None else timeouts.deadline_from_ms(timeout_ms)
+    recs, pins = self.sample_records(1, timeout_ms)
     try:
       desc = np.ascontiguousarray(recs["desc_off"])
-      ncols = len(chunks.item_columns(self._seg, int(desc[0])))
-      if out_leaves is not None and len(out_leaves) != ncols:
-        raise ValueError(f"out has {len(out_leaves)} arrays, items have {ncols} columns")
-      cols = []
-      for c in range(ncols):
-        target = None if out_leaves is None else out_leaves[c][:len(desc)]
-        cols.append(chunks.gather_column(self._seg, desc, c, target))
+      specs_ = [chunks.column_spec(self._seg, int(desc[0]), c)
+                for c in range(len(chunks.item_columns(self._seg, int(desc[0]))))]
+      if out_leaves is not None:
+        if len(out_leaves) != len(specs_):
+          raise ValueError(f"out has {len(out_leaves)} arrays, items have {len(specs_)} columns")
+        for i, (o, (dtype, shape, _)) in enumerate(zip(out_leaves, specs_)):
+          if o.dtype != dtype or o.shape[1:] != shape:
+            raise ValueError(f"out leaf {i} must have dtype {dtype} and shape ({n} or more, "
+                             f"*{shape}) as the sampled item's column, got dtype {o.dtype} and "
+                             f"shape {o.shape}")
+      targets = ([o[:n] for o in out_leaves] if out_leaves is not None else
+                 [np.empty((n,) + shape, dtype) for dtype, shape, _ in specs_])
+      for c, t in enumerate(targets):
+        chunks.gather_column(self._seg, desc, c, t[:1])
     finally:
       pins.release()
-    self._learn_layout([(c.dtype, c.shape[1:]) for c in cols])
-    info = SampleInfo(recs["key"].copy(), recs["probability"].copy(), recs["table_size"].copy(),
-                      recs["priority"].copy(), recs["times_sampled"].copy())
-    return ReplaySample(info, self._structure(cols))
-
+    self._learn_layout([(dtype, shape) for dtype, shape, _ in specs_])
+    infos = [recs[f].copy() for f in SampleInfo._fields]
+    layout = self._gather_layout
+    if n > 1 and layout is not None:   # the rest in C (object columns: never gathered in C)
+      rest = [t[1:] for t in targets]
+      cols = _gather_cols(layout, rest)   # (kept alive for the call)
+      try:
+        more = self._gather(n - 1, n - 1, deadline, timeout_ms, layout, _address(cols),
+                            stop_at_other_layout=True)
+      except errors.DeadlineExceededError:   # one item is a batch at the deadline
+        more = None
+      if more is not None and len(more.key):
+        infos = [np.concatenate([a, b]) for a, b in zip(infos, more)]
+    elif n > 1:   # object columns: up to n - 1 more, read in Python (all of the first's layout)
+      try:
+        more, pins = self.sample_records(n - 1, timeouts.remaining_ms(deadline))
+      except errors.DeadlineExceededError:
+        more, pins = recs[:0], None
+      if len(more):
+        try:
+          desc = np.ascontiguousarray(more["desc_off"])
+          for c, t in enumerate(targets):
+            chunks.gather_column(self._seg, desc, c, t[1:1 + len(desc)])
+        finally:
+          pins.release()
+        infos = [np.concatenate([a, more[f]]) for a, f in zip(infos, SampleInfo._fields)]
+    b = len(infos[0])
+    return ReplaySample(SampleInfo(*infos), self._structure([t[:b] for t in targets]))
 
 def _address(cdata) -> int:
   """The address of a cffi array (for reverb_shm._hot, which takes addresses as ints)."""

@@ -240,9 +240,22 @@ def test_client_sample_over_mixed_layouts_loses_no_item(server_factory):
     assert s.data[1].shape == (1, 2 + act % 2) and (s.data[1] == act).all()
   st = server.shared_table("t")
   st.sample_batch(1)                      # learns one of the two layouts
-  with pytest.raises(ValueError, match="layout"):
-    for _ in range(50):                   # the other layout comes up: rejected, not lost
-      st.sample_batch(16)
+  returned, errors_seen = 1, 0
+  for _ in range(50):   # the other layout comes up: it ends the batch before it, unsampled
+    before = st.stats()["samples"]
+    try:
+      batch = st.sample_batch(16)
+    except ValueError as e:   # (only when it is the first item picked)
+      assert "layout" in str(e) and "left unsampled" in str(e)
+      errors_seen += 1
+      assert st.stats()["samples"] == before
+      continue
+    assert 1 <= len(batch.info.key) <= 16
+    obs, act = batch.data[1], batch.data[0]
+    np.testing.assert_array_equal(obs.shape[1:], (1, 2 + int(act[0][0]) % 2))
+    np.testing.assert_array_equal(obs[:, 0, 0], act[:, 0])
+    returned += len(batch.info.key)
+  assert st.stats()["samples"] == 500 + returned   # every sampled item was returned
   st.check()
 
 
@@ -374,3 +387,58 @@ def test_updates_of_just_sampled_keys_change_exactly_those_items(server_factory)
   assert all(pr[k] == 1.0 for k in range(5001, 5041))
   a.check()
   b.check()
+
+
+def test_sample_batch_from_a_queue_of_mixed_layouts_returns_every_item_once(server_factory):
+  """max_times_sampled=1 removes what it samples: an item of another layout must end a batch
+  unsampled, not be taken and then lost with a ValueError."""
+  server = server_factory([reverb_shm.Table.queue("q", 100)])
+  client = server.localhost_client()
+  for i in range(12):
+    client.insert([np.full(3, i, np.float32 if i % 3 else np.float64)], {"q": 1.0})
+  st = server.shared_table("q")
+  returned = []
+  for _ in range(40):
+    if st.size == 0:
+      break
+    try:
+      batch = st.sample_batch(4, timeout_ms=0)
+    except ValueError:
+      continue
+    returned += [int(row.ravel()[0]) for row in batch.data[0]]
+  assert returned == list(range(12))   # every item, once, in queue order
+  st.check()
+
+
+def test_sample_batch_first_call_with_a_wrong_out_takes_one_item_only(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 100)])
+  st = server.shared_table("q")
+  st.insert(_steps(0, 10), 1.0)
+  out = [np.empty(8, np.int32), np.empty((8, 3), np.float32), np.empty(8, np.float32)]
+  with pytest.raises(ValueError, match="out leaf 0 must have dtype int64"):
+    st.sample_batch(8, out=out)
+  assert st.size == 9                      # the one item sampled to learn the columns
+  out[0] = np.empty(8, np.int64)
+  batch = st.sample_batch(8, out=out)
+  np.testing.assert_array_equal(batch.data[0], np.arange(1, 9))
+  assert np.shares_memory(batch.data[0], out[0]) and st.size == 1
+
+
+def test_sample_batch_validates_a_reused_out_again_after_its_flags_or_dtype_changed(
+    server_factory):
+  st = server_factory([_table()]).shared_table("t")
+  st.insert(_steps(0, 10), 1.0)
+  out = [np.zeros(8, np.int64), np.zeros((8, 3), np.float32), np.zeros(8, np.float32)]
+  st.sample_batch(8, out=out)
+  st.sample_batch(8, out=out)              # the cached plan
+  out[1][:] = -1
+  out[1].flags.writeable = False
+  with pytest.raises(ValueError, match="out leaf 1 must be a writeable"):
+    st.sample_batch(8, out=out)
+  assert (out[1] == -1).all()              # not written
+  out[1].flags.writeable = True
+  out[2].dtype = np.int32                  # same buffer, another dtype
+  with pytest.raises(ValueError, match="out leaf 2"):
+    st.sample_batch(8, out=out)
+  out[2].dtype = np.float32
+  assert st.sample_batch(8, out=out).data[1].shape == (8, 3)
