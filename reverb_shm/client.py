@@ -595,7 +595,11 @@ def to_samples(info: SampleInfo, data: list, emit_timesteps: bool, treedef):
   if len(lengths) != 1 or None in lengths:
     raise ValueError("Can't split non timestep trajectory into timesteps.")
   steps = lengths.pop()
-  return [ReplaySample(info, _unpack(treedef, [col[t] for col in data])) for t in range(steps)]
+  # (a numeric step is a 0-d array, as Reverb's; an object column's step is its object)
+  objects = [col.dtype == object for col in data]
+  return [ReplaySample(info, _unpack(treedef, [col[t] if obj else col[t, ...]
+                                               for col, obj in zip(data, objects)]))
+          for t in range(steps)]
 
 
 def _unpack(treedef, columns: list):

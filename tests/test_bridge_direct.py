@@ -334,6 +334,29 @@ def test_forgotten_step_layouts_release_their_open_chunks(server_factory, monkey
   seg.check()
 
 
+def test_the_bridge_holds_open_chunks_for_a_bounded_number_of_step_layouts(server_factory,
+                                                                            monkeypatch):
+  """Clients inserting steps of many layouts: only the most recently opened sets stay open
+  (each holds up to 64 KiB per column of the arena); the others are released, shrunk to their
+  rows, and reopened when their layout comes back."""
+  monkeypatch.setattr(service, "_MAX_OPEN_SETS", 2)
+  server = server_factory([reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100,
+                                            rate_limiters.MinSize(1))], bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address)
+  seg, st = server.segment, server.shared_table("t")
+  for rnd in range(2):
+    for k in range(1, 5):   # 4 one-column layouts, 2 inserts each (the second: an open set)
+      for j in range(2):
+        client.insert({"x": np.full(k, 10 * k + j + rnd, np.float32)}, {"t": 1.0})
+  got = sorted((len(s.data[0][0]), float(s.data[0][0][0])) for s in
+               server.localhost_client().sample("t", 200, emit_timesteps=False))
+  assert {v for v in got} == {(k, 10 * k + j + rnd) for k in range(1, 5) for j in range(2)
+                              for rnd in range(2)}
+  st.reset()
+  assert seg.info()["num_chunks"] == 2   # the open sets of the last 2 layouts, one column each
+  seg.check()
+
+
 def test_a_direct_stream_receives_a_reply_of_several_frames(server_factory, use_transport):
   use_transport("direct")
   server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())

@@ -269,6 +269,8 @@ def test_client_sample_emit_timesteps_on_the_gather_path(server_factory):
   for _ in range(3):   # the first call learns the layout, the next ones gather in C
     steps = next(client.sample("t", 1))
     assert [float(s.data[0]) for s in steps] == [0.0, 1.0, 2.0]
+    # a scalar column's step is a 0-d array, as Reverb's (not a numpy scalar)
+    assert all(type(s.data[0]) is np.ndarray and s.data[0].shape == () for s in steps)
     assert [s.data[1].tolist() for s in steps] == [[0, 1], [1, 2], [2, 3]]
 
 

@@ -38,9 +38,14 @@ __all__ = ["RemoteClient"]
 
 DEFAULT_STAGING_BYTES = 128 << 20
 DEFAULT_SENT_BYTES_BUDGET = 64 << 20
+# A bridge that went away is tried again at least every second (grpc's default reconnect
+# backoff grows to 120 s, so a client would see a restarted bridge only minutes later).
 _CHANNEL_OPTIONS = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                     ("grpc.keepalive_permit_without_calls", 1),
-                    ("grpc.http2.max_pings_without_data", 0))
+                    ("grpc.http2.max_pings_without_data", 0),
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1_000))
 _MAX_STEP_LAYOUTS = 64   # step layouts cached per remote table handle
 _SAMPLE_BATCH = 128     # samples per bridge reply at most (the bridge also caps its bytes)
 _CODE_ERRORS = {

@@ -30,6 +30,7 @@ codes with the reverb_shm error class in the `rs-error` trailing metadata (Write
 them in-band).
 """
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -67,6 +68,7 @@ _ACK_DELAY_S = 0.02       # ... and within _ACK_DELAY_S
 _REPLY_BYTES = 4 << 20    # a Sample reply's column bytes, roughly at most
 _MAX_SAMPLE_GROUPS = 16   # layouts gathered per Sample reply (items of more: one by one)
 _MAX_LAYOUTS = 256        # cached step layouts (cleared when full)
+_MAX_OPEN_SETS = 8        # step layouts holding open chunks at once (the least recent released)
 
 _STATUS = {
     "InvalidArgumentError": grpc.StatusCode.INVALID_ARGUMENT,
@@ -141,6 +143,7 @@ class Bridge:
     self._layouts: Dict[tuple, _StepLayout] = {}
     self._step_buffers = (ffi.new("uint64_t[1]"), ffi.new("double[1]"))   # used on the loop only
     self._last_step_layout = (None, None)   # ("cols" of a step op, its _StepLayout), the last
+    self._open_sets = collections.OrderedDict()   # _OpenRows holding chunks (<= _MAX_OPEN_SETS)
     self._acks: Dict[int, bytes] = {}
     self._item_bytes: Dict[str, int] = {}   # table -> bytes of a sample in the last reply
     self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -265,7 +268,8 @@ class Bridge:
         raise wire.BadMessage("step cols must list 1..64 columns")
       layout = _StepLayout([(wire.check_dtype(d, "step column"),
                              wire.check_shape(list(s) if isinstance(s, (list, tuple)) else s,
-                                              "step column")) for d, s in key], self._seg)
+                                              "step column")) for d, s in key], self._seg,
+                           self._open_sets)
       if len(self._layouts) >= _MAX_LAYOUTS:
         self._release_layouts()
       self._layouts[key] = layout
@@ -723,10 +727,10 @@ class _StepLayout:
   """The columns of "step" ops of one layout: their ColumnWriter, byte ranges in the op's data,
   and the tables whose signature they were checked against."""
 
-  def __init__(self, columns, seg: shm.Segment):
+  def __init__(self, columns, seg: shm.Segment, held: "collections.OrderedDict"):
     self.columns = chunks.ColumnWriter(columns)
     capacity = hot_plans.open_rows(columns)
-    self.open_rows = _OpenRows(seg, self.columns, capacity) if capacity else None
+    self.open_rows = _OpenRows(seg, self.columns, capacity, held) if capacity else None
     self.bounds, start = [], 0
     for dtype, shape in columns:
       end = start + dtype.itemsize * math.prod(shape)
@@ -765,8 +769,10 @@ class _OpenRows:
   Used on the event loop only; `release` when the bridge stops or forgets the layout.
   """
 
-  def __init__(self, seg: shm.Segment, columns: chunks.ColumnWriter, capacity: int):
+  def __init__(self, seg: shm.Segment, columns: chunks.ColumnWriter, capacity: int,
+               held: "collections.OrderedDict"):
     self._seg, self._columns, self._capacity = seg, columns, capacity
+    self._held = held           # the bridge's open sets, least recently opened first
     self._offs = ffi.new("uint64_t[]", columns.ncols)
     self._pins = ffi.new("uint32_t[]", columns.ncols)
     self._done = ffi.new("uint32_t *")
@@ -804,10 +810,14 @@ class _OpenRows:
     self._registration = seg._registration  # pylint: disable=protected-access
     self._release = hot_plans.open_release(seg, self._registration)
     self._row = 0
+    self._held[id(self)] = self
+    while len(self._held) > _MAX_OPEN_SETS:   # bound what the open sets hold of the arena
+      next(iter(self._held.values())).release()
 
   def release(self) -> None:
     """Releases the open set (shrunk to the rows used), if any."""
     release, self._release = self._release, None
+    self._held.pop(id(self), None)
     if release is not None:
       n = self._columns.ncols
       release(tuple(self._offs[0:n]), tuple(self._pins[0:n]), self._row, self._capacity)
