@@ -3,8 +3,13 @@
 scenario runs on both and must give the same results and errors. Also the bridge's end of it:
 its one-call insert path (remembered step layout, open chunks) against the general path.
 """
+import contextlib
+import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,7 +21,7 @@ grpc = pytest.importorskip("grpc")
 import reverb_shm  # pylint: disable=g-bad-import-order
 from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteClient,
-                               ServerTLS, direct, service, wire)
+                               ServerTLS, direct, service, wire, writes)
 from reverb_shm.specs import TensorSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -374,3 +379,61 @@ def test_a_direct_stream_receives_a_reply_of_several_frames(server_factory, use_
     stream.close()
   assert len(frames) == 2 and reply["n"] == 1
   assert np.frombuffer(reply["cols"][0]["b"], np.float64).tolist() == big.tolist()
+
+
+@contextlib.contextmanager
+def _bridge_process(server):
+  """A `reverb-shm bridge` process serving `server`: yields (its Popen, its address)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  proc = subprocess.Popen([sys.executable, "-m", "reverb_shm.cli", "bridge", server.name,
+                           "--port", str(port)], stdout=subprocess.PIPE, text=True,
+                          cwd=os.path.dirname(os.path.dirname(reverb_shm.__file__)))
+  try:
+    assert "listening" in proc.stdout.readline()
+    yield proc, f"127.0.0.1:{port}"
+  finally:
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_insert_with_a_timeout_ends_when_a_stopped_bridge_does_not_answer(
+    server_factory, use_transport, transport):
+  """A bridge process that stops answering without closing its connection (SIGSTOP): an insert
+  with timeout_ms raises DeadlineExceededError after timeout_ms + the answer grace, instead of
+  blocking until gRPC keepalive gives up; once the bridge runs again, inserts work."""
+  use_transport(transport)
+  server = server_factory([reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100,
+                                            rate_limiters.MinSize(1))])
+  with _bridge_process(server) as (proc, address):
+    client = RemoteClient(address, reconnect_timeout_s=0.5)
+    client.insert(np.ones(2), {"t": 1.0}, timeout_ms=100)   # a stream open, the layout known
+    os.kill(proc.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(errors.DeadlineExceededError, match="did not answer an insert"):
+      client.insert(np.ones(2), {"t": 1.0}, timeout_ms=100)
+    took = time.monotonic() - start
+    assert writes.ANSWER_GRACE_S < took < writes.ANSWER_GRACE_S + 3
+    os.kill(proc.pid, signal.SIGCONT)
+    client.insert(np.ones(2), {"t": 1.0}, timeout_ms=1000)
+    assert server.shared_table("t").size in (2, 3)   # (the timed-out one may have gone in)
+
+
+def test_a_sample_with_a_timeout_ends_when_a_stopped_bridge_does_not_answer(server_factory):
+  server = server_factory([reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100,
+                                            rate_limiters.MinSize(1))])
+  server.localhost_client().insert(np.ones(2), {"t": 1.0})
+  with _bridge_process(server) as (proc, address):
+    client = RemoteClient(address, reconnect_timeout_s=0.5)
+    assert len(list(client.sample("t", 2, emit_timesteps=False))) == 2
+    os.kill(proc.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(errors.DeadlineExceededError, match="sent no sample"):
+      list(client.sample("t", 2, emit_timesteps=False, rate_limiter_timeout_ms=100))
+    assert writes.ANSWER_GRACE_S < time.monotonic() - start < writes.ANSWER_GRACE_S + 3
+    os.kill(proc.pid, signal.SIGCONT)
+    assert len(list(client.sample("t", 3, emit_timesteps=False,
+                                  rate_limiter_timeout_ms=1000))) == 3

@@ -174,7 +174,8 @@ def test_one_call_insert_paths_send_and_store_what_the_general_paths_do(server_f
   sent = []
   original_send = writes.OneMessageInserter.send
   monkeypatch.setattr(writes.OneMessageInserter, "send",
-                      lambda self, ops: (sent.append(ops), original_send(self, ops))[1])
+                      lambda self, ops, *timeout: (sent.append(ops),
+                                                   original_send(self, ops, *timeout))[1])
   general = lambda *args: False  # pylint: disable=unnecessary-lambda-assignment
   steps = [{"x": np.arange(6, dtype=np.int16)[::2], "y": np.float32(i), "z": i}
            for i in range(4)]   # (a strided leaf: sent as a contiguous copy)

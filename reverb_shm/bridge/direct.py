@@ -169,6 +169,11 @@ class DirectStream:
         self._status(event)
     self._end(StreamError(grpc.StatusCode.UNAVAILABLE, "the stream ended without a status"))
 
+  def cancel(self) -> None:
+    """Cancels the call from another thread: the round trip waiting on it ends with
+    StreamError (CANCELLED). The owner still closes the stream."""
+    self._call.cancel(cygrpc.StatusCode.cancelled, "cancelled by the client (deadline)")
+
   def close(self) -> None:
     """Cancels the call (if it is open) and takes its outstanding completions."""
     if self._due:

@@ -30,7 +30,7 @@ from reverb_shm import client as client_lib
 from reverb_shm import trajectory_writer as tw
 from reverb_shm import table as table_lib
 from reverb_shm._lib import ffi
-from reverb_shm.bridge import security, wire, writes
+from reverb_shm.bridge import security, watchdog, wire, writes
 from reverb_shm.replay_sample import SampleInfo
 from reverb_shm.selectors import PRIORITIZED
 
@@ -372,7 +372,8 @@ class RemoteClient(client_lib.Client):
                for seq, (h, prio) in enumerate(zip(handles, prios.tolist()), 1)]
       self._inserter.send([{"op": "step", "cols": cols, "ep": episode_id, "items": items,
                             "timeout_ms": wire_timeout,
-                            "b": b"".join([np.ascontiguousarray(a) for a in arrays])}])
+                            "b": b"".join([np.ascontiguousarray(a) for a in arrays])}],
+                          wire_timeout)
       return
     ops = []
     for cid, a in enumerate(arrays, 1):
@@ -389,7 +390,7 @@ class RemoteClient(client_lib.Client):
                   "keys": np.array([tw.random_u64.one()], "<u8").tobytes(),
                   "prios": np.array([prio], "<f8").tobytes(), "descs": [desc],
                   "timeout_ms": wire_timeout})
-    self._inserter.send(ops)
+    self._inserter.send(ops, wire_timeout)
 
   def _insert_fast(self, data, priorities, timeout_ms) -> bool:
     """insert's common case: one numeric step into one table whose handle is cached and whose
@@ -410,7 +411,7 @@ class RemoteClient(client_lib.Client):
       payload = b"".join([np.ascontiguousarray(a) for a in arrays])
     self._inserter.send([{"op": "step", "cols": cols, "ep": tw.random_u64.one(),
                           "items": [[1, handle.name, tw.random_u64.one(), prio]],
-                          "timeout_ms": timeout_ms, "b": payload}])
+                          "timeout_ms": timeout_ms, "b": payload}], timeout_ms)
     return True
 
   def writer_session(self) -> _WriterClient:
@@ -559,7 +560,7 @@ class RemoteClient(client_lib.Client):
     asm = wire.Reassembler()
     got = 0
     try:
-      for frame in call:
+      for frame in _frames_in_time(call, timeout_ms, self.server_address):
         msg = asm.feed(frame)
         if msg is None:
           continue
@@ -576,6 +577,35 @@ class RemoteClient(client_lib.Client):
     finally:
       requests.put(None)
       call.cancel()
+
+
+def _frames_in_time(call, timeout_ms, address: str):
+  """The reply frames of a Sample call. With timeout_ms (each reply of the bridge is due
+  within it: it waits that long for one sample), a bridge that does not answer within
+  timeout_ms + writes.ANSWER_GRACE_S (stopped, or cut off without its connection closing) ends
+  the call with DeadlineExceededError instead of a wait until gRPC keepalive gives up."""
+  if timeout_ms is None:
+    yield from call
+    return
+  frames = iter(call)
+  fired = []
+  while True:
+    token = watchdog.WATCHDOG.watch(
+        time.monotonic() + timeout_ms / 1000 + writes.ANSWER_GRACE_S,
+        lambda: (fired.append(True), call.cancel()))
+    try:
+      frame = next(frames, None)
+    except grpc.RpcError:
+      if not watchdog.WATCHDOG.unwatch(token) and fired:
+        raise errors.DeadlineExceededError(
+            f"bridge {address} sent no sample within rate_limiter_timeout_ms={timeout_ms} + "
+            f"{writes.ANSWER_GRACE_S:g} s (stopped or unreachable without closing its "
+            f"connection?)") from None
+      raise
+    watchdog.WATCHDOG.unwatch(token)
+    if frame is None:
+      return
+    yield frame
 
 
 def _rebuild(address, creds, staging_bytes, budget, reconnect_s, in_flight):

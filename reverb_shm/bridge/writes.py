@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 
 from reverb_shm import chunks, errors
-from reverb_shm.bridge import direct, wire
+from reverb_shm.bridge import direct, watchdog, wire
 
 __all__ = ["WriteSession"]
 
@@ -37,6 +37,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 MAX_IN_FLIGHT_ITEMS = 4096        # unconfirmed items before insert waits for confirmations
 MAX_IN_FLIGHT_BYTES = 32 << 20    # chunk bytes of unconfirmed items, likewise
 _CLOSE_GRACE_S = 5.0              # close() waits this long for the last confirmations
+ANSWER_GRACE_S = 5.0              # an insert's answer may take this long beyond its timeout
 _LINGER_S, _LINGER_OPS = 0.002, 256   # a message waits this long for more ops, unless this many
 
 
@@ -561,6 +562,13 @@ class InsertStream:
     self._out.put(None)
     self._call.cancel()
 
+  def cancel(self) -> None:
+    """Ends a waiting round trip with CANCELLED (from another thread: the watchdog)."""
+    if self._direct is not None:
+      self._direct.cancel()
+    else:
+      self._call.cancel()
+
 
 class OneMessageInserter:
   """Client.insert's path: the ops of one call (its chunks, whole, and its items) travel as
@@ -577,31 +585,49 @@ class OneMessageInserter:
     self._reconnect_s = reconnect_timeout_s
     self._rpc_error = rpc_error
 
-  def send(self, ops: list) -> None:
+  def send(self, ops: list, timeout_ms: Optional[int] = None) -> None:
     """Sends Write ops (ids and seqs local to them) as one message; waits for the ack.
 
+    With `timeout_ms` (the ops' rate limiter timeout), a bridge that does not answer within
+    timeout_ms + max(ANSWER_GRACE_S, reconnect_timeout_s) (stopped, wedged, or cut off without
+    its connection closing) ends the call with DeadlineExceededError; without, it is waited for
+    as Reverb waits (until gRPC keepalive gives up on the connection).
+
     Raises:
-      The bridge's error for an item; ServerUnavailableError.
+      The bridge's error for an item; ServerUnavailableError; DeadlineExceededError (above:
+      the items may or may not have been inserted).
     """
     payload = wire.pack({"ops": ops})
     give_up = time.monotonic() + self._reconnect_s
+    answer_s = None if timeout_ms is None else (
+        timeout_ms / 1000 + max(ANSWER_GRACE_S, self._reconnect_s))
     backoff = BACKOFF_START_S
     while True:
       conn = self._connection()
       idle = conn.insert_streams
-      stream = None
+      stream, token = None, None
       try:
         try:
           stream = idle.pop()
         except IndexError:
           stream = InsertStream(conn)   # (a channel closed meanwhile: CANCELLED, retried)
+        if answer_s is not None:
+          token = watchdog.WATCHDOG.watch(time.monotonic() + answer_s, stream.cancel)
         ack = stream.round_trip(payload)
-        idle.append(stream)
+        if token is None or watchdog.WATCHDOG.unwatch(token):
+          idle.append(stream)
+        else:   # cancelled as the answer came: the stream cannot be reused
+          stream.close()
         break
       except grpc.RpcError as e:
         if stream is not None:
           stream.close()
         now = time.monotonic()
+        if token is not None and not watchdog.WATCHDOG.unwatch(token):
+          raise errors.DeadlineExceededError(
+              f"bridge {self._address} did not answer an insert within timeout_ms={timeout_ms} "
+              f"+ {answer_s - timeout_ms / 1000:g} s (stopped or unreachable without closing "
+              f"its connection?); the items may or may not have been inserted") from None
         if e.code() not in RETRYABLE:
           raise self._rpc_error(e, self._address) from None
         if now >= give_up:
@@ -611,6 +637,8 @@ class OneMessageInserter:
         time.sleep(min(backoff, give_up - now))
         backoff = min(2 * backoff, BACKOFF_MAX_S)
       except BaseException:
+        if token is not None:
+          watchdog.WATCHDOG.unwatch(token)
         if stream is not None:
           stream.close()   # its reply is still due: the stream cannot be reused
         raise
