@@ -1,7 +1,11 @@
 """Shared fixtures: servers with unique names that are always stopped (segments unlinked)."""
+import contextlib
 import itertools
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -108,3 +112,22 @@ def run_threads(fn, n: int, timeout: float = 120) -> None:
   for th in threads:
     th.join(timeout=timeout)
   assert not failures and not any(th.is_alive() for th in threads), failures
+
+
+@contextlib.contextmanager
+def bridge_process(server):
+  """A `reverb-shm bridge` process serving `server` on a free loopback port: yields (its Popen,
+  its address); terminated (continued first, if stopped) at the end."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  proc = subprocess.Popen([sys.executable, "-m", "reverb_shm.cli", "bridge", server.name,
+                           "--port", str(port)], stdout=subprocess.PIPE, text=True,
+                          cwd=os.path.dirname(os.path.dirname(reverb_shm.__file__)))
+  try:
+    assert "listening" in proc.stdout.readline()
+    yield proc, f"127.0.0.1:{port}"
+  finally:
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.terminate()
+    proc.wait(timeout=10)

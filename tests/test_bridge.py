@@ -17,6 +17,8 @@ from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteClient,
                                ServerTLS, ShardedClient, wire)
 
+from conftest import bridge_process
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -253,21 +255,10 @@ def test_remote_actor_processes_feed_a_local_learner(server_factory):
 
 def test_cli_bridge_serves_a_server(server_factory):
   server = server_factory([_uniform("dist")])
-  import socket  # pylint: disable=g-import-not-at-top
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  proc = subprocess.Popen([sys.executable, "-m", "reverb_shm.cli", "bridge", server.name,
-                           "--port", str(port)], stdout=subprocess.PIPE, text=True,
-                          cwd=os.path.dirname(os.path.dirname(reverb_shm.__file__)))
-  try:
-    assert "listening" in proc.stdout.readline()
-    client = RemoteClient(f"127.0.0.1:{port}")
+  with bridge_process(server) as (_, address):
+    client = RemoteClient(address)
     client.insert(np.ones(2), {"dist": 1.0})
     assert server.localhost_client().server_info()["dist"].current_size == 1
-  finally:
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -3,13 +3,9 @@
 scenario runs on both and must give the same results and errors. Also the bridge's end of it:
 its one-call insert path (remembered step layout, open chunks) against the general path.
 """
-import contextlib
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -23,6 +19,8 @@ from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteClient,
                                ServerTLS, direct, service, wire, writes)
 from reverb_shm.specs import TensorSpec
+
+from conftest import bridge_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -381,24 +379,6 @@ def test_a_direct_stream_receives_a_reply_of_several_frames(server_factory, use_
   assert np.frombuffer(reply["cols"][0]["b"], np.float64).tolist() == big.tolist()
 
 
-@contextlib.contextmanager
-def _bridge_process(server):
-  """A `reverb-shm bridge` process serving `server`: yields (its Popen, its address)."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  proc = subprocess.Popen([sys.executable, "-m", "reverb_shm.cli", "bridge", server.name,
-                           "--port", str(port)], stdout=subprocess.PIPE, text=True,
-                          cwd=os.path.dirname(os.path.dirname(reverb_shm.__file__)))
-  try:
-    assert "listening" in proc.stdout.readline()
-    yield proc, f"127.0.0.1:{port}"
-  finally:
-    os.kill(proc.pid, signal.SIGCONT)
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_an_insert_with_a_timeout_ends_when_a_stopped_bridge_does_not_answer(
     server_factory, use_transport, transport):
@@ -408,7 +388,7 @@ def test_an_insert_with_a_timeout_ends_when_a_stopped_bridge_does_not_answer(
   use_transport(transport)
   server = server_factory([reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100,
                                             rate_limiters.MinSize(1))])
-  with _bridge_process(server) as (proc, address):
+  with bridge_process(server) as (proc, address):
     client = RemoteClient(address, reconnect_timeout_s=0.5)
     client.insert(np.ones(2), {"t": 1.0}, timeout_ms=100)   # a stream open, the layout known
     os.kill(proc.pid, signal.SIGSTOP)
@@ -426,7 +406,7 @@ def test_a_sample_with_a_timeout_ends_when_a_stopped_bridge_does_not_answer(serv
   server = server_factory([reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100,
                                             rate_limiters.MinSize(1))])
   server.localhost_client().insert(np.ones(2), {"t": 1.0})
-  with _bridge_process(server) as (proc, address):
+  with bridge_process(server) as (proc, address):
     client = RemoteClient(address, reconnect_timeout_s=0.5)
     assert len(list(client.sample("t", 2, emit_timesteps=False))) == 2
     os.kill(proc.pid, signal.SIGSTOP)
