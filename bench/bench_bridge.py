@@ -1,6 +1,6 @@
 """Bridge benchmark: remote insert/sample over loopback vs dm-reverb's gRPC, and the hop cost.
 
-    python bench/bench_bridge.py [--seconds 2]
+    python bench/bench_bridge.py [--seconds 2] [--rounds 3]
 
 Workloads (steps are {'obs': float32[8], 'action': int64, 'reward': float32}):
   insert   Client.insert of one step per call
@@ -131,17 +131,27 @@ def _dm_reverb(seconds: float):
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seconds", type=float, default=2.0)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="alternate reverb_shm and dm-reverb this many times; medians")
   args = parser.parse_args()
-  ours = _reverb_shm(args.seconds)
-  ref = _dm_reverb(args.seconds)
+  rounds = []
+  for _ in range(args.rounds):   # (alternating: a change of machine load weighs on both)
+    rounds.append((_reverb_shm(args.seconds), _dm_reverb(args.seconds)))
+  med = lambda values: float(np.median(values))  # pylint: disable=unnecessary-lambda-assignment
+  nan = float("nan")
   print(f"{'workload':10} {'shm local':>10} {'bridge':>10} {'bridge/own':>10} {'dm-reverb':>10} "
         f"{'bridge/dm':>10} {'own/dm':>8} {'hop cost':>9}")
   for w in ("insert", "writer", "sample"):
-    local, bridge, own = ours["local"][w], ours["bridge"][w], ours["own"][w]
-    dm = ref[w] if ref else float("nan")
-    print(f"{w:10} {local:10.0f} {bridge:10.0f} {own:10.0f} {dm:10.0f} {bridge / dm:9.2f}x "
-          f"{own / dm:7.2f}x {local / bridge:8.1f}x")
-  print("rates in items/s; bridge = in this process, bridge/own = `reverb-shm bridge` process;\n"
+    local, bridge, own = (med([ours[k][w] for ours, _ in rounds]) for k in ("local", "bridge",
+                                                                          "own"))
+    dm = med([ref[w] if ref else nan for _, ref in rounds])
+    # ratios: the median of each round's ratio (both measured back to back)
+    bridge_dm = med([ours["bridge"][w] / (ref[w] if ref else nan) for ours, ref in rounds])
+    own_dm = med([ours["own"][w] / (ref[w] if ref else nan) for ours, ref in rounds])
+    print(f"{w:10} {local:10.0f} {bridge:10.0f} {own:10.0f} {dm:10.0f} {bridge_dm:9.2f}x "
+          f"{own_dm:7.2f}x {local / bridge:8.1f}x")
+  print(f"rates in items/s (medians of {args.rounds} rounds); bridge = in this process, "
+        "bridge/own = `reverb-shm bridge` process;\n"
         "hop cost = local shared memory rate / in-process bridge rate")
 
 
