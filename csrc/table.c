@@ -543,16 +543,16 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
  * records here instead of probing the key index, whose random cache misses are most of an
  * update's cost in a large table. An entry is only a guess: update_round uses it only if the
  * record, read under the table lock, is valid and holds that key (keys are unique in a table). */
-#define HINT_WAYS 4096
+#define HINT_BITS 12   /* 4096 ways */
 typedef struct sample_hint {
   const rs_table_hdr *th;   /* the table (header address in this process's mapping) */
   uint64_t key;
   uint32_t rec;
 } sample_hint;
-static __thread sample_hint sample_hints[HINT_WAYS];
+static __thread sample_hint sample_hints[1u << HINT_BITS];
 
 static inline sample_hint *hint_of(uint64_t key) {
-  return &sample_hints[(key * 0x9E3779B97F4A7C15ull) >> 52];   /* 4096 ways */
+  return &sample_hints[(key * 0x9E3779B97F4A7C15ull) >> (64 - HINT_BITS)];
 }
 
 /* Does the item at desc_off have exactly the columns `cols` describe (bytes and dtype)? */
@@ -594,6 +594,9 @@ static inline uint32_t memo_way(uint64_t blob) {
   return (uint32_t)(((blob >> 4) * 0x9E3779B97F4A7C15ull) >> 60);   /* 16 ways */
 }
 
+static inline const char *slice_src(void *base, const rs_desc_slice *sl, uint64_t shift,
+                                    uint64_t *nb);
+
 /* Is the blob of item reference `ref` known to have cols' layout? Checks and remembers it (and
  * lists it for pinning) if not. 0: it has another layout. */
 static int memo_layout_ok(void *base, gather_memo *m, uint64_t ref, uint32_t ncols,
@@ -607,10 +610,10 @@ static int memo_layout_ok(void *base, gather_memo *m, uint64_t ref, uint32_t nco
   const rs_desc_slice *sl = rs_desc_slices(d);
   for (uint32_t c = 0; c < ncols; c++) {
     const rs_desc_slice *first = &sl[dc[c].first_slice];
-    const rs_chunk_hdr *ch = rs_chunk(base, first->chunk_off);
-    m->row_bytes[w][c] = ch->row_bytes;
-    m->row0[w][c] = dc[c].nslices != 1 ? NULL
-        : (const char *)ch + ch->data_offset + (uint64_t)first->row_offset * ch->row_bytes;
+    uint64_t nb;
+    const char *row0 = slice_src(base, first, 0, &nb);
+    m->row_bytes[w][c] = rs_chunk(base, first->chunk_off)->row_bytes;
+    m->row0[w][c] = dc[c].nslices == 1 ? row0 : NULL;
   }
   m->blob[w] = blob;
   m->pin_descs[m->npins++] = blob;   /* (a blob evicted and met again is pinned twice: fine) */

@@ -13,10 +13,11 @@
  * probability f64[n], table_size i64[n], priority f64[n], times_sampled i32[n]. */
 static const int info_types[5] = {NPY_UINT64, NPY_FLOAT64, NPY_INT64, NPY_FLOAT64, NPY_INT32};
 
-/* A new view of `count` elements of type `type` at `data`, owned by (keeping alive) `owner`. */
-static PyObject *view_of(PyObject *owner, int type, void *data, npy_intp count) {
-  PyObject *v = PyArray_NewFromDescr(&PyArray_Type, PyArray_DescrFromType(type), 1, &count, NULL,
-                                     data, NPY_ARRAY_CARRAY, NULL);
+/* A new array over `data` (nd dims, strides NULL: C order) that keeps `owner` alive; steals a
+ * reference to `descr`. */
+static PyObject *view_of(PyObject *owner, PyArray_Descr *descr, int nd, npy_intp *dims,
+                         npy_intp *strides, void *data, int flags) {
+  PyObject *v = PyArray_NewFromDescr(&PyArray_Type, descr, nd, dims, strides, data, flags, NULL);
   if (v == NULL) return NULL;
   Py_INCREF(owner);
   if (PyArray_SetBaseObject((PyArrayObject *)v, owner) < 0) {
@@ -82,7 +83,9 @@ static PyObject *sample_gather(PyObject *self, PyObject *args) {
   Py_END_ALLOW_THREADS
   PyObject *fields[5];
   for (int k = 0; k < 5; k++) {   /* field k starts at k * 8 * n bytes */
-    fields[k] = view_of(buf, info_types[k], info + (size_t)k * 8 * n, got);
+    npy_intp count = got;
+    fields[k] = view_of(buf, PyArray_DescrFromType(info_types[k]), 1, &count, NULL,
+                        info + (size_t)k * 8 * n, NPY_ARRAY_CARRAY);
     if (fields[k] == NULL) {
       for (int j = 0; j < k; j++) Py_DECREF(fields[j]);
       Py_DECREF(buf);
@@ -110,17 +113,9 @@ static PyObject *scalar_at(PyArrayObject *a, int type, npy_intp i) {
 static PyObject *row_view(PyArrayObject *c, npy_intp i) {
   PyArray_Descr *d = PyArray_DESCR(c);
   Py_INCREF(d);
-  int flags = PyArray_FLAGS(c) & NPY_ARRAY_WRITEABLE;
-  PyObject *v = PyArray_NewFromDescr(&PyArray_Type, d, PyArray_NDIM(c) - 1, PyArray_DIMS(c) + 1,
-                                     PyArray_STRIDES(c) + 1, PyArray_BYTES(c) + i * PyArray_STRIDE(c, 0),
-                                     flags, NULL);
-  if (v == NULL) return NULL;
-  Py_INCREF(c);
-  if (PyArray_SetBaseObject((PyArrayObject *)v, (PyObject *)c) < 0) {
-    Py_DECREF(v);
-    return NULL;
-  }
-  return v;
+  return view_of((PyObject *)c, d, PyArray_NDIM(c) - 1, PyArray_DIMS(c) + 1,
+                 PyArray_STRIDES(c) + 1, PyArray_BYTES(c) + i * PyArray_STRIDE(c, 0),
+                 PyArray_FLAGS(c) & NPY_ARRAY_WRITEABLE);
 }
 
 static PyObject *split_batch(PyObject *self, PyObject *args) {

@@ -588,15 +588,13 @@ def _frames_in_time(call, timeout_ms, address: str):
     yield from call
     return
   frames = iter(call)
-  fired = []
   while True:
     token = watchdog.WATCHDOG.watch(
-        time.monotonic() + timeout_ms / 1000 + writes.ANSWER_GRACE_S,
-        lambda: (fired.append(True), call.cancel()))
+        time.monotonic() + timeout_ms / 1000 + writes.ANSWER_GRACE_S, call.cancel)
     try:
       frame = next(frames, None)
     except grpc.RpcError:
-      if not watchdog.WATCHDOG.unwatch(token) and fired:
+      if not watchdog.WATCHDOG.unwatch(token):   # the watchdog cancelled the call
         raise errors.DeadlineExceededError(
             f"bridge {address} sent no sample within rate_limiter_timeout_ms={timeout_ms} + "
             f"{writes.ANSWER_GRACE_S:g} s (stopped or unreachable without closing its "
