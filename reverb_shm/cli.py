@@ -73,11 +73,15 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_gc(args) -> int:
-  removed = shm.remove_stale(dry_run=args.dry_run, names=args.names or None)
+  if args.dry_run:
+    removed = shm.remove_stale(dry_run=True, names=args.names or None)
+    freed = sum(shm.allocated_bytes(path) for path in removed)
+  else:
+    removed, freed = shm.reclaim_dead(names=args.names or None)
   verb = "would remove" if args.dry_run else "removed"
   for path in removed:
     print(f"{verb} {path}")
-  print(f"{verb} {len(removed)} stale object(s)")
+  print(f"{verb} {len(removed)} stale object(s), {freed / (1 << 20):.1f} MiB")
   return 0
 
 

@@ -112,6 +112,8 @@ class Server:
     if restoring is not None:
       created_tables, restore_indices = checkpointers.effective_tables(tables, restoring,
                                                                        on_config_mismatch)
+    # What servers killed without stop() left behind goes back to the system first (logged).
+    shm.reclaim_dead()
     self._socket = self._bind_port(port)
     self._port = self._socket.getsockname()[1]
     self._name = name if name is not None else f"reverb_{self._port}"

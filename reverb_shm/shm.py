@@ -18,6 +18,7 @@ mode 0600, holding the server name and owner pid.
 """
 import fcntl
 import ipaddress
+import logging
 import mmap
 import os
 import re
@@ -35,7 +36,9 @@ from reverb_shm._lib import check, ffi, last_error, lib
 
 __all__ = ["Segment", "validate_server_name", "validate_mode", "register_port", "unregister_port",
            "prune_stale_aliases", "list_segments", "remove_stale", "is_local_host",
-           "resolve_address", "segment_path", "SHM_DIR"]
+           "resolve_address", "segment_path", "reclaim_dead", "allocated_bytes", "SHM_DIR"]
+
+log = logging.getLogger("reverb_shm.shm")
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "rvshm."
@@ -720,6 +723,49 @@ def remove_stale(dry_run: bool = False, names: Optional[Iterable[str]] = None) -
   doomed = {row["name"] for row in stale}   # a dry run leaves them, yet reports their sidecars
   return ([row["path"] for row in stale] + prune_stale_aliases(dry_run, names) +
           _prune_orphan_sidecars(dry_run, names, doomed))
+
+
+def allocated_bytes(path: str) -> int:
+  """Bytes of /dev/shm (or disk) that file `path` holds (its allocated blocks; 0 if gone).
+
+  A segment's file size is the most it may grow to; only the allocated part uses memory.
+  """
+  try:
+    return os.stat(path).st_blocks * 512
+  except OSError:
+    return 0
+
+
+def _reverb_files() -> Dict[str, int]:
+  """Allocated bytes of every reverb_shm file of SHM_DIR (segments, aliases, sidecars)."""
+  try:
+    entries = os.listdir(SHM_DIR)
+  except OSError:
+    return {}
+  return {os.path.join(SHM_DIR, e): allocated_bytes(os.path.join(SHM_DIR, e))
+          for e in entries if e.startswith(_PREFIX[:-1])}
+
+
+def reclaim_dead(names: Optional[Iterable[str]] = None) -> Tuple[List[str], int]:
+  """Removes what servers whose owner process is dead left on this host; logs what it freed.
+
+  Segments of live servers, and segments still being created (their creation lock is held),
+  are never touched (see the module docstring). Runs when any Server starts, and as
+  `reverb-shm gc`.
+
+  Args:
+    names: if given, only the files of these servers are considered.
+
+  Returns:
+    (removed paths, bytes of /dev/shm they held).
+  """
+  sizes = _reverb_files()
+  removed = remove_stale(names=names)
+  freed = sum(sizes.get(path, 0) for path in removed)
+  if removed:
+    log.info("reclaimed %.1f MiB of %s held by %d file(s) of dead reverb_shm servers: %s",
+             freed / _MiB, SHM_DIR, len(removed), ", ".join(removed))
+  return removed, freed
 
 
 def sidecar_path(name: str, kind: str) -> str:
