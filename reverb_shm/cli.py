@@ -47,12 +47,14 @@ def _cmd_info(args) -> int:
         f"{info['live_procs']}/{info['max_procs']} process slots in use")
   print(f"arena: {info['arena_used'] / _MiB:.1f} MiB used of {info['arena_size'] / _MiB:.1f} MiB, "
         f"{info['num_chunks']} chunks, {info['num_descs']} item descriptors")
-  pin_logs = info["max_procs"] * info["pins_per_proc"] * PIN_ENTRY_BYTES
-  rest = info["total_size"] - info["arena_size"] - pin_logs
-  print(f"segment: {info['total_size'] / _MiB:.1f} MiB = arena {info['arena_size'] / _MiB:.1f} MiB"
-        f" + pin logs {pin_logs / _MiB:.1f} MiB ({info['max_procs']} process slots x "
-        f"{info['pins_per_proc']} pins x {PIN_ENTRY_BYTES} bytes) + tables' metadata and header "
-        f"{rest / _MiB:.1f} MiB")
+  pin_logs = info["pins_reserved"]
+  rest = info["reserved_bytes"] - info["arena_size"] - pin_logs
+  limit = (f"max_bytes {info['max_bytes'] / _MiB:.1f} MiB" if info["max_bytes"] else
+           f"arena fixed at {info['arena_max'] / _MiB:.1f} MiB")
+  print(f"segment: {info['reserved_bytes'] / _MiB:.1f} MiB reserved of {limit} = arena "
+        f"{info['arena_size'] / _MiB:.1f} MiB ({info['extents']} extent(s) added) + pin logs "
+        f"{pin_logs / _MiB:.1f} MiB (grown per process as needed, up to {info['pins_per_proc']} "
+        f"pins x {PIN_ENTRY_BYTES} bytes) + tables' metadata and header {rest / _MiB:.1f} MiB")
   for index, name in enumerate(seg.table_names()):
     st = seg.stats(index)
     print(f"  table {name!r}: size {st['size']}/{st['max_size']}, inserts {st['inserts']}, "

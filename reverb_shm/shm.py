@@ -1,8 +1,12 @@
 """The one place where shared-memory segments are created, attached and unlinked.
 
 A server's segment is the POSIX shm object ``/rvshm.<server name>`` (``/dev/shm/rvshm.<name>``),
-created by the owning :class:`~reverb_shm.Server` with O_CREAT|O_EXCL, mode 0600 and its full
-size reserved up front. Its lifetime belongs to the server (unlinked on stop); attaching
+created by the owning :class:`~reverb_shm.Server` with O_CREAT|O_EXCL and mode 0600. The file is
+as large as the segment may grow (its layout), but only what is in use holds memory: the creator
+reserves the header, the tables and the first arena (posix_fallocate), and the C core reserves
+further arena extents and pin-log pages as they are needed (a clean ResourceExhaustedError when
+/dev/shm is full, never a SIGBUS). Every process maps the whole file once, so growth needs no
+remapping. Its lifetime belongs to the server (unlinked on stop); attaching
 processes never unlink it. posix_ipc does not register segments with multiprocessing's
 resource tracker, so an attaching process exiting leaves the segment alone.
 
@@ -179,26 +183,34 @@ class Segment:
   # ---- creation / attachment
   @classmethod
   def create(cls, name: str, tables: Sequence, *, arena_bytes: int, max_procs: int = 128,
-             pins_per_proc: int = 65536, mode: int = 0o600) -> "Segment":
+             pins_per_proc: int = 65536, mode: int = 0o600, max_bytes: Optional[int] = None,
+             max_share: Optional[float] = None) -> "Segment":
     """Creates and initialises the segment of server `name` holding `tables`.
 
     Args:
       name: validated server name.
       tables: reverb_shm.Table objects (configuration).
-      arena_bytes: bytes for chunk data and item descriptors.
+      arena_bytes: bytes for chunk data and item descriptors to start with.
       max_procs: maximum number of processes attached at once.
-      pins_per_proc: maximum chunks/items one process may pin at once.
+      pins_per_proc: maximum chunks/items one process may pin at once (each process's pin log
+        grows to it as needed, 12 bytes per pin).
       mode: permission bits of the segment: 0o600 (default) or 0o660 (group may attach).
+      max_bytes: the most bytes of /dev/shm the segment may hold (header, tables, arena and pin
+        logs); the arena grows by extents up to it. None: the arena keeps arena_bytes.
+      max_share: with max_bytes None, max_bytes is this share of the space /dev/shm has free
+        now (at least what the segment needs to start).
 
     Raises:
-      ValueError: bad name or configuration.
-      ResourceExhaustedError: /dev/shm lacks the space ("need X MiB, /dev/shm has Y MiB free").
+      ValueError: bad name or configuration, max_bytes below the starting size.
+      ResourceExhaustedError: /dev/shm lacks the space ("need X MiB, /dev/shm has Y MiB free",
+        with the settings that size it).
       SegmentInUseError: a live server owns a segment of that name.
     """
     validate_server_name(name)
     validate_mode(mode)
     for arg, value in (("arena_bytes", arena_bytes), ("max_procs", max_procs),
-                       ("pins_per_proc", pins_per_proc)):
+                       ("pins_per_proc", pins_per_proc)) + (
+                           (("max_bytes", max_bytes),) if max_bytes is not None else ()):
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{arg} must be a positive int, got {value!r}")
     cfgs = ffi.new("rs_table_config[]", len(tables))
@@ -221,30 +233,42 @@ class Segment:
       keep.append(blob)
       cfg.blob = ffi.cast("const uint8_t *", blob)
       cfg.blob_len = len(blob)
-    size = lib.rs_segment_size(cfgs, len(tables), max_procs, pins_per_proc, arena_bytes)
+    initial = ffi.new("uint64_t *")
+    if lib.rs_segment_size_ex(cfgs, len(tables), max_procs, pins_per_proc, arena_bytes,
+                              arena_bytes, initial) == 0:
+      raise ValueError(f"invalid segment configuration: {last_error()}")
+    start = initial[0]
+    free = _free_bytes()
+    if max_bytes is None and max_share is not None:
+      max_bytes = max(start, int(free * max_share))
+    if max_bytes is not None and max_bytes < start:
+      raise ValueError(f"max_bytes={max_bytes} ({max_bytes / _MiB:.1f} MiB) is below the "
+                       f"{start / _MiB:.1f} MiB server {name!r} needs to start (its tables' "
+                       "metadata + arena_bytes): raise max_bytes, or lower arena_bytes or the "
+                       "tables' max_size")
+    arena_max = arena_bytes if max_bytes is None else max(arena_bytes, max_bytes)
+    size = lib.rs_segment_size_ex(cfgs, len(tables), max_procs, pins_per_proc, arena_bytes,
+                                  arena_max, initial)
     if size == 0:
       raise ValueError(f"invalid segment configuration: {last_error()}")
-    free = _free_bytes()
-    if size > free:
-      raise errors.ResourceExhaustedError(
-          f"cannot create segment for server {name!r}: need {size / _MiB:.1f} MiB, "
-          f"{SHM_DIR} has {free / _MiB:.1f} MiB free")
+    if start > free:
+      raise errors.ResourceExhaustedError(_no_room(name, start, free))
     shm_name = _shm_name(name)
     mem = cls._create_exclusive(name, shm_name, mode)   # creation lock held until close_fd
     try:
       os.fchmod(mem.fd, mode)
+      os.ftruncate(mem.fd, size)      # sparse: only what is reserved holds memory
       try:
-        os.posix_fallocate(mem.fd, 0, size)
+        os.posix_fallocate(mem.fd, 0, start)
       except OSError as e:
         raise errors.ResourceExhaustedError(
-            f"cannot reserve segment for server {name!r}: need {size / _MiB:.1f} MiB, "
-            f"{SHM_DIR} has {_free_bytes() / _MiB:.1f} MiB free ({e.strerror})") from None
+            _no_room(name, start, _free_bytes(), f" ({e.strerror})")) from None
       seg = cls(name, mem.fd, size, owner=True)
       try:
         pid = os.getpid()
-        check(lib.rs_segment_init(seg.base, size, cfgs, len(tables), max_procs, pins_per_proc,
-                                  arena_bytes, pid, lib.rs_proc_start_time(pid),
-                                  secrets.randbits(64)),
+        check(lib.rs_segment_init_ex(seg.base, size, cfgs, len(tables), max_procs, pins_per_proc,
+                                     arena_bytes, arena_max, max_bytes or 0, pid,
+                                     lib.rs_proc_start_time(pid), secrets.randbits(64)),
               f"initialising segment of server {name!r}")
       except BaseException:
         seg._closed = True
@@ -490,6 +514,14 @@ class Segment:
 _segments = weakref.WeakSet()
 
 
+def _no_room(name: str, need: int, free: int, why: str = "") -> str:
+  return (f"cannot create segment for server {name!r}: need {need / _MiB:.1f} MiB, {SHM_DIR} has "
+          f"{free / _MiB:.1f} MiB free{why}. The server starts with its tables' metadata (about "
+          "150-350 bytes per unit of max_size) + arena_bytes; lower arena_bytes (the arena grows "
+          "by itself up to max_bytes) or the tables' max_size, stop other servers "
+          "(`reverb-shm list`), or give /dev/shm more room (docker run --shm-size=1g)")
+
+
 def _reset_locks_in_child() -> None:
   # A thread of the parent may have held the cache lock at fork time: it would never be
   # released in the child, whose only thread is the forking one.
@@ -684,10 +716,9 @@ def _scan(names: Optional[Iterable[str]], reclaim: bool) -> List[dict]:
   rows = []
   for name in _segment_names(names):
     path = segment_path(name)
-    try:
-      size = os.stat(path).st_size
-    except OSError:
+    if not os.path.exists(path):
       continue
+    size = allocated_bytes(path)    # what it holds (its file is as large as it may grow)
     found = _examine(name, reclaim)
     if found is not None:
       rows.append({"name": name, "path": path, "size": size, "pid": found["pid"],
@@ -699,7 +730,7 @@ def list_segments(names: Optional[Iterable[str]] = None) -> List[dict]:
   """Segments of this host (or only of servers `names`).
 
   Returns:
-    dicts with name, path, size (bytes), pid (owner; 0 while starting), state ("live",
+    dicts with name, path, size (bytes of /dev/shm it holds), pid (owner; 0 while starting), state ("live",
     "starting": being created, "stale": owner dead) and alive (state != "stale").
   """
   return _scan(names, reclaim=False)

@@ -33,7 +33,8 @@ class Ctx:
                          rate_limiters.MinSize(1), signature=_SIG),
         reverb_shm.Table("empty", selectors.Uniform(), selectors.Fifo(), 10,
                          rate_limiters.MinSize(1)),
-    ], name=unique_server_name("badinput"), arena_bytes=8 << 20, max_procs=16)
+    ], name=unique_server_name("badinput"), arena_bytes=8 << 20, max_bytes=12 << 20,
+        max_procs=16)
     self.client = reverb_shm.Client(f"localhost:{self.server.port}")
     self.prio = self.server.shared_table("prio")
     self.sig = self.server.shared_table("sig")
