@@ -42,15 +42,21 @@ RATIOS = [
      ("shm", "W5_copy", "numpy"), 0.6),
     ("W6 cross-process vs in-process", ("shm", "W6", "cross_process"),
      ("shm", "W6", "in_process"), 0.8),
+    # G1: the same workloads on servers that start at 8 MiB and grow (growth costs ~nothing)
+    *[(f"G1 {w} {v}: grown arena vs pre-sized", ("shm_grown", w, v), ("shm", w, v), 0.97)
+      for w, v in (("W1", "fastest"), ("W1", "reverb_api"), ("W3", "fastest"),
+                   ("W5_insert", "fastest"), ("W5_sample", "fastest"))],
 ]
+G1_WORKLOADS = ["W1", "W3", "W5"]
 
 
-def run_runner(python, script, args, workloads, timeout):
+def run_runner(python, script, args, workloads, timeout, extra_env=None):
   """Runs one runner script; returns (rows, note)."""
   cmd = [python, str(HERE / script), "--workloads", *workloads, "--duration", str(args.duration),
          "--warmup", str(args.warmup), "--items", str(args.items), "--frames", str(args.frames),
          "--scales", *map(str, args.scales)]
-  env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             **(extra_env or {}))
   # No idle BLAS worker threads spinning beside the measured loop (every runner alike): numpy's
   # OpenBLAS pool costs a few % of a 2-core machine and none of the workloads use BLAS.
   for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -124,12 +130,12 @@ def ratios(results):
 
 
 def print_table(results, ratio_rows, notes):
-  print(f"\n{'runner':<7} {'workload':<12} {'variant':<26} {'items/s':>13} {'MB/s':>8}  api")
+  print(f"\n{'runner':<9} {'workload':<12} {'variant':<26} {'items/s':>13} {'MB/s':>8}  api")
   for runner, rows in results.items():
     for r in rows:
       mb = f"{r['mb_per_s']:8.0f}" if "mb_per_s" in r else " " * 8
       extra = f"  [{r['table_items']:,} items]" if "table_items" in r else ""
-      print(f"{runner:<7} {r['workload']:<12} {r['variant']:<26} {r['items_per_s']:13,.0f} {mb}"
+      print(f"{runner:<9} {r['workload']:<12} {r['variant']:<26} {r['items_per_s']:13,.0f} {mb}"
             f"  {r['api']}{extra}")
   print(f"\n{'ratio':<62} {'value':>9} {'target':>8}  met")
   for r in ratio_rows:
@@ -167,7 +173,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true")
   p.add_argument("--repeat", type=int, default=1)
-  p.add_argument("--only", nargs="+", help="workloads (W1..W6, scaling, metadata)")
+  p.add_argument("--only", nargs="+", help="workloads (W1..W6, scaling, metadata, G1)")
   p.add_argument("--reverb-python", default=os.environ.get("REVERB_PYTHON",
                                                            "/tmp/refvenv/bin/python"))
   p.add_argument("--cpprb-python", default=os.environ.get("CPPRB_PYTHON",
@@ -178,7 +184,11 @@ def main(argv=None):
   args.items = 20_000 if args.quick else 1_000_000
   args.frames = 500 if args.quick else 4_000
   args.scales = SCALES[:3] if args.quick else SCALES
-  workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata"]
+  workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata", "G1"]
+  grown = "G1" in workloads
+  workloads = [w for w in workloads if w != "G1"]
+  if grown:   # G1 compares W1, W3, W5 on grown and on pre-sized arenas
+    workloads += [w for w in G1_WORKLOADS if w not in workloads]
   runners = [("shm", sys.executable, "shm_workloads.py", None),
              ("reverb", args.reverb_python, "peer_reverb.py", "reverb"),
              ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb")]
@@ -192,11 +202,17 @@ def main(argv=None):
       available.append((name, python, script))
   # Repeats go round the runners (shm, peers, shm, peers, ...) so that a noisy spell on a shared
   # machine hits every runner's median alike instead of one runner's three runs.
+  if grown:
+    available.append(("shm_grown", sys.executable, "shm_workloads.py"))
   runs = {name: [] for name, _, _ in available}
   for i in range(args.repeat):
     for name, python, script in available:
       print(f"running {name} ({i + 1}/{args.repeat}) ...", flush=True)
-      rows, note = run_runner(python, script, args, workloads, timeout=3600)
+      if name == "shm_grown":
+        rows, note = run_runner(python, script, args, G1_WORKLOADS, timeout=3600,
+                                extra_env={"REVERB_SHM_BENCH_ARENA": "grown"})
+      else:
+        rows, note = run_runner(python, script, args, workloads, timeout=3600)
       if note:
         notes.append(note)
       runs[name].append(rows)

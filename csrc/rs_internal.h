@@ -83,7 +83,9 @@ typedef struct rs_seg_hdr {
   uint64_t pins_reserved;         /* bytes of pin logs reserved, sum of 12 x pin_cap (derived) */
   uint64_t extents;               /* growth steps of the arena so far (generation number) */
   uint64_t tail_size;             /* size of the arena's last block (derived) */
-  uint64_t reserved[11];
+  uint32_t arena_file;            /* 1: the arena is a file mapped over its range (disk tier) */
+  uint32_t _pad2;
+  uint64_t reserved[10];
 } rs_seg_hdr;
 
 typedef struct rs_slot {

@@ -59,6 +59,14 @@ class Server:
     max_bytes: the most bytes of /dev/shm this server may hold (tables' metadata, arena and pin
       logs). Default: half of what /dev/shm has free when the server starts (at least what it
       needs to start). An insert needing more fails with ResourceExhaustedError naming it.
+    storage: a directory on a local filesystem for the disk tier: chunk payloads (and item
+      descriptors: the whole arena) live in a file there, mapped into every process, while the
+      tables' records, key index, sum trees, rate limiter and pin logs stay in /dev/shm.
+      Sampling, priority updates, zero-copy views and batched gathers work unchanged; the page
+      cache is the only cache. max_bytes then bounds the file (default: half of the
+      directory's free space). The file (same mode as the segment) is removed on stop, and by
+      `reverb-shm gc` or the next server start when this server dies. It is not a checkpoint:
+      a server killed with SIGKILL cannot be restarted from it (use a checkpointer).
     max_procs: maximum number of processes attached at once.
     pins_per_proc: most chunks and sampled items one process may hold pinned at once (live
       sample views and chunks being written), 16..2**20; a batch needing more fails with
@@ -93,7 +101,7 @@ class Server:
   def __init__(self, tables: Sequence[table_lib.Table] = None, port: Optional[int] = None,
                checkpointer=None, *, name: Optional[str] = None,
                arena_bytes: int = DEFAULT_ARENA_BYTES, max_bytes: Optional[int] = None,
-               max_procs: int = 128,
+               storage: Optional[str] = None, max_procs: int = 128,
                pins_per_proc: int = DEFAULT_PINS_PER_PROC, mode: int = 0o600, bridge=None,
                on_config_mismatch: str = "error"):
     self._stopped = True
@@ -132,7 +140,7 @@ class Server:
       self._segment = shm.Segment.create(self._name, created_tables, arena_bytes=arena_bytes,
                                          max_procs=max_procs, pins_per_proc=pins_per_proc,
                                          mode=mode, max_bytes=max_bytes,
-                                         max_share=DEFAULT_MAX_SHARE)
+                                         max_share=DEFAULT_MAX_SHARE, storage=storage)
     except BaseException:
       self._socket.close()
       raise

@@ -155,9 +155,8 @@ def _child(fn, *args):
 def _writer(name, seed, rounds):
   st = reverb_shm.SharedTable.attach(f"{name}/t")
   rng = np.random.default_rng(seed)
-  for _ in range(rounds):
-    rows = int(rng.integers(16, 1024))          # 1..64 KiB items: the arena grows under them
-    st.insert({"x": torture.make_rows(rng, rows * 2).reshape(2, rows, 64)}, rng.random(2) + 0.1,
+  for _ in range(rounds):                      # 32 KiB items: the arena grows under them
+    st.insert({"x": torture.make_rows(rng, 1024).reshape(2, 512, 64)}, rng.random(2) + 0.1,
               timeout_ms=10_000)
 
 
@@ -202,8 +201,8 @@ def test_writers_in_several_processes_grow_the_arena_while_samplers_read(tmp_pat
                              max_procs=16)
   stop_path = str(tmp_path / "stop")
   try:
-    server.shared_table("t").insert({"x": torture.make_rows(np.random.default_rng(9), 16)[None]},
-                                    1.0)
+    server.shared_table("t").insert(
+        {"x": torture.make_rows(np.random.default_rng(9), 512)[None]}, 1.0)
     samplers = [_child(_sampler, name, stop_path) for _ in range(2)]
     writers = [_child(_writer, name, seed, 150) for seed in range(3)]
     writer_codes = _wait_all(writers)
