@@ -6,7 +6,7 @@
  * - Every function returns an int status: RS_OK (0) or a negative RS_E* code.
  *   On error, rs_last_error() returns a thread-local, human readable message
  *   naming what was wrong and what was expected. Python maps codes to
- *   exceptions in exactly one place (reverb_shm/_lib.py).
+ *   exceptions in exactly one place (reverb_shm/_internal/_lib.py).
  * - `base` is the address at which the calling process mapped the segment.
  *   Everything inside shared memory is addressed by byte offsets from base
  *   (uint64_t "off"), never by pointers, since every process maps it elsewhere.

@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from reverb_shm import structure
+from reverb_shm._internal import structure
 
 __all__ = ["TensorSpec", "BoundedTensorSpec", "as_spec", "as_dtype", "encode_signature",
            "decode_signature", "validate_signature"]

@@ -11,7 +11,7 @@ are zero-copy views.
 """
 from typing import Any, Optional
 
-from reverb_shm import structure
+from reverb_shm._internal import structure
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 
 __all__ = ["Writer"]

@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from reverb_shm import specs, structure
+from reverb_shm import specs
+from reverb_shm._internal import structure
 
 __all__ = ["PatternNode", "Condition", "ConstantPriorityFn", "TDError", "Config",
            "create_reference_step", "pattern_from_transform", "create_config", "unpack_pattern",
