@@ -1,4 +1,4 @@
-/* Issue 6 (round 3): fused small-insert path (rs_insert_rows). See rs_api.h. */
+/* Fused small-insert path (rs_insert_rows). See rs_api.h. */
 #include <stdlib.h>
 #include <string.h>
 

@@ -1,4 +1,4 @@
-"""Checkpointers (SPEC §9): where checkpoints go, which one a new Server restores, retention.
+"""Checkpointers: where checkpoints go, which one a new Server restores, retention.
 
 A checkpoint is a directory ``<root>/<RFC 3339 UTC timestamp with ns>`` written by
 :mod:`reverb_shm._checkpoint.io` under a temporary name and renamed into place, so a directory with

@@ -1,4 +1,4 @@
-"""Client: Reverb's client API over a server's shared-memory segment (SPEC §5).
+"""Client: Reverb's client API over a server's shared-memory segment.
 
 A Client names a server by address ('localhost:PORT', 'HOST:PORT' of this host, or
 'shm://NAME'). It attaches lazily on first use and again after a fork; it pickles as its
@@ -93,7 +93,7 @@ class Client:
   """
 
   def __new__(cls, server_address=None, *args, **kwargs):
-    # Dispatch (issue 7): a remote bridge address gives a RemoteClient, several addresses a
+    # Dispatch: a remote bridge address gives a RemoteClient, several addresses a
     # ShardedClient (reverb_shm._internal.addresses describes the rules).
     if cls is Client and (isinstance(server_address, (list, tuple)) or (
         isinstance(server_address, str) and not server_address.startswith("shm://"))):
@@ -344,7 +344,7 @@ class Client:
   # ---- mutation
   def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,
                         deletes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
-    """Deletes `deletes`, then sets `updates` (SPEC "Our decisions" 1); unknown keys ignored.
+    """Deletes `deletes`, then sets `updates` (as Reverb does); unknown keys ignored.
 
     Every key and priority is validated before anything changes.
 
@@ -429,7 +429,7 @@ class Client:
   # ---- writers
   def trajectory_writer(self, num_keep_alive_refs: int, *,
                         validate_items: bool = True) -> trajectory_writer_lib.TrajectoryWriter:
-    """A TrajectoryWriter inserting into this server's tables (SPEC §6).
+    """A TrajectoryWriter inserting into this server's tables.
 
     Args:
       num_keep_alive_refs: steps each column keeps referenceable (>= 1).
@@ -444,7 +444,7 @@ class Client:
 
   def writer(self, max_sequence_length: int, delta_encoded: bool = False,
              chunk_length: Optional[int] = None, max_in_flight_items: Optional[int] = 25):
-    """Legacy Writer whose items span the last N appended steps (SPEC §5).
+    """Legacy Writer whose items span the last N appended steps.
 
     Args:
       max_sequence_length: most steps an item may span (>= 1).
@@ -460,7 +460,7 @@ class Client:
                              max_in_flight_items)
 
   def structured_writer(self, configs):
-    """StructuredWriter creating items from declarative configs (SPEC §6b).
+    """StructuredWriter creating items from declarative configs.
 
     Args:
       configs: non-empty sequence of configs from `structured_writer.create_config`.
@@ -472,7 +472,7 @@ class Client:
     return sw.StructuredWriter(self, configs)
 
   def checkpoint(self) -> str:
-    """Writes a checkpoint of every table with the server's checkpointer (SPEC §9).
+    """Writes a checkpoint of every table with the server's checkpointer.
 
     The snapshot is taken in this process: every table lock is held only while items and
     counters are listed; chunk data is then streamed while inserts and samples continue.
@@ -525,7 +525,7 @@ def one_step(client, data: Any, priorities: Dict[str, float], refresh, plan):
 def checked_insert(client, data: Any, priorities: Dict[str, float]):
   """(table handles, float64 priorities, column arrays) of a valid Client.insert call.
 
-  Shared with the bridge's RemoteClient.insert (issue 7b). Raises as Client.insert.
+  Shared with the bridge's RemoteClient.insert. Raises as Client.insert.
   """
   if not priorities:
     raise ValueError("priorities must not be empty: name at least one table to insert into")

@@ -1,4 +1,4 @@
-"""Server: owns a shared-memory segment holding its tables (SPEC §1).
+"""Server: owns a shared-memory segment holding its tables.
 
 The server does no per-request work: processes attach to the segment and operate on the
 tables directly. The Server object creates the segment, keeps a TCP port bound (so

@@ -1,4 +1,4 @@
-"""StepInserter: single-step items staged in private rows and inserted in batches (issue 6).
+"""StepInserter: single-step items staged in private rows and inserted in batches.
 
 The fastest way to insert one step per call: `insert(step, priority)` copies the step into
 preallocated staging rows; every `capacity` steps (and on flush(), close() or leaving a `with`

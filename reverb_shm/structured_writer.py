@@ -1,4 +1,4 @@
-"""StructuredWriter: creates items from declarative configs at every step (SPEC §6b).
+"""StructuredWriter: creates items from declarative configs at every step.
 
 `from reverb_shm import structured_writer as sw` gives the writer and every helper of
 :mod:`reverb_shm._internal.structured` (`sw.Config`, `sw.create_config`, `sw.Condition`, ...).

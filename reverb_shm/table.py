@@ -1,4 +1,4 @@
-"""Table configuration and the TableInfo snapshot (SPEC §2).
+"""Table configuration and the TableInfo snapshot.
 
 A :class:`Table` built by the user is configuration. Once a :class:`~reverb_shm.Server` owns
 it, `info`, `can_sample` and `can_insert` read the live table in shared memory. Thread-safe.

@@ -13,9 +13,10 @@ wait in a bounded FIFO queue that `create_item`, `flush`, `end_episode` and `clo
 
 Positions in `writer.history` count the column's steps since the last buffer clear
 (`end_episode(clear_buffers=True)`), so `history[c][0:n]` after n appends covers all n steps
-(SPEC "Our decisions" 14). Positions outside that range raise IndexError (decision 8); positions
-within it whose step has left the keep-alive window, came before the column existed or skipped
-the column read as None, which a TrajectoryColumn rejects with ValueError (SPEC §6).
+(Reverb's slicing loses steps there; see docs/differences.md#trajectory-writer). Positions
+outside that range raise an error that is both an IndexError and a ValueError; positions within
+it whose step has left the keep-alive window, came before the column existed or skipped the
+column read as None, which a TrajectoryColumn rejects with ValueError.
 """
 import collections
 import math
@@ -103,7 +104,7 @@ def _fast_append(writer, columns: list, treedef, keys: Optional[tuple]
 
 
 class TrajectoryWriter(hot.WriterBase):
-  """Writes steps into shared memory and inserts items referencing them (SPEC §6).
+  """Writes steps into shared memory and inserts items referencing them.
 
   Obtain one with `Client.trajectory_writer(num_keep_alive_refs)`. Not thread-safe: use a writer
   from one thread at a time.
@@ -871,7 +872,7 @@ class TrajectoryWriter(hot.WriterBase):
   def end_episode(self, clear_buffers: bool = True, timeout_ms: Optional[int] = None) -> None:
     """Flushes every queued item, then starts a new episode.
 
-    The episode ends even when the flush times out (SPEC "Our decisions" 3): the next append
+    The episode ends even when the flush times out (as Reverb documents but does not do): the next append
     starts a new episode with a new random id. Open chunks are shrunk to their rows.
 
     Args:
@@ -999,7 +1000,7 @@ class TrajectoryWriter(hot.WriterBase):
 
 
 # --------------------------------------------------------------------------------------------
-# Asynchronous clients (issue 7b). A client may offer `writer_session()`: the client object a
+# Asynchronous clients (the bridge's remote clients). A client may offer `writer_session()`: the client object a
 # new writer then uses (with `_segment` and `_table_handle`), whose tables confirm inserts
 # asynchronously; it offers `in_flight()` (items sent, not yet confirmed), `await_inserts(until,
 # deadline_ns, timeout_ms, what)` (returns a DeadlineExceededError on timeout, raises the tables'

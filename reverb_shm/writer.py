@@ -1,4 +1,4 @@
-"""Legacy Writer: `client.writer(max_sequence_length)` (SPEC §5).
+"""Legacy Writer: `client.writer(max_sequence_length)`.
 
 Every appended step is a flat list of leaves (the number of leaves is fixed by the first step);
 `create_item(table, num_timesteps, priority)` references the last `num_timesteps` steps of every

@@ -751,7 +751,7 @@ def gather_column(seg, desc_offs: np.ndarray, col: int,
   return out
 
 
-# ---------------------------------------------------------------- chunk readers (issue 7b)
+# ---------------------------------------------------------------- chunk readers
 # Public readers of a chunk by arena offset, for processes that forward chunks they wrote
 # (the gRPC bridge's remote client reads its staging arena with these).
 

@@ -370,7 +370,7 @@ class _ColumnHistory(hot.HistoryBase):
 
 
 class TrajectoryColumn(hot.WindowBase):
-  """Steps of one column selected for an item (SPEC §6).
+  """Steps of one column selected for an item.
 
   Args:
     data_references: CellRefs, one per step, in the order the sample returns them.

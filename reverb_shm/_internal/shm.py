@@ -169,7 +169,7 @@ class Segment:
     self._table_names = None
     self._configs = {}
     self._closed = False
-    # Appended to "arena full" errors: which setting sizes this arena (issue 7b; the bridge's
+    # Appended to "arena full" errors: which setting sizes this arena (the bridge's
     # staging segments name theirs).
     self.arena_hint = ""
 

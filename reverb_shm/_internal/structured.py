@@ -1,4 +1,4 @@
-"""Patterns, conditions and configs of the StructuredWriter (SPEC §6b), without protobuf.
+"""Patterns, conditions and configs of the StructuredWriter, without protobuf.
 
 A *pattern* is a nest whose leaves are :class:`PatternNode` (which column of the appended step,
 and which of its most recent steps). A :class:`Config` pairs a flattened pattern with a table,

@@ -118,7 +118,7 @@ def _cmd_serve(args) -> int:
 
 
 def reverb_server_main(argv=None) -> int:
-  """`reverb_server --config "<textproto>"`: Reverb's server executable (SPEC §10)."""
+  """`reverb_server --config "<textproto>"`: Reverb's server executable."""
   parser = argparse.ArgumentParser(
       prog="reverb_server", description="Serve reverb_shm tables from a ReverbServerConfig.")
   parser.add_argument("--config", required=True,
