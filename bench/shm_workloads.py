@@ -54,7 +54,7 @@ def server(sampler, max_size, item_bytes=STEP_BYTES, limiter=None):
 
 def _grow(seg, nbytes):
   """Grows the arena of an 8 MiB-start server to `nbytes` by extents (chunks held, then freed)."""
-  from reverb_shm import chunks  # pylint: disable=import-outside-toplevel
+  from reverb_shm._internal import chunks  # pylint: disable=import-outside-toplevel
   held = []
   while seg.info()["arena_size"] < nbytes:
     held.append(chunks.alloc_chunk(seg, np.uint8, (1 << 20,), 16))

@@ -12,7 +12,8 @@ import pytest
 grpc = pytest.importorskip("grpc")
 
 import reverb_shm  # pylint: disable=g-bad-import-order
-from reverb_shm import errors, rate_limiters, selectors, shm
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import shm
 from reverb_shm.specs import TensorSpec
 from reverb_shm.bridge import Bridge, BridgeConfig, RemoteClient, service, wire, writes
 

@@ -255,7 +255,7 @@ def test_kill_9_during_growth_leaves_a_consistent_server():
   server = reverb_shm.Server([table], name=name, arena_bytes=64 << 10, max_bytes=512 << 20,
                              max_procs=64)
   rng = np.random.default_rng(5)
-  from reverb_shm._lib import ffi, lib  # pylint: disable=import-outside-toplevel
+  from reverb_shm._internal._lib import ffi, lib  # pylint: disable=import-outside-toplevel
   try:
     st = server.shared_table("t")
     st.insert({"x": torture.make_rows(rng, 64)[None]}, 1.0)

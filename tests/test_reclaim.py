@@ -15,7 +15,8 @@ pytestmark = pytest.mark.timeout(180)
 _RECLAIM = textwrap.dedent("""
     import json, logging, os, signal, subprocess, sys, time
     import reverb_shm
-    from reverb_shm import rate_limiters, selectors, shm
+    from reverb_shm import rate_limiters, selectors
+    from reverb_shm._internal import shm
 
     def used():
       st = os.statvfs("/dev/shm")
