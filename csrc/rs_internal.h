@@ -25,6 +25,7 @@
  *      limiter.c   Reverb's rate limiter: samples_per_insert, min_size_to_sample and the
  *                  [min_diff, max_diff] window on inserts * samples_per_insert - samples
  *      writer_items.c  window item descriptors of a trajectory writer
+ *      extent.c    reserving a growable segment's extents (pages, or disk-tier file blocks)
  *   2  selectors.c Uniform/Prioritized/Fifo/Lifo/MinHeap/MaxHeap
  *      arena.c     block allocator, chunks, descriptors, refcounts
  *   3  slots.c     process slots, pin logs, reaping, stop-the-world recount, owner liveness
