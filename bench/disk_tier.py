@@ -113,8 +113,11 @@ RUNNERS = {"shm": run_shm, "torchrl": run_torchrl, "cpprb": run_cpprb, "memmap":
 
 
 def memory_cgroup(limit):
-  """Path of a new memory cgroup limited to `limit` bytes, or None (with a reason)."""
-  name = f"rvshm_d1_{os.getpid()}"
+  """(path, kind) of a new memory cgroup limited to `limit` bytes: kind "v2" (memory.max, where
+  the unified hierarchy has the memory controller) or "v1" (memory.limit_in_bytes, below this
+  process's memory cgroup); (None, reason) when none can be created. Join it by writing a pid
+  to path/cgroup.procs; remove it with os.rmdir once its processes are gone."""
+  name = f"rvshm_mem_{os.getpid()}"
   try:
     with open("/sys/fs/cgroup/cgroup.controllers", encoding="utf-8") as f:
       if "memory" in f.read().split():
@@ -122,7 +125,7 @@ def memory_cgroup(limit):
         os.mkdir(path)
         with open(os.path.join(path, "memory.max"), "w", encoding="utf-8") as f:
           f.write(str(limit))
-        return path, None
+        return path, "v2"
   except OSError:
     pass
   try:
@@ -132,15 +135,26 @@ def memory_cgroup(limit):
     os.mkdir(path)
     with open(os.path.join(path, "memory.limit_in_bytes"), "w", encoding="utf-8") as f:
       f.write(str(limit))
-    return path, None
+    return path, "v1"
   except (OSError, StopIteration) as e:
-    return None, f"no memory cgroup could be created ({e}): D1 runs without a limit"
+    return None, (f"no memory cgroup can be created here (no v2 memory controller; v1: {e})")
+
+
+def remove_cgroup(path):
+  """Removes a cgroup of memory_cgroup once its processes have exited (a few seconds at most)."""
+  for _ in range(50):
+    try:
+      os.rmdir(path)
+      return
+    except OSError:
+      time.sleep(0.1)
 
 
 def controller(args):
   limit = args.limit_mib << 20
   n = 4 * limit // FRAME_BYTES
-  cgroup, note = memory_cgroup(limit)
+  cgroup, kind = memory_cgroup(limit)
+  note = None if cgroup else f"{kind}: D1 runs without a memory limit"
   pythons = {"shm": sys.executable, "memmap": sys.executable,
              "torchrl": args.torchrl_python, "cpprb": args.cpprb_python}
   rows, notes = [], [note] if note else []
@@ -169,12 +183,7 @@ def controller(args):
       rows.append(row)
   finally:
     if cgroup:
-      for _ in range(50):
-        try:
-          os.rmdir(cgroup)
-          break
-        except OSError:
-          time.sleep(0.1)
+      remove_cgroup(cgroup)
   return rows, notes
 
 

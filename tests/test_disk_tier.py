@@ -4,6 +4,7 @@ Sampling, priority updates, zero-copy views and sample_batch work unchanged, the
 with the server (stop, or gc / the next server start after a kill), and a table whose data is
 4x the memory limit of its cgroup works without OOM.
 """
+import importlib.util
 import os
 import signal
 import subprocess
@@ -22,6 +23,10 @@ from conftest import unique_server_name
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("disk_tier", os.path.join(ROOT, "bench",
+                                                                         "disk_tier.py"))
+disk_tier = importlib.util.module_from_spec(_spec)       # memory_cgroup: v2 memory.max, else v1
+_spec.loader.exec_module(disk_tier)
 FRAME = (84, 84, 4)
 
 
@@ -132,37 +137,6 @@ def test_bad_storage_is_rejected(tmp_path):
 
 
 # ---------------------------------------------------------------- bigger than memory
-def _memory_cgroup(limit: int):
-  """(path of a new memory cgroup limited to `limit` bytes, procs file, kind) or a skip reason.
-
-  cgroup v2 (memory.max) where the memory controller is on the unified hierarchy, else the v1
-  memory controller (memory.limit_in_bytes), below this process's own cgroup.
-  """
-  name = f"rvshm_test_{os.getpid()}"
-  v2 = "/sys/fs/cgroup"
-  try:
-    with open(os.path.join(v2, "cgroup.controllers"), encoding="utf-8") as f:
-      if "memory" in f.read().split():
-        path = os.path.join(v2, name)
-        os.mkdir(path)
-        with open(os.path.join(path, "memory.max"), "w", encoding="utf-8") as f:
-          f.write(str(limit))
-        return path, "v2"
-  except OSError:
-    pass
-  try:
-    with open("/proc/self/cgroup", encoding="utf-8") as f:
-      own = next(line.split(":", 2)[2].strip() for line in f
-                 if line.split(":", 2)[1] == "memory")
-    path = os.path.join("/sys/fs/cgroup/memory", own.lstrip("/"), name)
-    os.mkdir(path)
-    with open(os.path.join(path, "memory.limit_in_bytes"), "w", encoding="utf-8") as f:
-      f.write(str(limit))
-    return path, "v1"
-  except (OSError, StopIteration) as e:
-    return None, f"cannot create a memory cgroup here (v2 memory controller absent, v1: {e})"
-
-
 _BIG = textwrap.dedent("""
     import json, os, sys, time
     import numpy as np
@@ -207,7 +181,7 @@ _BIG = textwrap.dedent("""
     32, pytest.param(256, marks=[pytest.mark.slow, pytest.mark.timeout(1200)])])
 def test_table_with_data_four_times_the_cgroup_memory_limit(tmp_path, limit_mib):
   limit = limit_mib << 20
-  path, kind = _memory_cgroup(limit)
+  path, kind = disk_tier.memory_cgroup(limit)
   if path is None:
     pytest.skip(kind)
   n = (4 * limit) // frame(0).nbytes + 1024      # > 4x the limit in frames
@@ -222,12 +196,7 @@ def test_table_with_data_four_times_the_cgroup_memory_limit(tmp_path, limit_mib)
     with open(os.path.join(path, stat_name), encoding="utf-8") as f:
       pressure = f.read()
   finally:
-    for _ in range(50):
-      try:
-        os.rmdir(path)
-        break
-      except OSError:
-        time.sleep(0.1)
+    disk_tier.remove_cgroup(path)
   assert proc.returncode == 0, f"exit {proc.returncode} (-9: OOM-killed)\n{proc.stderr[-3000:]}"
   import json  # pylint: disable=import-outside-toplevel
   r = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])

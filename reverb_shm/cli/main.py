@@ -56,6 +56,8 @@ def _cmd_info(args) -> int:
         f"{info['arena_size'] / _MiB:.1f} MiB ({info['extents']} extent(s) added) + pin logs "
         f"{pin_logs / _MiB:.1f} MiB (grown per process as needed, up to {info['pins_per_proc']} "
         f"pins x {PIN_ENTRY_BYTES} bytes) + tables' metadata and header {rest / _MiB:.1f} MiB")
+  if seg.arena_path is not None:
+    print(f"disk tier: the arena is the file {seg.arena_path} (/dev/shm holds the rest)")
   for index, name in enumerate(seg.table_names()):
     st = seg.stats(index)
     print(f"  table {name!r}: size {st['size']}/{st['max_size']}, inserts {st['inserts']}, "
