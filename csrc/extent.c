@@ -91,3 +91,8 @@ int rs_reserve(void *base, uint64_t off, uint64_t len, const char *what) {
                       what, (double)len / (1 << 20),
                       err == EINVAL ? "this kernel lacks MADV_POPULATE_WRITE (Linux >= 5.14)" : strerror(err));
 }
+
+void rs_prefetch_file_rows(const void *p, uint64_t len) {
+  uintptr_t start = (uintptr_t)p & ~(uintptr_t)(PAGE - 1), end = (uintptr_t)p + len;
+  if (len) madvise((void *)start, end - start, MADV_WILLNEED);   /* a hint: errors change nothing */
+}

@@ -330,6 +330,9 @@ int rs_pins_ensure(void *base, uint32_t slot, uint32_t n);
 /* Reserve the pages of [off, off + len) of a growable segment (MADV_POPULATE_WRITE). RS_OK or
  * RS_ENOSPC with a message naming the settings that size the segment. */
 int rs_reserve(void *base, uint64_t off, uint64_t len, const char *what);
+/* Disk tier: start reading the pages of [p, p + len) of an arena file (MADV_WILLNEED), so that
+ * the rows of a sampled batch are read from disk concurrently instead of one fault at a time. */
+void rs_prefetch_file_rows(const void *p, uint64_t len);
 /* Verify allocator and refcount invariants; caller holds every lock. */
 int rs_arena_check(void *base, char *report, uint64_t report_len);
 /* Stop-the-world recount (caller holds every table lock and the arena lock). */
