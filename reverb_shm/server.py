@@ -133,7 +133,10 @@ class Server:
       created_tables, restore_indices = checkpointers.effective_tables(tables, restoring,
                                                                        on_config_mismatch)
     # What servers killed without stop() left behind goes back to the system first (logged).
-    shm.reclaim_dead()
+    try:
+      shm.reclaim_dead()
+    except OSError as e:   # e.g. a file of another user in /dev/shm: not this server's business
+      shm.log.warning("could not reclaim what dead servers left in %s: %s", shm.SHM_DIR, e)
     self._socket = self._bind_port(port)
     self._port = self._socket.getsockname()[1]
     self._name = name if name is not None else f"reverb_{self._port}"

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_in_private_shm
+from conftest import run_in_private_shm, unique_server_name
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -110,3 +110,42 @@ def test_new_server_reclaims_what_killed_servers_left():
   assert len(logs) == 1 and "9 file(s)" in logs[0], out
   freed_mib = float(logs[0].split()[3])
   assert abs(freed_mib * (1 << 20) - (result["after_kill"] - result["pre"])) < 0.1 * (1 << 20)
+
+
+_OTHER_USER = textwrap.dedent("""
+    import sys
+    from reverb_shm._internal import shm
+    removed, freed = shm.reclaim_dead()
+    print("REMOVED", removed)
+    print("STATE", [r["state"] for r in shm.list_segments() if r["name"] == sys.argv[1]])
+""")
+
+
+def test_another_users_servers_are_left_alone_and_do_not_break_reclaiming():
+  """A process of another user reclaims what dead servers left: the files of a live server
+  it may not open (0600, another owner) are neither removed nor an error."""
+  import os  # pylint: disable=import-outside-toplevel
+  import shutil  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import reverb_shm  # pylint: disable=import-outside-toplevel
+  from reverb_shm import rate_limiters, selectors  # pylint: disable=import-outside-toplevel
+  if os.geteuid() != 0 or not shutil.which("setpriv"):
+    pytest.skip("needs root and setpriv to run a process as another user")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  name = unique_server_name("foreign")
+  server = reverb_shm.Server([reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 10,
+                                               rate_limiters.MinSize(1))],
+                             name=name, max_bytes=16 << 20, max_procs=4)
+  try:
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           sys.executable, "-c", _OTHER_USER, name], capture_output=True, text=True,
+                          timeout=60, cwd="/tmp", env={"PYTHONPATH": root, "HOME": "/tmp"})
+    if proc.returncode != 0 and "Permission denied" in proc.stderr and "python" in proc.stderr:
+      pytest.skip(f"the other user cannot run this interpreter: {proc.stderr[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "REMOVED []" in proc.stdout and "STATE ['foreign']" in proc.stdout, proc.stdout
+    assert os.path.exists(f"/dev/shm/rvshm.{name}")
+    assert os.path.exists(f"/dev/shm/rvshm.port.{server.port}")
+  finally:
+    server.stop()

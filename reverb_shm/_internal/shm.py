@@ -121,8 +121,9 @@ def _examine(name: str, reclaim: bool = False) -> Optional[dict]:
   """Owner state of the segment of server `name`, unlinking it if stale and `reclaim`.
 
   Returns None if there is no such segment, else a dict: pid (owner, 0 if not initialised),
-  state ("live", "starting": its creator holds the creation lock, or "stale": owner dead or
-  creator died before initialising it) and removed (True if this call unlinked it). The
+  state ("live", "starting": its creator holds the creation lock, "foreign": another user's,
+  which this process may not open, or "stale": owner dead or creator died before initialising
+  it) and removed (True if this call unlinked it). The
   verdict and the unlink happen under the segment's creation lock (see the module docstring).
   """
   shm_name = _shm_name(name)
@@ -130,6 +131,8 @@ def _examine(name: str, reclaim: bool = False) -> Optional[dict]:
     mem = posix_ipc.SharedMemory(shm_name)
   except posix_ipc.ExistentialError:
     return None
+  except posix_ipc.PermissionsError:   # another user's server: never ours to judge or remove
+    return {"pid": 0, "state": "foreign", "removed": False}
   try:
     try:
       fcntl.flock(mem.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -768,7 +771,7 @@ def _read_alias(path: str):
     with open(path, "rb") as f:
       lines = f.read().decode().split("\n")
     return lines[0], int(lines[1]), int(lines[2])
-  except (FileNotFoundError, ValueError, IndexError):
+  except (OSError, ValueError, IndexError):   # gone, another user's (unreadable), or malformed
     return None
 
 
@@ -867,8 +870,9 @@ def list_segments(names: Optional[Iterable[str]] = None) -> List[dict]:
   """Segments of this host (or only of servers `names`).
 
   Returns:
-    dicts with name, path, size (bytes of /dev/shm it holds), pid (owner; 0 while starting), state ("live",
-    "starting": being created, "stale": owner dead) and alive (state != "stale").
+    dicts with name, path, size (bytes of /dev/shm it holds), pid (owner; 0 while starting),
+    state ("live", "starting": being created, "foreign": another user's, not accessible,
+    "stale": owner dead) and alive (state != "stale").
   """
   return _scan(names, reclaim=False)
 

@@ -35,7 +35,8 @@ def _cmd_list(args) -> int:
     return 0
   print(f"{'server':32} {'size MiB':>10} {'owner pid':>10}  state")
   for row in rows:
-    state = {"live": "live", "starting": "starting (being created)"}.get(
+    state = {"live": "live", "starting": "starting (being created)",
+             "foreign": "another user's (not accessible)"}.get(
         row["state"], "STALE (owner dead; `reverb-shm gc` removes it)")
     print(f"{row['name']:32} {row['size'] / _MiB:10.1f} {row['pid']:10d}  {state}")
   return 0
