@@ -1,0 +1,284 @@
+"""ClusterClient: sampling across the shards of a ReplayCluster as if they were one table.
+
+Global distribution. Let shard s hold items with weights w (priority**exponent for a
+Prioritized sampler, 1 for Uniform) summing to W_s (its sum tree's root, or its size), and
+W = sum_s W_s. A single table holding every item picks item i with probability w_i / W. A batch
+of n is drawn by splitting n multinomially over the shards with probabilities W_s / W and
+drawing the shard's count there with its own sampler: each draw then picks item i of shard s
+with probability (W_s / W) * (w_i / W_s) = w_i / W, independently, which is the global
+distribution exactly (Schaul et al. 2016 sample with replacement as well). The reported
+SampleInfo.probability is the local one times W_s / W, and SampleInfo.table_size the global
+number of items, both as read just before the draw (items inserted or removed in between change
+the values a little, as they would between two samples of one table). Every weight 0 on every
+shard: uniform over all items, as a single table does. Other samplers (Fifo, Lifo, heaps) are
+split by item counts; their order is per shard.
+
+Keys. Item keys are random 64-bit integers drawn independently by every writer, so they are
+unique across shards with overwhelming probability (a collision among n items has probability
+about n**2 / 2**65). The client remembers which shard returned each key it sampled (the last
+`key_memory` keys) and sends an update or delete of such a key to that shard only; keys it has
+not sampled go to every live shard (unknown keys are ignored there).
+
+Rate limiters are per shard: a shard's limiter counts the inserts and samples made on that shard
+(the global counts are the sums in server_info()). A sample of k items on a shard waits for that
+shard's limiter only.
+
+Failure. A shard whose server does not answer (its node died) is dropped: a warning is issued,
+`failures` counts it, and the batch is drawn from the remaining shards. `refresh()` adopts
+replaced shards (ClusterHandle.replace) again.
+"""
+import collections
+import concurrent.futures
+import threading
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from reverb_shm import errors
+from reverb_shm.replay_sample import ReplaySample, SampleInfo
+from reverb_shm.selectors import PRIORITIZED, UNIFORM
+
+__all__ = ["ClusterClient", "split_batch"]
+
+_NODE_ERRORS = (errors.ServerUnavailableError, errors.DeadOwnerError, errors.TableClosedError,
+                errors.DeadlineExceededError, ConnectionError, OSError)
+
+
+def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator) -> np.ndarray:
+  """Multinomial split of `n` draws over shards with masses `masses` (>= 0, finite).
+
+  Returns an int64 array of counts summing to n. All masses 0 -> ValueError (the caller falls
+  back to item counts).
+  """
+  m = np.asarray(masses, np.float64)
+  if m.ndim != 1 or not np.all(np.isfinite(m)) or np.any(m < 0):
+    raise ValueError(f"masses must be finite and >= 0, got {masses!r}")
+  total = m.sum()
+  if not total > 0:
+    raise ValueError("every shard has mass 0")
+  return rng.multinomial(n, m / total).astype(np.int64)
+
+
+class ClusterClient:
+  """Learner-side client over every shard of a ClusterHandle.
+
+  Args:
+    handle: the ClusterHandle.
+    timeout_s: deadline of each call to a shard (reading its masses, probing it); a shard that
+      misses it is dropped as dead.
+    key_memory: how many sampled keys to remember for routing priority updates.
+    seed: seed of the multinomial split (None: fresh entropy).
+
+  Thread-safe for one sampling thread plus other threads updating priorities.
+  """
+
+  def __init__(self, handle, timeout_s: float = 5.0, key_memory: int = 1 << 20,
+               seed: Optional[int] = None):
+    self._handle = handle
+    self._timeout_s = float(timeout_s)
+    self._key_memory = int(key_memory)
+    self._rng = np.random.default_rng(seed)
+    self._lock = threading.Lock()
+    self._keys = collections.OrderedDict()   # key -> shard, most recent last
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=max(2, handle.num_shards), thread_name_prefix="reverb_shm-ray-sample")
+    self.failures = 0                  # shards dropped since this client was made
+    self.dead: Dict[int, str] = {}     # shard -> why it was dropped
+    self._clients = {}
+    self._generations = {}
+    for e in handle.entries:
+      self._connect(e.shard)
+
+  def _connect(self, shard: int) -> None:
+    local = self._handle.attach_local(shard)
+    self._clients[shard] = (local if local is not None else
+                            self._handle.remote_client(shard, reconnect_timeout_s=self._timeout_s))
+    self._generations[shard] = self._handle.entries[shard].generation
+
+  @property
+  def live_shards(self) -> List[int]:
+    return [s for s in sorted(self._clients) if s not in self.dead]
+
+  def is_local(self, shard: int) -> bool:
+    """Whether `shard` is reached through shared memory from this process."""
+    from reverb_shm.bridge.remote import RemoteClient  # pylint: disable=g-import-not-at-top
+    return not isinstance(self._clients[shard], RemoteClient)
+
+  def _drop(self, shard: int, exc: BaseException) -> None:
+    with self._lock:
+      if shard in self.dead:
+        return
+      self.dead[shard] = repr(exc)
+      self.failures += 1
+    warnings.warn(f"reverb_shm.ray: shard {shard} (node {self._handle.entries[shard].node_id}) "
+                  f"dropped, sampling goes on from shards {self.live_shards}: {exc!r}",
+                  RuntimeWarning, stacklevel=3)
+
+  def refresh(self, handle=None) -> List[int]:
+    """Adopts `handle`'s entries (default: the handle given at construction): shards whose
+    generation changed (replaced) are reconnected and revived. Returns the live shards."""
+    if handle is not None:
+      self._handle = handle
+    for e in self._handle.entries:
+      if self._generations.get(e.shard) != e.generation:
+        self._connect(e.shard)
+        with self._lock:
+          self.dead.pop(e.shard, None)
+    return self.live_shards
+
+  # ---- masses
+  def _stats(self, shard: int, table: str) -> dict:
+    c = self._clients[shard]
+    if self.is_local(shard):
+      seg = c._segment()  # pylint: disable=protected-access
+      return seg.stats(seg.table_index(table))
+    for entry in c._fetch_tables(timeout=self._timeout_s):  # pylint: disable=protected-access
+      if entry["name"] == table:
+        return entry["stats"]
+    raise errors.UnknownTableError(f"shard {shard} has no table {table!r}")
+
+  def _call_all(self, shards, fn) -> Dict[int, object]:
+    """fn(shard) on every shard in parallel; shards whose call fails with a node error are
+    probed and dropped if dead. Returns {shard: result} of the others."""
+    futures = {s: self._pool.submit(fn, s) for s in shards}
+    out = {}
+    for s, f in futures.items():
+      try:
+        out[s] = f.result(timeout=self._timeout_s * 4 + 30)
+      except _NODE_ERRORS + (concurrent.futures.TimeoutError,) as e:
+        if self._alive(s):
+          raise
+        self._drop(s, e)
+    return out
+
+  def _alive(self, shard: int) -> bool:
+    try:
+      self._stats_any(shard)
+      return True
+    except Exception:  # pylint: disable=broad-except
+      return False
+
+  def _stats_any(self, shard: int) -> None:
+    c = self._clients[shard]
+    if self.is_local(shard):
+      if c._segment().is_closed():  # pylint: disable=protected-access
+        raise errors.TableClosedError("closed")
+    else:
+      c._fetch_tables(timeout=min(self._timeout_s, 2.0))  # pylint: disable=protected-access
+
+  def masses(self, table: str) -> Dict[int, Tuple[float, int, int]]:
+    """{shard: (mass, size, sampler_kind)} of the live shards (read in parallel)."""
+    stats = self._call_all(self.live_shards, lambda s: self._stats(s, table))
+    out = {}
+    for s, st in stats.items():
+      size = int(st["size"])
+      kind = int(st["sampler_kind"])
+      mass = float(st.get("sampler_total_weight", 0.0)) if kind == PRIORITIZED else float(size)
+      out[s] = (mass, size, kind)
+    return out
+
+  # ---- sampling
+  def sample(self, table: str, num_samples: int,
+             rate_limiter_timeout_ms: Optional[int] = None) -> List[ReplaySample]:
+    """`num_samples` items drawn with the global distribution (module docstring).
+
+    Returns a list of ReplaySample whose data is the flat list of columns (as Client.sample
+    with emit_timesteps=False) and whose info holds the global probability and table_size.
+    Items come grouped by shard.
+
+    Raises:
+      ValueError: num_samples < 1.
+      ServerUnavailableError: no live shard left.
+      DeadlineExceededError: a live shard's rate limiter did not allow the draw in time.
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+      raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    out: List[ReplaySample] = []
+    while len(out) < num_samples:
+      masses = self.masses(table)
+      if not masses:
+        raise errors.ServerUnavailableError(
+            f"no live shard left to sample {table!r} from (dropped: {self.dead})")
+      shards = sorted(masses)
+      weights = [masses[s][0] for s in shards]
+      if not sum(weights) > 0:   # all weights 0 (or only non-prioritized counts of 0)
+        weights = [float(masses[s][1]) for s in shards]
+      total_size = sum(masses[s][1] for s in shards)
+      if not sum(weights) > 0:
+        raise errors.DeadlineExceededError(f"table {table!r} is empty on every live shard")
+      counts = split_batch(num_samples - len(out), weights, self._rng)
+      total_w = float(sum(weights))
+      scale = {s: w / total_w for s, w in zip(shards, weights)}
+
+      def draw(s, k):
+        return list(self._clients[s].sample(table, int(k), emit_timesteps=False,
+                                             rate_limiter_timeout_ms=rate_limiter_timeout_ms))
+      got = self._call_all([s for s, k in zip(shards, counts) if k],
+                           lambda s: draw(s, counts[shards.index(s)]))
+      new_keys = []
+      for s in sorted(got):
+        for smp in got[s]:
+          i = smp.info
+          out.append(ReplaySample(SampleInfo(i.key, i.probability * scale[s], total_size,
+                                             i.priority, i.times_sampled), smp.data))
+          new_keys.append((int(i.key), s))
+      self._remember(new_keys)
+    return out
+
+  def _remember(self, pairs) -> None:
+    with self._lock:
+      keys = self._keys
+      for k, s in pairs:
+        keys[k] = s
+        keys.move_to_end(k)
+      while len(keys) > self._key_memory:
+        keys.popitem(last=False)
+
+  def shard_of(self, key: int) -> Optional[int]:
+    """The shard that returned `key` in a sample (if still remembered), else None."""
+    with self._lock:
+      return self._keys.get(int(key))
+
+  # ---- priorities
+  def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,
+                        deletes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+    """Sends each update/delete to the shard that holds its key (remembered from samples;
+    unknown keys go to every live shard). Returns the summed (updated, deleted)."""
+    live = self.live_shards
+    per: Dict[int, Tuple[dict, list]] = {s: ({}, []) for s in live}
+    with self._lock:
+      for k, p in (updates or {}).items():
+        s = self._keys.get(int(k))
+        for t in ([s] if s in per else live):
+          per[t][0][k] = p
+      for k in (deletes or ()):
+        s = self._keys.get(int(k))
+        for t in ([s] if s in per else live):
+          per[t][1].append(k)
+    busy = [s for s in live if per[s][0] or per[s][1]]
+    res = self._call_all(busy, lambda s: self._clients[s].mutate_priorities(
+        table, per[s][0] or None, per[s][1] or None))
+    return sum(r[0] for r in res.values()), sum(r[1] for r in res.values())
+
+  # ---- info
+  def shard_infos(self) -> Dict[int, dict]:
+    """{shard: {table: TableInfo}} of the live shards."""
+    return self._call_all(self.live_shards,
+                          lambda s: self._clients[s].server_info(self._timeout_s))
+
+  def server_info(self) -> dict:
+    """{table: TableInfo} with sizes and rate-limiter counts summed over the live shards."""
+    from reverb_shm.bridge.sharded import _add  # pylint: disable=g-import-not-at-top
+    merged = {}
+    for _, infos in sorted(self.shard_infos().items()):
+      for name, info in infos.items():
+        merged[name] = info if name not in merged else _add(merged[name], info)
+    return merged
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False)
+    for c in self._clients.values():
+      close = getattr(c, "close", None)
+      if close is not None:
+        close()
