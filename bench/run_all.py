@@ -42,7 +42,16 @@ RATIOS = [
      ("shm", "W5_copy", "numpy"), 0.6),
     ("W6 cross-process vs in-process", ("shm", "W6", "cross_process"),
      ("shm", "W6", "in_process"), 0.8),
+    ("R1 co-located writers vs TorchRL RayReplayBuffer", ("shm_ray", "R1_write", "reverb_shm"),
+     ("torchrl", "R1_write", "RayReplayBuffer"), 20.0),
+    ("R1 learner sample(256) over 3 nodes vs RayReplayBuffer.sample",
+     ("shm_ray", "R1_sample", "reverb_shm"), ("torchrl", "R1_sample", "RayReplayBuffer"), 5.0),
+    # the cost of a cross-node sample against a same-node one (time per call; no target)
+    ("R1 cross-node sample cost / same-node (lower is better)",
+     ("shm_ray", "R1_cross", "same_node"), ("shm_ray", "R1_cross", "cross_node"), None),
 ]
+# Workloads of a Ray cluster: run by bench/ray_r1.py and the TorchRL peer, not by the others.
+RAY_WORKLOADS = ("R1",)
 
 
 def run_runner(python, script, args, workloads, timeout):
@@ -63,6 +72,19 @@ def run_runner(python, script, args, workloads, timeout):
     if line.startswith("RESULTS "):
       return json.loads(line[len("RESULTS "):]), None
   return [], f"{script} failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}"
+
+
+RAY_SCRIPTS = ("ray_r1.py", "peer_torchrl_ray.py")
+
+
+def torchrl_ray_python() -> str:
+  """The python of the torchrl_ray peer venv (tests/peers/venv.sh builds it on first use)."""
+  try:
+    return subprocess.run(["bash", str(HERE.parent / "tests" / "peers" / "venv.sh"),
+                           "torchrl_ray"], capture_output=True, text=True, timeout=3600,
+                          check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"(torchrl_ray venv unavailable: {e})"
 
 
 def peer_available(python, module):
@@ -104,7 +126,7 @@ def ratios(results):
     a, b = lookup(results, num), lookup(results, den)
     ratio = a / b if a and b else None
     out.append({"ratio": label, "value": ratio, "target": target,
-                "met": None if ratio is None else ratio >= target})
+                "met": None if ratio is None or target is None else ratio >= target})
   sc = {r["table_items"]: r["us_per_item"] for r in results.get("shm", [])
         if r["workload"].startswith("scale_")}
   if 10_000 in sc and max(sc) > 10_000:
@@ -135,7 +157,8 @@ def print_table(results, ratio_rows, notes):
   for r in ratio_rows:
     v = "n/a" if r["value"] is None else f"{r['value']:9.2f}"
     met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
-    print(f"{r['ratio']:<62} {v:>9} {r['target']:>8}  {met}")
+    target = "-" if r["target"] is None else r["target"]
+    print(f"{r['ratio']:<62} {v:>9} {target:>8}  {met}")
   for n in notes:
     print("note:", n)
 
@@ -167,11 +190,14 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true")
   p.add_argument("--repeat", type=int, default=1)
-  p.add_argument("--only", nargs="+", help="workloads (W1..W6, scaling, metadata)")
+  p.add_argument("--only", nargs="+", help="workloads (W1..W6, scaling, metadata, R1)")
   p.add_argument("--reverb-python", default=os.environ.get("REVERB_PYTHON",
                                                            "/tmp/refvenv/bin/python"))
   p.add_argument("--cpprb-python", default=os.environ.get("CPPRB_PYTHON",
                                                           "/tmp/refvenv/bin/python"))
+  p.add_argument("--torchrl-ray-python", default=os.environ.get("TORCHRL_RAY_PYTHON"),
+                 help="python of the torchrl_ray peer venv (default: tests/peers/venv.sh "
+                      "torchrl_ray, built on first use)")
   args = p.parse_args(argv)
   args.duration = 0.5 if args.quick else 2.0
   args.warmup = 0.1 if args.quick else 0.3
@@ -179,9 +205,17 @@ def main(argv=None):
   args.frames = 500 if args.quick else 4_000
   args.scales = SCALES[:3] if args.quick else SCALES
   workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata"]
-  runners = [("shm", sys.executable, "shm_workloads.py", None),
-             ("reverb", args.reverb_python, "peer_reverb.py", "reverb"),
-             ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb")]
+  ray_workloads = [w for w in workloads if w in RAY_WORKLOADS]
+  workloads = [w for w in workloads if w not in RAY_WORKLOADS]
+  runners = []
+  if workloads:
+    runners += [("shm", sys.executable, "shm_workloads.py", None),
+                ("reverb", args.reverb_python, "peer_reverb.py", "reverb"),
+                ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb")]
+  if ray_workloads:
+    runners += [("shm_ray", sys.executable, "ray_r1.py", "ray"),
+                ("torchrl", args.torchrl_ray_python or torchrl_ray_python(), "peer_torchrl_ray.py",
+                 "torchrl.data.replay_buffers.ray_buffer, ray")]
   notes = []
   available = []
   for name, python, script, module in runners:
@@ -196,7 +230,9 @@ def main(argv=None):
   for i in range(args.repeat):
     for name, python, script in available:
       print(f"running {name} ({i + 1}/{args.repeat}) ...", flush=True)
-      rows, note = run_runner(python, script, args, workloads, timeout=3600)
+      rows, note = run_runner(python, script, args,
+                              ray_workloads if script in RAY_SCRIPTS else workloads,
+                              timeout=3600)
       if note:
         notes.append(note)
       runs[name].append(rows)

@@ -6,6 +6,7 @@ node sees another's segments. Servers run on the head and on nodes A and B; node
 node D joins only to replace a killed node. The failure test runs last (it kills node A).
 """
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -228,6 +229,12 @@ def test_global_prioritized_sampling_matches_one_table(filled):
     sigma = np.sqrt(draws * q * (1 - q))
     assert abs(counts[value] - draws * q) <= 5 * sigma + 1, (value, counts[value], draws * q)
   assert counts[202] == 0   # priority 0
+  batch = cc.sample_batch("prio", 64, rate_limiter_timeout_ms=10_000)
+  assert batch.info.key.dtype == np.uint64 and batch.info.probability.shape == (64,)
+  values = np.asarray(batch.data[0]).reshape(64)
+  np.testing.assert_allclose(batch.info.probability,
+                             [prio_of[v] ** EXPONENT / total for v in values], rtol=1e-12)
+  assert (batch.info.table_size == len(prio_of)).all()
   assert cc.failures == 0
   assert cc.is_local(_shard(handle, local, "head"))
   assert not cc.is_local(_shard(handle, local, "nodeA"))
@@ -290,6 +297,29 @@ def test_priority_updates_reach_the_shard_holding_the_key(filled):
   cc.close()
 
 
+def test_a_stalled_node_is_dropped_within_the_deadline_and_rejoins(filled):
+  local, handle = filled
+  b = _shard(handle, local, "nodeB")
+  cc = handle.global_client(seed=5, timeout_s=2, revive_after_s=0.5)
+  assert len(cc.sample("prio", 32, rate_limiter_timeout_ms=10_000)) == 32
+  pid = handle.entries[b].pid
+  os.kill(pid, signal.SIGSTOP)   # the server process (and its bridge) stops answering
+  try:
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=f"shard {b} .* dropped"):
+      got = cc.sample("prio", 32, rate_limiter_timeout_ms=10_000)
+    assert time.monotonic() - t0 < 20
+    assert len(got) == 32 and cc.failures == 1 and list(cc.dead) == [b]
+    assert all(cc.shard_of(s.info.key) != b for s in got)
+  finally:
+    os.kill(pid, signal.SIGCONT)
+  time.sleep(0.6)
+  with pytest.warns(RuntimeWarning, match=f"shard {b} answers again"):
+    got = cc.sample("prio", 32, rate_limiter_timeout_ms=10_000)
+  assert cc.revived == 1 and not cc.dead and cc.live_shards == [0, 1, 2]
+  cc.close()
+
+
 def test_node_failure_checkpoint_and_restore(filled):
   local, handle = filled
   a, b = _shard(handle, local, "nodeA"), _shard(handle, local, "nodeB")
@@ -299,7 +329,7 @@ def test_node_failure_checkpoint_and_restore(filled):
              for i, p in enumerate(paths))
   writer_b = _Writer.options(**_on("nodeB")).remote(handle)
   assert ray.get(writer_b.insert.remote(10), timeout=CALL_S) == (10, "Client")
-  cc = handle.global_client(seed=4, timeout_s=3)
+  cc = handle.global_client(seed=4, timeout_s=10, revive_after_s=1e9)
   assert len(cc.sample("prio", 64, rate_limiter_timeout_ms=10_000)) == 64
 
   local.kill_raylet("nodeA")

@@ -56,6 +56,7 @@ class ShardEntry:
     generation: the segment's random generation id (tells a restarted server apart).
     actor_name: the detached actor's name in namespace 'reverb_shm'.
     restored_from: checkpoint directory found when the server started, or None.
+    pid: the server process's pid on its node.
   """
   shard: int
   node_id: str
@@ -65,6 +66,7 @@ class ShardEntry:
   generation: int
   actor_name: str
   restored_from: Optional[str] = None
+  pid: int = 0
 
 
 def _current_node_id() -> Optional[str]:
@@ -260,7 +262,7 @@ def _entry(shard: int, actor_name: str, info: dict) -> ShardEntry:
   return ShardEntry(shard=shard, node_id=info["node_id"], server_name=info["server_name"],
                     port=info["port"], bridge_address=info["bridge_address"],
                     generation=info["generation"], actor_name=actor_name,
-                    restored_from=info["restored_from"])
+                    restored_from=info["restored_from"], pid=info["pid"])
 
 
 class ReplayCluster:

@@ -23,23 +23,28 @@ Rate limiters are per shard: a shard's limiter counts the inserts and samples ma
 (the global counts are the sums in server_info()). A sample of k items on a shard waits for that
 shard's limiter only.
 
-Failure. A shard whose server does not answer (its node died) is dropped: a warning is issued,
-`failures` counts it, and the batch is drawn from the remaining shards. `refresh()` adopts
-replaced shards (ClusterHandle.replace) again.
+Failure. A shard whose server does not answer within `timeout_s` (its node died, or is too slow)
+is dropped: a warning is issued, `failures` counts it, and the batch is drawn from the remaining
+shards. A dropped shard is probed again at most every `revive_after_s` seconds and rejoins
+(with a warning) if its server answers again; `refresh()` adopts shards restarted elsewhere
+(ClusterHandle.replace).
 """
 import collections
 import concurrent.futures
 import threading
+import time
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from reverb_shm import errors
+from reverb_shm import errors, structure
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED, UNIFORM
 
 __all__ = ["ClusterClient", "split_batch"]
+
+_INFO_DTYPES = (np.uint64, np.float64, np.int64, np.float64, np.int32)
 
 _NODE_ERRORS = (errors.ServerUnavailableError, errors.DeadOwnerError, errors.TableClosedError,
                 errors.DeadlineExceededError, ConnectionError, OSError)
@@ -66,15 +71,16 @@ class ClusterClient:
   Args:
     handle: the ClusterHandle.
     timeout_s: deadline of each call to a shard (reading its masses, probing it); a shard that
-      misses it is dropped as dead.
+      misses it is dropped.
+    revive_after_s: how often a dropped shard is probed again.
     key_memory: how many sampled keys to remember for routing priority updates.
     seed: seed of the multinomial split (None: fresh entropy).
 
   Thread-safe for one sampling thread plus other threads updating priorities.
   """
 
-  def __init__(self, handle, timeout_s: float = 5.0, key_memory: int = 1 << 20,
-               seed: Optional[int] = None):
+  def __init__(self, handle, timeout_s: float = 10.0, key_memory: int = 1 << 20,
+               seed: Optional[int] = None, revive_after_s: float = 10.0):
     self._handle = handle
     self._timeout_s = float(timeout_s)
     self._key_memory = int(key_memory)
@@ -85,6 +91,9 @@ class ClusterClient:
         max_workers=max(2, handle.num_shards), thread_name_prefix="reverb_shm-ray-sample")
     self.failures = 0                  # shards dropped since this client was made
     self.dead: Dict[int, str] = {}     # shard -> why it was dropped
+    self.revived = 0                   # dropped shards that answered again
+    self._revive_after_s = float(revive_after_s)
+    self._dropped_at: Dict[int, float] = {}
     self._clients = {}
     self._generations = {}
     for e in handle.entries:
@@ -110,6 +119,7 @@ class ClusterClient:
       if shard in self.dead:
         return
       self.dead[shard] = repr(exc)
+      self._dropped_at[shard] = time.monotonic()
       self.failures += 1
     warnings.warn(f"reverb_shm.ray: shard {shard} (node {self._handle.entries[shard].node_id}) "
                   f"dropped, sampling goes on from shards {self.live_shards}: {exc!r}",
@@ -126,6 +136,19 @@ class ClusterClient:
         with self._lock:
           self.dead.pop(e.shard, None)
     return self.live_shards
+
+  def _revive(self) -> None:
+    """Probes the dropped shards not probed for revive_after_s; those that answer rejoin."""
+    now = time.monotonic()
+    due = [s for s in list(self.dead) if now - self._dropped_at.get(s, 0) >= self._revive_after_s]
+    for s in due:
+      self._dropped_at[s] = now
+      if self._alive(s):
+        with self._lock:
+          self.dead.pop(s, None)
+          self.revived += 1
+        warnings.warn(f"reverb_shm.ray: shard {s} answers again and rejoins sampling",
+                      RuntimeWarning, stacklevel=3)
 
   # ---- masses
   def _stats(self, shard: int, table: str) -> dict:
@@ -169,6 +192,8 @@ class ClusterClient:
 
   def masses(self, table: str) -> Dict[int, Tuple[float, int, int]]:
     """{shard: (mass, size, sampler_kind)} of the live shards (read in parallel)."""
+    if self.dead:
+      self._revive()
     stats = self._call_all(self.live_shards, lambda s: self._stats(s, table))
     out = {}
     for s, st in stats.items():
@@ -180,12 +205,13 @@ class ClusterClient:
 
   # ---- sampling
   def sample(self, table: str, num_samples: int,
-             rate_limiter_timeout_ms: Optional[int] = None) -> List[ReplaySample]:
+             rate_limiter_timeout_ms: Optional[int] = None,
+             unpack_as_table_signature: bool = False) -> List[ReplaySample]:
     """`num_samples` items drawn with the global distribution (module docstring).
 
     Returns a list of ReplaySample whose data is the flat list of columns (as Client.sample
-    with emit_timesteps=False) and whose info holds the global probability and table_size.
-    Items come grouped by shard.
+    with emit_timesteps=False; nested as the table's signature with unpack_as_table_signature)
+    and whose info holds the global probability and table_size. Items come grouped by shard.
 
     Raises:
       ValueError: num_samples < 1.
@@ -212,8 +238,9 @@ class ClusterClient:
       scale = {s: w / total_w for s, w in zip(shards, weights)}
 
       def draw(s, k):
-        return list(self._clients[s].sample(table, int(k), emit_timesteps=False,
-                                             rate_limiter_timeout_ms=rate_limiter_timeout_ms))
+        return list(self._clients[s].sample(
+            table, int(k), emit_timesteps=False, rate_limiter_timeout_ms=rate_limiter_timeout_ms,
+            unpack_as_table_signature=unpack_as_table_signature))
       got = self._call_all([s for s, k in zip(shards, counts) if k],
                            lambda s: draw(s, counts[shards.index(s)]))
       new_keys = []
@@ -225,6 +252,19 @@ class ClusterClient:
           new_keys.append((int(i.key), s))
       self._remember(new_keys)
     return out
+
+  def sample_batch(self, table: str, num_samples: int,
+                   rate_limiter_timeout_ms: Optional[int] = None) -> ReplaySample:
+    """As `sample`, gathered into one ReplaySample: info fields are arrays of length B (key
+    uint64, probability float64, table_size int64, priority float64, times_sampled int32) and
+    data is the table's signature nest (or the flat list of columns) of (B, ...) arrays."""
+    items = self.sample(table, num_samples, rate_limiter_timeout_ms,
+                        unpack_as_table_signature=True)
+    info = SampleInfo(*[np.asarray([getattr(i.info, f) for i in items], dtype)
+                        for f, dtype in zip(SampleInfo._fields, _INFO_DTYPES)])
+    flat = [structure.flatten(i.data) for i in items]
+    data = structure.unflatten(flat[0][1], [np.stack(col) for col in zip(*[f[0] for f in flat])])
+    return ReplaySample(info, data)
 
   def _remember(self, pairs) -> None:
     with self._lock:
