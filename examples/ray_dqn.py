@@ -37,7 +37,7 @@ import ray  # noqa: E402
 
 import reverb_shm as reverb  # noqa: E402
 from actor_learner import (ENV_ID, HIDDEN, NUM_ACTIONS, OBS_DIM, RETURN_WINDOW, TABLE,  # noqa: E402
-                           RunConfig, make_table)
+                           RunConfig, act_and_write, make_table)
 from policy import NumpyQNetwork, linear_epsilon  # noqa: E402
 from reverb_shm.ray import ReplayCluster  # noqa: E402
 from reverb_shm.ray.local_cluster import LocalRayCluster  # noqa: E402
@@ -91,7 +91,7 @@ class EnvActor:
         network = NumpyQNetwork(OBS_DIM, NUM_ACTIONS, HIDDEN)
         writer = self.client.trajectory_writer(num_keep_alive_refs=cfg.n_step + 1)
         transitions = NStepTransitionWriter(writer, TABLE, cfg.n_step, cfg.gamma)
-        version, steps, total_steps, returns, episode_return = 0, 0, 0, [], 0.0
+        version, steps, returns, episode_return = 0, 0, [], 0.0
         obs, _ = env.reset(seed=cfg.seed * 1000 + actor_id)
         try:
             while True:
@@ -104,22 +104,15 @@ class EnvActor:
                         return steps
                     if flat is not None:
                         network.load(flat)
-                q_values = network.q_values(obs)
                 epsilon = linear_epsilon(steps * cfg.actors, 1.0, cfg.epsilon_end,
                                          cfg.epsilon_decay_steps)
-                action = (int(rng.integers(NUM_ACTIONS)) if rng.random() < epsilon
-                          else int(q_values.argmax()))
-                next_obs, reward, terminated, truncated, _ = env.step(action)
-                transitions.append(obs, action, reward, terminated, q_values)
+                obs, reward, episode_over = act_and_write(env, network, transitions, rng, obs,
+                                                          epsilon)
                 steps += 1
                 episode_return += reward
-                if terminated or truncated:
-                    transitions.end_episode(next_obs, terminated, network.q_values(next_obs))
+                if episode_over:
                     returns.append(episode_return)
                     episode_return = 0.0
-                    obs, _ = env.reset()
-                else:
-                    obs = next_obs
         except reverb.errors.TableClosedError:
             return steps   # the job stopped the servers
         finally:

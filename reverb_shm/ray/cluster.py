@@ -183,7 +183,8 @@ class ClusterHandle:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
           warnings.warn(f"shard {e.shard} (node {e.node_id}) did not checkpoint: {exc!r}")
       else:
-        warnings.warn(f"shard {e.shard} (node {e.node_id}) has no live server to checkpoint")
+        warnings.warn(f"shard {e.shard} (node {e.node_id}) did not checkpoint: its server actor "
+                      "is gone")
       paths.append(path)
     return paths
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from reverb_shm import errors, structure
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
-from reverb_shm.selectors import PRIORITIZED, UNIFORM
+from reverb_shm.selectors import PRIORITIZED
 
 __all__ = ["ClusterClient", "split_batch"]
 
