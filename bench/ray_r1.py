@@ -7,9 +7,11 @@ Rows (one RESULTS line):
   R1_write  reverb_shm   items/s of one writer actor per worker node, each inserting one
                          transition per Client.insert into its own node's server (shared memory)
   R1_sample reverb_shm   items/s of the learner (driver, head node) drawing 256 per call with
-                         ClusterClient.sample across the 3 nodes' servers (global uniform split)
-  R1_cross  same_node / cross_node   items/s of Client.sample(256) from the driver against the
-                         head node's server (shared memory) and against a worker node's (bridge)
+                         ClusterClient.sample_batch across the 3 nodes' servers (global uniform
+                         split; masses read before each draw); variant reverb_shm_mass_cache
+                         splits by the masses of the previous answers (max_mass_age_s=0.1)
+  R1_cross  same_node / cross_node   items/s of batches of 256 drawn from the driver on the
+                         head node's server (shared memory) and on a worker node's (bridge)
 """
 import os
 import sys
@@ -65,19 +67,29 @@ def r1(args):
       head_client.insert(common.transition(i), {TABLE: 1.0})
 
     cc = handle.global_client(timeout_s=10)
-    rate, _, _ = timed(lambda: len(cc.sample(TABLE, common.SAMPLE_BATCH)), args.duration,
-                       args.warmup)
-    rows.append(row("R1_sample", "reverb_shm", "ClusterClient.sample(256) across 3 nodes", rate))
+    rate, _, _ = timed(lambda: len(cc.sample_batch(TABLE, common.SAMPLE_BATCH).info.key),
+                       args.duration, args.warmup)
+    rows.append(row("R1_sample", "reverb_shm", "ClusterClient.sample_batch(256) across 3 nodes "
+                    "(masses read before each draw)", rate))
+    cached = handle.global_client(timeout_s=10, max_mass_age_s=0.1)
+    rate, _, _ = timed(lambda: len(cached.sample_batch(TABLE, common.SAMPLE_BATCH).info.key),
+                       args.duration, args.warmup)
+    rows.append(row("R1_sample", "reverb_shm_mass_cache", "ClusterClient.sample_batch(256) "
+                    "across 3 nodes, max_mass_age_s=0.1", rate))
+    cached.close()
 
-    same = handle.client(shard=0)
+    same = handle.client(shard=0).shared_table(TABLE)
     cross = handle.client(shard=1)
-    assert type(same).__name__ == "Client" and type(cross).__name__ == "RemoteClient"
-    for variant, c in (("same_node", same), ("cross_node", cross)):
-      rate, _, _ = timed(lambda c=c: len(list(c.sample(TABLE, common.SAMPLE_BATCH,
-                                                       emit_timesteps=False))),
-                         args.duration, args.warmup)
-      rows.append(row("R1_cross", variant, f"Client.sample(256) from the head node, "
-                      f"{'shared memory' if c is same else 'bridge'}", rate))
+    assert type(cross).__name__ == "RemoteClient"
+    for variant, draw, api in (
+        ("same_node", lambda: len(same.sample_batch(common.SAMPLE_BATCH).info.key),
+         "SharedTable.sample_batch(256) on the head node's server (shared memory)"),
+        ("cross_node", lambda: len(cross.sample_batch_with_stats(
+            TABLE, common.SAMPLE_BATCH)[0].info.key),
+         "RemoteClient.sample_batch_with_stats(256) from the head node to a worker node's "
+         "bridge")):
+      rate, _, _ = timed(draw, args.duration, args.warmup)
+      rows.append(row("R1_cross", variant, api, rate))
     cc.close()
     for w in writers:
       ray.kill(w)

@@ -197,6 +197,7 @@ class Bridge:
         "Checkpoint": grpc.unary_unary_rpc_method_handler(self._checkpoint),
         "Insert": grpc.stream_stream_rpc_method_handler(self._insert),
         "Sample": grpc.stream_stream_rpc_method_handler(self._sample),
+        "SampleBatch": grpc.unary_unary_rpc_method_handler(self._sample_batch),
         "Write": grpc.stream_stream_rpc_method_handler(self._write),
     }
     self._grpc.add_generic_rpc_handlers(
@@ -529,6 +530,40 @@ class Bridge:
       finally:
         inbox.stop()
 
+  async def _sample_batch(self, request, context):
+    """Unary SampleBatch {table, n (0 .. 65536), timeout_ms}: up to n items sampled together
+    (fewer when the rate limiter admits fewer before the deadline; at least one unless n is 0),
+    as a Sample reply under "sample", and the table's counters after the draw (rs_table_stats:
+    size, sampler_kind, sampler_total_weight, ...) under "stats". One round trip per batch:
+    what a learner sampling across hosts uses (reverb_shm.ray)."""
+    await self._authorize(context)
+    try:
+      msg = wire.unpack(request, 1 << 16)
+      st = self._table(wire.get_str(msg, "table"))
+      n = wire.get_int(msg, "n", 0, 1 << 16)
+      timeout_ms = wire.timeout_field(msg)
+      reply = {}
+      if n:
+        sample = self._sample_now(st, n)
+        if sample is None:
+          deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+          remaining_call = context.time_remaining()
+          if remaining_call is not None:
+            call_deadline = time.monotonic() + remaining_call
+            deadline = call_deadline if deadline is None else min(deadline, call_deadline)
+          ended = threading.Event()
+          context.add_done_callback(lambda _: ended.set())
+          got = await asyncio.get_running_loop().run_in_executor(
+              self._pool, self._sample_wait, st, timeout_ms, deadline, ended, n)
+          if got is None:
+            return None   # the call was cancelled
+          sample = self._encode_samples(*got)
+        reply["sample"] = sample
+      reply["stats"] = st.stats()
+      return wire.pack(reply)
+    except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
+      await self._fail(context, e)
+
   def _sample_now(self, st: SharedTable, k: int) -> Optional[dict]:
     """The reply of up to k samples the limiter admits at once, or None."""
     try:
@@ -539,9 +574,9 @@ class Bridge:
 
   @staticmethod
   def _sample_wait(st: SharedTable, timeout_ms: Optional[int], deadline: Optional[float],
-                   cancelled: threading.Event):
-    """(records, pins) of one sample, waiting for it in slices (runs on the thread pool);
-    None once `cancelled` is set.
+                   cancelled: threading.Event, k: int = 1):
+    """(records, pins) of up to k samples (at least one), waiting for them in slices (runs on
+    the thread pool); None once `cancelled` is set.
 
     Raises:
       DeadlineExceededError: nothing to sample by `deadline` (monotonic seconds).
@@ -553,7 +588,7 @@ class Bridge:
       if deadline is not None:
         wait_ms = max(0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
       try:
-        return st.sample_records(1, wait_ms)
+        return st.sample_records(k, wait_ms)
       except errors.DeadlineExceededError:
         if deadline is not None and time.monotonic() >= deadline:
           raise errors.DeadlineExceededError(

@@ -8,6 +8,7 @@ be decided by trying to attach. The head node stays in the caller's namespace.
 
 Each worker node has a custom resource `node_label` (1 unit) to find it by: node_id(label).
 """
+import importlib.util
 import json
 import os
 import shutil
@@ -82,8 +83,9 @@ class LocalRayCluster:
   def start(self, timeout_s: float = 120.0) -> "LocalRayCluster":
     """Starts the head node (in this namespace) and waits until it accepts drivers."""
     cmd = [_ray_bin(), "start", "--head", f"--port={self.port}", "--include-dashboard=false",
-           f"--ray-client-server-port={_free_port()}",
            f"--temp-dir={self.temp_dir}", "--resources=" + json.dumps({"head": 1})]
+    if importlib.util.find_spec("grpc") is not None:   # Ray starts its client server then
+      cmd.append(f"--ray-client-server-port={_free_port()}")
     self._spawn("head", cmd + self._common("head"), private=False)
     self._wait_started("head", timeout_s)
     return self

@@ -29,8 +29,8 @@ shards. A dropped shard is probed again at most every `revive_after_s` seconds a
 (with a warning) if its server answers again; `refresh()` adopts shards restarted elsewhere
 (ClusterHandle.replace).
 """
-import collections
 import concurrent.futures
+import itertools
 import threading
 import time
 import warnings
@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from reverb_shm import errors, structure
+from reverb_shm import errors, specs, structure
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
 
@@ -48,6 +48,14 @@ _INFO_DTYPES = (np.uint64, np.float64, np.int64, np.float64, np.int32)
 
 _NODE_ERRORS = (errors.ServerUnavailableError, errors.DeadOwnerError, errors.TableClosedError,
                 errors.DeadlineExceededError, ConnectionError, OSError)
+
+
+def _mass_of(stats: dict) -> Tuple[float, int, int]:
+  """(mass, size, sampler_kind) of a table from its rs_table_stats."""
+  size = int(stats["size"])
+  kind = int(stats["sampler_kind"])
+  mass = float(stats.get("sampler_total_weight", 0.0)) if kind == PRIORITIZED else float(size)
+  return mass, size, kind
 
 
 def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator) -> np.ndarray:
@@ -73,6 +81,9 @@ class ClusterClient:
     timeout_s: deadline of each call to a shard (reading its masses, probing it); a shard that
       misses it is dropped.
     revive_after_s: how often a dropped shard is probed again.
+    max_mass_age_s: sample_batch splits by the masses the shards reported with their last
+      draws when they are at most this old (0: reads them before every draw; see
+      sample_batch).
     key_memory: how many sampled keys to remember for routing priority updates.
     seed: seed of the multinomial split (None: fresh entropy).
 
@@ -80,13 +91,14 @@ class ClusterClient:
   """
 
   def __init__(self, handle, timeout_s: float = 10.0, key_memory: int = 1 << 20,
-               seed: Optional[int] = None, revive_after_s: float = 10.0):
+               seed: Optional[int] = None, revive_after_s: float = 10.0,
+               max_mass_age_s: float = 0.0):
     self._handle = handle
     self._timeout_s = float(timeout_s)
     self._key_memory = int(key_memory)
     self._rng = np.random.default_rng(seed)
     self._lock = threading.Lock()
-    self._keys = collections.OrderedDict()   # key -> shard, most recent last
+    self._keys: Dict[int, int] = {}   # key -> shard, in the order first sampled
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=max(2, handle.num_shards), thread_name_prefix="reverb_shm-ray-sample")
     self.failures = 0                  # shards dropped since this client was made
@@ -94,6 +106,10 @@ class ClusterClient:
     self.revived = 0                   # dropped shards that answered again
     self._revive_after_s = float(revive_after_s)
     self._dropped_at: Dict[int, float] = {}
+    self._max_mass_age_s = float(max_mass_age_s)
+    self._mass_cache: Dict[str, Dict[int, tuple]] = {}   # table -> shard -> (masses, when)
+    self._local_tables = {}
+    self._treedefs = {}
     self._clients = {}
     self._generations = {}
     for e in handle.entries:
@@ -133,6 +149,9 @@ class ClusterClient:
     for e in self._handle.entries:
       if self._generations.get(e.shard) != e.generation:
         self._connect(e.shard)
+        self._local_tables = {k: v for k, v in self._local_tables.items() if k[0] != e.shard}
+        for cache in self._mass_cache.values():
+          cache.pop(e.shard, None)
         with self._lock:
           self.dead.pop(e.shard, None)
     return self.live_shards
@@ -195,13 +214,7 @@ class ClusterClient:
     if self.dead:
       self._revive()
     stats = self._call_all(self.live_shards, lambda s: self._stats(s, table))
-    out = {}
-    for s, st in stats.items():
-      size = int(st["size"])
-      kind = int(st["sampler_kind"])
-      mass = float(st.get("sampler_total_weight", 0.0)) if kind == PRIORITIZED else float(size)
-      out[s] = (mass, size, kind)
-    return out
+    return {s: _mass_of(st) for s, st in stats.items()}
 
   # ---- sampling
   def sample(self, table: str, num_samples: int,
@@ -255,25 +268,112 @@ class ClusterClient:
 
   def sample_batch(self, table: str, num_samples: int,
                    rate_limiter_timeout_ms: Optional[int] = None) -> ReplaySample:
-    """As `sample`, gathered into one ReplaySample: info fields are arrays of length B (key
-    uint64, probability float64, table_size int64, priority float64, times_sampled int32) and
-    data is the table's signature nest (or the flat list of columns) of (B, ...) arrays."""
-    items = self.sample(table, num_samples, rate_limiter_timeout_ms,
-                        unpack_as_table_signature=True)
-    info = SampleInfo(*[np.asarray([getattr(i.info, f) for i in items], dtype)
-                        for f, dtype in zip(SampleInfo._fields, _INFO_DTYPES)])
-    flat = [structure.flatten(i.data) for i in items]
-    data = structure.unflatten(flat[0][1], [np.stack(col) for col in zip(*[f[0] for f in flat])])
-    return ReplaySample(info, data)
+    """`num_samples` items drawn with the global distribution, gathered into one ReplaySample:
+    info fields are arrays of length B (key uint64, probability float64, table_size int64,
+    priority float64, times_sampled int32) and data is the table's signature nest (or the flat
+    list of columns) of (B, ...) arrays, grouped by shard.
+
+    One call per shard and batch, in parallel: a C gather on this node's shard, one SampleBatch
+    round trip to each other node's bridge; each answer carries the shard's mass after the
+    draw, which the next call splits by when it is at most `max_mass_age_s` old and no priority
+    update went through this client since (else the masses are read first). The reported
+    probability is exactly that of the draw made: (W_s / W) of the masses split by, times the
+    shard's own w_i / W_s at the draw, which is w_i / W whenever the masses did not change in
+    between (always, for a table nobody writes to meanwhile).
+
+    Raises:
+      ValueError: num_samples < 1, or items of different column layouts.
+      ServerUnavailableError: no live shard left.
+      DeadlineExceededError: a live shard's rate limiter did not allow the draw in time.
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+      raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    parts = []
+    got = 0
+    while got < num_samples:
+      masses = self._cached_masses(table)
+      if not masses:
+        raise errors.ServerUnavailableError(
+            f"no live shard left to sample {table!r} from (dropped: {self.dead})")
+      shards, weights, total_size = self._weights(table, masses)
+      counts = split_batch(num_samples - got, weights, self._rng)
+      total_w = float(sum(weights))
+      scale = {s: w / total_w for s, w in zip(shards, weights)}
+      k_of = dict(zip(shards, counts.tolist()))
+      answers = self._call_all(shards, lambda s: self._draw(s, table, k_of[s],
+                                                            rate_limiter_timeout_ms))
+      now = time.monotonic()
+      cache = self._mass_cache.setdefault(table, {})
+      for s, (batch, stats) in sorted(answers.items()):
+        cache[s] = (_mass_of(stats), now)
+        if batch is None:
+          continue
+        i = batch.info
+        parts.append(ReplaySample(SampleInfo(
+            i.key, i.probability * scale[s], np.full(len(i.key), total_size, np.int64),
+            i.priority, i.times_sampled), batch.data))
+        self._remember(zip(i.key.tolist(), [s] * len(i.key)))
+        got += len(i.key)
+    info = SampleInfo(*[np.concatenate([p.info[f] for p in parts]).astype(dtype, copy=False)
+                        for f, dtype in enumerate(_INFO_DTYPES)])
+    cols = [np.concatenate(c) for c in zip(*[p.data for p in parts])]
+    treedef = self._treedef(table)
+    return ReplaySample(info, cols if treedef is None else structure.unflatten(treedef, cols))
+
+  def _cached_masses(self, table: str) -> Dict[int, Tuple[float, int, int]]:
+    cache = self._mass_cache.get(table, {})
+    now = time.monotonic()
+    live = self.live_shards
+    if all(s in cache and now - cache[s][1] <= self._max_mass_age_s for s in live):
+      return {s: cache[s][0] for s in live}
+    return self.masses(table)
+
+  @staticmethod
+  def _weights(table: str, masses):
+    shards = sorted(masses)
+    weights = [masses[s][0] for s in shards]
+    if not sum(weights) > 0:   # all weights 0 (or only non-prioritized counts of 0)
+      weights = [float(masses[s][1]) for s in shards]
+    if not sum(weights) > 0:
+      raise errors.DeadlineExceededError(f"table {table!r} is empty on every live shard")
+    return shards, weights, sum(masses[s][1] for s in shards)
+
+  def _draw(self, shard: int, table: str, k: int, timeout_ms: Optional[int]):
+    """(batch of k items with flat columns, or None for k == 0; the table's stats after)."""
+    if self.is_local(shard):
+      st = self._local_tables.get((shard, table))
+      if st is None:
+        st = self._local_tables[(shard, table)] = self._clients[shard].shared_table(table)
+      batch = None
+      if k:
+        b = st.sample_batch(k, timeout_ms=timeout_ms)
+        batch = ReplaySample(b.info, structure.flatten(b.data)[0])
+      return batch, st.stats()
+    rpc_timeout = None if timeout_ms is None else timeout_ms / 1000 + self._timeout_s
+    return self._clients[shard].sample_batch_with_stats(table, int(k), timeout_ms, rpc_timeout)
+
+  def _treedef(self, table: str):
+    """The treedef of `table`'s signature (from any live shard), None without one."""
+    if table not in self._treedefs:
+      s = self.live_shards[0]
+      c = self._clients[s]
+      if self.is_local(s):
+        signature = c.shared_table(table).signature
+      else:
+        signature = specs.decode_signature(c._table_entry(table)[1]["signature"])  # pylint: disable=protected-access
+      self._treedefs[table] = None if signature is None else structure.flatten(signature)[1]
+    return self._treedefs[table]
 
   def _remember(self, pairs) -> None:
+    """Records key -> shard; beyond key_memory keys the oldest recorded are forgotten (a key
+    sampled again keeps its first place: routing only needs the shard, which never changes)."""
     with self._lock:
       keys = self._keys
-      for k, s in pairs:
-        keys[k] = s
-        keys.move_to_end(k)
-      while len(keys) > self._key_memory:
-        keys.popitem(last=False)
+      keys.update(pairs)
+      excess = len(keys) - self._key_memory
+      if excess > 0:
+        for k in list(itertools.islice(iter(keys), excess)):
+          del keys[k]
 
   def shard_of(self, key: int) -> Optional[int]:
     """The shard that returned `key` in a sample (if still remembered), else None."""
@@ -297,6 +397,8 @@ class ClusterClient:
         for t in ([s] if s in per else live):
           per[t][1].append(k)
     busy = [s for s in live if per[s][0] or per[s][1]]
+    for s in busy:
+      self._mass_cache.get(table, {}).pop(s, None)
     res = self._call_all(busy, lambda s: self._clients[s].mutate_priorities(
         table, per[s][0] or None, per[s][1] or None))
     return sum(r[0] for r in res.values()), sum(r[1] for r in res.values())
