@@ -38,7 +38,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from reverb_shm import errors, specs, structure
+from reverb_shm import errors, specs
+from reverb_shm._internal import structure
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
 
