@@ -528,16 +528,37 @@ class RemoteClient(client_lib.Client):
       ValueError: items of different column layouts in one batch; bad n.
       DeadlineExceededError, UnknownTableError, ServerUnavailableError: as sample().
     """
+    return self.sample_batch_async(table, n, timeout_ms, rpc_timeout)()
+
+  def sample_batch_async(self, table: str, n: int, timeout_ms: Optional[int] = None,
+                         rpc_timeout: Optional[float] = None):
+    """Sends sample_batch_with_stats's request without waiting for the answer; returns a
+    function that waits for it and returns (batch, stats) or raises as
+    sample_batch_with_stats does. Unlike other unary calls, an unreachable bridge is not
+    retried: the error is raised at once (the caller decides what to do).
+
+    Raises (at once):
+      ValueError: bad n.
+    """
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1 << 16:
       raise ValueError(f"n must be an int in [0, 65536], got {n!r}")
     msg = {"table": table, "n": n}
     if timeout_ms is not None:
       msg["timeout_ms"] = int(timeout_ms)
-    reply = self._connection().unary("SampleBatch", msg, timeout=rpc_timeout)
-    stats = reply.get("stats")
-    if not isinstance(stats, dict):
-      raise errors.ReverbError(f"bridge {self.server_address} sent a malformed SampleBatch")
-    return (None if not n else _decode_batch(reply["sample"])), stats
+    conn = self._connection()
+    future = conn.method("SampleBatch").future(wire.pack(msg), timeout=rpc_timeout,
+                                               metadata=conn.metadata)
+
+    def result():
+      try:
+        reply = wire.unpack(future.result())
+      except grpc.RpcError as e:
+        raise rpc_error(e, self.server_address) from None
+      stats = reply.get("stats")
+      if not isinstance(stats, dict):
+        raise errors.ReverbError(f"bridge {self.server_address} sent a malformed SampleBatch")
+      return (None if not n else _decode_batch(reply["sample"])), stats
+    return result
 
   def _sample_gen(self, handle, n, emit_timesteps, treedef, timeout_ms):
     """Client.sample's generator over a Sample stream (Client.sample validated the arguments).

@@ -301,8 +301,7 @@ class ClusterClient:
       total_w = float(sum(weights))
       scale = {s: w / total_w for s, w in zip(shards, weights)}
       k_of = dict(zip(shards, counts.tolist()))
-      answers = self._call_all(shards, lambda s: self._draw(s, table, k_of[s],
-                                                            rate_limiter_timeout_ms))
+      answers = self._draw_all(shards, table, k_of, rate_limiter_timeout_ms)
       now = time.monotonic()
       cache = self._mass_cache.setdefault(table, {})
       for s, (batch, stats) in sorted(answers.items()):
@@ -322,12 +321,20 @@ class ClusterClient:
     return ReplaySample(info, cols if treedef is None else structure.unflatten(treedef, cols))
 
   def _cached_masses(self, table: str) -> Dict[int, Tuple[float, int, int]]:
-    cache = self._mass_cache.get(table, {})
+    """{shard: (mass, size, kind)}: from the shards' last answers when fresh enough, else
+    read now (one SampleBatch of 0 items per bridge, in parallel)."""
+    if self.dead:
+      self._revive()
+    cache = self._mass_cache.setdefault(table, {})
     now = time.monotonic()
     live = self.live_shards
-    if all(s in cache and now - cache[s][1] <= self._max_mass_age_s for s in live):
-      return {s: cache[s][0] for s in live}
-    return self.masses(table)
+    if not all(s in cache and now - cache[s][1] <= self._max_mass_age_s for s in live):
+      answers = self._draw_all(live, table, dict.fromkeys(live, 0), None)
+      now = time.monotonic()
+      for s, (_, stats) in answers.items():
+        cache[s] = (_mass_of(stats), now)
+      live = sorted(answers)
+    return {s: cache[s][0] for s in live}
 
   @staticmethod
   def _weights(table: str, masses):
@@ -339,19 +346,48 @@ class ClusterClient:
       raise errors.DeadlineExceededError(f"table {table!r} is empty on every live shard")
     return shards, weights, sum(masses[s][1] for s in shards)
 
-  def _draw(self, shard: int, table: str, k: int, timeout_ms: Optional[int]):
-    """(batch of k items with flat columns, or None for k == 0; the table's stats after)."""
-    if self.is_local(shard):
-      st = self._local_tables.get((shard, table))
-      if st is None:
-        st = self._local_tables[(shard, table)] = self._clients[shard].shared_table(table)
-      batch = None
-      if k:
-        b = st.sample_batch(k, timeout_ms=timeout_ms)
-        batch = ReplaySample(b.info, structure.flatten(b.data)[0])
-      return batch, st.stats()
-    rpc_timeout = None if timeout_ms is None else timeout_ms / 1000 + self._timeout_s
-    return self._clients[shard].sample_batch_with_stats(table, int(k), timeout_ms, rpc_timeout)
+  def _draw_all(self, shards, table: str, k_of: Dict[int, int], timeout_ms: Optional[int]):
+    """{shard: (batch of k_of[shard] items with flat columns, or None for 0; the table's stats
+    after the draw)}: the bridges' requests go out first, then this node's shard draws in C
+    while they run. Shards failing with a node error are probed and dropped if dead."""
+    if timeout_ms is None:
+      rpc_timeout = None if any(k_of[s] for s in shards) else self._timeout_s
+    else:
+      rpc_timeout = timeout_ms / 1000 + self._timeout_s
+    pending, failed, out = {}, {}, {}
+    for s in shards:
+      if not self.is_local(s):
+        try:
+          pending[s] = self._clients[s].sample_batch_async(table, int(k_of[s]), timeout_ms,
+                                                           rpc_timeout)
+        except _NODE_ERRORS as e:
+          failed[s] = e
+    for s in shards:
+      if self.is_local(s):
+        try:
+          out[s] = self._draw_local(s, table, int(k_of[s]), timeout_ms)
+        except _NODE_ERRORS as e:
+          failed[s] = e
+    for s, result in pending.items():
+      try:
+        out[s] = result()
+      except _NODE_ERRORS as e:
+        failed[s] = e
+    for s, e in sorted(failed.items()):
+      if self._alive(s):
+        raise e
+      self._drop(s, e)
+    return out
+
+  def _draw_local(self, shard: int, table: str, k: int, timeout_ms: Optional[int]):
+    st = self._local_tables.get((shard, table))
+    if st is None:
+      st = self._local_tables[(shard, table)] = self._clients[shard].shared_table(table)
+    batch = None
+    if k:
+      b = st.sample_batch(k, timeout_ms=timeout_ms)
+      batch = ReplaySample(b.info, structure.flatten(b.data)[0])
+    return batch, st.stats()
 
   def _treedef(self, table: str):
     """The treedef of `table`'s signature (from any live shard), None without one."""
