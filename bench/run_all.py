@@ -238,6 +238,9 @@ def main(argv=None):
       runs[name].append(rows)
   results = {name: median_rows(r) for name, r in runs.items()}
   ratio_rows = ratios(results)
+  if args.only:   # the ratios of the workloads asked for
+    ratio_rows = [r for r in ratio_rows if r["value"] is not None
+                  or any(r["ratio"].startswith(w) for w in args.only)]
   print_table(results, ratio_rows, notes)
   RESULTS.mkdir(exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")

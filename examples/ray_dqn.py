@@ -83,6 +83,9 @@ class EnvActor:
         self.client = handle.client()
         self.path = type(self.client).__name__   # 'Client': shared memory
 
+    def client_kind(self) -> str:
+        return self.path
+
     def run(self) -> int:
         import gymnasium as gym
         cfg, actor_id = self.cfg, self.actor_id
@@ -193,10 +196,10 @@ def main(argv=None) -> int:
         actors = [EnvActor.options(scheduling_strategy=ray.util.scheduling_strategies
                                    .NodeAffinitySchedulingStrategy(e.node_id, soft=False))
                   .remote(i, handle, cfg, coordinator) for i, e in enumerate(handle.entries)]
-        runs = [a.run.remote() for a in actors]
+        paths = ray.get([a.client_kind.remote() for a in actors], timeout=300)
         print(f"{ENV_ID}: {len(actors)} nodes, one server and one actor each; actors write "
-              f"through {ray.get([a.__ray_call__.remote(lambda s: s.path) for a in actors])}",
-              flush=True)
+              f"through {paths}", flush=True)
+        runs = [a.run.remote() for a in actors]
         returns, updates, seconds = learn(cfg, handle, coordinator)
         ray.get(coordinator.finish.remote(), timeout=60)
         try:

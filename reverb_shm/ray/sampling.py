@@ -8,8 +8,10 @@ drawing the shard's count there with its own sampler: each draw then picks item 
 with probability (W_s / W) * (w_i / W_s) = w_i / W, independently, which is the global
 distribution exactly (Schaul et al. 2016 sample with replacement as well). The reported
 SampleInfo.probability is the local one times W_s / W, and SampleInfo.table_size the global
-number of items, both as read just before the draw (items inserted or removed in between change
-the values a little, as they would between two samples of one table). Every weight 0 on every
+number of items, of the masses the split used: read just before the draw, or (sample_batch with
+max_mass_age_s > 0) those the shards reported with their previous draws. Either way the reported
+probability is exactly that of the draw made; it equals the single-table one when no item was
+inserted, removed or updated in between. Every weight 0 on every
 shard: uniform over all items, as a single table does. Other samplers (Fifo, Lifo, heaps) are
 split by item counts; their order is per shard.
 
