@@ -116,7 +116,7 @@ class EnvActor:
                 if episode_over:
                     returns.append(episode_return)
                     episode_return = 0.0
-        except reverb.errors.TableClosedError:
+        except (reverb.errors.TableClosedError, reverb.errors.DeadOwnerError):
             return steps   # the job stopped the servers
         finally:
             env.close()
@@ -202,6 +202,7 @@ def main(argv=None) -> int:
         runs = [a.run.remote() for a in actors]
         returns, updates, seconds = learn(cfg, handle, coordinator)
         ray.get(coordinator.finish.remote(), timeout=60)
+        handle.stop()   # wakes actors blocked on their node's rate limiter (TableClosedError)
         try:
             steps = sum(ray.get(runs, timeout=120))
         except ray.exceptions.RayError as e:
