@@ -486,7 +486,6 @@ class Bridge:
   async def _sample(self, request_iterator, context):
     async with self._streaming(context) as cancelled:
       inbox = _Inbox(context, 1 << 16)
-      loop = asyncio.get_running_loop()
       try:
         msgs = await inbox.take()
         if not msgs:
@@ -509,18 +508,9 @@ class Bridge:
               return     # the client closed its side: it wants no more samples
             credit += _credits(msgs)
           k = min(credit, n - sent, batch, max(1, _REPLY_BYTES // item_bytes))
-          reply = self._sample_now(st, k)
+          reply = await self._sample_or_wait(st, k, timeout_ms, context, cancelled, 1)
           if reply is None:
-            deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-            remaining_call = context.time_remaining()
-            if remaining_call is not None:
-              call_deadline = time.monotonic() + remaining_call
-              deadline = call_deadline if deadline is None else min(deadline, call_deadline)
-            got = await loop.run_in_executor(self._pool, self._sample_wait, st, timeout_ms,
-                                             deadline, cancelled)
-            if got is None:
-              return     # cancelled
-            reply = self._encode_samples(*got)
+            return     # cancelled
           await self._write_msg(context, reply)
           item_bytes = self._item_bytes[st.name] = max(1, sum(
               len(c.get("b", b"")) for part in reply.get("parts", [reply])
@@ -545,25 +535,32 @@ class Bridge:
       timeout_ms = wire.timeout_field(msg)
       reply = {}
       if n:
-        sample = self._sample_now(st, n)
-        if sample is None:
-          deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-          remaining_call = context.time_remaining()
-          if remaining_call is not None:
-            call_deadline = time.monotonic() + remaining_call
-            deadline = call_deadline if deadline is None else min(deadline, call_deadline)
-          ended = threading.Event()
-          context.add_done_callback(lambda _: ended.set())
-          got = await asyncio.get_running_loop().run_in_executor(
-              self._pool, self._sample_wait, st, timeout_ms, deadline, ended, n)
-          if got is None:
-            return None   # the call was cancelled
-          sample = self._encode_samples(*got)
-        reply["sample"] = sample
+        ended = threading.Event()
+        context.add_done_callback(lambda _: ended.set())
+        reply["sample"] = await self._sample_or_wait(st, n, timeout_ms, context, ended, n)
+        if reply["sample"] is None:
+          return None   # the call was cancelled
       reply["stats"] = st.stats()
       return wire.pack(reply)
     except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
       await self._fail(context, e)
+
+  async def _sample_or_wait(self, st: SharedTable, k: int, timeout_ms: Optional[int], context,
+                            cancelled: threading.Event, wait_k: int) -> Optional[dict]:
+    """The reply of up to k samples the limiter admits now, else (on the thread pool) of up to
+    wait_k, at least one, waiting until timeout_ms or the call's deadline; None once
+    `cancelled`."""
+    reply = self._sample_now(st, k)
+    if reply is not None:
+      return reply
+    deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+    remaining_call = context.time_remaining()
+    if remaining_call is not None:
+      call_deadline = time.monotonic() + remaining_call
+      deadline = call_deadline if deadline is None else min(deadline, call_deadline)
+    got = await asyncio.get_running_loop().run_in_executor(
+        self._pool, self._sample_wait, st, timeout_ms, deadline, cancelled, wait_k)
+    return None if got is None else self._encode_samples(*got)
 
   def _sample_now(self, st: SharedTable, k: int) -> Optional[dict]:
     """The reply of up to k samples the limiter admits at once, or None."""
