@@ -1,12 +1,12 @@
 """The per-node server actor of a ReplayCluster (a plain class; cluster.py wraps it in
 ray.remote). One instance owns one reverb_shm Server and its gRPC bridge on one Ray node."""
 import os
-import pickle
-from typing import Optional
+from typing import List, Optional
 
 import ray
 
 from reverb_shm import checkpointers, client as client_lib, server as server_lib
+from reverb_shm import table as table_lib
 from reverb_shm.bridge import BridgeConfig
 
 
@@ -14,16 +14,15 @@ class NodeServer:
   """Owns shard `shard`'s Server (segment /dev/shm/rvshm.`server_name`) and its bridge.
 
   Args:
-    tables_blob: pickled list of reverb_shm.Table (unbound).
+    tables: the reverb_shm.Table objects (unbound copies: Ray sends each actor its own).
     server_name: the segment's name.
     checkpoint_dir: the shard's checkpoint root; the newest checkpoint there is restored.
     token: the bridge's auth token (the bridge binds the node's IP, so it needs one).
     server_kwargs: further Server arguments (arena_bytes, max_procs, pins_per_proc).
   """
 
-  def __init__(self, tables_blob: bytes, server_name: str, checkpoint_dir: str, token: str,
-               server_kwargs: Optional[dict] = None):
-    tables = pickle.loads(tables_blob)
+  def __init__(self, tables: List[table_lib.Table], server_name: str, checkpoint_dir: str,
+               token: str, server_kwargs: Optional[dict] = None):
     self._checkpoint_dir = checkpoint_dir
     checkpointer = checkpointers.DefaultCheckpointer(checkpoint_dir)
     found = checkpointer.checkpoints()   # the Server restores the newest verified one

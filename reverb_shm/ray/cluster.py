@@ -15,7 +15,6 @@ must be storage every node sees (NFS, a mounted bucket), or a replacement node c
 """
 import dataclasses
 import os
-import pickle
 import secrets
 import tempfile
 import warnings
@@ -93,12 +92,14 @@ class ClusterHandle:
     entries: one ShardEntry per shard, in shard order.
     token: the bridges' auth token.
     checkpoint_root: where shard i checkpoints (checkpoint_root/shard-i).
+    tables: the tables every shard's server holds (unbound Table objects).
+    server_kwargs: further Server arguments of every shard.
   """
   cluster_id: str
   entries: List[ShardEntry]
   token: str
   checkpoint_root: str
-  tables_blob: bytes
+  tables: List[table_lib.Table]
   server_kwargs: dict
 
   @property
@@ -106,7 +107,7 @@ class ClusterHandle:
     return len(self.entries)
 
   def table_names(self) -> List[str]:
-    return [t.name for t in pickle.loads(self.tables_blob)]
+    return [t.name for t in self.tables]
 
   # ---- clients
   def local_shard(self) -> Optional[int]:
@@ -250,7 +251,7 @@ def _start_shard(handle: ClusterHandle, shard: int, node_id: str, timeout_s: flo
       name=actor_name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=0,
       max_concurrency=4,
       scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
-          handle.tables_blob, server_name,
+          handle.tables, server_name,
           os.path.join(handle.checkpoint_root, f"shard-{shard}"), handle.token,
           handle.server_kwargs)
   ref = actor.info.remote()
@@ -311,7 +312,7 @@ class ReplayCluster:
       checkpoint_root = os.path.join(tempfile.gettempdir(), "reverb_shm_ray", cluster_id)
     handle = ClusterHandle(cluster_id=cluster_id, entries=[], token=secrets.token_hex(16),
                            checkpoint_root=os.path.abspath(checkpoint_root),
-                           tables_blob=pickle.dumps(tables),
+                           tables=tables,
                            server_kwargs=dict(DEFAULT_SERVER_KWARGS, **(server_kwargs or {})))
     started = [_start_shard(handle, i, n, timeout_s, ref_only=True) for i, n in enumerate(nodes)]
     try:

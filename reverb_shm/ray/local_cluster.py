@@ -76,7 +76,8 @@ class LocalRayCluster:
       cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
     log = open(os.path.join(self.temp_dir, f"{label}.log"), "wb")
     self._logs.append(log)
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    # A loaded machine registers a node slowly: give it minutes rather than Ray's default.
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="300")
     self.nodes[label] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
 
@@ -98,8 +99,17 @@ class LocalRayCluster:
       raise ValueError(f"node {label!r} exists")
     cmd = [_ray_bin(), "start", f"--address={self.address}",
            "--resources=" + json.dumps({label: 1})] + self._common(label)
-    self._spawn(label, cmd, self.private_shm if private_shm is None else private_shm)
-    self._wait_started(label, timeout_s)
+    private = self.private_shm if private_shm is None else private_shm
+    for attempt in range(3):   # a node that failed to register (an overloaded GCS) is retried
+      self._spawn(label, cmd, private)
+      try:
+        self._wait_started(label, timeout_s)
+        return
+      except RuntimeError:
+        self.kill_node(label)
+        del self.nodes[label]
+        if attempt == 2:
+          raise
 
   def _wait_started(self, label: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
