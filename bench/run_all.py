@@ -52,8 +52,17 @@ RATIOS = [
     ("D1 disk tier vs cpprb mmap_prefix", ("disk", "D1", "shm"), ("disk", "D1", "cpprb"), 1.0),
     ("D1 disk tier vs the disk's random reads (memmap gather)", ("disk", "D1", "shm"),
      ("disk", "D1", "memmap"), 0.7),
+    ("R1 co-located writers vs TorchRL RayReplayBuffer", ("shm_ray", "R1_write", "reverb_shm"),
+     ("torchrl", "R1_write", "RayReplayBuffer"), 20.0),
+    ("R1 learner sample(256) over 3 nodes vs RayReplayBuffer.sample",
+     ("shm_ray", "R1_sample", "reverb_shm"), ("torchrl", "R1_sample", "RayReplayBuffer"), 5.0),
+    # the cost of a cross-node sample against a same-node one (time per call; no target)
+    ("R1 cross-node sample cost / same-node (lower is better)",
+     ("shm_ray", "R1_cross", "same_node"), ("shm_ray", "R1_cross", "cross_node"), None),
 ]
 G1_WORKLOADS = ["W1", "W3", "W5"]
+# Workloads of a Ray cluster: run by bench/ray_r1.py and the TorchRL peer, not by the others.
+RAY_WORKLOADS = ("R1",)
 
 
 def run_runner(python, script, args, workloads, timeout, extra_env=None):
@@ -75,6 +84,19 @@ def run_runner(python, script, args, workloads, timeout, extra_env=None):
     if line.startswith("RESULTS "):
       return json.loads(line[len("RESULTS "):]), None
   return [], f"{script} failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}"
+
+
+RAY_SCRIPTS = ("ray_r1.py", "peer_torchrl_ray.py")
+
+
+def torchrl_ray_python() -> str:
+  """The python of the torchrl_ray peer venv (tests/peers/venv.sh builds it on first use)."""
+  try:
+    return subprocess.run(["bash", str(HERE.parent / "tests" / "peers" / "venv.sh"),
+                           "torchrl_ray"], capture_output=True, text=True, timeout=3600,
+                          check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"(torchrl_ray venv unavailable: {e})"
 
 
 def peer_available(python, module):
@@ -116,7 +138,7 @@ def ratios(results):
     a, b = lookup(results, num), lookup(results, den)
     ratio = a / b if a and b else None
     out.append({"ratio": label, "value": ratio, "target": target,
-                "met": None if ratio is None else ratio >= target})
+                "met": None if ratio is None or target is None else ratio >= target})
   sc = {r["table_items"]: r["us_per_item"] for r in results.get("shm", [])
         if r["workload"].startswith("scale_")}
   if 10_000 in sc and max(sc) > 10_000:
@@ -147,7 +169,8 @@ def print_table(results, ratio_rows, notes):
   for r in ratio_rows:
     v = "n/a" if r["value"] is None else f"{r['value']:9.2f}"
     met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
-    print(f"{r['ratio']:<62} {v:>9} {r['target']:>8}  {met}")
+    target = "-" if r["target"] is None else r["target"]
+    print(f"{r['ratio']:<62} {v:>9} {target:>8}  {met}")
   for n in notes:
     print("note:", n)
 
@@ -179,7 +202,8 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true")
   p.add_argument("--repeat", type=int, default=1)
-  p.add_argument("--only", nargs="+", help="workloads (W1..W6, scaling, metadata, G1, D1)")
+  p.add_argument("--only", nargs="+",
+                 help="workloads (W1..W6, scaling, metadata, G1, D1, R1)")
   p.add_argument("--torchrl-python", default=os.environ.get("TORCHRL_PYTHON"))
   p.add_argument("--d1-dir", default=os.environ.get("REVERB_SHM_D1_DIR", "/var/tmp"),
                  help="directory on the disk D1 measures (every runner's files go there)")
@@ -189,6 +213,9 @@ def main(argv=None):
                                                            "/tmp/refvenv/bin/python"))
   p.add_argument("--cpprb-python", default=os.environ.get("CPPRB_PYTHON",
                                                           "/tmp/refvenv/bin/python"))
+  p.add_argument("--torchrl-ray-python", default=os.environ.get("TORCHRL_RAY_PYTHON"),
+                 help="python of the torchrl_ray peer venv (default: tests/peers/venv.sh "
+                      "torchrl_ray, built on first use)")
   args = p.parse_args(argv)
   args.duration = 0.5 if args.quick else 2.0
   args.warmup = 0.1 if args.quick else 0.3
@@ -196,14 +223,21 @@ def main(argv=None):
   args.frames = 500 if args.quick else 4_000
   args.scales = SCALES[:3] if args.quick else SCALES
   workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata", "G1",
-                            "D1"]
+                            "D1", "R1"]
   grown, disk = "G1" in workloads, "D1" in workloads
-  workloads = [w for w in workloads if w not in ("G1", "D1")]
+  ray_workloads = [w for w in workloads if w in RAY_WORKLOADS]
+  workloads = [w for w in workloads if w not in ("G1", "D1") and w not in RAY_WORKLOADS]
   if grown:   # G1 compares W1, W3, W5 on grown and on pre-sized arenas
     workloads += [w for w in G1_WORKLOADS if w not in workloads]
-  runners = [("shm", sys.executable, "shm_workloads.py", None),
-             ("reverb", args.reverb_python, "peer_reverb.py", "reverb"),
-             ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb")]
+  runners = []
+  if workloads:
+    runners += [("shm", sys.executable, "shm_workloads.py", None),
+                ("reverb", args.reverb_python, "peer_reverb.py", "reverb"),
+                ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb")]
+  if ray_workloads:
+    runners += [("shm_ray", sys.executable, "ray_r1.py", "ray"),
+                ("torchrl", args.torchrl_ray_python or torchrl_ray_python(), "peer_torchrl_ray.py",
+                 "torchrl.data.replay_buffers.ray_buffer, ray")]
   notes = []
   available = []
   for name, python, script, module in runners:
@@ -224,7 +258,9 @@ def main(argv=None):
         rows, note = run_runner(python, script, args, G1_WORKLOADS, timeout=3600,
                                 extra_env={"REVERB_SHM_BENCH_ARENA": "grown"})
       else:
-        rows, note = run_runner(python, script, args, workloads, timeout=3600)
+        rows, note = run_runner(python, script, args,
+                                ray_workloads if script in RAY_SCRIPTS else workloads,
+                                timeout=3600)
       if note:
         notes.append(note)
       runs[name].append(rows)
@@ -244,6 +280,9 @@ def main(argv=None):
       notes.append(f"D1 failed: {e}")
   results = {name: median_rows(r) for name, r in runs.items()}
   ratio_rows = ratios(results)
+  if args.only:   # the ratios of the workloads asked for
+    ratio_rows = [r for r in ratio_rows if r["value"] is not None
+                  or any(r["ratio"].startswith(w) for w in args.only)]
   print_table(results, ratio_rows, notes)
   RESULTS.mkdir(exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")

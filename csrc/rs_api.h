@@ -128,6 +128,9 @@ typedef struct rs_table_stats {
   /* cumulative time in ns: holding the lock for inserts / samples; blocked waiting */
   int64_t inserting_ns; int64_t sampling_ns; int64_t waiting_for_sampling_ns; int64_t waiting_for_inserts_ns;
   int64_t repairs;          /* times the table was repaired after a dead lock owner */
+  /* Prioritized sampler: the sum tree's root, the sum of priority**exponent over the items
+   * (what a sample's probability divides by); 0 for other samplers. */
+  double sampler_total_weight;
 } rs_table_stats;
 
 typedef struct rs_segment_info {

@@ -97,6 +97,28 @@ def parse_args(argv=None) -> RunConfig:
 # Actor process
 
 
+def act_and_write(env, network: NumpyQNetwork, transitions: NStepTransitionWriter,
+                  rng: np.random.Generator, obs: np.ndarray, epsilon: float):
+    """One epsilon-greedy step of ``env`` from ``obs``, recorded as n-step transitions.
+
+    Returns:
+        (the observation to act on next, the step's reward, whether the episode ended; the
+        environment was then reset and the observation is the new episode's first).
+    """
+    q_values = network.q_values(obs)
+    if rng.random() < epsilon:
+        action = int(rng.integers(NUM_ACTIONS))
+    else:
+        action = int(q_values.argmax())
+    next_obs, reward, terminated, truncated, _ = env.step(action)
+    transitions.append(obs, action, reward, terminated, q_values)
+    if terminated or truncated:
+        transitions.end_episode(next_obs, terminated, network.q_values(next_obs))
+        next_obs, _ = env.reset()
+        return next_obs, reward, True
+    return next_obs, reward, False
+
+
 def run_actor(actor_id: int, address: str, cfg: RunConfig, weights: SharedWeights,
               env_steps, returns: mp.Queue, stop: mp.Event) -> None:
     """Steps the environment and writes n-step transitions until ``stop`` is set.
@@ -129,25 +151,16 @@ def run_actor(actor_id: int, address: str, cfg: RunConfig, weights: SharedWeight
                 version, flat = weights.fetch(version)
                 if flat is not None:
                     network.load(flat)
-            q_values = network.q_values(obs)
             epsilon = linear_epsilon(sum(env_steps), 1.0, cfg.epsilon_end,
                                      cfg.epsilon_decay_steps)
-            if rng.random() < epsilon:
-                action = int(rng.integers(NUM_ACTIONS))
-            else:
-                action = int(q_values.argmax())
-            next_obs, reward, terminated, truncated, _ = env.step(action)
-            transitions.append(obs, action, reward, terminated, q_values)
+            obs, reward, episode_over = act_and_write(env, network, transitions, rng, obs,
+                                                      epsilon)
             steps += 1
             env_steps[actor_id] = steps
             episode_return += reward
-            if terminated or truncated:
-                transitions.end_episode(next_obs, terminated, network.q_values(next_obs))
+            if episode_over:
                 returns.put(episode_return)
                 episode_return = 0.0
-                obs, _ = env.reset()
-            else:
-                obs = next_obs
     except Exception:
         if not stop.is_set():
             raise
