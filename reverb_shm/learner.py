@@ -9,9 +9,10 @@ its own::
         batches.update_priorities(batch.info.key, priorities)
 
 A background thread samples the next batches from the table(s) with the GIL released (one C
-call gathers every column of up to n items straight into a reusable buffer) and applies the
-learner's priority updates between gathers, so the learner does not wait for sampling when its
-step takes longer than the gather.
+call gathers every column of up to n items straight into a reusable buffer), so the learner does
+not wait for sampling when its step takes longer than the gather; a second one applies the
+learner's priority updates (in the order given, all those queued meanwhile in one C call per
+table), so the learner does not wait for them either.
 
 Buffers. The batches are gathered into a ring of ``prefetch + keep`` reusable buffers. The
 arrays of a batch are views of its ring buffer: they stay valid until the consumer has taken
@@ -57,6 +58,7 @@ __all__ = ["Batch", "BatchIterator", "importance_weights", "resolve_tables"]
 
 _SLICE_MS = 50   # longest single wait of the background thread (it checks close() between)
 _SEED_MASK = 2**64 - 1
+_NO_KEYS = np.zeros(0, np.uint64)
 
 
 class Batch(NamedTuple):
@@ -170,7 +172,7 @@ def resolve_tables(source, table=None):
 
 class _Slot:
   """One ring buffer: the column arrays (n, ...) the background thread gathers into."""
-  __slots__ = ("columns", "weights", "cols", "nest", "fence", "owner")
+  __slots__ = ("columns", "weights", "cols", "nest", "fence", "owner", "cache")
 
   def __init__(self, columns, weights, owner=None):
     self.columns = columns      # list of arrays (n, ...), one per column
@@ -179,6 +181,7 @@ class _Slot:
     self.nest = None            # the data nest of the full columns (built once)
     self.fence = None           # callable waiting until the buffer may be overwritten, or None
     self.owner = owner          # what keeps the memory alive (e.g. pinned tensors)
+    self.cache = {}             # for the transform: e.g. tensor views of the columns
 
 
 class _Update(NamedTuple):
@@ -211,17 +214,18 @@ class BatchIterator:
     copy: give every batch its own buffers instead of ring views.
     allocate: ``allocate(shape, dtype) -> (np.ndarray, owner)`` making a buffer of the ring (the
       torch iterator passes pinned memory); default numpy.empty.
-    transform: ``transform(batch, slot_fence_setter) -> object`` run by the background thread on
-      every gathered Batch before it is handed over (the framework iterators turn arrays into
-      tensors there); what it returns is what ``next()`` returns. It may call
-      ``slot_fence_setter(fn)`` to make the thread call fn() before gathering into that buffer
-      again (e.g. wait for an asynchronous device copy out of it).
+    transform: ``transform(batch, slot) -> object`` run by the background thread on every
+      gathered Batch before it is handed over (the framework iterators turn arrays into tensors
+      there); what it returns is what ``next()`` returns. ``slot`` is the batch's buffer: its
+      ``cache`` dict persists with it (e.g. tensor views of its columns, made once), and setting
+      its ``fence`` to a callable makes the thread call it before gathering into that buffer
+      again (e.g. to wait for an asynchronous device copy out of it).
 
   Raises:
     ValueError / TypeError: bad arguments (nothing sampled).
 
   ``next()`` raises DeadlineExceededError (no full batch within timeout_ms), TableClosedError
-  (the server stopped; the background thread has ended), ValueError (items whose columns cannot
+  (the server stopped; the background threads have ended), ValueError (items whose columns cannot
   be batched, or that differ between the mixed tables) and whatever error an asynchronous priority
   update met, once, at the next call.
   """
@@ -253,6 +257,7 @@ class BatchIterator:
     self._seed = None if seed is None else int(seed) & _SEED_MASK
     self._mix_rng = np.random.default_rng(self._seed)
     self._mask_key = mask_key
+    self._any_prioritized = None   # whether a table has a Prioritized selector (read once)
     self._allocate = allocate
     self._transform = transform
     self._layout = None            # ((dtype, item shape, bytes) per column), from the first items
@@ -262,8 +267,10 @@ class BatchIterator:
     self._credits = self._prefetch + (0 if self._copy else self._keep)   # batches it may hold
     self._ready = collections.deque()     # (slot, batch) gathered, not yet taken
     self._held = collections.deque()      # slots of batches the consumer took
+    self._ucv = threading.Condition()     # guards the priority updates and the counters
     self._updates: List[_Update] = []
-    self._applying = 0                    # updates taken by the thread, not yet applied
+    self._applying = 0                    # updates taken by the updater, not yet applied
+    self._stop_updates = False
     self._error: Optional[BaseException] = None       # ends the thread: raised by next()
     self._update_error: Optional[BaseException] = None   # raised once by the next call
     self._stop = False
@@ -271,7 +278,10 @@ class BatchIterator:
                     "keys_skipped": 0}
     self._thread = threading.Thread(target=self._run, name="reverb_shm-batch-prefetch",
                                     daemon=True)
+    self._updater = threading.Thread(target=self._run_updates, name="reverb_shm-priorities",
+                                     daemon=True)
     self._thread.start()
+    self._updater.start()
 
   # ---- public
   @property
@@ -283,7 +293,7 @@ class BatchIterator:
   def stats(self) -> dict:
     """Counters: batches and items delivered by the thread, priority_updates applied (calls),
     keys_updated, keys_skipped (keys no longer in their table), updates_pending."""
-    with self._cv:
+    with self._ucv:
       out = dict(self._counts)
       out["updates_pending"] = len(self._updates) + self._applying
     return out
@@ -323,8 +333,9 @@ class BatchIterator:
       return batch
 
   def update_priorities(self, keys, priorities, table=None) -> None:
-    """Queues new priorities of sampled items; the background thread applies them, in the order
-    queued, before its next gather (all queued updates of a table in one C call).
+    """Queues new priorities of sampled items; the updater thread applies them soon after, in
+    the order queued (all updates queued meanwhile in one C call per table). The keys were
+    sampled before this call, so an update always lands after the samples it refers to.
 
     Keys no longer in their table (removed since they were sampled) are skipped and counted in
     stats['keys_skipped'], as Reverb's mutate_priorities ignores them.
@@ -373,7 +384,7 @@ class BatchIterator:
       the error an update met (e.g. TableClosedError), or the background thread's error.
     """
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
-    with self._cv:
+    with self._ucv:
       while self._updates or self._applying:
         if self._error is not None:
           raise self._error
@@ -381,7 +392,7 @@ class BatchIterator:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
           raise errors.DeadlineExceededError(f"priority updates not applied within {timeout_ms} ms")
-        self._cv.wait(left)
+        self._ucv.wait(left)
       self._raise_update_error()
 
   def close(self, timeout_s: float = 10.0) -> None:
@@ -391,8 +402,11 @@ class BatchIterator:
     with self._cv:
       self._stop = True
       self._cv.notify_all()
-    if self._thread is not threading.current_thread():
+    self._stop_updater()
+    if threading.current_thread() not in (self._thread, self._updater):
+      deadline = time.monotonic() + timeout_s
       self._thread.join(timeout_s)
+      self._updater.join(max(0.0, deadline - time.monotonic()))
 
   def __enter__(self):
     return self
@@ -404,6 +418,12 @@ class BatchIterator:
   def closed(self) -> bool:
     """True once close() was called or the background thread ended on an error."""
     return self._stop or not self._thread.is_alive()
+
+  def _stop_updater(self) -> None:
+    """The updater applies what is queued, then ends."""
+    with self._ucv:
+      self._stop_updates = True
+      self._ucv.notify_all()
 
   # ---- update validation (caller's thread)
   @staticmethod
@@ -434,8 +454,9 @@ class BatchIterator:
     return keys, priorities
 
   def _check_negative(self, priorities: np.ndarray) -> None:
-    if priorities.size and (priorities < 0).any() and any(
-        t._prioritized() for t in self._tables):   # pylint: disable=protected-access
+    if self._any_prioritized is None:
+      self._any_prioritized = any(t._prioritized() for t in self._tables)  # pylint: disable=protected-access
+    if self._any_prioritized and priorities.size and (priorities < 0).any():
       raise ValueError(f"priorities must be >= 0 for a Prioritized table, got "
                        f"{priorities[priorities < 0][0]}")
 
@@ -463,13 +484,14 @@ class BatchIterator:
     return np.array(t, np.uint8)
 
   def _queue_update(self, update: _Update) -> None:
-    with self._cv:
-      self._raise_update_error()
-      if self._stop or self._error is not None:
+    self._raise_update_error()
+    with self._ucv:
+      if self._stop_updates or self._error is not None:
         raise RuntimeError("the iterator is closed: priority updates can no longer be applied"
                            + (f" ({self._error})" if self._error is not None else ""))
       self._updates.append(update)
-      self._cv.notify_all()
+      if len(self._updates) == 1:
+        self._ucv.notify()
 
   def _raise_update_error(self) -> None:
     err, self._update_error = self._update_error, None
@@ -523,14 +545,11 @@ class BatchIterator:
         lib.rs_rand_seed_thread(self._seed)
       while True:
         with self._cv:
-          while not (self._stop or self._updates or self._credits > 0):
+          while not (self._stop or self._credits > 0):
             self._cv.wait()
           if self._stop:
             break
           slot = self._take_slot()
-        self._apply_updates()
-        if slot is None:
-          continue
         if slot.fence is not None:
           fence, slot.fence = slot.fence, None
           fence()
@@ -538,24 +557,39 @@ class BatchIterator:
         if batch is None:   # closed while gathering
           break
         if self._transform is not None:
-          batch = self._transform(batch, lambda fn, slot=slot: setattr(slot, "fence", fn))
+          batch = self._transform(batch, slot)
         with self._cv:
           self._ready.append((slot, batch))
-          self._cv.notify_all()
-      self._apply_updates(final=True)
+          self._cv.notify()
     except BaseException as e:   # handed to the consumer; the thread ends
-      if isinstance(e, errors.TableClosedError):
-        e = errors.TableClosedError(f"{e}; the iterator's background thread has ended")
-      with self._cv:
-        self._error = e
-        self._cv.notify_all()
+      self._fail(e)
 
-  def _apply_updates(self, final: bool = False) -> None:
+  def _fail(self, e: BaseException) -> None:
+    """Ends the iterator on error `e` (raised by the consumer's next call)."""
+    if isinstance(e, errors.TableClosedError):
+      e = errors.TableClosedError(f"{e}; the iterator's background threads have ended")
     with self._cv:
-      updates, self._updates = self._updates, []
-      self._applying = len(updates)
-    if not updates:
-      return
+      if self._error is None:
+        self._error = e
+      self._cv.notify_all()
+    self._stop_updater()
+
+  def _run_updates(self) -> None:
+    """The updater thread: applies queued priority updates, all of a round in one C call per
+    table, until stopped (then the last ones)."""
+    while True:
+      with self._ucv:
+        while not (self._updates or self._stop_updates):
+          self._ucv.wait()
+        final = self._stop_updates
+        updates, self._updates = self._updates, []
+        self._applying = len(updates)
+      if updates:
+        self._apply_updates(updates, final)
+      if final:
+        return
+
+  def _apply_updates(self, updates: List[_Update], final: bool) -> None:
     try:
       per_table = collections.defaultdict(lambda: ([], []))
       for u in updates:
@@ -572,24 +606,25 @@ class BatchIterator:
       for t, (keys, priorities) in per_table.items():
         keys = keys[0] if len(keys) == 1 else np.concatenate(keys)
         priorities = priorities[0] if len(priorities) == 1 else np.concatenate(priorities)
-        found = self._tables[t].update_priorities(keys, priorities)
+        # (validated when queued: keys uint64, priorities finite float64, >= 0 if prioritized)
+        found = self._tables[t]._mutate(keys, priorities, _NO_KEYS)  # pylint: disable=protected-access
+        found = found[0]
         updated += found
         skipped += len(keys) - found
-      with self._cv:
+      with self._ucv:
         self._counts["priority_updates"] += len(updates)
         self._counts["keys_updated"] += updated
         self._counts["keys_skipped"] += skipped
     except errors.TableClosedError as e:
-      if final:
-        return
-      raise errors.TableClosedError(f"{e}; the iterator's background thread has ended") from None
-    except Exception as e:   # a bad value found after an asynchronous copy: raised to the caller
-      with self._cv:
-        self._update_error = e
+      if not final:
+        self._fail(e)
+    except Exception as e:   # pylint: disable=broad-except
+      # (a bad value found after an asynchronous copy: raised by the caller's next call)
+      self._update_error = e
     finally:
-      with self._cv:
+      with self._ucv:
         self._applying = 0
-        self._cv.notify_all()
+        self._ucv.notify_all()
 
   def _fill(self, slot: _Slot) -> Optional[Batch]:
     """Gathers one batch into `slot`; None when closed meanwhile."""
@@ -605,12 +640,8 @@ class BatchIterator:
     for t, count in plan:
       got = 0
       while got < count:
-        with self._cv:
-          if self._stop:
-            return None
-          pending = bool(self._updates)
-        if pending:
-          self._apply_updates()
+        if self._stop:
+          return None
         slice_ms = _SLICE_MS
         if deadline is not None:
           left = (deadline - time.monotonic()) * 1000.0
@@ -722,7 +753,7 @@ class BatchIterator:
     if self._weights is not None:
       table = np.repeat(np.array([t for t, _ in rows_of], np.uint8),
                         [c for _, c in rows_of])
-    with self._cv:
+    with self._ucv:
       self._counts["batches"] += 1
       self._counts["items"] += b
     return Batch(data, info, weights, mask, table)

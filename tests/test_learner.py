@@ -328,12 +328,13 @@ def test_server_stopping_in_another_process_ends_the_iterator(server_name):
     proc.join(30)
     assert proc.exitcode == 0
     start = time.monotonic()
-    with pytest.raises(errors.TableClosedError, match="background thread has ended"):
+    with pytest.raises(errors.TableClosedError, match="background threads have ended"):
       for _ in range(10):   # the batches gathered before the stop come first
         next(it)
     assert time.monotonic() - start < 5
     it._thread.join(5)
-    assert not it._thread.is_alive()
+    it._updater.join(5)
+    assert not it._thread.is_alive() and not it._updater.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
       it.update_priorities(np.zeros(1, np.uint64), np.ones(1))
     it.close()
@@ -415,7 +416,7 @@ def test_close_applies_queued_updates_and_ends_the_thread(server_factory):
   next(it)
   it.update_priorities(keys, np.full(4, 2.5))
   it.close()
-  assert not it._thread.is_alive() and it.closed
+  assert not it._thread.is_alive() and not it._updater.is_alive() and it.closed
   assert st.items()["priority"].tolist() == [2.5] * 4
   with pytest.raises(RuntimeError, match="closed"):
     next(it)

@@ -73,7 +73,7 @@ class JaxIterator(learner.BatchIterator):
     self.sharded = bool(sharded)
     super().__init__(source, table, batch_size, copy=True, transform=self._put, **kwargs)
 
-  def _put(self, batch: Batch, set_fence) -> Batch:
+  def _put(self, batch: Batch, slot) -> Batch:
     leaves, treedef = structure.flatten(batch.data)
     extra = [a for a in (batch.weights, batch.mask) if a is not None]
     arrays = jax.device_put(leaves + extra, self._placement)

@@ -122,14 +122,23 @@ class TorchIterator(learner.BatchIterator):
     t = torch.empty(shape, dtype=_torch_dtype(dtype), pin_memory=True)
     return t.numpy(), t
 
-  def _to_cpu(self, batch: Batch, set_fence) -> Batch:
-    data = _map(batch.data, torch.from_numpy)
+  def _to_cpu(self, batch: Batch, slot) -> Batch:
+    weights, mask = batch.weights, batch.mask
+    if len(batch.info.key) == self.batch_size:   # views of the whole buffer: made once
+      views = slot.cache.get("views")
+      if views is None:
+        views = slot.cache["views"] = (_map(batch.data, torch.from_numpy),
+                                       torch.from_numpy(slot.weights))
+      data, slot_weights = views
+      weights = None if weights is None else slot_weights
+    else:
+      data = _map(batch.data, torch.from_numpy)
+      weights = None if weights is None else torch.from_numpy(weights)
     return batch._replace(
-        data=data,
-        weights=None if batch.weights is None else torch.from_numpy(batch.weights),
-        mask=None if batch.mask is None else torch.from_numpy(np.ascontiguousarray(batch.mask)))
+        data=data, weights=weights,
+        mask=None if mask is None else torch.from_numpy(np.ascontiguousarray(mask)))
 
-  def _to_cuda(self, batch: Batch, set_fence) -> tuple:
+  def _to_cuda(self, batch: Batch, slot) -> tuple:
     dev, stream = self.device, self._stream
     with torch.cuda.device(dev), torch.cuda.stream(stream):
       def put(a):
@@ -140,7 +149,7 @@ class TorchIterator(learner.BatchIterator):
           mask=None if batch.mask is None else put(np.ascontiguousarray(batch.mask)))
       event = torch.cuda.Event()
       event.record(stream)
-    set_fence(event.synchronize)   # the pinned buffer is gathered into again after the copy
+    slot.fence = event.synchronize   # the pinned buffer is gathered into again after the copy
     return out, event
 
   # ---- consumer side
