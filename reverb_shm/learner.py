@@ -51,7 +51,8 @@ import numpy as np
 
 from reverb_shm import errors
 from reverb_shm import shared_table as shared_table_lib
-from reverb_shm._lib import lib
+from reverb_shm._internal import structure
+from reverb_shm._internal._lib import lib
 from reverb_shm.replay_sample import SampleInfo
 
 __all__ = ["Batch", "BatchIterator", "importance_weights", "resolve_tables"]
@@ -766,7 +767,6 @@ class BatchIterator:
 
 
 def _leaves(data) -> list:
-  from reverb_shm import structure   # pylint: disable=g-import-not-at-top
   return structure.flatten(data)[0]
 
 

@@ -28,7 +28,7 @@ except ImportError as e:   # pragma: no cover - exercised without the extra inst
 import numpy as np
 
 from reverb_shm import learner
-from reverb_shm import structure
+from reverb_shm._internal import structure
 from reverb_shm.learner import Batch, importance_weights
 
 __all__ = ["Batch", "JaxIterator", "importance_weights"]

@@ -38,7 +38,7 @@ from typing import Optional
 import numpy as np
 
 from reverb_shm import learner
-from reverb_shm import structure
+from reverb_shm._internal import structure
 from reverb_shm.learner import Batch, importance_weights
 
 __all__ = ["Batch", "TorchIterator", "importance_weights"]
