@@ -282,7 +282,9 @@ def main(argv=None):
         notes.append(note)
       runs[name].append(rows)
   results = {name: median_rows(r) for name, r in runs.items()}
-  ratio_rows = ratios(results)
+  # (rows of workloads not run are left out)
+  ratio_rows = [r for r in ratios(results) if r["value"] is not None or
+                r["ratio"].split()[0] in workloads]
   print_table(results, ratio_rows, notes)
   RESULTS.mkdir(exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")

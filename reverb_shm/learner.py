@@ -429,35 +429,34 @@ class BatchIterator:
   # ---- update validation (caller's thread)
   @staticmethod
   def _check_update(keys, priorities):
-    """(uint64[n] keys, float64[n] priorities) from numpy-convertible inputs."""
+    """(uint64[n] keys, float64[n] priorities), copies of numpy-convertible inputs."""
     keys = np.asarray(keys)
-    if keys.ndim == 0:
-      keys = keys[None]
-    if keys.dtype.kind not in "ui":
-      raise TypeError(f"keys must be an array of unsigned 64-bit integers (Batch.info.key), got "
-                      f"dtype {keys.dtype}")
-    if keys.dtype.kind == "i":
-      if (keys < 0).any():
-        raise ValueError(f"keys must be >= 0, got {keys[keys < 0][0]}")
-    keys = np.array(keys, np.uint64, copy=True).reshape(-1)
+    if keys.dtype != np.uint64:
+      if keys.dtype.kind not in "ui":
+        raise TypeError(f"keys must be an array of unsigned 64-bit integers (Batch.info.key), "
+                        f"got dtype {keys.dtype}")
+      if keys.size and keys.min() < 0:
+        raise ValueError(f"keys must be >= 0, got {keys.min()}")
+    keys = keys.astype(np.uint64).reshape(-1)   # (a copy: the caller may reuse its array)
     priorities = np.asarray(priorities)
-    if priorities.ndim == 0:
-      priorities = priorities[None]
     if priorities.dtype.kind != "f":
       raise TypeError(f"priorities must be an array of a floating dtype (float16/32/64), got "
                       f"dtype {priorities.dtype}")
-    priorities = np.array(priorities, np.float64, copy=True).reshape(-1)
+    priorities = priorities.astype(np.float64).reshape(-1)
     if priorities.shape != keys.shape:
       raise ValueError(f"priorities must have one value per key: {len(keys)} keys, "
                        f"{priorities.size} priorities")
-    if priorities.size and not np.isfinite(priorities).all():
-      raise ValueError(f"priorities must be finite, got {priorities[~np.isfinite(priorities)][0]}")
+    if priorities.size:
+      low, high = priorities.min(), priorities.max()   # (NaN if any is NaN)
+      if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"priorities must be finite, got "
+                         f"{priorities[~np.isfinite(priorities)][0]}")
     return keys, priorities
 
   def _check_negative(self, priorities: np.ndarray) -> None:
     if self._any_prioritized is None:
       self._any_prioritized = any(t._prioritized() for t in self._tables)  # pylint: disable=protected-access
-    if self._any_prioritized and priorities.size and (priorities < 0).any():
+    if self._any_prioritized and priorities.size and priorities.min() < 0:
       raise ValueError(f"priorities must be >= 0 for a Prioritized table, got "
                        f"{priorities[priorities < 0][0]}")
 
