@@ -203,8 +203,8 @@ class BatchIterator:
     keep: batches the consumer may still hold when it takes the next one (their buffers are not
       reused until then), >= 1. Ignored with copy=True.
     timeout_ms: how long ``next()`` waits for a batch (None: forever), then
-      DeadlineExceededError; with partial=True, how long a gather waits before delivering fewer
-      items.
+      DeadlineExceededError; with partial=True also how long a gather waits before delivering
+      fewer items (at least one).
     partial: deliver batches of fewer items at the deadline instead of waiting for batch_size.
     importance_beta: None, or the exponent beta in [0, 1] of the importance weights offered in
       Batch.weights (settable later: the attribute of the same name; batches gathered after the
@@ -303,8 +303,7 @@ class BatchIterator:
     return self
 
   def __next__(self):
-    deadline = None if self._timeout_ms is None or self._partial else \
-        time.monotonic() + self._timeout_ms / 1000.0
+    deadline = None if self._timeout_ms is None else time.monotonic() + self._timeout_ms / 1000.0
     with self._cv:
       self._raise_update_error()
       if self._stop:
@@ -398,8 +397,8 @@ class BatchIterator:
 
   def close(self, timeout_s: float = 10.0) -> None:
     """Applies the queued priority updates (unless the server stopped), stops and joins the
-    background thread. Idempotent. Batches already taken stay valid (their buffers are no longer
-    reused)."""
+    background threads. Idempotent. Batches already taken stay valid (their buffers are no
+    longer reused)."""
     with self._cv:
       self._stop = True
       self._cv.notify_all()
@@ -417,7 +416,7 @@ class BatchIterator:
 
   @property
   def closed(self) -> bool:
-    """True once close() was called or the background thread ended on an error."""
+    """True once close() was called or the sampling thread ended on an error."""
     return self._stop or not self._thread.is_alive()
 
   def _stop_updater(self) -> None:

@@ -127,3 +127,81 @@ def test_cuda_priorities_with_bad_values_raise_on_the_next_call(server_factory):
     it.update_priorities(batch.info.key, torch.full((8,), float("nan"), device="cuda"))
     with pytest.raises(ValueError, match="finite"):
       it.flush(timeout_ms=5000)
+
+
+class _FakeStream:
+  def __init__(self, *args):
+    self.waited = []
+
+  def wait_event(self, event):
+    self.waited.append(event)
+
+
+class _FakeEvent:
+  log = []
+
+  def __init__(self):
+    self.stream, self.synchronized = None, 0
+
+  def record(self, stream):
+    self.stream = stream
+    _FakeEvent.log.append(self)
+
+  def synchronize(self):
+    self.synchronized += 1
+
+
+def test_cuda_code_path_with_a_fake_device(server_factory, monkeypatch):
+  """The CUDA control flow, checked on the CPU with stand-ins for streams and events: copies
+  are made on the side stream, an event is recorded after them, next() makes the current stream
+  wait on it and marks every tensor as used there, and a ring buffer is gathered into again only
+  after its copy's event was synchronised."""
+  import reverb_shm.torch as rtorch
+  current = _FakeStream()
+  copies, used = [], []
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+  monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+  monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+  monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+  monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+  monkeypatch.setattr(torch.cuda, "stream", lambda s: _Recorder(s, copies))
+  monkeypatch.setattr(torch.cuda, "device", lambda d: _Recorder(None, None))
+  monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: current)
+  monkeypatch.setattr(rtorch, "_copy_to_device",
+                      lambda t, d: copies.append((_Recorder.active, d)) or t.clone())
+  monkeypatch.setattr(rtorch, "_used_on", lambda t, s: used.append((t, s)))
+  _FakeEvent.log = []
+  server, st, _ = _server(server_factory)
+  with TorchIterator(st, batch_size=16, device="cuda", pin_memory=False, prefetch=1,
+                     importance_beta=0.5, timeout_ms=5000) as it:
+    assert it.device == torch.device("cuda", 0) and isinstance(it._stream, _FakeStream)
+    batches = [next(it) for _ in range(6)]
+    side = it._stream
+  # 3 columns + weights per batch, each copied inside the side stream's context
+  assert copies and all(stream is side and d == torch.device("cuda", 0) for stream, d in copies)
+  assert len(copies) >= 6 * 4
+  events = _FakeEvent.log
+  assert len(events) >= 6 and all(e.stream is side for e in events)
+  assert current.waited == events[:6]                      # one wait per batch taken, in order
+  assert len(used) == 6 * 4 and all(s is current for _, s in used)
+  # every buffer the thread gathered into again had its previous copy synchronised first
+  assert sum(e.synchronized for e in events) >= len(events) - len(it._slots)
+  for b in batches:
+    torch.testing.assert_close(b.data["obs"][:, 0], (b.data["action"] * 10).float())
+
+
+class _Recorder:
+  """Context manager standing in for torch.cuda.stream / torch.cuda.device."""
+  active = None
+
+  def __init__(self, stream, log):
+    self.stream = stream
+
+  def __enter__(self):
+    if self.stream is not None:
+      _Recorder.active = self.stream
+    return self
+
+  def __exit__(self, *exc):
+    if self.stream is not None:
+      _Recorder.active = None

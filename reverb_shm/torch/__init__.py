@@ -142,7 +142,7 @@ class TorchIterator(learner.BatchIterator):
     dev, stream = self.device, self._stream
     with torch.cuda.device(dev), torch.cuda.stream(stream):
       def put(a):
-        return torch.from_numpy(a).to(dev, non_blocking=True)
+        return _copy_to_device(torch.from_numpy(a), dev)
       out = batch._replace(
           data=_map(batch.data, put),
           weights=None if batch.weights is None else put(batch.weights),
@@ -161,7 +161,7 @@ class TorchIterator(learner.BatchIterator):
     current = torch.cuda.current_stream(self.device)
     current.wait_event(event)
     for t in _tensors(batch):
-      t.record_stream(current)
+      _used_on(t, current)
     return batch
 
   def update_priorities(self, keys, priorities, table=None) -> None:
@@ -194,6 +194,16 @@ class TorchIterator(learner.BatchIterator):
       event.synchronize()
       return host.numpy()
     self._queue_async_update(keys, flat.numel(), table, fetch)
+
+
+def _copy_to_device(t: "torch.Tensor", device) -> "torch.Tensor":
+  """An asynchronous copy of host tensor t (pinned) to `device`, on the current stream."""
+  return t.to(device, non_blocking=True)
+
+
+def _used_on(t: "torch.Tensor", stream) -> None:
+  """Tells the caching allocator that t (made on the copy stream) is used on `stream`."""
+  t.record_stream(stream)
 
 
 _DTYPES = {np.dtype(k): v for k, v in (
