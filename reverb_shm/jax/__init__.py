@@ -16,6 +16,9 @@ batch_size must be a multiple of the device count); else ``device`` (default: th
 local device). Prefetch, fixed shapes, mixing, seeds and errors as BatchIterator
 (reverb_shm.learner).
 
+dtypes: as ``jax.device_put`` makes them: 64-bit columns (int64, float64, uint64) become 32-bit
+unless ``jax.config.update('jax_enable_x64', True)``; the info keys stay numpy uint64.
+
 Buffers: jax.Arrays are immutable and the CPU backend may alias a numpy buffer instead of copying
 it, so every batch is gathered into buffers of its own (``copy=True`` of BatchIterator), never
 into a reused ring buffer: on the CPU backend that makes the gather the only copy.
