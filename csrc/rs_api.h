@@ -161,6 +161,10 @@ typedef struct rs_segment_info {
 
 /* ---- time, processes ---- */
 int64_t rs_now_ns(void);                                  /* CLOCK_MONOTONIC */
+/* Seeds the calling thread's random number generator, the one this thread's sampling (selectors'
+ * picks) and random keys draw from: the same seed gives the same draws, so the same picks on the
+ * same table content. Threads start seeded at random; a forked child is reseeded at random. */
+void rs_rand_seed_thread(uint64_t seed);
 uint64_t rs_proc_start_time(int32_t pid);                 /* 0 if no such process */
 const char *rs_last_error(void);
 
