@@ -1,7 +1,8 @@
 /* Segment layout: size planning, initialisation, validation on attach, info, close, and the
  * table directory (find by name, name, config blob).
  *
- *   rs_seg_hdr | u64 table offsets | rs_slot[max_procs] | pin logs | table regions | arena
+ *   rs_seg_hdr | u64 table offsets | rs_slot[max_procs] | pin logs | counters | table regions |
+ *   arena
  *
  * Every part starts on a 64-byte boundary. The plan is a pure function of the configuration, so
  * rs_segment_size and rs_segment_init always agree.
@@ -12,6 +13,7 @@
 #include <signal.h>
 #include <string.h>
 
+#include "counters.h"
 #include "rs_internal.h"
 
 #define MAX_TABLES 1024u
@@ -23,7 +25,7 @@
 #define MAX_TABLE_SIZE ((1ull << 30) - 1)
 
 typedef struct plan {
-  uint64_t tables_off, slots_off, pins_off, pin_stride, regions_off, arena_off, arena_size, total;
+  uint64_t tables_off, slots_off, pins_off, pin_stride, counters_off, regions_off, arena_off, arena_size, total;
 } plan;
 
 static int check_config(const rs_table_config *c, uint32_t i) {
@@ -81,6 +83,8 @@ static int make_plan(const rs_table_config *cfgs, uint32_t ntables, uint32_t max
   p->pins_off = off;
   p->pin_stride = rs_align_up((uint64_t)pins_per_proc * (sizeof(uint64_t) + sizeof(uint32_t)), RS_ALIGN);
   off += p->pin_stride * max_procs;
+  p->counters_off = off;
+  off += rs_counters_region_size(max_procs, ntables);
   p->regions_off = off;
   for (uint32_t i = 0; i < ntables; i++) {
     if (table_offs) table_offs[i] = off;
@@ -122,6 +126,7 @@ int rs_segment_init(void *base, uint64_t size, const rs_table_config *cfgs, uint
   h->slots_off = p.slots_off;
   h->pins_off = p.pins_off;
   h->pin_log_stride = p.pin_stride;
+  h->counters_off = p.counters_off;   /* zero-filled memory: every counter starts at 0 */
   h->arena_off = p.arena_off;
   h->arena_size = p.arena_size;
   if ((rc = rs_mutex_init(&h->registry_lock)) || (rc = rs_mutex_init(&h->arena_lock))) return rc;
@@ -176,6 +181,8 @@ int rs_segment_validate(void *base, uint64_t size) {
       !inside(h->slots_off, (uint64_t)h->max_procs * sizeof(rs_slot), size) ||
       h->pin_log_stride < (uint64_t)h->pins_per_proc * 12 ||
       !inside(h->pins_off, h->pin_log_stride * h->max_procs, size) || !inside(h->arena_off, h->arena_size, size) ||
+      !inside(h->counters_off, rs_counters_region_size(h->max_procs, h->num_tables), size) ||
+      h->counters_off % RS_ALIGN ||
       h->arena_off % RS_ALIGN || h->arena_size % RS_ALIGN || h->arena_size < RS_ALIGN)
     return rs_set_error(RS_ECORRUPT, "segment offsets outside the %llu mapped bytes: tables %llu, slots %llu,"
                         " pins %llu (stride %llu), arena %llu + %llu", (unsigned long long)size,

@@ -4,6 +4,7 @@
  *
  *   rs_seg_hdr | table offsets (u64[num_tables]) | rs_slot[max_procs] |
  *   pin logs (per slot: u64 entries[pins_per_proc] + u32 free stack[pins_per_proc]) |
+ *   operation counters (per slot and table, counters.h) |
  *   per-table regions (rs_table_hdr + its arrays + config blob) | arena
  *
  * Module ownership (one .c/.h pair per concept):
@@ -19,6 +20,7 @@
  *   table.c   insert/sample/mutate/reset/items/stats + repair after a dead lock owner
  *   table_check.c per-table invariants (rs_table_check)
  *   check.c   rs_check: takes every lock, arena + table checks
+ *   counters.c per-slot operation counters, merged on read; process list
  */
 #ifndef RS_INTERNAL_H
 #define RS_INTERNAL_H
@@ -30,13 +32,14 @@
 #include "rs_api.h"
 
 #define RS_MAGIC 0x3130304d48535652ULL /* "RVSHM001" little-endian */
-#define RS_LAYOUT_VERSION 2ULL
+#define RS_LAYOUT_VERSION 3ULL
 #define RS_ALIGN 64u
 #define RS_NONE 0xFFFFFFFFu
 #define RS_MAX_NDIM 8
 #define RS_MAX_BLOB (1u << 20)
 #define RS_NBINS 48
 #define RS_RECENT_TEMPLATES 8   /* rs_table_hdr.recent_recs */
+#define RS_HOLD_BUCKETS 24      /* lock-hold histogram buckets (counters.h) */
 
 static inline uint64_t rs_align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
 static inline void *rs_at(void *base, uint64_t off) { return (char *)base + off; }
@@ -69,7 +72,8 @@ typedef struct rs_seg_hdr {
   uint64_t num_descs;
   uint32_t refcounts_suspect;     /* set after an arena-lock EOWNERDEAD; cleared by recount */
   uint32_t _pad;
-  uint64_t reserved[16];
+  uint64_t counters_off;          /* rs_tcounters[(max_procs + 1) * num_tables] (counters.h) */
+  uint64_t reserved[15];
 } rs_seg_hdr;
 
 typedef struct rs_slot {

@@ -170,7 +170,7 @@ def test_segment_header_and_info_describe_the_configuration(seg):
   assert info.total_size == seg.size
   assert info.arena_size == ARENA and info.arena_used == 0 and info.arena_free == ARENA
   assert (info.num_tables, info.max_procs, info.pins_per_proc, info.live_procs) == (1, 8, PINS, 1)
-  assert info.owner_pid == os.getpid() and info.generation == 7 and info.layout_version == 2
+  assert info.owner_pid == os.getpid() and info.generation == 7 and info.layout_version == 3
   assert lib.rs_segment_validate(seg.base, seg.size) == lib.RS_OK
   seg.check()
 
