@@ -89,8 +89,9 @@ def table_state(t: dict) -> str:
   return "full" if t["full"] else "ok"
 
 
-def render(figures: dict, rates: dict, interval: float):
-  """A rich renderable of one refresh: server line, one row per table, processes."""
+def render(figures: dict, rates: dict, interval: float, live: bool = True):
+  """A rich renderable of one refresh: server line, one row per table, processes (and the
+  keys that quit, when `live`)."""
   from rich.console import Group  # pylint: disable=import-outside-toplevel
   from rich.table import Table
   from rich.text import Text
@@ -102,7 +103,7 @@ def render(figures: dict, rates: dict, interval: float):
       f"  owner pid {figures['owner_pid']}  arena {_size(used)} / {_size(total)} "
       f"({100.0 * used / max(total, 1):.1f}% used, {_size(figures['arena_free_bytes'])} free)"
       f"  chunks {figures['chunks']}  processes {len(procs)}/{figures['max_procs']}"
-      f"  refresh {interval:g}s")
+      + (f"  refresh {interval:g}s" if live else ""))
   grid = Table(expand=False, show_edge=False, pad_edge=False)
   for title, justify in (("table", "left"), ("items/max", "right"),
                          *((t, "right") for _, t in _RATE_KEYS), ("MB/s in", "right"),
@@ -127,7 +128,10 @@ def render(figures: dict, rates: dict, interval: float):
   shown = sorted(procs, key=lambda p: -p["pins"])[:8]
   proc_line = Text("processes (pid:pins): " + "  ".join(f"{p['pid']}:{p['pins']}" for p in shown)
                    + ("  ..." if len(procs) > len(shown) else ""), style="dim")
-  return Group(head, grid, proc_line, Text("q or Ctrl-C quits", style="dim"))
+  parts = [head, grid, proc_line]
+  if live:
+    parts.append(Text("q or Ctrl-C quits", style="dim"))
+  return Group(*parts)
 
 
 class _Keys:
@@ -194,13 +198,14 @@ def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
   if not interval > 0:
     raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
   seg = shm.Segment.attach(name)
-  console = console or Console()
+  if console is None:   # piped output (--once into a file): wide enough for every column
+    console = Console(width=None if sys.stdout.isatty() else 240)
   rates = Rates()
   figures = counters.read_server(seg)
-  frame = render(figures, rates.update(figures), interval)
   if iterations == 1:
-    console.print(frame)
+    console.print(render(figures, rates.update(figures), interval, live=False))
     return "done"
+  frame = render(figures, rates.update(figures), interval)
   reason = "done"
   keys = _Keys(keys_from if keys_from is not None else sys.stdin)
   try:

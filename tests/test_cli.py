@@ -38,8 +38,8 @@ def test_info_prints_the_segment_breakdown_and_pins_per_proc_shrinks_it(server_f
   out = capsys.readouterr().out
   rest = small.segment.size - (4 << 20) - pin_logs
   assert (f"segment: {small.segment.size / 2**20:.1f} MiB = arena 4.0 MiB + pin logs "
-          f"{pin_logs / 2**20:.1f} MiB (8 process slots x 1024 pins x 12 bytes) + tables' metadata "
-          f"and header {rest / 2**20:.1f} MiB") in out
+          f"{pin_logs / 2**20:.1f} MiB (8 process slots x 1024 pins x 12 bytes) + tables' metadata, "
+          f"counters and header {rest / 2**20:.1f} MiB") in out
   assert 0 < rest < 1 << 20
 
 
