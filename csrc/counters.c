@@ -44,18 +44,6 @@ void rs_counters_claimed(void *base, uint32_t slot) {
   pthread_mutex_unlock(&self_mu);
 }
 
-uint64_t rs_counters_desc_bytes(void *base, const rs_desc_hdr *d) {
-  const rs_desc_slice *s =
-      (const rs_desc_slice *)((const char *)(d + 1) + (size_t)d->ncols * sizeof(rs_desc_col));
-  uint64_t bytes = 0;
-  for (uint32_t i = 0; i < d->nslices; i++) {
-    const rs_chunk_hdr *c = rs_chunk(base, s[i].chunk_off);
-    uint64_t row = c->row_bytes ? c->row_bytes : (c->capacity ? c->nbytes / c->capacity : 0);
-    bytes += row * s[i].nrows;
-  }
-  return bytes;
-}
-
 static int slot_alive(const rs_slot *s) {
   int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_ACQUIRE);
   if (pid <= 0) return 0;

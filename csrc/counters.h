@@ -64,8 +64,5 @@ static inline void rs_counters_hold(rs_tcounters *c, int64_t ns) {
 uint32_t rs_counters_self(void *base);
 /* A process claimed `slot`: zero the slot's gauges and remember it as this process's slot. */
 void rs_counters_claimed(void *base, uint32_t slot);
-/* Payload bytes (rows x row_bytes over every slice) that descriptor blob d references; object
- * columns count their chunk's payload share per row. */
-uint64_t rs_counters_desc_bytes(void *base, const rs_desc_hdr *d);
 
 #endif

@@ -15,7 +15,7 @@ static inline const rs_desc_slice *rs_desc_slices(const rs_desc_hdr *d) {
 }
 
 /* Call fn(ctx, episode_id) once per distinct chunk referenced by descriptor d (the unit in which
- * a table counts episode references, SPEC §2 num_episodes); for a chunk whose rows are episodes
+ * a table counts episode references, TableInfo.num_episodes); for a chunk whose rows are episodes
  * of their own (RS_CHUNK_ROW_EPISODES), once per row of each of its slices instead. `shift` is
  * the item reference's row shift (rs_ref_shift), 0 for a blob of its own. */
 static inline void rs_desc_each_episode(void *base, const rs_desc_hdr *d, uint32_t shift,
@@ -32,6 +32,19 @@ static inline void rs_desc_each_episode(void *base, const rs_desc_hdr *d, uint32
     while (j < i && s[j].chunk_off != s[i].chunk_off) j++;
     if (j == i) fn(ctx, c->episode_id);
   }
+}
+
+/* Payload bytes (rows x row_bytes over every slice) that descriptor blob d references; rows of
+ * object columns count their chunk's payload bytes per row. */
+static inline uint64_t rs_desc_bytes(void *base, const rs_desc_hdr *d) {
+  const rs_desc_slice *s = rs_desc_slices(d);
+  uint64_t bytes = 0;
+  for (uint32_t i = 0; i < d->nslices; i++) {
+    const rs_chunk_hdr *c = rs_chunk(base, s[i].chunk_off);
+    uint64_t row = c->row_bytes ? c->row_bytes : (c->capacity ? c->nbytes / c->capacity : 0);
+    bytes += row * s[i].nrows;
+  }
+  return bytes;
 }
 
 /* rs_desc_each_episode of the item with reference `ref`. */

@@ -283,7 +283,7 @@ def test_the_library_never_prints():
   offenders = []
   for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
     rel = os.path.relpath(path, root)
-    if rel.startswith(("cli", "_cli")) or rel == "top.py":
+    if rel.startswith("cli" + os.sep):
       continue
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
     for node in ast.walk(tree):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import reverb_shm as reverb
-from reverb_shm import counters, errors, rate_limiters, selectors
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import counters
 
 
 def _table(name="t", max_size=10, limiter=None, **kwargs):

@@ -7,7 +7,7 @@
   METRICS              name -> (type, help) of every metric exported
 
 Figures are read lock-free from the server's shared memory on each scrape (see
-reverb_shm.counters), so scraping never slows inserts or samples.
+reverb_shm._internal.counters), so scraping never slows inserts or samples.
 """
 import importlib
 

@@ -17,7 +17,8 @@ except ImportError as e:   # pragma: no cover - exercised without the extra inst
   raise ImportError("reverb_shm.metrics needs prometheus-client: pip install "
                     "'reverb_shm[metrics]'") from e
 
-from reverb_shm import counters, errors, shm
+from reverb_shm import errors
+from reverb_shm._internal import counters, shm
 
 __all__ = ["METRICS", "MetricsExporter", "ServerCollector"]
 

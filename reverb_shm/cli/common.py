@@ -13,7 +13,9 @@ import sys
 import threading
 from typing import Callable, Optional, Tuple
 
-from reverb_shm import checkpoint_io, errors, shm
+from reverb_shm import errors
+from reverb_shm._checkpoint import io as checkpoint_io
+from reverb_shm._internal import addresses, shm
 
 TARGET_HELP = ("the server: its name, shm://NAME, or localhost:PORT (the address clients use; "
                "any HOST:PORT naming this host)")
@@ -27,7 +29,6 @@ def locate(target: str, command: str, remote_ok: bool = False) -> Tuple[str, str
     ValueError: a malformed target, or a remote one for a command that needs shared memory.
     ServerUnavailableError: a local address with no server registered on its port.
   """
-  from reverb_shm.bridge import addresses  # pylint: disable=import-outside-toplevel  (no grpc)
   if target.startswith("shm://"):
     return "local", shm.validate_server_name(target[len("shm://"):])
   if ":" not in target:

@@ -21,9 +21,10 @@ import argparse
 import os
 import sys
 
-from reverb_shm import counters, errors, shm
-from reverb_shm import _cli_common as common
-from reverb_shm import _cli_serve as serving
+from reverb_shm import errors
+from reverb_shm._internal import counters, shm
+from reverb_shm.cli import common
+from reverb_shm.cli import serve as serving
 from reverb_shm.server import PIN_ENTRY_BYTES
 
 _MiB = float(1 << 20)
@@ -118,7 +119,7 @@ def _cmd_info(args) -> int:
 
 # ---------------------------------------------------------------- top, metrics
 def _cmd_top(args) -> int:
-  from reverb_shm import top  # pylint: disable=import-outside-toplevel
+  from reverb_shm.cli import top  # pylint: disable=import-outside-toplevel
   name = common.local_name(args.server, "top")
 
   def said(reason: str) -> None:
@@ -170,7 +171,7 @@ def _gc_name(target: str) -> str:
   read from the alias file without requiring a live owner."""
   if ":" not in target or target.startswith("shm://"):
     return common.local_name(target, "gc")
-  from reverb_shm.bridge import addresses  # pylint: disable=import-outside-toplevel
+  from reverb_shm._internal import addresses  # pylint: disable=import-outside-toplevel
   host, port = addresses.split(target)
   if not shm.is_local_host(host):
     raise ValueError(f"{target!r} is not on this host; `reverb-shm gc` cleans this host only")

@@ -13,7 +13,7 @@ import time
 from typing import Optional
 
 from reverb_shm import errors
-from reverb_shm import _cli_common as common
+from reverb_shm.cli import common
 
 _log = logging.getLogger("reverb_shm.cli")
 
@@ -94,7 +94,8 @@ def serve(config_text: str, args, prog: str) -> int:
 
   Returns the exit code: 0 after a signal, 2 for a bad config or option (message on stderr).
   """
-  from reverb_shm import checkpointers, server_config  # pylint: disable=import-outside-toplevel
+  from reverb_shm import checkpointers  # pylint: disable=import-outside-toplevel
+  from reverb_shm.cli import server_config  # pylint: disable=import-outside-toplevel
   from reverb_shm import server as server_lib  # pylint: disable=import-outside-toplevel
   try:
     _check_options(args)

@@ -1,7 +1,7 @@
 """`reverb-shm top`: a live terminal view of one server's tables (needs the `cli` extra: rich).
 
 Each refresh reads the server's counters from shared memory without locking and without
-registering a process slot (reverb_shm.counters), so watching never slows or changes the
+registering a process slot (reverb_shm._internal.counters), so watching never slows or changes the
 server. Rates are the change of each total between two refreshes divided by the time between
 them.
 """
@@ -12,7 +12,8 @@ import sys
 import time
 from typing import Callable, Optional
 
-from reverb_shm import counters, errors, shm
+from reverb_shm import errors
+from reverb_shm._internal import counters, shm
 
 __all__ = ["Rates", "render", "run"]
 

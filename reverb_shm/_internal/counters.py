@@ -10,7 +10,7 @@ Thread-safety: the functions only read shared memory; any thread may call them.
 """
 from typing import Dict, List
 
-from reverb_shm._lib import check, ffi, lib
+from reverb_shm._internal._lib import check, ffi, lib
 
 # Upper bounds (seconds) of the lock-hold histogram buckets: bucket 0 holds < 128 ns, bucket b
 # [2**(b+6), 2**(b+7)) ns, the last bucket everything longer (its bound is +inf).
