@@ -71,7 +71,8 @@ class Server:
     arena_bytes (chunk data and item descriptors)
     + the tables' metadata (records, key index, selector structures: roughly 150 to 350 bytes
       per unit of max_size, as some arrays are rounded up to powers of two)
-    + pin logs: max_procs x pins_per_proc x 12 bytes (96 MiB at the defaults 128 x 65536).
+    + pin logs: max_procs x pins_per_proc x 12 bytes (96 MiB at the defaults 128 x 65536)
+    + operation counters: (max_procs + 1) x tables x 320 bytes.
   Lower max_procs or pins_per_proc to shrink it; `reverb-shm info NAME` prints the breakdown.
 
   If the server process dies (SIGKILL), processes already attached keep working on the mapped

@@ -290,3 +290,20 @@ def test_the_library_never_prints():
       if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
         offenders.append(f"{rel}:{node.lineno}")
   assert not offenders, offenders
+
+
+def test_info_and_checkpoint_work_through_a_bridge_address(server_factory, capsys):
+  pytest.importorskip("grpc")
+  from conftest import bridge_process  # pylint: disable=import-outside-toplevel
+  server = server_factory([_table()])
+  server.localhost_client().insert(np.float32([1, 2]), {"t": 1.0})
+  with bridge_process(server) as (proc, address):
+    assert cli.main(["info", address, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["address"] == address and info["tables"]["t"]["current_size"] == 1
+    assert cli.main(["checkpoint", address]) == 0
+    assert os.path.isdir(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli.main(["top", address]) == 2
+    assert "is a gRPC bridge" in capsys.readouterr().err
+  # bridge_process ended it with SIGTERM: a clean stop, with a line saying so
+  assert proc.returncode == 0 and "stopped (SIGTERM)" in proc.stdout.read()
