@@ -16,8 +16,18 @@ from reverb_shm._internal._lib import check, ffi, lib
 # [2**(b+6), 2**(b+7)) ns, the last bucket everything longer (its bound is +inf).
 HOLD_BUCKET_BOUNDS = tuple([2.0 ** (b + 7) * 1e-9 for b in range(23)] + [float("inf")])
 
-_TOTALS = ("inserts", "samples", "updates", "deletes", "evictions", "expirations", "insert_bytes",
-           "lock_holds")
+# (dict key, rs_table_counts field, type) of the figures read_table copies as they are.
+_FIELDS = tuple(
+    [(k, k, int) for k in ("inserts", "samples", "updates", "deletes", "evictions", "expirations",
+                           "insert_bytes", "lock_holds", "max_size", "blocked_inserters",
+                           "blocked_samplers", "limiter_inserts", "limiter_samples",
+                           "limiter_deletes", "min_size_to_sample")]
+    + [("items", "size", int), ("episodes", "num_episodes", int)]
+    + [(k, k, float) for k in ("diff", "min_diff", "max_diff", "samples_per_insert")]
+    + [(k, k, bool) for k in ("can_insert", "can_sample", "closed")])
+# (dict key, rs_table_counts field in ns) of the durations, converted to seconds.
+_SECONDS = (("lock_hold_seconds", "lock_hold_ns"), ("insert_blocked_seconds", "insert_blocked_ns"),
+            ("sample_blocked_seconds", "sample_blocked_ns"))
 
 
 def _quantile(hist: List[int], q: float) -> float:
@@ -62,33 +72,12 @@ def read_table(seg, index: int) -> dict:
   check(lib.rs_counters_read(seg.base, index, out), f"reading counters of table {index}")
   hist = list(out.hold_hist)
   stats = {"name": seg.table_names()[index]}
-  for key in _TOTALS:
-    stats[key] = int(getattr(out, key))
-  stats.update(
-      lock_hold_seconds=out.lock_hold_ns * 1e-9,
-      lock_hold_histogram=hist,
-      lock_hold_p50_seconds=_quantile(hist, 0.5),
-      lock_hold_p99_seconds=_quantile(hist, 0.99),
-      insert_blocked_seconds=out.insert_blocked_ns * 1e-9,
-      sample_blocked_seconds=out.sample_blocked_ns * 1e-9,
-      items=int(out.size),
-      max_size=int(out.max_size),
-      episodes=int(out.num_episodes),
-      full=out.size >= out.max_size,
-      blocked_inserters=int(out.blocked_inserters),
-      blocked_samplers=int(out.blocked_samplers),
-      can_insert=bool(out.can_insert),
-      can_sample=bool(out.can_sample),
-      limiter_inserts=int(out.limiter_inserts),
-      limiter_samples=int(out.limiter_samples),
-      limiter_deletes=int(out.limiter_deletes),
-      diff=float(out.diff),
-      min_diff=float(out.min_diff),
-      max_diff=float(out.max_diff),
-      samples_per_insert=float(out.samples_per_insert),
-      min_size_to_sample=int(out.min_size_to_sample),
-      closed=bool(out.closed),
-  )
+  for key, field, kind in _FIELDS:
+    stats[key] = kind(getattr(out, field))
+  for key, field in _SECONDS:
+    stats[key] = getattr(out, field) * 1e-9
+  stats.update(lock_hold_histogram=hist, lock_hold_p50_seconds=_quantile(hist, 0.5),
+               lock_hold_p99_seconds=_quantile(hist, 0.99), full=out.size >= out.max_size)
   return stats
 
 

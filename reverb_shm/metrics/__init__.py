@@ -9,15 +9,6 @@
 Figures are read lock-free from the server's shared memory on each scrape (see
 reverb_shm._internal.counters), so scraping never slows inserts or samples.
 """
-import importlib
+from reverb_shm.metrics.exporter import METRICS, MetricsExporter, ServerCollector
 
-_EXPORTS = {"MetricsExporter": "exporter", "ServerCollector": "exporter", "METRICS": "exporter"}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-  module = _EXPORTS.get(name)
-  if module is None:
-    raise AttributeError(f"module 'reverb_shm.metrics' has no attribute {name!r}")
-  return getattr(importlib.import_module(f"reverb_shm.metrics.{module}"), name)
+__all__ = ["METRICS", "MetricsExporter", "ServerCollector"]
