@@ -10,6 +10,7 @@ Thread-safety: the functions only read shared memory; any thread may call them.
 """
 from typing import Dict, List
 
+from reverb_shm._internal import shm
 from reverb_shm._internal._lib import check, ffi, lib
 
 # Upper bounds (seconds) of the lock-hold histogram buckets: bucket 0 holds < 128 ns, bucket b
@@ -89,7 +90,9 @@ def processes(seg) -> List[dict]:
   out = ffi.new("rs_proc_info[]", cap)
   n = ffi.new("uint32_t *")
   check(lib.rs_proc_list(seg.base, out, cap, n), "listing attached processes")
-  return [{"pid": int(p.pid), "slot": int(p.slot), "pins": int(p.pins), "alive": bool(p.alive)}
+  # The core checks that each pid exists; its start time tells a reused pid from the process.
+  return [{"pid": int(p.pid), "slot": int(p.slot), "pins": int(p.pins),
+           "alive": bool(p.alive) and shm._owner_alive(p.pid, p.start_time)}  # pylint: disable=protected-access
           for p in out[0:n[0]]]
 
 
