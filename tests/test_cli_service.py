@@ -69,7 +69,7 @@ class _Proc:
 
 
 @pytest.fixture
-def procs():
+def procs(server_name):
   started = []
 
   def start(*args):
@@ -80,8 +80,9 @@ def procs():
   yield start
   for p in started:
     p.kill()
-  subprocess.run([sys.executable, "-m", "reverb_shm.cli", "gc"], cwd=REPO, capture_output=True,
-                 timeout=60, check=False)
+  # only this test's server: other runs on the host keep their dead-server fixtures
+  subprocess.run([sys.executable, "-m", "reverb_shm.cli", "gc", server_name], cwd=REPO,
+                 capture_output=True, timeout=60, check=False)
 
 
 def _serve(procs, tmp_path, name, port, *extra):

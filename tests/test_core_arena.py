@@ -233,7 +233,7 @@ def test_validate_rejects_foreign_or_mismatched_segments(seg):
   hdr = ffi.cast("uint64_t *", seg.base)
   hdr[1] = 99  # layout_version
   assert lib.rs_segment_validate(seg.base, seg.size) == lib.RS_ECORRUPT
-  assert "expected 2, found 99" in err()
+  assert "expected 3, found 99" in err()
 
 
 def test_close_marks_every_table_closed(seg):

@@ -107,7 +107,7 @@ def render(figures: dict, rates: dict, interval: float, live: bool = True):
       + (f"  refresh {interval:g}s" if live else ""))
   grid = Table(expand=False, show_edge=False, pad_edge=False)
   for title, justify in (("table", "left"), ("items/max", "right"),
-                         *((t, "right") for _, t in _RATE_KEYS), ("MB/s in", "right"),
+                         *((t, "right") for _, t in _RATE_KEYS), ("in/s", "right"),
                          ("blk ins", "right"), ("blk smp", "right"), ("limiter", "left"),
                          ("diff [min, max]", "left"), ("lock p50/p99", "right"),
                          ("state", "left")):
@@ -121,7 +121,7 @@ def render(figures: dict, rates: dict, interval: float, live: bool = True):
                ("yes" if t["can_sample"] else "NO"))
     grid.add_row(
         name, f"{t['items']}/{t['max_size']}", *(_rate(r.get(k, 0.0)) for k, _ in _RATE_KEYS),
-        f"{r.get('insert_bytes', 0.0) / 1e6:.2f}", str(t["blocked_inserters"]),
+        _size(r.get("insert_bytes", 0.0)), str(t["blocked_inserters"]),
         str(t["blocked_samplers"]), limiter,
         f"{t['diff']:g} [{_bound(t['min_diff'])}, {_bound(t['max_diff'])}]",
         f"{_seconds(t['lock_hold_p50_seconds'])}/{_seconds(t['lock_hold_p99_seconds'])}",
