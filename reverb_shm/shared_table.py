@@ -432,8 +432,9 @@ class SharedTable:
     by reset), num_episodes, num_deleted_episodes, num_unique_samples, closed, inserting_ns /
     sampling_ns (lock-held time), waiting_for_sampling_ns / waiting_for_inserts_ns (blocked
     time), repairs. Plus `counters`: the lock-free operation counters since the server started
-    (see :func:`reverb_shm._internal.counters.read_table`: inserts, samples, updates, deletes, evictions,
-    expirations, insert_bytes, blocked_inserters, blocked_samplers, lock-hold percentiles...).
+    (see :func:`reverb_shm._internal.counters.read_table`: inserts, samples, updates, deletes,
+    evictions, expirations, insert_bytes, blocked_inserters, blocked_samplers, lock-hold
+    percentiles...).
     """
     stats = self._table_stats()
     stats["counters"] = counters.read_table(self._seg, self._index)
