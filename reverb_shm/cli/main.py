@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--log-level", default="INFO", choices=_LEVELS,
                       help="level of the log lines on stderr (default INFO)")
   sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                              help="what to do (see the list above)")
+                              help="what to do (see the list below)")
 
   p = sub.add_parser("list", help="list servers on this host")
   p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
