@@ -8,6 +8,13 @@ build prepares every workload once (servers, filled tables, writers); the parent
 two workers in turn (A B B A ...) to time each loop for `duration` seconds, so both builds see
 the same machine load within a round. Reports per loop the median items/s of each build and
 the median of the per-round ratios B/A (B slower: below 1).
+
+  python bench/ab_builds.py A_ROOT B_ROOT --instructions 500 [--loops W1 ...]
+
+counts instructions instead (valgrind's callgrind, deterministic, unaffected by machine load):
+each loop body runs N and 2N times in a fresh worker per build; the difference divided by N is
+the instructions per loop iteration executed in the compiled core (reverb_shm._core and _hot)
+by the main thread.
 """
 import argparse
 import json
@@ -15,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOOPS = ("W1 Client.insert", "W1 step_inserter", "W1 SharedTable.insert 1 step",
@@ -22,8 +30,9 @@ LOOPS = ("W1 Client.insert", "W1 step_inserter", "W1 SharedTable.insert 1 step",
          "W3 sample_batch(256)", "W4 Client.sample+mutate", "W4 sample_batch+update")
 
 
-def worker(root: str, items: int) -> None:
-  """Serves timing requests on stdin/stdout for the build in `root`."""
+def worker(root: str, items: int, count_loop=None, iterations: int = 0) -> None:
+  """Serves timing requests on stdin/stdout for the build in `root`; with count_loop, runs
+  that loop `iterations` times instead and exits."""
   sys.path.insert(0, root)
   sys.path.insert(1, HERE)
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -82,6 +91,11 @@ def worker(root: str, items: int) -> None:
       w.fastest_op(samplers["W3"].shared_table(w.TABLE), False),
       api_sample(samplers["W4"], True),
       w.fastest_op(samplers["W4"].shared_table(w.TABLE), True))))
+  if count_loop is not None:
+    op = ops[count_loop]
+    for _ in range(20 + iterations):
+      op()
+    os._exit(0)  # pylint: disable=protected-access
   sys.stdout.write("ready\n")
   sys.stdout.flush()
   for line in sys.stdin:
@@ -94,6 +108,42 @@ def worker(root: str, items: int) -> None:
     srv.stop()
 
 
+def _core_instructions(root: str, loop: str, n: int, items: int) -> int:
+  """Instructions the main thread executed in the compiled modules for n iterations."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "cg")
+    subprocess.run(["valgrind", "--tool=callgrind", "--separate-threads=yes",
+                    f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__),
+                    root, root, "--items", str(items), "--worker", os.path.abspath(root),
+                    "--count-loop", loop, "--instructions", str(n)],
+                   check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+    report = subprocess.run(["callgrind_annotate", "--threshold=100", out + "-01"], check=True,
+                            capture_output=True, text=True).stdout
+  total = 0
+  for line in report.splitlines():
+    if any(part in line for part in ("/csrc/", "reverb_shm/_core", "reverb_shm/_hot",
+                                     "reverb_shm._core.c")):
+      total += int(line.split()[0].replace(",", ""))
+  return total
+
+
+def count_instructions(args) -> None:
+  results = []
+  for loop in LOOPS:
+    if args.loops and not any(part in loop for part in args.loops):
+      continue
+    row = {"loop": loop}
+    for label, root in (("a", args.a_root), ("b", args.b_root)):
+      once = _core_instructions(root, loop, args.instructions, args.items)
+      twice = _core_instructions(root, loop, 2 * args.instructions, args.items)
+      row[f"{label}_core_instructions"] = (twice - once) / args.instructions
+    results.append(row)
+    print(f"{loop:32s} core instructions per iteration: A {row['a_core_instructions']:.0f}  "
+          f"B {row['b_core_instructions']:.0f}  B/A "
+          f"{row['b_core_instructions'] / row['a_core_instructions']:.4f}", flush=True)
+  print("RESULTS " + json.dumps(results))
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("a_root", help="source tree of build A (extensions built in place)")
@@ -102,10 +152,16 @@ def main() -> None:
   p.add_argument("--duration", type=float, default=0.4, help="seconds per timed run")
   p.add_argument("--items", type=int, default=200_000, help="items in the W3/W4 tables")
   p.add_argument("--loops", nargs="+", help="substrings selecting loops (default: all)")
+  p.add_argument("--instructions", type=int, default=0, metavar="N",
+                 help="count instructions per iteration under callgrind (N and 2N iterations)")
   p.add_argument("--worker", help=argparse.SUPPRESS)
+  p.add_argument("--count-loop", help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.worker:
-    worker(args.worker, args.items)
+    worker(args.worker, args.items, args.count_loop, args.instructions)
+    return
+  if args.instructions:
+    count_instructions(args)
     return
   procs = {}
   for label, root in (("A", args.a_root), ("B", args.b_root)):

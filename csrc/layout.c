@@ -25,7 +25,8 @@
 #define MAX_TABLE_SIZE ((1ull << 30) - 1)
 
 typedef struct plan {
-  uint64_t tables_off, slots_off, pins_off, pin_stride, counters_off, regions_off, arena_off, arena_size, total;
+  uint64_t tables_off, slots_off, pins_off, pin_stride, counters_off, regions_off, arena_off,
+      arena_size, total;
 } plan;
 
 static int check_config(const rs_table_config *c, uint32_t i) {

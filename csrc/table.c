@@ -325,6 +325,7 @@ static int op_wait(op_t *op) {
   uint32_t seen = __atomic_load_n(&th->seq, __ATOMIC_ACQUIRE);
   __atomic_add_fetch(&th->waiters, 1, __ATOMIC_ACQ_REL);
   op_release(op, wake);
+  /* Only inserts and samples wait; an insert charges its lock time to inserting_ns. */
   uint32_t *blocked = op->held_ns == &th->inserting_ns ? &op->c->blocked_inserters
                                                        : &op->c->blocked_samplers;
   __atomic_add_fetch(blocked, 1, __ATOMIC_RELAXED);
