@@ -19,6 +19,7 @@ by the main thread.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -117,13 +118,14 @@ def _core_instructions(root: str, loop: str, n: int, items: int) -> int:
                     root, root, "--items", str(items), "--worker", os.path.abspath(root),
                     "--count-loop", loop, "--instructions", str(n)],
                    check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "0"})
-    report = subprocess.run(["callgrind_annotate", "--threshold=100", out + "-01"], check=True,
-                            capture_output=True, text=True).stdout
+    report = subprocess.run(["callgrind_annotate", "--auto=no", "--threshold=100", out + "-01"],
+                            check=True, capture_output=True, text=True).stdout
   total = 0
-  for line in report.splitlines():
-    if any(part in line for part in ("/csrc/", "reverb_shm/_core", "reverb_shm/_hot",
-                                     "reverb_shm._core.c")):
-      total += int(line.split()[0].replace(",", ""))
+  for line in report.splitlines():   # "1,234 ( 0.10%)  file:function [object]"
+    m = re.match(r"\s*([\d,]+)\s+\(", line)
+    if m and any(part in line for part in ("/csrc/", "reverb_shm/_core", "reverb_shm/_hot",
+                                           "reverb_shm._core.c")):
+      total += int(m.group(1).replace(",", ""))
   return total
 
 
