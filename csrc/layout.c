@@ -1,7 +1,8 @@
 /* Segment layout: size planning, initialisation, validation on attach, info, close, and the
  * table directory (find by name, name, config blob).
  *
- *   rs_seg_hdr | u64 table offsets | rs_slot[max_procs] | table regions | arena | pin logs
+ *   rs_seg_hdr | u64 table offsets | rs_slot[max_procs] | counters | table regions | arena |
+ *   pin logs
  *
  * Every part starts on a 64-byte boundary (pin logs on a page). The plan is a pure function of
  * the configuration, so rs_segment_size(_ex) and rs_segment_init(_ex) always agree. A fixed
@@ -14,6 +15,7 @@
 #include <signal.h>
 #include <string.h>
 
+#include "counters.h"
 #include "rs_internal.h"
 
 #define MAX_TABLES 1024u
@@ -27,8 +29,8 @@
 #define PAGE 4096ull
 
 typedef struct plan {
-  uint64_t tables_off, slots_off, pins_off, pin_stride, regions_off, arena_off, arena_size, arena_max,
-      total;
+  uint64_t tables_off, slots_off, pins_off, pin_stride, counters_off, regions_off, arena_off,
+      arena_size, arena_max, total;
 } plan;
 
 static int check_config(const rs_table_config *c, uint32_t i) {
@@ -86,6 +88,8 @@ static int make_plan(const rs_table_config *cfgs, uint32_t ntables, uint32_t max
   off = rs_align_up(off + (uint64_t)ntables * sizeof(uint64_t), RS_ALIGN);
   p->slots_off = off;
   off = rs_align_up(off + (uint64_t)max_procs * sizeof(rs_slot), RS_ALIGN);
+  p->counters_off = off;
+  off = rs_align_up(off + rs_counters_region_size(max_procs, ntables), RS_ALIGN);
   p->regions_off = off;
   for (uint32_t i = 0; i < ntables; i++) {
     if (table_offs) table_offs[i] = off;
@@ -144,6 +148,7 @@ static int segment_init(void *base, uint64_t size, const rs_table_config *cfgs, 
   h->slots_off = p.slots_off;
   h->pins_off = p.pins_off;
   h->pin_log_stride = p.pin_stride;
+  h->counters_off = p.counters_off;   /* zero-filled memory: every counter starts at 0 */
   h->arena_off = p.arena_off;
   h->arena_size = p.arena_size;
   h->arena_max = p.arena_max;
@@ -222,6 +227,8 @@ int rs_segment_validate(void *base, uint64_t size) {
       h->pin_log_stride < (uint64_t)h->pins_per_proc * 12 ||
       !inside(h->pins_off, h->pin_log_stride * h->max_procs, size) || !inside(h->arena_off, h->arena_max, size) ||
       h->arena_size > h->arena_max || h->arena_off + h->arena_max > h->pins_off ||
+      !inside(h->counters_off, rs_counters_region_size(h->max_procs, h->num_tables), size) ||
+      h->counters_off % RS_ALIGN ||
       h->arena_off % RS_ALIGN || h->arena_size % RS_ALIGN || h->arena_size < RS_ALIGN)
     return rs_set_error(RS_ECORRUPT, "segment offsets outside the %llu mapped bytes: tables %llu, slots %llu,"
                         " pins %llu (stride %llu), arena %llu + %llu", (unsigned long long)size,

@@ -474,3 +474,57 @@ int rs_insert_rows_at(void *base, uint32_t slot, uint32_t table, uint32_t n, uin
                       const double *priorities, uint32_t ncols, const uint64_t *chunk_offs,
                       uint32_t first_row, const uint8_t *const *data, const uint32_t *col_flags,
                       uint32_t flags, int64_t deadline_ns, int64_t slice_ns, uint32_t *done_out);
+
+/* ---- operation counters (csrc/counters.c) ----
+ * Counted per process slot and table by the process that does the work (no shared cache line
+ * is written for them), summed over slots here. Reading takes no lock and writes nothing: the
+ * figures of a busy table are each a moment's value, not one consistent snapshot. Totals are
+ * cumulative since the segment was created (a table reset does not zero them). */
+typedef struct rs_table_counts {
+  uint64_t inserts;         /* items inserted (new keys) */
+  uint64_t samples;         /* items sampled */
+  uint64_t updates;         /* priority updates (mutate_priorities, and inserts of an existing key) */
+  uint64_t deletes;         /* items deleted by mutate_priorities */
+  uint64_t evictions;       /* items removed by the remover because the table was full */
+  uint64_t expirations;     /* items removed on reaching max_times_sampled */
+  uint64_t insert_bytes;    /* payload bytes referenced by inserted items (a step in several
+                             * items counts once per item) */
+  uint64_t lock_holds;      /* table-lock holds by insert / sample / mutate / reset calls */
+  uint64_t lock_hold_ns;    /* their total duration (ns) */
+  uint64_t hold_hist[24];   /* holds by duration: [0] < 128 ns, [b] in [2**(b+6), 2**(b+7)) ns,
+                             * [23] >= 2**29 ns */
+  uint32_t blocked_inserters;  /* threads of live processes blocked on the rate limiter now */
+  uint32_t blocked_samplers;
+  /* table state, read without the lock */
+  int64_t size;
+  uint64_t max_size;
+  int64_t num_episodes;
+  int64_t limiter_inserts;  /* the rate limiter's counters (zeroed by a reset) */
+  int64_t limiter_samples;
+  int64_t limiter_deletes;
+  double samples_per_insert;
+  int64_t min_size_to_sample;
+  double min_diff;
+  double max_diff;
+  double diff;              /* limiter_inserts * samples_per_insert - limiter_samples */
+  int32_t can_insert;       /* the limiter admits one more insert / sample now */
+  int32_t can_sample;
+  int64_t insert_blocked_ns;   /* cumulative time inserts spent blocked (ns) */
+  int64_t sample_blocked_ns;   /* cumulative time samples spent blocked (ns) */
+  int32_t closed;
+  int32_t _pad;
+} rs_table_counts;
+
+int rs_counters_read(void *base, uint32_t table, rs_table_counts *out);
+
+/* One attached process (a registered slot). */
+typedef struct rs_proc_info {
+  int32_t pid;
+  uint32_t slot;
+  uint32_t pins;           /* live pins: chunks held by writers plus sampled items held */
+  uint32_t alive;          /* 0: the process is gone (its slot waits to be reaped) */
+  uint64_t start_time;     /* /proc/<pid>/stat starttime */
+} rs_proc_info;
+
+/* List up to cap registered slots in slot order; *n_out = number written. */
+int rs_proc_list(void *base, rs_proc_info *out, uint32_t cap, uint32_t *n_out);

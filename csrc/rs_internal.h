@@ -3,6 +3,7 @@
  * Segment layout (one POSIX shm segment per server; all positions are byte offsets from base):
  *
  *   rs_seg_hdr | table offsets (u64[num_tables]) | rs_slot[max_procs] |
+ *   operation counters (per slot and table, counters.h) |
  *   per-table regions (rs_table_hdr + its arrays + config blob) | arena (arena_size, room for
  *   arena_max) | pin logs (per slot: u64 entries[pins_per_proc] + u32 free stack[pins_per_proc])
  *
@@ -28,6 +29,7 @@
  *      extent.c    reserving a growable segment's extents (pages, or disk-tier file blocks)
  *   2  selectors.c Uniform/Prioritized/Fifo/Lifo/MinHeap/MaxHeap
  *      arena.c     block allocator, chunks, descriptors, refcounts
+ *      counters.c  per-slot operation counters (merged lock-free on read), process list
  *   3  slots.c     process slots, pin logs, reaping, stop-the-world recount, owner liveness
  *      bridge_layout.c  chunk layouts shipped by the gRPC bridge
  *   4  table.c     insert/sample/mutate/reset/items/stats + repair after a dead lock owner
@@ -49,13 +51,14 @@
 #include "rs_api.h"
 
 #define RS_MAGIC 0x3130304d48535652ULL /* "RVSHM001" little-endian */
-#define RS_LAYOUT_VERSION 3ULL
+#define RS_LAYOUT_VERSION 4ULL
 #define RS_ALIGN 64u
 #define RS_NONE 0xFFFFFFFFu
 #define RS_MAX_NDIM 8
 #define RS_MAX_BLOB (1u << 20)
 #define RS_NBINS 48
 #define RS_RECENT_TEMPLATES 8   /* rs_table_hdr.recent_recs */
+#define RS_HOLD_BUCKETS 24      /* lock-hold histogram buckets (counters.h) */
 
 static inline uint64_t rs_align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
 static inline void *rs_at(void *base, uint64_t off) { return (char *)base + off; }
@@ -96,7 +99,8 @@ typedef struct rs_seg_hdr {
   uint64_t tail_size;             /* size of the arena's last block (derived) */
   uint32_t arena_file;            /* 1: the arena is a file mapped over its range (disk tier) */
   uint32_t _pad2;
-  uint64_t reserved[10];
+  uint64_t counters_off;          /* rs_tcounters[(max_procs + 1) * num_tables] (counters.h) */
+  uint64_t reserved[9];
 } rs_seg_hdr;
 
 typedef struct rs_slot {

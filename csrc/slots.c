@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "counters.h"
 #include "rs_internal.h"
 
 uint64_t rs_proc_start_time(int32_t pid) {
@@ -92,6 +93,7 @@ int rs_proc_register(void *base, int32_t pid, uint64_t start_time, uint32_t *slo
       rs_aunlock(base);
     }
     slots[s].start_time = start_time;
+    rs_counters_claimed(base, s);
     __atomic_store_n(&slots[s].pid, pid, __ATOMIC_RELEASE);
     *slot_out = s;
     registry_unlock(base);

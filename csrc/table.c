@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "counters.h"
 #include "index.h"
 #include "limiter.h"
 #include "selectors.h"
@@ -239,6 +240,7 @@ typedef struct op {
   int64_t *held_ns;        /* stat charged with lock-held time (may be NULL) */
   int64_t *waited_ns;      /* stat charged with blocked time */
   int64_t locked_at;
+  rs_tcounters *c;         /* the caller's counter row for this table (counters.h) */
   int dirty;               /* made a change that may unblock a waiter */
   int64_t deadline, slice_end; /* monotonic ns, < 0 = none */
 } op_t;
@@ -272,7 +274,9 @@ static int op_publish(op_t *op) {
 }
 
 static void op_release(op_t *op, int wake) {
-  if (op->held_ns) *op->held_ns += rs_now_ns() - op->locked_at;
+  int64_t held = rs_now_ns() - op->locked_at;
+  if (op->held_ns) *op->held_ns += held;
+  rs_counters_hold(op->c, held);
   rs_tunlock(op->base, op->t);
   if (wake) rs_futex_wake_all(&op->th->seq);
 }
@@ -321,6 +325,10 @@ static int op_wait(op_t *op) {
   uint32_t seen = __atomic_load_n(&th->seq, __ATOMIC_ACQUIRE);
   __atomic_add_fetch(&th->waiters, 1, __ATOMIC_ACQ_REL);
   op_release(op, wake);
+  /* Only inserts and samples wait; an insert charges its lock time to inserting_ns. */
+  uint32_t *blocked = op->held_ns == &th->inserting_ns ? &op->c->blocked_inserters
+                                                       : &op->c->blocked_samplers;
+  __atomic_add_fetch(blocked, 1, __ATOMIC_RELAXED);
 
   int rc = RS_OK;
   int64_t t0 = rs_now_ns();
@@ -328,6 +336,7 @@ static int op_wait(op_t *op) {
     cpu_relax();
   if (__atomic_load_n(&th->seq, __ATOMIC_ACQUIRE) == seen) rc = rs_futex_wait(&th->seq, seen, until);
   __atomic_sub_fetch(&th->waiters, 1, __ATOMIC_ACQ_REL);
+  __atomic_sub_fetch(blocked, 1, __ATOMIC_RELAXED);
   int64_t waited = rs_now_ns() - t0;
   if (rc == RS_ESYS) return rc;
   rc = op_lock(op);
@@ -514,15 +523,24 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
   op_t op;
   op_init(&op, base, table, "insert", &th->inserting_ns, &th->waiting_for_sampling_ns, deadline_ns,
           slice_ns);
+  op.c = rs_counters_row(base, slot, table);
   rc = op_lock(&op);
   uint32_t done = 0;
   /* Each key's index probe is a cache miss in a large table: request them all at once. */
   if (rc == RS_OK) rs_index_prefetch(rs_tindex(base, th), th->index_cap, n < 256 ? n : 256, keys);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     while (done < n && rs_limiter_can_insert(th, 1)) {
+      int64_t inserts0 = th->inserts, deletes0 = th->deletes;
       rc = insert_one(base, th, keys[done], priorities[done], blob + blob_offs[done],
                       (uint32_t)(blob_offs[done + 1] - blob_offs[done]));
       if (rc) break;
+      if (th->inserts != inserts0) {
+        op.c->inserts++;
+        op.c->insert_bytes += rs_desc_bytes(base, (const rs_desc_hdr *)(blob + blob_offs[done]));
+      } else {
+        op.c->updates++;
+      }
+      op.c->evictions += (uint64_t)(th->deletes - deletes0);
       done++;
       op.dirty = 1;
     }
@@ -717,6 +735,8 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
   }
   if (k == 0) return 0;
   op->dirty = 1;
+  op->c->samples += k;
+  op->c->expirations += ndoomed;
   /* Pin before dropping the table's references, so removed items' data stays alive. */
   int rc = memo ? rs_pin_descs(base, slot, memo->npins, memo->pin_descs, memo->pins)
                 : rs_pin_descs(base, slot, k, descs, pins);
@@ -748,6 +768,7 @@ int rs_sample(void *base, uint32_t slot, uint32_t table, uint32_t n, int64_t dea
   op_t op;
   op_init(&op, base, table, "sample", &th->sampling_ns, &th->waiting_for_inserts_ns, deadline_ns,
           slice_ns);
+  op.c = rs_counters_row(base, slot, table);
   rc = op_lock(&op);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     int took = 0;
@@ -889,6 +910,7 @@ int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_ke
   if (rc) return rc;
   op_t op;
   op_init(&op, base, table, "mutate", NULL, NULL, -1, 0);
+  op.c = rs_counters_row(base, rs_counters_self(base), table);
   rc = op_lock(&op);
   if (rc) return rc;
   uint32_t updated = 0, deleted = 0;
@@ -906,6 +928,8 @@ int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_ke
     updated += update_round(base, th, n_upd - b < MUTATE_ROUND ? n_upd - b : MUTATE_ROUND,
                             upd_keys + b, upd_prios + b);
   op.dirty = deleted > 0;
+  op.c->updates += updated;
+  op.c->deletes += deleted;
   op_unlock(&op);
   if (updated_out) *updated_out = updated;
   if (deleted_out) *deleted_out = deleted;
@@ -929,6 +953,7 @@ int rs_reset(void *base, uint32_t table) {
   if (rc) return rc;
   op_t op;
   op_init(&op, base, table, "reset", NULL, NULL, -1, 0);
+  op.c = rs_counters_row(base, rs_counters_self(base), table);
   rc = op_lock(&op);
   if (rc) return rc;
   rs_rec *recs = rs_recs(base, th);
@@ -1217,6 +1242,7 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
   op_t op;
   op_init(&op, base, table, "sample", &th->sampling_ns, &th->waiting_for_inserts_ns, deadline_ns,
           slice_ns);
+  op.c = rs_counters_row(base, slot, table);
   rc = op_lock(&op);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     int took = sample_round(&op, slot, n - *got_io, recs, ncols, cols, memo);

@@ -34,6 +34,19 @@ static inline void rs_desc_each_episode(void *base, const rs_desc_hdr *d, uint32
   }
 }
 
+/* Payload bytes (rows x row_bytes over every slice) that descriptor blob d references; rows of
+ * object columns count their chunk's payload bytes per row. */
+static inline uint64_t rs_desc_bytes(void *base, const rs_desc_hdr *d) {
+  const rs_desc_slice *s = rs_desc_slices(d);
+  uint64_t bytes = 0;
+  for (uint32_t i = 0; i < d->nslices; i++) {
+    const rs_chunk_hdr *c = rs_chunk(base, s[i].chunk_off);
+    uint64_t row = c->row_bytes ? c->row_bytes : (c->capacity ? c->nbytes / c->capacity : 0);
+    bytes += row * s[i].nrows;
+  }
+  return bytes;
+}
+
 /* rs_desc_each_episode of the item with reference `ref`. */
 static inline void rs_item_each_episode(void *base, uint64_t ref, void (*fn)(void *ctx, uint64_t episode_id),
                                         void *ctx) {

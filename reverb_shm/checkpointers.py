@@ -130,7 +130,7 @@ class DefaultCheckpointer(CheckpointerBase):
     tmp = os.path.join(self._path, f".reverb_shm-tmp-{os.getpid()}-{uuid.uuid4().hex}")
     started = time.monotonic()
     try:
-      body = checkpoint_io.write(segment, tmp, progress=progress or checkpoint_io.log_progress())
+      body = checkpoint_io.write(segment, tmp, progress=progress or checkpoint_io.default_progress())
       final = self._rename_into_place(tmp, body["created_at_ns"])
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
@@ -200,7 +200,7 @@ def _pid_alive(pid: int) -> bool:
 def _load_verified(path: str) -> Optional[checkpoint_io.Manifest]:
   try:
     manifest = checkpoint_io.read_manifest(path)
-    checkpoint_io.verify(manifest, checkpoint_io.log_progress("verifying checkpoint"))
+    checkpoint_io.verify(manifest, checkpoint_io.default_progress("verifying checkpoint"))
     return manifest
   except checkpoint_io.CorruptCheckpointError as e:
     message = f"skipping checkpoint: {e}"
@@ -344,7 +344,7 @@ def restore_into(segment, manifest: checkpoint_io.Manifest, table_indices: Dict[
   """Restores `manifest` into a new segment, logging progress."""
   started = time.monotonic()
   checkpoint_io.restore(segment, manifest, table_indices,
-                        checkpoint_io.log_progress("restoring checkpoint"))
+                        checkpoint_io.default_progress("restoring checkpoint"))
   log.info("restored checkpoint %s into server %r: %.1f MiB in %.2f s", manifest.path,
            segment.name, manifest.body["chunk_bytes"] / 2**20, time.monotonic() - started)
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from reverb_shm import errors
-from reverb_shm._internal import addresses, chunks, hot_plans, shm, structure, timeouts
+from reverb_shm._internal import addresses, chunks, counters, hot_plans, shm, structure, timeouts
 from reverb_shm import step_inserter as step_inserter_lib
 from reverb_shm._internal._lib import ffi, hot, lib
 from reverb_shm._internal import columns as columns_lib
@@ -425,6 +425,23 @@ class Client:
               f"{timeout} s ({e})") from None
         time.sleep(_SERVER_POLL_S if deadline is None else min(_SERVER_POLL_S, deadline - now))
     return {name: self._table_handle(name).table.info for name in seg.table_names()}
+
+  def stats(self) -> Dict[str, Any]:
+    """Counters and state of the server and each of its tables, for logging (reverb_shm
+    extension; TensorBoard, W&B and the like take the numbers as they are).
+
+    Read without taking any lock, so calling it often never slows inserts or samples. Totals
+    count since the server started. Returns a dict with name, owner_pid, arena_bytes,
+    arena_used_bytes, arena_free_bytes, chunks, descriptors, max_procs, processes (pid, slot,
+    pins, alive per attached process), closed, and tables: {table name: counters} where the
+    counters are inserts, samples, updates, deletes, evictions, expirations, insert_bytes,
+    items, max_size, full, blocked_inserters, blocked_samplers, can_insert, can_sample, diff,
+    lock-hold and blocked times (see :func:`reverb_shm._internal.counters.read_table`).
+
+    Raises:
+      ServerUnavailableError: no server answers to the address.
+    """
+    return counters.read_server(self._segment())
 
   # ---- writers
   def trajectory_writer(self, num_keep_alive_refs: int, *,

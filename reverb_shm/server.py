@@ -78,10 +78,14 @@ class Server:
     mode: permission bits of the segment and port alias: 0o600 (default: only this user's
       processes may attach) or 0o660 (also processes of the file's group). Other bits are
       refused.
+    metrics_port: serve the server's counters in the Prometheus text format on this TCP port
+      (http://127.0.0.1:PORT/metrics; 0 picks a free port, see `metrics_port`), from a thread
+      of this process. Needs the `metrics` extra (prometheus-client). None: no endpoint.
 
   Segment size: the segment /dev/shm/rvshm.NAME starts with
     the tables' metadata (records, key index, selector structures: roughly 150 to 350 bytes
       per unit of max_size, as some arrays are rounded up to powers of two)
+    + operation counters: (max_procs + 1) x tables x 320 bytes
     + arena_bytes (chunk data and item descriptors; 8 MiB by default)
   and grows as it is used: arena extents (at least 4 MiB, a quarter of the arena, at most
   256 MiB beyond the need) and, per attached process, pin-log pages (12 bytes per pin held at
@@ -105,9 +109,10 @@ class Server:
                arena_bytes: int = DEFAULT_ARENA_BYTES, max_bytes: Optional[int] = None,
                storage: Optional[str] = None, max_procs: int = 128,
                pins_per_proc: int = DEFAULT_PINS_PER_PROC, mode: int = 0o600, bridge=None,
-               on_config_mismatch: str = "error"):
+               on_config_mismatch: str = "error", metrics_port: Optional[int] = None):
     self._stopped = True
     self._bridge = None
+    self._metrics = None
     self._pid = os.getpid()
     self._lock = threading.Lock()
     if not tables:
@@ -176,6 +181,18 @@ class Server:
       except BaseException:
         self.stop()
         raise
+    if metrics_port is not None:
+      from reverb_shm.metrics import MetricsExporter  # pylint: disable=g-import-not-at-top
+      try:
+        self._metrics = MetricsExporter(self._name, metrics_port)
+      except BaseException:
+        self.stop()
+        raise
+
+  @property
+  def metrics_port(self) -> Optional[int]:
+    """TCP port of the Prometheus endpoint (Server(metrics_port=...)), or None without one."""
+    return None if self._metrics is None else self._metrics.port
 
   @property
   def bridge_address(self):
@@ -264,6 +281,8 @@ class Server:
       self._stopped = True
     if self._bridge is not None:
       self._bridge.stop()
+    if self._metrics is not None:
+      self._metrics.stop()
     check(lib.rs_segment_close(self._segment.base), f"closing server {self._name!r}")
     self._stop_event.set()
     self._reaper.join(timeout=10)

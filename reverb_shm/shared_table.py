@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from reverb_shm import errors, specs
-from reverb_shm._internal import chunks, hot_plans, structure
+from reverb_shm._internal import chunks, counters, hot_plans, structure
 from reverb_shm import step_inserter as step_inserter_lib
 from reverb_shm._internal import timeouts
 from reverb_shm._internal._lib import check, ffi, hot, lib
@@ -424,11 +424,27 @@ class SharedTable:
     check(lib.rs_reset(self._seg.base, self._index), f"resetting table {self._name!r}")
 
   def stats(self) -> dict:
-    """rs_table_stats of the table as a dict."""
+    """Configuration, rate-limiter counters and operation counters of the table.
+
+    Keys of the table's state (read under its lock): max_size, max_times_sampled, sampler_kind,
+    remover_kind, sampler_exponent, remover_exponent, samples_per_insert, min_size_to_sample,
+    min_diff, max_diff, size, inserts / samples / deletes (the rate limiter's counters, zeroed
+    by reset), num_episodes, num_deleted_episodes, num_unique_samples, closed, inserting_ns /
+    sampling_ns (lock-held time), waiting_for_sampling_ns / waiting_for_inserts_ns (blocked
+    time), repairs. Plus `counters`: the lock-free operation counters since the server started
+    (see :func:`reverb_shm._internal.counters.read_table`: inserts, samples, updates, deletes,
+    evictions, expirations, insert_bytes, blocked_inserters, blocked_samplers, lock-hold
+    percentiles...).
+    """
+    stats = self._table_stats()
+    stats["counters"] = counters.read_table(self._seg, self._index)
+    return stats
+
+  def _table_stats(self) -> dict:
     return self._seg.stats(self._index)
 
   def _open_stats(self) -> dict:
-    stats = self.stats()
+    stats = self._table_stats()
     if stats["closed"]:
       raise errors.TableClosedError(f"table {self._name!r} of server {self._seg.name!r} is "
                                     "closed (the server stopped)")

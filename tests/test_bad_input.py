@@ -60,6 +60,9 @@ def snapshot(ctx: Ctx) -> dict:
   snap = {}
   for st in (ctx.prio, ctx.sig, ctx.empty):
     stats = {k: v for k, v in st.stats().items() if k not in _TIMING}
+    # A call that waited and timed out held the lock and was blocked: only those counters move.
+    stats["counters"] = {k: v for k, v in stats["counters"].items()
+                         if not k.startswith("lock_hold") and not k.endswith("blocked_seconds")}
     items = st.items()
     snap[st.name] = (stats, items[["key", "priority", "times_sampled", "insert_seq"]].tolist(),
                      _payloads(ctx.seg, st))

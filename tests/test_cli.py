@@ -40,7 +40,8 @@ def test_info_prints_the_segment_breakdown_of_what_is_reserved(server_factory, c
   rest = info["reserved_bytes"] - (4 << 20) - 1024 * 12
   assert (f"segment: {info['reserved_bytes'] / 2**20:.1f} MiB reserved of max_bytes 64.0 MiB = "
           f"arena 4.0 MiB (0 extent(s) added) + pin logs 0.0 MiB (grown per process as needed, "
-          f"up to 1024 pins x 12 bytes) + tables' metadata and header {rest / 2**20:.1f} MiB") in out
+          f"up to 1024 pins x 12 bytes) + tables' metadata, counters and header "
+          f"{rest / 2**20:.1f} MiB") in out
   assert 0 < rest < 1 << 20
   # What the file holds in /dev/shm is what the segment reserved (plus page rounding).
   held = os.stat(f"/dev/shm/rvshm.{server.name}").st_blocks * 512

@@ -109,10 +109,9 @@ TIERS = [
                 "platform.*"]),
     ("writers", ["trajectory_writer", "writer", "structured_writer"]),
     ("client", ["client", "learner"]),
-    ("bridge", ["bridge", "bridge.*"]),
+    ("bridge", ["bridge", "bridge.*", "metrics", "metrics.*"]),   # endpoints a Server may host
     ("server", ["server"]),
-    ("extensions", ["tf", "tf.*", "torch", "torch.*", "jax", "jax.*", "ray", "ray.*",
-                    "metrics", "metrics.*"]),
+    ("extensions", ["tf", "tf.*", "torch", "torch.*", "jax", "jax.*", "ray", "ray.*"]),
     ("cli", ["cli", "cli.*"]),
     ("package", [""]),
 ]
@@ -260,7 +259,7 @@ def test_import_reverb_shm_imports_no_optional_extra():
 C_LAYERS = {
     "util.c": 0,
     "lock.c": 1, "sumtree.c": 1, "index.c": 1, "limiter.c": 1, "writer_items.c": 1, "extent.c": 1,
-    "selectors.c": 2, "arena.c": 2,
+    "selectors.c": 2, "arena.c": 2, "counters.c": 2,
     "slots.c": 3, "bridge_layout.c": 3,
     "table.c": 4, "table_check.c": 4,
     "layout.c": 5, "fastpath.c": 5, "snapshot.c": 5, "check.c": 5,

@@ -33,7 +33,8 @@ from reverb_shm._internal import chunks
 from reverb_shm._internal._lib import check, ffi, lib
 
 __all__ = ["FORMAT", "VERSION", "MANIFEST", "CorruptCheckpointError", "Manifest", "write",
-           "read_manifest", "verify", "restore", "table_config", "log_progress", "fsync_dir"]
+           "read_manifest", "verify", "restore", "table_config", "log_progress", "fsync_dir",
+           "default_progress", "set_progress_factory"]
 
 log = logging.getLogger("reverb_shm.checkpoint")
 
@@ -93,6 +94,25 @@ def log_progress(prefix: str = "checkpoint", every_s: float = 1.0) -> Progress:
     log.info("%s: %s %.1f/%.1f %s (%.0f%%)", prefix, phase, done / scale, total / scale, unit, pct)
 
   return report
+
+
+_progress_factory: Optional[Callable[[str], Progress]] = None
+
+
+def set_progress_factory(factory: Optional[Callable[[str], Progress]]) -> None:
+  """Makes default_progress() build progress callbacks with factory(prefix) (None: log lines).
+
+  A command line sets this to draw progress bars on a terminal; the library itself only logs.
+  """
+  global _progress_factory
+  _progress_factory = factory
+
+
+def default_progress(prefix: str = "checkpoint") -> Progress:
+  """The progress callback of a save, verify or restore that was given none: the factory set
+  by set_progress_factory, else log_progress(prefix)."""
+  factory = _progress_factory
+  return factory(prefix) if factory is not None else log_progress(prefix)
 
 
 def _no_progress(phase: str, done: int, total: int) -> None:

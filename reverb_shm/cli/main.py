@@ -1,35 +1,42 @@
-"""`reverb-shm`: inspect, check and clean up reverb_shm servers on this host.
+"""`reverb-shm`: run, watch, inspect, check and clean up reverb_shm servers on this host.
 
-Sub-commands:
-  reverb-shm list            servers whose segments exist in /dev/shm, with owner state
-  reverb-shm info NAME       segment and per-table statistics of server NAME
-  reverb-shm check NAME      run the C invariant checker over every table of NAME (exit 1 on violation)
-  reverb-shm gc [NAME ...] [--dry-run]
-                             remove segments and port aliases whose owner process is dead
-                             (of servers NAME only, if given); a segment still being created
-                             counts as live
-  reverb-shm serve --config FILE [--name NAME] [--arena-mib N]
-                             run a server from a ReverbServerConfig text file until Ctrl-C
-  reverb-shm bridge NAME --port P   serve server NAME's tables over gRPC (extra `bridge`)
-  reverb-shm checkpoint NAME write a checkpoint of server NAME with its checkpointer (progress bar
-                             with the `progress` extra, tqdm; log lines otherwise)
+Sub-commands (SERVER: a server's name, shm://NAME, or localhost:PORT; `info` and `checkpoint`
+also take HOST:PORT of a gRPC bridge):
+  reverb-shm list [--json]          servers whose segments exist in /dev/shm, with owner state
+  reverb-shm info SERVER [--json]   segment, counters and rate-limiter state of each table
+  reverb-shm top SERVER             live view of the tables: rates per second, blocked, full
+  reverb-shm check SERVER [--json]  run the invariant checker over every table (exit 1 on violation)
+  reverb-shm gc [SERVER ...] [--dry-run]
+                                    remove segments and port aliases whose owner process is dead
+  reverb-shm serve --config FILE [--checkpoint-dir DIR ...] [--metrics-port P]
+                                    run a server from a ReverbServerConfig text file until Ctrl-C
+  reverb-shm bridge SERVER --port P serve a server's tables over gRPC (extra `bridge`)
+  reverb-shm metrics SERVER --port P
+                                    serve a server's Prometheus metrics (extra `metrics`)
+  reverb-shm checkpoint SERVER      write a checkpoint with the server's checkpointer
 
 `reverb_server --config "<textproto>"` (Reverb's console script) is :func:`reverb_server_main`.
 """
 import argparse
 import os
-import signal
 import sys
 
 from reverb_shm import errors
-from reverb_shm._internal import shm
+from reverb_shm._internal import counters, shm
+from reverb_shm.cli import common
+from reverb_shm.cli import serve as serving
 from reverb_shm.server import PIN_ENTRY_BYTES
 
 _MiB = float(1 << 20)
 
 
+# ---------------------------------------------------------------- list
 def _cmd_list(args) -> int:
   rows = shm.list_segments()
+  if args.json:
+    common.emit_json([{"name": r["name"], "size_bytes": r["size"], "owner_pid": r["pid"],
+                       "state": r["state"]} for r in rows])
+    return 0
   if not rows:
     print("no reverb_shm segments in", shm.SHM_DIR)
     return 0
@@ -42,48 +49,154 @@ def _cmd_list(args) -> int:
   return 0
 
 
-def _cmd_info(args) -> int:
-  seg = shm.Segment.attach(args.name)
+# ---------------------------------------------------------------- info
+def _segment_breakdown(info: dict) -> dict:
+  """Bytes the segment holds now (it grows): arena, pin logs, and the rest (metadata, counters,
+  header)."""
+  pin_logs = info["pins_reserved"]
+  return {"reserved_bytes": info["reserved_bytes"], "max_bytes": info["max_bytes"],
+          "arena_bytes": info["arena_size"], "pin_log_bytes": pin_logs,
+          "metadata_bytes": info["reserved_bytes"] - info["arena_size"] - pin_logs}
+
+
+def _info_local(name: str, as_json: bool) -> int:
+  seg = shm.Segment.attach(name)
   info = seg.info()
-  print(f"server {args.name!r}: {info['num_tables']} table(s), owner pid {info['owner_pid']}, "
+  figures = counters.read_server(seg)
+  sizes = _segment_breakdown(info)
+  if as_json:
+    configs = {}
+    for index, table in enumerate(seg.table_names()):
+      st = seg.stats(index)
+      configs[table] = {k: st[k] for k in ("max_times_sampled", "sampler_kind", "remover_kind",
+                                            "sampler_exponent", "remover_exponent",
+                                            "num_deleted_episodes", "num_unique_samples",
+                                            "repairs")}
+    for table, t in figures["tables"].items():
+      t.update(configs[table])
+    common.emit_json({**figures, "segment": sizes, "pins_per_proc": info["pins_per_proc"],
+                      "live_procs": info["live_procs"]})
+    return 0
+  print(f"server {name!r}: {info['num_tables']} table(s), owner pid {info['owner_pid']}, "
         f"{info['live_procs']}/{info['max_procs']} process slots in use")
   print(f"arena: {info['arena_used'] / _MiB:.1f} MiB used of {info['arena_size'] / _MiB:.1f} MiB, "
         f"{info['num_chunks']} chunks, {info['num_descs']} item descriptors")
-  pin_logs = info["pins_reserved"]
-  rest = info["reserved_bytes"] - info["arena_size"] - pin_logs
+  pin_logs = sizes["pin_log_bytes"]
   limit = (f"max_bytes {info['max_bytes'] / _MiB:.1f} MiB" if info["max_bytes"] else
            f"arena fixed at {info['arena_max'] / _MiB:.1f} MiB")
   print(f"segment: {info['reserved_bytes'] / _MiB:.1f} MiB reserved of {limit} = arena "
         f"{info['arena_size'] / _MiB:.1f} MiB ({info['extents']} extent(s) added) + pin logs "
         f"{pin_logs / _MiB:.1f} MiB (grown per process as needed, up to {info['pins_per_proc']} "
-        f"pins x {PIN_ENTRY_BYTES} bytes) + tables' metadata and header {rest / _MiB:.1f} MiB")
+        f"pins x {PIN_ENTRY_BYTES} bytes) + tables' metadata, counters and header "
+        f"{sizes['metadata_bytes'] / _MiB:.1f} MiB")
   if seg.arena_path is not None:
     print(f"disk tier: the arena is the file {seg.arena_path} (/dev/shm holds the rest)")
-  for index, name in enumerate(seg.table_names()):
-    st = seg.stats(index)
-    print(f"  table {name!r}: size {st['size']}/{st['max_size']}, inserts {st['inserts']}, "
+  for index, table in enumerate(seg.table_names()):
+    st, t = seg.stats(index), figures["tables"][table]
+    print(f"  table {table!r}: size {st['size']}/{st['max_size']}, inserts {st['inserts']}, "
           f"samples {st['samples']}, deletes {st['deletes']}, episodes {st['num_episodes']}, "
           f"unique samples {st['num_unique_samples']}, repairs {st['repairs']}")
+    print(f"    since start: {t['inserts']} inserted, {t['samples']} sampled, {t['updates']} "
+          f"updated, {t['deletes']} deleted, {t['evictions']} evicted, {t['expirations']} expired;"
+          f" limiter: can insert {'yes' if t['can_insert'] else 'NO'}, can sample "
+          f"{'yes' if t['can_sample'] else 'NO'}, diff {t['diff']:g}; blocked now: "
+          f"{t['blocked_inserters']} inserting, {t['blocked_samplers']} sampling")
   return 0
 
 
+def _info_remote(address: str, as_json: bool) -> int:
+  from reverb_shm.client import Client  # pylint: disable=import-outside-toplevel
+  infos = Client(address).server_info(timeout=10)
+  if as_json:
+    common.emit_json({"address": address, "tables": {
+        name: {"max_size": i.max_size, "current_size": i.current_size,
+               "num_episodes": i.num_episodes, "num_deleted_episodes": i.num_deleted_episodes,
+               "num_unique_samples": i.num_unique_samples,
+               "rate_limiter": str(i.rate_limiter_info)} for name, i in infos.items()}})
+    return 0
+  print(f"bridge {address}: {len(infos)} table(s)")
+  for name, i in infos.items():
+    print(f"  table {name!r}: size {i.current_size}/{i.max_size}, episodes {i.num_episodes}, "
+          f"unique samples {i.num_unique_samples}")
+  return 0
+
+
+def _cmd_info(args) -> int:
+  kind, where = common.locate(args.server, "info", remote_ok=True)
+  return (_info_local if kind == "local" else _info_remote)(where, args.json)
+
+
+# ---------------------------------------------------------------- top, metrics
+def _cmd_top(args) -> int:
+  from reverb_shm.cli import top  # pylint: disable=import-outside-toplevel
+  name = common.local_name(args.server, "top")
+
+  def said(reason: str) -> None:
+    if reason == "server stopped":
+      print(f"reverb-shm top: server {name!r} stopped", flush=True)
+
+  top.run(name, interval=args.interval, iterations=1 if args.once else None, on_exit=said)
+  return 0
+
+
+def _cmd_metrics(args) -> int:
+  from reverb_shm.metrics import MetricsExporter  # pylint: disable=import-outside-toplevel
+  name = common.local_name(args.server, "metrics")
+  shm.Segment.attach(name)    # a clear error now if no such server runs
+  with common.StopSignals() as stop:
+    exporter = MetricsExporter(name, args.port, addr=args.addr)
+    try:
+      print(f"reverb-shm metrics: serving Prometheus metrics of server {name!r} on "
+            f"http://{args.addr}:{exporter.port}/metrics; Ctrl-C or SIGTERM stops", flush=True)
+      while not stop.wait(0.5):
+        pass
+    finally:
+      exporter.stop()
+  print(f"reverb-shm metrics: stopped ({stop.signal_name})", flush=True)
+  return 0
+
+
+# ---------------------------------------------------------------- check, gc
 def _cmd_check(args) -> int:
-  seg = shm.Segment.attach(args.name)
+  name = common.local_name(args.server, "check")
+  seg = shm.Segment.attach(name)
   try:
     seg.check()
   except errors.CorruptError as e:
-    print(f"server {args.name!r}: invariant check FAILED\n{e}", file=sys.stderr)
+    if args.json:
+      common.emit_json({"server": name, "ok": False, "report": str(e)})
+    else:
+      print(f"server {name!r}: invariant check FAILED\n{e}", file=sys.stderr)
     return 1
-  print(f"server {args.name!r}: all invariants hold")
+  if args.json:
+    common.emit_json({"server": name, "ok": True, "report": ""})
+  else:
+    print(f"server {name!r}: all invariants hold")
   return 0
 
 
+def _gc_name(target: str) -> str:
+  """Server name of a gc target: a port alias may belong to a dead server, so 'HOST:PORT' is
+  read from the alias file without requiring a live owner."""
+  if ":" not in target or target.startswith("shm://"):
+    return common.local_name(target, "gc")
+  from reverb_shm._internal import addresses  # pylint: disable=import-outside-toplevel
+  host, port = addresses.split(target)
+  if not shm.is_local_host(host):
+    raise ValueError(f"{target!r} is not on this host; `reverb-shm gc` cleans this host only")
+  alias = shm._read_alias(shm._alias_path(port))  # pylint: disable=protected-access
+  if alias is None:
+    raise errors.ServerUnavailableError(f"no server was registered on port {port} of this host")
+  return alias[0]
+
+
 def _cmd_gc(args) -> int:
+  names = [_gc_name(t) for t in args.servers] or None
   if args.dry_run:
-    removed = shm.remove_stale(dry_run=True, names=args.names or None)
+    removed = shm.remove_stale(dry_run=True, names=names)
     freed = sum(shm.allocated_bytes(path) for path in removed)
   else:
-    removed, freed = shm.reclaim_dead(names=args.names or None)
+    removed, freed = shm.reclaim_dead(names=names)
   verb = "would remove" if args.dry_run else "removed"
   for path in removed:
     print(f"{verb} {path}")
@@ -91,31 +204,7 @@ def _cmd_gc(args) -> int:
   return 0
 
 
-def _serve(config_text: str, *, name=None, arena_mib=None, prog: str) -> int:
-  """Builds the tables of a ReverbServerConfig, serves them until SIGINT/SIGTERM; exit code."""
-  from reverb_shm import server as server_lib  # pylint: disable=g-import-not-at-top
-  from reverb_shm.cli import server_config
-  try:
-    tables, port = server_config.load(config_text)
-    kwargs = {"name": name}
-    if arena_mib is not None:
-      kwargs["arena_bytes"] = int(arena_mib) << 20
-    server = server_lib.Server(tables, port, **kwargs)
-  except (ImportError, NotImplementedError, ValueError, errors.ReverbError) as e:
-    print(f"{prog}: {e}", file=sys.stderr)
-    return 2
-  try:
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    print(f"{prog}: serving {[t.name for t in tables]} on localhost:{server.port} "
-          f"(server {server.name!r}); Ctrl-C or SIGTERM stops", flush=True)
-    server.wait()
-  except KeyboardInterrupt:
-    pass
-  finally:
-    server.stop()
-  return 0
-
-
+# ---------------------------------------------------------------- serve, reverb_server
 def _cmd_serve(args) -> int:
   try:
     with open(args.config, encoding="utf-8") as f:
@@ -123,19 +212,29 @@ def _cmd_serve(args) -> int:
   except OSError as e:
     print(f"reverb-shm serve: cannot read --config {args.config!r}: {e.strerror}", file=sys.stderr)
     return 2
-  return _serve(text, name=args.name, arena_mib=args.arena_mib, prog="reverb-shm serve")
+  return serving.serve(text, args, prog="reverb-shm serve")
 
 
-def reverb_server_main(argv=None) -> int:
-  """`reverb_server --config "<textproto>"`: Reverb's server executable."""
+def reverb_server_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="reverb_server", description="Serve reverb_shm tables from a ReverbServerConfig.")
   parser.add_argument("--config", required=True,
                       help="text-format ReverbServerConfig: tables { ... } port: N")
-  args = parser.parse_args(argv)
-  return _serve(args.config, prog="reverb_server")
+  serving.add_arguments(parser)
+  parser.add_argument("--log-level", default="INFO", choices=_LEVELS,
+                      help="level of the log lines on stderr (default INFO)")
+  return parser
 
 
+def reverb_server_main(argv=None) -> int:
+  """`reverb_server --config "<textproto>"`: Reverb's server executable."""
+  args = reverb_server_parser().parse_args(argv)
+  common.setup_logging(args.log_level)
+  return common.run_quietly_on_broken_pipe(
+      lambda: serving.serve(args.config, args, prog="reverb_server"))
+
+
+# ---------------------------------------------------------------- bridge
 def _read(path):
   if path is None:
     return None
@@ -144,8 +243,9 @@ def _read(path):
 
 
 def _cmd_bridge(args) -> int:
-  from reverb_shm import bridge  # pylint: disable=g-import-not-at-top  (optional extra)
-  from reverb_shm.bridge import security  # pylint: disable=g-import-not-at-top
+  from reverb_shm import bridge  # pylint: disable=import-outside-toplevel  (optional extra)
+  from reverb_shm.bridge import security  # pylint: disable=import-outside-toplevel
+  name = common.local_name(args.server, "bridge")
   tls = None
   if args.tls_cert or args.tls_key:
     if not (args.tls_cert and args.tls_key):
@@ -155,92 +255,130 @@ def _cmd_bridge(args) -> int:
       port=args.port, host=args.host, tls=tls,
       token=args.token or os.environ.get(security.ENV_TOKEN) or None,
       max_message_bytes=args.max_message_mb << 20, max_stream_chunks=args.max_stream_chunks)
-  server = bridge.Bridge(args.name, config)
-  print(f"bridge for server {args.name!r} listening on {server.address}", flush=True)
-  try:
-    server.wait()
-  except KeyboardInterrupt:
-    pass
-def _progress_bars():
-  """A checkpoint Progress callback drawing tqdm bars, or None when tqdm is not installed."""
-  try:
-    import tqdm  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  bars = {}
-
-  def report(phase: str, done: int, total: int) -> None:
-    bar = bars.get(phase)
-    if bar is None:
-      scale = phase != "items"
-      bar = bars[phase] = tqdm.tqdm(total=total, desc=phase, unit="B" if scale else "item",
-                                    unit_scale=scale, unit_divisor=1024, file=sys.stderr)
-    bar.update(done - bar.n)
-    if done >= total:
-      bar.close()
-
-  return report
-
-
-def _cmd_checkpoint(args) -> int:
-  import logging  # pylint: disable=g-import-not-at-top
-  from reverb_shm import checkpointers  # pylint: disable=g-import-not-at-top
-  seg = shm.Segment.attach(args.name)
-  progress = _progress_bars()
-  if progress is None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-  path = checkpointers.for_server(args.name).save(seg, progress=progress)
-  print(path)
+  tables = shm.Segment.attach(name).table_names()
+  with common.StopSignals() as stop:
+    server = bridge.Bridge(name, config)
+    try:
+      _serve_bridge(server, name, tables, tls, config, stop)
+    finally:
+      server.stop()
+  print(f"reverb-shm bridge: stopped ({stop.signal_name or 'the bridge ended'})", flush=True)
   return 0
 
 
+def _serve_bridge(server, name, tables, tls, config, stop) -> None:
+  print(f"reverb-shm bridge: listening on {server.address} ({'TLS' if tls else 'plaintext'}"
+        f"{', token required' if config.token else ''}), serving tables {tables} of server "
+        f"{name!r} over gRPC; Ctrl-C or SIGTERM stops", flush=True)
+  while not stop.wait(0.5) and server._thread.is_alive():  # pylint: disable=protected-access
+    pass
+
+
+# ---------------------------------------------------------------- checkpoint
+def _cmd_checkpoint(args) -> int:
+  kind, where = common.locate(args.server, "checkpoint", remote_ok=True)
+  if kind == "remote":
+    from reverb_shm.client import Client  # pylint: disable=import-outside-toplevel
+    print(Client(where).checkpoint())
+    return 0
+  from reverb_shm import checkpointers  # pylint: disable=import-outside-toplevel
+  seg = shm.Segment.attach(where)
+  print(checkpointers.for_server(where).save(seg))
+  return 0
+
+
+# ---------------------------------------------------------------- parser
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="reverb-shm", description=__doc__.splitlines()[0])
-  sub = parser.add_subparsers(dest="command", required=True)
-  sub.add_parser("list", help="list servers on this host").set_defaults(func=_cmd_list)
-  p = sub.add_parser("info", help="statistics of one server")
-  p.add_argument("name")
+  """The `reverb-shm` parser; every argument carries help text."""
+  parser = argparse.ArgumentParser(prog="reverb-shm", description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog="\n".join(__doc__.splitlines()[2:]))
+  parser.add_argument("--log-level", default="INFO", choices=_LEVELS,
+                      help="level of the log lines on stderr (default INFO)")
+  sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                              help="what to do (see the list below)")
+
+  p = sub.add_parser("list", help="list servers on this host")
+  p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+  p.set_defaults(func=_cmd_list)
+
+  p = sub.add_parser("info", help="segment, counters and rate-limiter state of a server")
+  p.add_argument("server", metavar="SERVER", help=common.REMOTE_TARGET_HELP)
+  p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(func=_cmd_info)
-  p = sub.add_parser("check", help="run the invariant checker")
-  p.add_argument("name")
+
+  p = sub.add_parser("top", help="live view of a server's tables (extra `cli`: rich)")
+  p.add_argument("server", metavar="SERVER", help=common.TARGET_HELP)
+  p.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                 help="seconds between refreshes (default 1)")
+  p.add_argument("--once", action="store_true",
+                 help="print the view once and exit (no live screen, no rates)")
+  p.set_defaults(func=_cmd_top)
+
+  p = sub.add_parser("check", help="run the invariant checker over every table")
+  p.add_argument("server", metavar="SERVER", help=common.TARGET_HELP)
+  p.add_argument("--json", action="store_true",
+                 help="print {server, ok, report} as JSON (exit code 1 still means a violation)")
   p.set_defaults(func=_cmd_check)
-  p = sub.add_parser("gc", help="remove segments of dead servers")
-  p.add_argument("names", nargs="*", metavar="NAME",
-                 help="only consider the segments of these servers (default: all)")
-  p.add_argument("--dry-run", action="store_true")
+
+  p = sub.add_parser("gc", help="remove segments and port aliases of dead servers")
+  p.add_argument("servers", nargs="*", metavar="SERVER",
+                 help="only consider these servers (names, shm://NAME or localhost:PORT; "
+                 "default: all)")
+  p.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
   p.set_defaults(func=_cmd_gc)
+
   p = sub.add_parser("serve", help="serve tables from a ReverbServerConfig text file")
   p.add_argument("--config", required=True, help="file holding a text-format ReverbServerConfig")
-  p.add_argument("--name", default=None, help="server name (default reverb_PORT)")
-  p.add_argument("--arena-mib", type=int, default=None, help="shared memory for chunk data")
+  serving.add_arguments(p)
   p.set_defaults(func=_cmd_serve)
-  p = sub.add_parser("bridge", help="serve a server's tables over gRPC")
-  p.add_argument("name")
-  p.add_argument("--port", type=int, required=True)
+
+  p = sub.add_parser("bridge", help="serve a server's tables over gRPC (extra `bridge`)")
+  p.add_argument("server", metavar="SERVER", help=common.TARGET_HELP)
+  p.add_argument("--port", type=int, required=True, help="TCP port to listen on (0: any free one)")
   p.add_argument("--host", default="127.0.0.1",
-                 help="bind address; non-loopback needs TLS or a token")
-  p.add_argument("--token", help="auth token (default: $REVERB_SHM_BRIDGE_TOKEN)")
-  p.add_argument("--tls-cert", help="PEM server certificate chain")
-  p.add_argument("--tls-key", help="PEM server private key")
-  p.add_argument("--client-ca", help="PEM CA that client certificates must chain to")
-  p.add_argument("--max-message-mb", type=int, default=1024,
-                 help="largest item/chunk message accepted (MiB)")
-  p.add_argument("--max-stream-chunks", type=int, default=1 << 16,
-                 help="chunks one writer stream may hold")
+                 help="bind address (default 127.0.0.1); non-loopback needs TLS or a token")
+  p.add_argument("--token", help="auth token clients must send (default: $REVERB_SHM_BRIDGE_TOKEN)")
+  p.add_argument("--tls-cert", metavar="PEM", help="PEM server certificate chain")
+  p.add_argument("--tls-key", metavar="PEM", help="PEM server private key")
+  p.add_argument("--client-ca", metavar="PEM", help="PEM CA that client certificates must chain to")
+  p.add_argument("--max-message-mb", type=int, default=1024, metavar="MIB",
+                 help="largest item/chunk message accepted (MiB, default 1024)")
+  p.add_argument("--max-stream-chunks", type=int, default=1 << 16, metavar="N",
+                 help="chunks one writer stream may hold (default 65536)")
   p.set_defaults(func=_cmd_bridge)
+
+  p = sub.add_parser("metrics", help="serve a server's Prometheus metrics (extra `metrics`)")
+  p.add_argument("server", metavar="SERVER", help=common.TARGET_HELP)
+  p.add_argument("--port", type=int, required=True,
+                 help="TCP port of the endpoint http://ADDR:PORT/metrics (0: any free one)")
+  p.add_argument("--addr", default="127.0.0.1",
+                 help="interface to listen on (default 127.0.0.1; 0.0.0.0 for a Prometheus "
+                 "server on another host)")
+  p.set_defaults(func=_cmd_metrics)
+
   p = sub.add_parser("checkpoint", help="write a checkpoint of a server")
-  p.add_argument("name")
+  p.add_argument("server", metavar="SERVER", help=common.REMOTE_TARGET_HELP)
   p.set_defaults(func=_cmd_checkpoint)
   return parser
 
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  try:
-    return args.func(args)
-  except (errors.ReverbError, ValueError, OSError) as e:
-    print(f"reverb-shm {args.command}: {e}", file=sys.stderr)
-    return 2
+  common.setup_logging(args.log_level)
+
+  def run() -> int:
+    try:
+      return args.func(args)
+    except (errors.ReverbError, ValueError, OSError, ImportError) as e:
+      if isinstance(e, BrokenPipeError):
+        raise
+      print(f"reverb-shm {args.command}: {e}", file=sys.stderr)
+      return 2
+  return common.run_quietly_on_broken_pipe(run)
 
 
 if __name__ == "__main__":

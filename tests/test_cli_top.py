@@ -1,0 +1,137 @@
+"""`reverb-shm top` driven in a pseudo-terminal (pexpect) against a server process under load:
+rates move, a blocked table shows as blocked, q exits, and it ends when the server goes away."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+pytest.importorskip("rich")
+
+pytestmark = pytest.mark.timeout(90)
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
+
+_LOADED_SERVER = textwrap.dedent("""
+    import sys, threading, time
+    import numpy as np
+    import reverb_shm as reverb
+    from reverb_shm import rate_limiters, selectors
+    tables = [
+        reverb.Table("busy", selectors.Uniform(), selectors.Fifo(), 100_000, rate_limiters.MinSize(1)),
+        reverb.Table("starved", selectors.Uniform(), selectors.Fifo(), 100,
+                     rate_limiters.SampleToInsertRatio(1.0, 1, 2.0)),
+    ]
+    server = reverb.Server(tables, name=sys.argv[1], arena_bytes=32 << 20, max_procs=16,
+                           pins_per_proc=1024)
+    client = server.localhost_client()
+
+    def insert():
+      i = 0
+      while not server.stopped:
+        try:
+          client.insert(np.float32(i), {"busy": 1.0})
+        except Exception:
+          return
+        i += 1
+        time.sleep(0.002)
+
+    def starve():   # blocks on the rate limiter: the table is empty
+      try:
+        server.shared_table("starved").sample(1, timeout_ms=120_000)
+      except Exception:
+        pass
+
+    for fn in (insert, starve):
+      threading.Thread(target=fn, daemon=True).start()
+    print(server.port, flush=True)
+    sys.stdin.read()      # until the test closes stdin
+    server.stop()
+""")
+
+
+@pytest.fixture
+def loaded_server(server_name):
+  proc = subprocess.Popen([sys.executable, "-c", _LOADED_SERVER, server_name],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  port = int(proc.stdout.readline())
+  yield proc, port
+  if proc.poll() is None:
+    proc.stdin.close()
+    try:
+      proc.wait(20)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
+
+
+def _top(target):
+  exe = os.path.join(os.path.dirname(sys.executable), "reverb-shm")
+  return pexpect.spawn(exe, ["top", target, "--interval", "0.5"], dimensions=(40, 220),
+                       encoding="utf-8", timeout=20, env={**os.environ, "TERM": "xterm"})
+
+
+def _rate(cell):
+  scale = {"k": 1e3, "M": 1e6}.get(cell[-1:], 1.0)
+  return float(cell.rstrip("kM")) * scale
+
+
+def _rows(text, table):
+  """The table's rows in the captured screen output, as lists of cells."""
+  rows = []
+  for line in _ANSI.sub("", text).split("\n"):
+    cells = [c.strip() for c in line.split("│")]
+    if cells and cells[0] == table:
+      rows.append(cells)
+  return rows
+
+
+def test_top_shows_rates_and_a_blocked_table_and_quits_on_q(loaded_server):
+  _, port = loaded_server
+  top = _top(f"localhost:{port}")
+  seen = ""
+  deadline = time.monotonic() + 15
+  while time.monotonic() < deadline:
+    try:
+      top.expect("q or Ctrl-C quits", timeout=10)
+    except pexpect.TIMEOUT:
+      break
+    seen += top.before
+    busy = _rows(seen, "busy")
+    if len([r for r in busy if _rate(r[2]) > 0]) >= 2:
+      break
+  busy, starved = _rows(seen, "busy"), _rows(seen, "starved")
+  rates = [_rate(r[2]) for r in busy]            # column "ins/s"
+  assert len(rates) >= 3 and sum(r > 0 for r in rates) >= 2, rates
+  counts = [int(r[1].split("/")[0]) for r in busy]   # items grow between refreshes
+  assert counts[-1] > counts[0]
+  assert starved and starved[-1][-1] == "BLOCKED sample" and starved[-1][9] == "1"
+  top.send("q")
+  top.expect(pexpect.EOF, timeout=10)
+  top.close()
+  assert top.exitstatus == 0
+
+
+def test_top_exits_when_the_server_goes_away(loaded_server, server_name):
+  proc, _ = loaded_server
+  top = _top(server_name)
+  top.expect("q or Ctrl-C quits")
+  proc.stdin.close()     # the server stops
+  top.expect(f"server '{server_name}' stopped", timeout=20)
+  top.expect(pexpect.EOF, timeout=10)
+  top.close()
+  assert top.exitstatus == 0
+
+
+def test_top_ends_on_ctrl_c(loaded_server, server_name):
+  top = _top(server_name)
+  top.expect("q or Ctrl-C quits")
+  top.kill(signal.SIGINT)
+  top.expect(pexpect.EOF, timeout=10)
+  top.close()
+  assert top.exitstatus == 0 and "Traceback" not in top.before
