@@ -203,7 +203,7 @@ class Table:
         max_times_sampled=self._max_times_sampled,
         rate_limiter_info=RateLimiterInfo(rl.samples_per_insert, rl.min_diff, rl.max_diff,
                                           rl.min_size_to_sample),
-        signature=self._signature, current_size=0, num_episodes=0, num_deleted_episodes=0,
+        signature=specs.user_signature(self._signature), current_size=0, num_episodes=0, num_deleted_episodes=0,
         num_unique_samples=0, table_worker_time=TableWorkerTime())
 
   def can_sample(self, num_samples: int) -> bool:
@@ -262,7 +262,7 @@ def table_info(name: str, stats: dict, signature: Any) -> TableInfo:
           max_diff=stats["max_diff"], min_size_to_sample=int(stats["min_size_to_sample"]),
           insert_stats=RateLimiterCallStats(int(stats["inserts"])),
           sample_stats=RateLimiterCallStats(int(stats["samples"]))),
-      signature=signature, current_size=int(stats["size"]),
+      signature=specs.user_signature(signature), current_size=int(stats["size"]),
       num_episodes=int(stats["num_episodes"]),
       num_deleted_episodes=int(stats["num_deleted_episodes"]),
       num_unique_samples=int(stats["num_unique_samples"]),
