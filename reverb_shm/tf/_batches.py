@@ -53,11 +53,17 @@ def _as_str(value) -> str:
   return value.decode() if isinstance(value, bytes) else str(value)
 
 
+# Longest single wait inside the generator: between waits it yields an empty batch, which
+# hands control back to tf.data so that a deleted iterator is not kept waiting for a sample.
+WAIT_SLICE_MS = 100
+
+
 def sample_batches(server_address, table, max_in_flight: int, rate_limiter_timeout_ms: int,
-                   max_samples: int) -> Iterator[Batch]:
+                   max_samples: int) -> Iterator[Optional[Batch]]:
   """Yields batches of sampled items (B >= 1 each) until `max_samples` items (-1: no limit) or
   until the rate limiter keeps a sample waiting past `rate_limiter_timeout_ms` (-1: forever),
-  which ends the sequence as in Reverb.
+  which ends the sequence as in Reverb. While a sample waits, yields None every
+  WAIT_SLICE_MS milliseconds.
 
   Raises:
     UnknownTableError: no such table. TableClosedError: the server stopped.
@@ -66,25 +72,35 @@ def sample_batches(server_address, table, max_in_flight: int, rate_limiter_timeo
   from reverb_shm import client as client_lib  # pylint: disable=g-import-not-at-top
   client = client_lib.Client(_as_str(server_address))
   table = _as_str(table)
-  timeout_ms = None if rate_limiter_timeout_ms < 0 else int(rate_limiter_timeout_ms)
   left = -1 if max_samples < 0 else int(max_samples)
   local = type(client) is client_lib.Client
   st = client._table_handle(table).table if local else None   # pylint: disable=protected-access
+  deadline = None   # of the sample being waited for (-1: none)
   while left != 0:
     n = max_in_flight if left < 0 else min(max_in_flight, left)
+    if deadline is None:
+      deadline = timeouts.deadline_from_ms(
+          None if rate_limiter_timeout_ms < 0 else int(rate_limiter_timeout_ms))
+    wait_ms = WAIT_SLICE_MS
+    if deadline != -1:
+      wait_ms = min(wait_ms, timeouts.remaining_ms(deadline))
     try:
       batch = None
       if local and st._gather_layout is not None:   # pylint: disable=protected-access
-        got = st._gather_fresh(n, 1, timeouts.deadline_from_ms(timeout_ms), timeout_ms)  # pylint: disable=protected-access
+        got = st._gather_fresh(n, 1, timeouts.deadline_from_ms(wait_ms), wait_ms)  # pylint: disable=protected-access
         if got is not None and len(got[0].key):
           batch = list(got[0]), got[1]
       if batch is None:   # layout unknown (first item, another layout, strings): one item
         sample = next(iter(client.sample(table, 1, emit_timesteps=False,
-                                          rate_limiter_timeout_ms=timeout_ms)))
+                                          rate_limiter_timeout_ms=wait_ms)))
         batch = ([np.asarray([v], d) for v, d in zip(sample.info, INFO_DTYPES)],
                  [np.asarray(c)[None] for c in _flat(sample.data)])
     except errors.DeadlineExceededError:
-      return
+      if deadline != -1 and timeouts.remaining_ms(deadline) <= 0:
+        return   # the rate limiter timed out: end of sequence
+      yield None
+      continue
+    deadline = None
     if left > 0:
       left -= len(batch[0][0])
     yield batch

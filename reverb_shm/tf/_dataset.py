@@ -83,12 +83,23 @@ class GatherPlan:
     self.max_samples = max_samples
     self.table_name = table_name
 
+  def empty(self):
+    """(info, columns) of no element (unknown dims as 0)."""
+    info = [np.zeros(0, d) for d in _batches.INFO_DTYPES]
+    return info, [np.zeros((0,) + tuple(d or 0 for d in (s or ())), dt)
+                  for s, dt in zip(self.shapes, self.np_dtypes)]
+
   def batches(self, server_address, table, max_in_flight=None):
-    """Yields (info list, columns list) of B >= 1 checked elements (items, or timesteps)."""
+    """Yields (info list, columns list) of B checked elements (items, or timesteps); B is 0
+    while a sample waits for the rate limiter (every _batches.WAIT_SLICE_MS)."""
     table_name = _batches._as_str(table)   # pylint: disable=protected-access
-    for info, columns in _batches.sample_batches(
+    for batch in _batches.sample_batches(
         server_address, table, max_in_flight or self.max_in_flight,
         self.rate_limiter_timeout_ms, self.max_samples):
+      if batch is None:
+        yield self.empty()
+        continue
+      info, columns = batch
       if self.timesteps:
         info, columns = _split_timesteps(table_name, info, columns)
       _batches.check_batch(table_name, columns, self.np_dtypes, self.shapes)
@@ -157,10 +168,15 @@ def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_s
         yield plan.pack(*out)
     if have and not drop_remainder:
       yield plan.pack(*_take(pending, have)[0])
-  lead = [batch_size if drop_remainder else None]
   signature = tf.nest.map_structure(
-      lambda s: tf.TensorSpec(tf.TensorShape(lead).concatenate(s.shape), s.dtype), spec)
-  return _generator_dataset(plan, server_address, table, generator, signature)
+      lambda s: tf.TensorSpec(tf.TensorShape([None]).concatenate(s.shape), s.dtype), spec)
+  dataset = _generator_dataset(plan, server_address, table, generator, signature).filter(
+      lambda sample: tf.size(sample.info.key) > 0)
+  if drop_remainder:   # a static batch dim, as batch(drop_remainder=True) gives
+    dataset = dataset.map(lambda sample: tf.nest.map_structure(
+        lambda t: tf.ensure_shape(t, tf.TensorShape([batch_size]).concatenate(t.shape[1:])),
+        sample))
+  return dataset
 
 
 def _take(pending, n):
