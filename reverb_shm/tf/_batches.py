@@ -12,7 +12,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from reverb_shm import errors
-from reverb_shm import timeouts
+from reverb_shm._internal import timeouts
 from reverb_shm.replay_sample import SampleInfo
 
 INFO_DTYPES = SampleInfo(np.dtype(np.uint64), np.dtype(np.float64), np.dtype(np.int64),
@@ -109,7 +109,7 @@ def sample_batches(server_address, table, max_in_flight: int, rate_limiter_timeo
 def _flat(data) -> list:
   if isinstance(data, list):
     return data
-  from reverb_shm import structure  # pylint: disable=g-import-not-at-top
+  from reverb_shm._internal import structure  # pylint: disable=g-import-not-at-top
   return structure.flatten(data)[0]
 
 

@@ -4,7 +4,7 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from reverb_shm import structure
+from reverb_shm._internal import structure
 from reverb_shm.replay_sample import ReplaySample
 from reverb_shm.replay_sample import SampleInfo
 
