@@ -42,6 +42,8 @@ RATIOS = [
      ("shm", "W5_copy", "numpy"), 0.6),
     ("W6 cross-process vs in-process", ("shm", "W6", "cross_process"),
      ("shm", "W6", "in_process"), 0.8),
+    *[(f"T1 TrajectoryDataset.batch(256) vs dm-reverb, {v}", ("shm", "T1", v),
+       ("reverb", "T1", v), 10.0) for v in ("uniform", "prioritized")],
 ]
 
 
@@ -167,7 +169,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true")
   p.add_argument("--repeat", type=int, default=1)
-  p.add_argument("--only", nargs="+", help="workloads (W1..W6, scaling, metadata)")
+  p.add_argument("--only", nargs="+", help="workloads (W1..W6, T1, scaling, metadata)")
   p.add_argument("--reverb-python", default=os.environ.get("REVERB_PYTHON",
                                                            "/tmp/refvenv/bin/python"))
   p.add_argument("--cpprb-python", default=os.environ.get("CPPRB_PYTHON",
@@ -178,7 +180,7 @@ def main(argv=None):
   args.items = 20_000 if args.quick else 1_000_000
   args.frames = 500 if args.quick else 4_000
   args.scales = SCALES[:3] if args.quick else SCALES
-  workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata"]
+  workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "T1", "scaling", "metadata"]
   runners = [("shm", sys.executable, "shm_workloads.py", None),
              ("reverb", args.reverb_python, "peer_reverb.py", "reverb"),
              ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb")]
@@ -202,6 +204,8 @@ def main(argv=None):
       runs[name].append(rows)
   results = {name: median_rows(r) for name, r in runs.items()}
   ratio_rows = ratios(results)
+  if args.only:   # the ratio rows of the workloads run (each label starts with its workload)
+    ratio_rows = [r for r in ratio_rows if r["ratio"].split()[0] in workloads]
   print_table(results, ratio_rows, notes)
   RESULTS.mkdir(exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")

@@ -13,6 +13,21 @@ __all__ = ["TFClient"]
 _INFO_DTYPES = (tf.uint64, tf.float64, tf.int64, tf.float64, tf.int32)
 
 
+def _invalid_argument(fn):
+  """`fn` raising tf.errors.InvalidArgumentError for bad input (as Reverb's ops), eagerly and
+  inside graphs alike (in a graph, TensorFlow turns ValueError and TypeError into it; eagerly,
+  numpy_function passes the Python exception through)."""
+  if not tf.executing_eagerly():
+    return fn
+
+  def wrapped(*args):
+    try:
+      return fn(*args)
+    except (ValueError, TypeError, KeyError) as e:
+      raise tf.errors.InvalidArgumentError(None, None, f"{type(e).__name__}: {e}") from e
+  return wrapped
+
+
 class TFClient:
   """Samples, inserts and updates priorities from a TensorFlow graph.
 
@@ -84,7 +99,8 @@ class TFClient:
       return info + out
 
     with tf.name_scope(name or f"{self._name}_sample"):
-      outs = tf.numpy_function(sample_fn, [], list(_INFO_DTYPES) + flat_dtypes, stateful=True)
+      outs = tf.numpy_function(_invalid_argument(sample_fn), [], list(_INFO_DTYPES) + flat_dtypes,
+                               stateful=True)
       for t in outs[:5]:
         t.set_shape([])
       return ReplaySample(info=SampleInfo(*outs[:5]),
@@ -123,7 +139,8 @@ class TFClient:
       return np.zeros((), np.bool_)
 
     with tf.name_scope(name or f"{self._name}_insert"):
-      done = tf.numpy_function(insert_fn, [tables, priorities] + data, tf.bool, stateful=True)
+      done = tf.numpy_function(_invalid_argument(insert_fn), [tables, priorities] + data, tf.bool,
+                               stateful=True)
       if tf.executing_eagerly():
         return None
       return done.op
@@ -152,7 +169,7 @@ class TFClient:
 
     with tf.name_scope(name or f"{self._name}_update_priorities"):
       done = tf.numpy_function(
-          update_fn, [tf.convert_to_tensor(keys, tf.uint64),
+          _invalid_argument(update_fn), [tf.convert_to_tensor(keys, tf.uint64),
                       tf.convert_to_tensor(priorities, tf.float64)], tf.bool, stateful=True)
       if tf.executing_eagerly():
         return None
