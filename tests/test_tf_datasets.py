@@ -281,3 +281,15 @@ def test_deleting_an_iterator_that_waits_for_a_sample_returns():
     assert done.wait(30), "deleting the iterator hung while its generator waited"
   finally:
     server.stop()
+
+
+@pytest.mark.timeout(600)
+def test_example_tf_learner_runs():
+  """examples/tf_learner.py: spawned actors fill a table, a Keras learner reads a
+  TrajectoryDataset and learns the reward weights."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "tf_learner.py"
+  out = subprocess.run([sys.executable, str(example), "--steps", "60", "--actors", "2"],
+                       capture_output=True, text=True, timeout=540)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  assert "60 steps in" in out.stdout
