@@ -20,8 +20,6 @@ _RENAMED = {
     "reverb.trajectory_dataset": "reverb_shm.tf.trajectory_dataset",
     "reverb.timestep_dataset": "reverb_shm.tf.timestep_dataset",
     "reverb.reverb_types": "reverb_shm.table",
-    "reverb.platform.default.checkpointers": "reverb_shm.checkpointers",
-    "reverb.platform.checkpointers_lib": "reverb_shm.checkpointers",
 }
 
 
@@ -43,9 +41,15 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
   """Finds `reverb.X` as the already (or newly) imported reverb_shm module playing it."""
 
   def find_spec(self, fullname, path=None, target=None):
-    if not fullname.startswith("reverb."):
+    if fullname.startswith("reverb_shm."):
+      # `from reverb import tf_client` looks for reverb_shm.tf_client (the module's __name__).
+      name = _RENAMED.get("reverb." + fullname[len("reverb_shm."):])
+      if name is None:
+        return None
+    elif fullname.startswith("reverb."):
+      name = _RENAMED.get(fullname, "reverb_shm" + fullname[len("reverb"):])
+    else:
       return None
-    name = _RENAMED.get(fullname, "reverb_shm" + fullname[len("reverb"):])
     try:
       if importlib.util.find_spec(name) is None:
         return None
