@@ -7,7 +7,7 @@ TrajectoryDataset skips the unbatch/batch round trip: its generator yields batch
 items (the last one smaller at the end of the sequence, or dropped with drop_remainder), which
 is what `unbatch().batch(n)` would give, several times faster.
 """
-import collections
+import collections.abc
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -127,7 +127,7 @@ def _split_timesteps(table, info, columns):
           [c.reshape((b * t,) + c.shape[2:]) for c in columns])
 
 
-def _generator_dataset(plan: GatherPlan, server_address, table, make_generator: Callable,
+def _generator_dataset(server_address, table, make_generator: Callable,
                        signature) -> tf.data.Dataset:
   return tf.data.Dataset.from_generator(
       make_generator, output_signature=signature,
@@ -142,7 +142,7 @@ def batches_dataset(plan: GatherPlan, server_address, table, spec) -> tf.data.Da
       yield plan.pack(info, columns)
   signature = tf.nest.map_structure(
       lambda s: tf.TensorSpec(tf.TensorShape([None]).concatenate(s.shape), s.dtype), spec)
-  return _generator_dataset(plan, server_address, table, generator, signature)
+  return _generator_dataset(server_address, table, generator, signature)
 
 
 def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_size: int,
@@ -170,7 +170,7 @@ def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_s
       yield plan.pack(*_take(pending, have)[0])
   signature = tf.nest.map_structure(
       lambda s: tf.TensorSpec(tf.TensorShape([None]).concatenate(s.shape), s.dtype), spec)
-  dataset = _generator_dataset(plan, server_address, table, generator, signature).filter(
+  dataset = _generator_dataset(server_address, table, generator, signature).filter(
       lambda sample: tf.size(sample.info.key) > 0)
   if drop_remainder:   # a static batch dim, as batch(drop_remainder=True) gives
     dataset = dataset.map(lambda sample: tf.nest.map_structure(
