@@ -45,6 +45,12 @@ def filled():
   server.stop()
 
 
+@pytest.mark.parametrize("name", ["TFClient", "TimestepDataset", "TrajectoryDataset"])
+def test_reverb_tensorflow_names_resolve(name):
+  from reverb_shm import tf as tf_lib  # pylint: disable=g-import-not-at-top
+  assert getattr(reverb, name) is getattr(tf_lib, name)
+
+
 def test_import_never_loads_tensorflow_and_names_need_the_extra():
   code = ("import sys; import reverb_shm\n"
           "assert 'tensorflow' not in sys.modules\n"
