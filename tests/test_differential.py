@@ -2,8 +2,12 @@
 
 Each scenario below takes the `reverb`-like module and returns JSON-able outcomes (orders,
 limiter truth tables, info counters, exception types). dm-reverb runs in a subprocess with the
-reference virtualenv's interpreter (REVERB_REF_PYTHON, default /tmp/refvenv/bin/python); the
-module is skipped when it is absent. This file is also the script that subprocess runs.
+reference virtualenv's interpreter, REVERB_REF_PYTHON (tests/run.sh builds that venv from
+tests/peers/reverb.txt and sets it). This file is also the script that subprocess runs.
+
+When REVERB_REF_PYTHON is set, the reference must run: an interpreter that is missing, cannot
+import dm-reverb or fails makes every test here fail, never skip. Without it the module is
+skipped, except under CI (CI=true), where its absence is a failure too.
 """
 import json
 import math
@@ -13,7 +17,7 @@ import sys
 
 import numpy as np
 
-REF_PYTHON = os.environ.get("REVERB_REF_PYTHON", "/tmp/refvenv/bin/python")
+REF_PYTHON = os.environ.get("REVERB_REF_PYTHON")
 
 
 # ---- scenarios (run against both implementations; no pytest in here)
@@ -302,21 +306,48 @@ import pytest  # noqa: E402  (the reference run above must not need pytest)
 
 import reverb_shm  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not os.path.exists(REF_PYTHON),
-                                reason=f"dm-reverb reference interpreter {REF_PYTHON} absent")
+_IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def reference_unavailable(ref_python, in_ci: bool):
+  """Why the dm-reverb reference cannot be used without failing: a skip reason, or None.
+
+  Raises:
+    AssertionError: REVERB_REF_PYTHON unset under CI, or set to a path that is no executable.
+  """
+  if not ref_python:
+    if in_ci:
+      raise AssertionError("REVERB_REF_PYTHON is not set under CI: run the suite with "
+                           "tests/run.sh, which builds the dm-reverb reference venv")
+    return "REVERB_REF_PYTHON not set (tests/run.sh sets it to the dm-reverb reference venv)"
+  if not (os.path.isfile(ref_python) and os.access(ref_python, os.X_OK)):
+    raise AssertionError(f"REVERB_REF_PYTHON={ref_python!r} is not an executable interpreter")
+  return None
+
+
+def run_reference(ref_python) -> dict:
+  """Outcomes of every scenario under dm-reverb, run by `ref_python` in a subprocess.
+
+  Raises:
+    AssertionError: the subprocess failed (dm-reverb missing, a scenario raised) or printed
+      no outcomes; the message carries its stderr.
+  """
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+  proc = subprocess.run([ref_python, os.path.abspath(__file__), "--reference"],
+                        capture_output=True, text=True, timeout=300, env=env, cwd="/")
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("JSON:")]
+  if proc.returncode != 0 or not lines:
+    raise AssertionError(f"the dm-reverb reference run with {ref_python} failed "
+                         f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+  return json.loads(lines[-1][5:])
 
 
 @pytest.fixture(scope="module")
 def reference():
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-  proc = subprocess.run([REF_PYTHON, __file__, "--reference"], capture_output=True, text=True,
-                        timeout=300, env=env, cwd="/")
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("JSON:")]
-  if proc.returncode != 0 or not lines:
-    if "No module named 'reverb'" in proc.stderr:
-      pytest.skip("dm-reverb not installed in the reference interpreter")
-    raise AssertionError(f"reference run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-  return json.loads(lines[-1][5:])
+  skip = reference_unavailable(REF_PYTHON, _IN_CI)
+  if skip:
+    pytest.skip(skip)
+  return run_reference(REF_PYTHON)
 
 
 # Where reverb_shm deliberately raises something else (SPEC "Our decisions").
@@ -345,3 +376,18 @@ def test_error_types_catchable_as_dm_reverb_ones(reference):
       assert ours[case] is None, case
     else:
       assert ours[case] is not None and set(ref_classes) <= set(ours[case]), (case, ours[case])
+
+
+# ---- the reference is never silently skipped
+
+def test_unusable_reference_fails_not_skips(tmp_path):
+  """A set REVERB_REF_PYTHON that is missing or lacks dm-reverb fails; CI without it fails."""
+  with pytest.raises(AssertionError, match="not an executable"):
+    reference_unavailable(str(tmp_path / "nope" / "python"), in_ci=False)
+  with pytest.raises(AssertionError, match="not set under CI"):
+    reference_unavailable(None, in_ci=True)
+  assert "not set" in reference_unavailable(None, in_ci=False)
+  assert reference_unavailable(sys.executable, in_ci=True) is None
+  # An interpreter without dm-reverb (this one) is usable as a path but its run fails.
+  with pytest.raises(AssertionError, match="No module named 'reverb'"):
+    run_reference(sys.executable)
