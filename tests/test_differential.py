@@ -288,6 +288,66 @@ def scenario_structured_writer(rv):
   return out
 
 
+def _tensor_spec(rv):
+  """The TensorSpec class each implementation takes in a signature (dm-reverb: TensorFlow's)."""
+  spec = getattr(rv, "TensorSpec", None)
+  if spec is None:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top  (reference venv only)
+    spec = tf.TensorSpec
+  return spec
+
+
+def _outcome(fn):
+  """fn()'s value, or the names of the built-in classes of the exception it raised."""
+  try:
+    return ["ok", fn()]
+  except Exception as e:  # pylint: disable=broad-except
+    return sorted(c.__name__ for c in type(e).__mro__
+                  if c.__name__ in ("ValueError", "RuntimeError", "TypeError", "IndexError",
+                                    "KeyError"))
+
+
+def scenario_ragged_object_insert(rv):
+  """A ragged object array is rejected with TypeError and the table stays empty."""
+  server = _server(rv, [rv.Table.queue("q", 10)])
+  client = rv.Client(f"localhost:{server.port}")
+  out = {"ragged": _outcome(lambda: client.insert(np.array([[1, 2], [3]], dtype=object),
+                                                  {"q": 1.0})),
+         "size_after": client.server_info()["q"].current_size}
+  server.stop()
+  return out
+
+
+def scenario_legacy_writer_signature_per_step(rv):
+  """The legacy writer checks its steps against a signature that describes one step."""
+  spec = _tensor_spec(rv)
+  table = rv.Table("s", rv.selectors.Fifo(), rv.selectors.Fifo(), 10, rv.rate_limiters.MinSize(1),
+                   signature={"x": spec([2], np.float32)})
+  server = _server(rv, [table])
+  client = rv.Client(f"localhost:{server.port}")
+  out = {}
+  w = client.writer(3)
+  for i in range(3):
+    w.append({"x": np.full(2, i, np.float32)})
+  out["three_steps"] = _outcome(lambda: w.create_item("s", 3, 1.0))
+  out["one_step"] = _outcome(lambda: w.create_item("s", 1, 1.0))
+  w.close()
+  for label, value in [("wrong_shape", np.ones(3, np.float32)),
+                       ("wrong_dtype", np.ones(2, np.float64))]:
+    bad = client.writer(2)
+    bad.append({"x": value})
+    out[label] = _outcome(lambda b=bad: b.create_item("s", 1, 1.0))
+    try:
+      bad.close()
+    except Exception:  # pylint: disable=broad-except  (dm-reverb may raise the error again)
+      pass
+  out["items"] = [np.asarray(s.data[0]).tolist()
+                  for s in client.sample("s", client.server_info()["s"].current_size,
+                                         emit_timesteps=False)]
+  server.stop()
+  return out
+
+
 SCENARIOS = {name: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
