@@ -3,11 +3,21 @@ container) relies on, each seen failing against reverb_shm before it was fixed.
 
 tests/test_differential.py runs the same scenarios against dm-reverb where it can.
 """
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
 import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import rate_limiters, selectors
+from reverb_shm import errors, rate_limiters, selectors, shm
+from reverb_shm import structured_writer as sw
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,3 +89,123 @@ def test_legacy_writer_rejects_steps_not_matching_the_signature(server_factory, 
     writer.create_item("s", 2, 1.0)
   writer.close()
   assert client.server_info()["s"].current_size == 0
+
+
+# ---- a SIGKILLed server: every client call fails fast with the same error
+
+_SERVE = textwrap.dedent("""
+    import sys, time, reverb_shm
+    s = reverb_shm.Server([reverb_shm.Table.queue("t", 100)], name=sys.argv[1])
+    print(s.port, flush=True)
+    time.sleep(120)
+""")
+
+
+def _server_process(name):
+  proc = subprocess.Popen([sys.executable, "-c", _SERVE, name], stdout=subprocess.PIPE,
+                          text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+  return proc, int(proc.stdout.readline())
+
+
+def _client_calls(client):
+  return {
+      "server_info": client.server_info,
+      "server_info(1)": lambda: client.server_info(1),
+      "insert": lambda: client.insert(np.float32(1), {"t": 1.0}),
+      "sample": lambda: next(client.sample("t", 1)),
+      "mutate_priorities": lambda: client.mutate_priorities("t", {1: 1.0}),
+      "reset": lambda: client.reset("t"),
+      "trajectory_writer": lambda: client.trajectory_writer(2),
+      "writer": lambda: client.writer(2),
+      "structured_writer": lambda: client.structured_writer([sw.create_config(
+          [sw.create_reference_step({"x": None})["x"][-1]], "t")]),
+  }
+
+
+def _wait_dead(client, timeout=5.0):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    try:
+      client.server_info()
+    except errors.DeadOwnerError:
+      return
+    time.sleep(0.01)
+  raise AssertionError("the client did not notice the server's death")
+
+
+def test_every_client_call_fails_fast_after_the_server_is_killed(server_name):
+  proc, port = _server_process(server_name)
+  try:
+    client = reverb_shm.Client(f"localhost:{port}")
+    for _ in range(3):
+      client.insert(np.float32(1), {"t": 1.0})   # the one-call insert path has its plan
+    next(client.sample("t", 1))
+    assert client.server_info()["t"].current_size == 2
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+  try:
+    t0 = time.monotonic()
+    _wait_dead(client)
+    assert time.monotonic() - t0 < 1.0
+    for label, call in _client_calls(client).items():
+      t0 = time.monotonic()
+      with pytest.raises(errors.DeadOwnerError) as info:
+        call()
+
+      assert time.monotonic() - t0 < 0.5, label
+      message = str(info.value)
+      assert f"server {server_name!r} is dead (owner pid {proc.pid} is gone)" in message, label
+      assert "reverb-shm gc" in message
+  finally:
+    shm.remove_stale(names=[server_name])
+
+
+def test_a_client_finds_a_server_restarted_under_the_same_name(server_name):
+  proc, _ = _server_process(server_name)
+  client = reverb_shm.Client(f"shm://{server_name}")
+  client.insert(np.float32(1), {"t": 1.0})
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=10)
+  _wait_dead(client)
+  proc, _ = _server_process(server_name)   # reclaims the stale name
+  try:
+    assert client.server_info()["t"].current_size == 0
+    client.insert(np.float32(2), {"t": 1.0})
+    assert client.server_info()["t"].current_size == 1
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    shm.remove_stale(names=[server_name])
+
+
+def test_a_fork_child_notices_the_server_death_too(server_name):
+  proc, port = _server_process(server_name)
+  client = reverb_shm.Client(f"localhost:{port}")
+  client.insert(np.float32(1), {"t": 1.0})   # the parent watches the server
+  reader, writer = os.pipe()
+  child = os.fork()
+  if child == 0:   # the child attaches anew and has its own watcher
+    code = 1
+    try:
+      signal.alarm(30)   # never outlive the test
+      client.insert(np.float32(2), {"t": 1.0})
+      os.write(writer, b"1")
+      os.read(reader, 1)   # wait for the kill
+      try:
+        _wait_dead(client)
+        code = 0
+      except BaseException:  # pylint: disable=broad-except
+        code = 2
+    finally:
+      os._exit(code)  # pylint: disable=protected-access
+  try:
+    assert os.read(reader, 1) == b"1"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    os.write(writer, b"k")
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    _wait_dead(client)
+  finally:
+    shm.remove_stale(names=[server_name])
