@@ -183,29 +183,67 @@ def test_a_fork_child_notices_the_server_death_too(server_name):
   proc, port = _server_process(server_name)
   client = reverb_shm.Client(f"localhost:{port}")
   client.insert(np.float32(1), {"t": 1.0})   # the parent watches the server
-  reader, writer = os.pipe()
+  up_r, up_w = os.pipe()       # child -> parent
+  down_r, down_w = os.pipe()   # parent -> child
   child = os.fork()
   if child == 0:   # the child attaches anew and has its own watcher
-    code = 1
     try:
       signal.alarm(30)   # never outlive the test
+      os.close(up_r)
       client.insert(np.float32(2), {"t": 1.0})
-      os.write(writer, b"1")
-      os.read(reader, 1)   # wait for the kill
-      try:
-        _wait_dead(client)
-        code = 0
-      except BaseException:  # pylint: disable=broad-except
-        code = 2
+      os.write(up_w, b"inserted\n")
+      os.read(down_r, 1)   # wait for the kill
+      _wait_dead(client)
+      os.write(up_w, b"noticed\n")
+    except BaseException as e:  # pylint: disable=broad-except
+      os.write(up_w, f"{type(e).__name__}: {e}\n".encode())
     finally:
-      os._exit(code)  # pylint: disable=protected-access
+      os._exit(0)  # pylint: disable=protected-access
+  os.close(up_w)
   try:
-    assert os.read(reader, 1) == b"1"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-    os.write(writer, b"k")
-    _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    with os.fdopen(up_r) as up:
+      assert up.readline() == "inserted\n"
+      proc.send_signal(signal.SIGKILL)
+      proc.wait(timeout=10)
+      os.write(down_w, b"k")
+      assert up.readline() == "noticed\n"
+    os.waitpid(child, 0)
     _wait_dead(client)
   finally:
+    os.close(down_w)
+    proc.kill()
     shm.remove_stale(names=[server_name])
+
+
+# ---- items of one dtype and byte size but other shapes (a client's cached gather layout)
+
+
+def _write_items(client, table, steps, pattern):
+  with client.trajectory_writer(4) as writer:
+    for step in steps:
+      writer.append({"r": step})
+    writer.create_item(table, 1.0, {"r": pattern(writer.history["r"])})
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_samples_keep_their_shapes_when_items_share_dtype_and_bytes(server_factory, reset):
+  """2 rows of [] vs 1 row of [2], and a squeezed [3] vs 1 row of [3]: same dtype and bytes;
+  each item samples back in its own shape, also after Client.reset (Acme's StructuredAdder
+  tests share one client across tests that reset the table)."""
+  server = server_factory([reverb_shm.Table.queue("q", 10)])
+  client = _client(server)
+  expected = []
+  for steps, pattern, shape in [
+      ([1.0, 2.0], lambda h: h[-2:], (2,)),
+      ([np.array([1.0, 2.0])], lambda h: h[-1:], (1, 2)),
+      ([np.arange(3.0)], lambda h: h[-1], (3,)),
+      ([np.arange(3.0)], lambda h: h[-1:], (1, 3))]:
+    _write_items(client, "q", steps, pattern)
+    expected.append(shape)
+    if reset:
+      sample = next(client.sample("q", 1, emit_timesteps=False))
+      assert sample.data[0].shape == shape
+      client.reset("q")
+  if not reset:
+    shapes = [s.data[0].shape for s in client.sample("q", 4, emit_timesteps=False)]
+    assert shapes == expected
