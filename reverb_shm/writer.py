@@ -1,4 +1,4 @@
-"""Legacy Writer: `client.writer(max_sequence_length)` (SPEC §5).
+"""Legacy Writer: `client.writer(max_sequence_length)`.
 
 Every appended step is a flat list of leaves (the number of leaves is fixed by the first step);
 `create_item(table, num_timesteps, priority)` references the last `num_timesteps` steps of every
@@ -11,7 +11,8 @@ are zero-copy views.
 """
 from typing import Any, Optional
 
-from reverb_shm import structure
+from reverb_shm._internal import columns as columns_lib
+from reverb_shm._internal import structure
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 
 __all__ = ["Writer"]
@@ -163,7 +164,7 @@ class Writer:
     step is the first step's: append rejects any other)."""
     handle = self._client._table_handle(table)  # pylint: disable=protected-access
     try:
-      trajectory_writer_lib.check_signature(table, handle.flat_signature, self._step_columns)
+      columns_lib.check_signature(table, handle.flat_signature, self._step_columns)
     except ValueError as e:
       raise ValueError(f"{e} The legacy Writer's table signature describes one step of the "
                        "appended data (without the time dim of the item).") from None

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import errors, rate_limiters, selectors, shm
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import shm
 from reverb_shm import structured_writer as sw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -30,8 +30,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import msgpack
 import posix_ipc
 
-from reverb_shm import errors, owner_watch
-from reverb_shm._lib import check, ffi, last_error, lib
+from reverb_shm import errors
+from reverb_shm._internal import owner_watch
+from reverb_shm._internal._lib import check, ffi, last_error, lib
 
 __all__ = ["Segment", "validate_server_name", "validate_mode", "register_port", "unregister_port",
            "prune_stale_aliases", "list_segments", "remove_stale", "is_local_host",
@@ -169,11 +170,11 @@ class Segment:
     self._table_names = None
     self._configs = {}
     self._closed = False
-    # Set (by reverb_shm.owner_watch's thread) once the server owning an attached segment is
-    # seen dead; the objects in _death_listeners then hear of it (_on_server_death()).
+    # Set (by the owner_watch thread) once the server owning an attached segment is seen
+    # dead; the objects in _death_listeners then hear of it (_on_server_death()).
     self.owner_dead = False
     self._death_listeners = weakref.WeakSet()
-    # Appended to "arena full" errors: which setting sizes this arena (issue 7b; the bridge's
+    # Appended to "arena full" errors: which setting sizes this arena (the bridge's
     # staging segments name theirs).
     self.arena_hint = ""
 

@@ -14,7 +14,7 @@ import select
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
-from reverb_shm._lib import lib
+from reverb_shm._internal._lib import lib
 
 __all__ = ["watch"]
 
