@@ -348,6 +348,32 @@ def scenario_legacy_writer_signature_per_step(rv):
   return out
 
 
+def scenario_same_bytes_other_shapes(rv):
+  """Items whose column has one dtype and byte size but other shapes sample back in their own
+  shapes, with a reset between them and without."""
+  out = {}
+  for reset in (True, False):
+    server = _server(rv, [rv.Table.queue("q", 10)])
+    client = rv.Client(f"localhost:{server.port}")
+    shapes = []
+    for steps, pattern in [([1.0, 2.0], lambda h: h[-2:]),
+                           ([np.array([1.0, 2.0])], lambda h: h[-1:]),
+                           ([np.arange(3.0)], lambda h: h[-1]),
+                           ([np.arange(3.0)], lambda h: h[-1:])]:
+      with client.trajectory_writer(4) as writer:
+        for step in steps:
+          writer.append({"r": step})
+        writer.create_item("q", 1.0, {"r": pattern(writer.history["r"])})
+      if reset:
+        shapes.append(list(next(client.sample("q", 1, emit_timesteps=False)).data[0].shape))
+        client.reset("q")
+    if not reset:
+      shapes = [list(s.data[0].shape) for s in client.sample("q", 4, emit_timesteps=False)]
+    out[f"reset_{reset}"] = shapes
+    server.stop()
+  return out
+
+
 SCENARIOS = {name: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
