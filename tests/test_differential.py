@@ -374,6 +374,30 @@ def scenario_same_bytes_other_shapes(rv):
   return out
 
 
+def scenario_partial_step_history_lengths(rv):
+  """An open partial step counts in every known column's history (Acme's SequenceAdder slices
+  history[c][-4:-1] while the step is open)."""
+  server = _server(rv, [rv.Table.queue("q", 100)])
+  client = rv.Client(f"localhost:{server.port}")
+  out = {"lengths": []}
+  with client.trajectory_writer(5) as w:
+    w.append({"obs": np.float32(0)}, partial_step=True)
+    out["lengths"].append([len(w.history["obs"])])
+    for i in range(1, 5):
+      w.append({"action": np.int64(i)})
+      w.append({"obs": np.float32(i)}, partial_step=True)
+      out["lengths"].append([len(w.history["obs"]), len(w.history["action"])])
+    w.create_item("q", 1.0, {"action": w.history["action"][-4:-1],
+                             "obs": w.history["obs"][-4:-1]})
+    out["open_cell"] = _outcome(lambda: w.create_item("q", 1.0, {"a": w.history["action"][-1]}))
+    w.append({"action": np.int64(5)})
+    out["after_close"] = [len(w.history["obs"]), len(w.history["action"])]
+  out["item"] = [np.asarray(x).tolist() for x in next(client.sample("q", 1,
+                                                                    emit_timesteps=False)).data]
+  server.stop()
+  return out
+
+
 SCENARIOS = {name: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 

@@ -248,3 +248,34 @@ def test_samples_keep_their_shapes_when_items_share_dtype_and_bytes(server_facto
   if not reset:
     shapes = [s.data[0].shape for s in client.sample("q", 4, emit_timesteps=False)]
     assert shapes == expected
+
+
+# ---- partial steps count in every column's history as soon as they are opened
+
+
+def test_an_open_partial_step_counts_in_every_column_history(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 100)])
+  client = _client(server)
+  with client.trajectory_writer(5) as writer:
+    writer.append({"obs": np.float32(0)}, partial_step=True)
+    assert len(writer.history["obs"]) == 1
+    for i in range(1, 5):
+      writer.append({"action": np.int64(i)})           # closes step i - 1
+      writer.append({"obs": np.float32(i)}, partial_step=True)   # opens step i
+      assert (len(writer.history["obs"]), len(writer.history["action"])) == (i + 1, i + 1)
+      assert "len=%d" % (i + 1) in repr(writer.history["action"])
+    # Slices ending before the open step (Acme's SequenceAdder) and ones including it.
+    assert writer.history["action"][-4:-1].numpy().tolist() == [2, 3, 4]
+    assert writer.history["action"][-2].numpy() == 4
+    assert writer.history["obs"][-2:].numpy().tolist() == [3.0, 4.0]
+    with pytest.raises(ValueError, match="None"):
+      writer.history["action"][-1:].numpy()          # the open step has no action yet
+    with pytest.raises(ValueError, match="None"):
+      writer.history["action"][-1].numpy()
+    writer.create_item("q", 1.0, {"action": writer.history["action"][-4:-1],
+                                  "obs": writer.history["obs"][-4:-1]})
+    writer.append({"action": np.int64(5)})           # closes the step: no change in length
+    assert (len(writer.history["obs"]), len(writer.history["action"])) == (5, 5)
+    assert writer.history["action"][-1].numpy() == 5
+  item = next(client.sample("q", 1, emit_timesteps=False)).data
+  assert [x.tolist() for x in item] == [[2, 3, 4], [1.0, 2.0, 3.0]]

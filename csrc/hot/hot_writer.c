@@ -289,11 +289,15 @@ static int exact_int(PyObject *o, long long *out) {
   return 1;
 }
 
+static int column_behind_open_step(ColumnBase *col);
+
 /* history[c][-k:] (k <= n) and history[c][i] when the steps are in the open run and alive: the
- * window directly; everything else (and every error) goes to the Python _getitem. */
+ * window directly; everything else (and every error) goes to the Python _getitem, also a column
+ * that a partial step has not set yet (its history counts that step: Python's). */
 static PyObject *history_subscript(HistoryBase *self, PyObject *index) {
   PyObject *c = self->column;
-  if (c != NULL && window_type != NULL && is_column(c)) {
+  if (c != NULL && window_type != NULL && is_column(c) &&
+      !column_behind_open_step((ColumnBase *)c)) {
     ColumnBase *col = (ColumnBase *)c;
     long long v;
     if (PySlice_Check(index)) {
@@ -347,7 +351,19 @@ typedef struct {
   Py_ssize_t episode_steps;    /* _episode_steps */
   Py_ssize_t item_batch_size;  /* _item_batch_size */
   char closed;           /* _closed */
+  char step_open;        /* _step_open: a partial append opened the current step */
 } WriterBase;
+
+static PyTypeObject WriterBaseType;
+
+/* A partial step is open and has not set `col` yet: the column's history counts that step
+ * (as Reverb's), one position past col->n. */
+static int column_behind_open_step(ColumnBase *col) {
+  PyObject *w = col->writer;
+  if (w == NULL || !PyObject_TypeCheck(w, &WriterBaseType)) return 1;   /* let Python decide */
+  WriterBase *wb = (WriterBase *)w;
+  return wb->step_open && col->n <= wb->hist_step;
+}
 
 static int writer_traverse(WriterBase *self, visitproc visit, void *arg) {
   Py_VISIT(self->fast);
@@ -377,7 +393,6 @@ static void writer_dealloc(WriterBase *self) {
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyTypeObject WriterBaseType;
 
 /* ------------------------------------------------------------------------------------------ */
 /* FastAppend                                                                                 */
@@ -902,6 +917,8 @@ static PyMemberDef writer_members[] = {
     {"_item_batch_size", T_PYSSIZET, offsetof(WriterBase, item_batch_size), 0,
      "Window items batched before an insert."},
     {"_closed", T_BOOL, offsetof(WriterBase, closed), 0, "close() was called."},
+    {"_step_open", T_BOOL, offsetof(WriterBase, step_open), 0,
+     "A partial append opened the current step."},
     {NULL}};
 
 static PyObject *s_no_history;
