@@ -535,7 +535,7 @@ class TrajectoryWriter(hot.WriterBase):
       ValueError: `num_timesteps` < 1, `starts` not 1-D integers, `priorities` not n finite
         values (non-negative for Prioritized tables), a window that includes an expired or
         skipped step, or (validate_items) a signature mismatch.
-      IndexError: a window outside a column's steps.
+      HistoryIndexError (an IndexError and a ValueError): a window outside a column's steps.
       Nothing is created when any item is invalid.
     """
     self._check_open()
@@ -595,7 +595,7 @@ class TrajectoryWriter(hot.WriterBase):
     pos = np.where(starts < 0, starts + col.n, starts)
     bad = np.flatnonzero((pos < 0) | (pos + length > col.n))
     if len(bad):
-      raise IndexError(f"create_window_items: item {bad[0]}'s window [{starts[bad[0]]}, "
+      raise errors.HistoryIndexError(f"create_window_items: item {bad[0]}'s window [{starts[bad[0]]}, "
                        f"+{length}) is out of range for column {col.path}, which has {col.n} "
                        "steps since its buffers were last cleared")
     bad = np.flatnonzero(pos < col.alive_from())

@@ -398,6 +398,29 @@ def scenario_partial_step_history_lengths(rv):
   return out
 
 
+def scenario_history_out_of_range_after_clear(rv):
+  """After end_episode(clear_buffers=True) and one append, history[c][-2:] raises an error that
+  client code catches as ValueError (Reverb's type)."""
+  server = _server(rv, [rv.Table.queue("q", 10)])
+  client = rv.Client(f"localhost:{server.port}")
+  out = {}
+  with client.trajectory_writer(3) as w:
+    for i in range(3):
+      w.append({"x": np.float32(i)})
+    w.end_episode(clear_buffers=True)
+    w.append({"x": np.float32(9)})
+    out["len"] = len(w.history["x"])
+    for label, index in [("slice", slice(-2, None)), ("position", -2)]:
+      try:
+        w.history["x"][index]
+        out[label] = None
+      except ValueError:
+        out[label] = "ValueError"
+    w.end_episode()
+  server.stop()
+  return out
+
+
 SCENARIOS = {name: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
@@ -460,10 +483,9 @@ def reference():
   return run_reference(REF_PYTHON)
 
 
-# Where reverb_shm deliberately raises something else (SPEC "Our decisions").
-DELIBERATE_ERRORS = {
-    "history_slice_too_long": ["IndexError"],   # decision 8: outside the buffered range
-}
+# Where reverb_shm deliberately raises something else (docs/differences.md): none now; history
+# positions outside the buffered range raise an error that is an IndexError and a ValueError.
+DELIBERATE_ERRORS = {}
 
 
 @pytest.mark.timeout(300)

@@ -279,3 +279,22 @@ def test_an_open_partial_step_counts_in_every_column_history(server_factory):
     assert writer.history["action"][-1].numpy() == 5
   item = next(client.sample("q", 1, emit_timesteps=False)).data
   assert [x.tolist() for x in item] == [[2, 3, 4], [1.0, 2.0, 3.0]]
+
+
+# ---- history positions out of range: catchable as IndexError and as ValueError
+
+
+def test_history_out_of_range_is_an_index_error_and_a_value_error(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 10)])
+  with _client(server).trajectory_writer(3) as writer:
+    for i in range(3):
+      writer.append({"x": np.float32(i)})
+    writer.end_episode(clear_buffers=True)
+    writer.append({"x": np.float32(9)})
+    for index in (slice(-2, None), -2, 1, slice(0, 5)):
+      for cls in (IndexError, ValueError, errors.HistoryIndexError):
+        with pytest.raises(cls, match="out of range"):
+          writer.history["x"][index]   # pylint: disable=pointless-statement
+    with pytest.raises(ValueError, match="out of range"):
+      writer.create_window_items("q", [1.0], [-2], 2)
+    assert writer.history["x"][-1:].numpy().tolist() == [9.0]

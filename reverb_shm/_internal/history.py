@@ -302,7 +302,8 @@ class _ColumnHistory(hot.HistoryBase):
   everything else by `_getitem`.
 
   Raises (on indexing):
-    IndexError: a position (or explicit slice bound) outside the column's steps.
+    HistoryIndexError (an IndexError and a ValueError): a position (or explicit slice bound)
+      outside the column's steps.
     ValueError: a selected position is None (expired, skipped or before the column existed).
     TypeError: another index type.
   """
@@ -334,7 +335,7 @@ class _ColumnHistory(hot.HistoryBase):
       raise TypeError(f"History positions must be ints, got {i!r} of type {type(i).__name__}")
     p = int(i) + n if i < 0 else int(i)
     if not 0 <= p < n:
-      raise IndexError(f"Position {i} is out of range for column {self._column.path}, which has "
+      raise errors.HistoryIndexError(f"Position {i} is out of range for column {self._column.path}, which has "
                        f"{n} steps since its buffers were last cleared")
     return p
 
@@ -350,7 +351,7 @@ class _ColumnHistory(hot.HistoryBase):
       if bound is not None:
         b = int(bound) + n if bound < 0 else int(bound)
         if not 0 <= b <= n:
-          raise IndexError(f"Slice {s} is out of range for column {self._column.path}, which "
+          raise errors.HistoryIndexError(f"Slice {s} is out of range for column {self._column.path}, which "
                            f"has {n} steps since its buffers were last cleared")
     return range(*s.indices(n))
 
