@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -417,6 +418,49 @@ def scenario_history_out_of_range_after_clear(rv):
       except ValueError:
         out[label] = "ValueError"
     w.end_episode()
+  server.stop()
+  return out
+
+
+def scenario_background_delivery(rv):
+  """Created items reach samplers without flush; items held back by the rate limiter after
+  end_episode timed out are inserted as it admits them, with no further writer call."""
+  server = _server(rv, [rv.Table.queue("q", 1), rv.Table.queue("v", 10)])
+  client = rv.Client(f"localhost:{server.port}")
+
+  def values(table, n):
+    """n items sampled one at a time, each once the table holds one (3 s at most; dm-reverb's
+    Client.sample has no timeout): "missing" for an item that never came."""
+    out = []
+    for _ in range(n):
+      deadline = time.monotonic() + 3
+      while client.server_info()[table].current_size < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+      if client.server_info()[table].current_size < 1:
+        out.append("missing")
+        continue
+      out.append(np.asarray(next(client.sample(table, 1, emit_timesteps=False)).data[0])
+                 .ravel().tolist())
+    return out
+
+  out = {}
+  visible = client.trajectory_writer(2)
+  for i in range(2):
+    visible.append({"x": np.float32(i)})
+    visible.create_item("v", 1.0, {"x": visible.history["x"][-1:]})
+  out["visible"] = values("v", 2)
+  writer = client.trajectory_writer(2)
+  for i in range(3):
+    writer.append({"x": np.float32(i)})
+    writer.create_item("q", 1.0, {"x": writer.history["x"][-1:]})
+  try:
+    writer.end_episode(timeout_ms=100)
+    out["end_episode"] = None
+  except rv.DeadlineExceededError:
+    out["end_episode"] = "DeadlineExceededError"
+  out["held_back"] = values("q", 3)
+  writer.close()
+  visible.close()
   server.stop()
   return out
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -298,3 +299,149 @@ def test_history_out_of_range_is_an_index_error_and_a_value_error(server_factory
     with pytest.raises(ValueError, match="out of range"):
       writer.create_window_items("q", [1.0], [-2], 2)
     assert writer.history["x"][-1:].numpy().tolist() == [9.0]
+
+
+# ---- background delivery: items become visible without flush, held-back items go on
+
+
+def _values(client, table, n, timeout_ms=2000):
+  return [np.asarray(s.data[0]).ravel().tolist()
+          for s in client.sample(table, n, emit_timesteps=False,
+                                 rate_limiter_timeout_ms=timeout_ms)]
+
+
+def test_created_items_become_visible_without_flush(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 100)])
+  client = _client(server)
+  writer = client.trajectory_writer(2)
+  for i in range(3):
+    writer.append({"x": np.float32(i)})
+    writer.create_item("q", 1.0, {"x": writer.history["x"][-1:]})
+  t0 = time.monotonic()
+  assert _values(client, "q", 3) == [[0.0], [1.0], [2.0]]   # no flush, no further call
+  assert time.monotonic() - t0 < 1.0
+  writer.close()
+
+
+def test_held_back_items_are_delivered_without_another_writer_call(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 1)])
+  client = _client(server)
+  writer = client.trajectory_writer(2)
+  for i in range(3):
+    writer.append({"x": np.float32(i)})
+    writer.create_item("q", 1.0, {"x": writer.history["x"][-1:]})
+  with pytest.raises(errors.DeadlineExceededError, match="inserted as soon as"):
+    writer.end_episode(timeout_ms=100)   # the queue holds 1: 2 items stay held back
+  # Each sample makes room; the next item follows with no call on the writer.
+  assert _values(client, "q", 3) == [[0.0], [1.0], [2.0]]
+  writer.append({"x": np.float32(3)})
+  writer.create_item("q", 1.0, {"x": writer.history["x"][-1:]})
+  writer.create_item("q", 2.0, {"x": writer.history["x"][-1:]})
+  with pytest.raises(errors.DeadlineExceededError):
+    writer.flush(timeout_ms=50)   # the same after flush times out
+  assert [s.info.priority for s in client.sample("q", 2, emit_timesteps=False,
+                                                rate_limiter_timeout_ms=2000)] == [1.0, 2.0]
+  writer.close()
+
+
+def test_close_hands_held_back_items_to_the_background(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 1)])
+  client = _client(server)
+  writer = client.trajectory_writer(2)
+  for i in range(3):
+    writer.append({"x": np.float32(i)})
+    writer.create_item("q", 1.0, {"x": writer.history["x"][-1:]})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    t0 = time.monotonic()
+    writer.close()      # never blocks
+    assert time.monotonic() - t0 < 0.5
+  assert _values(client, "q", 3) == [[0.0], [1.0], [2.0]]
+  with pytest.raises(RuntimeError, match="closed"):
+    writer.flush()
+
+
+def test_items_stay_whole_while_the_background_thread_delivers(server_factory):
+  """The owner appends and creates items in bursts with pauses (the delivery thread inserts the
+  batches in the pauses); every item holds its own two steps."""
+  server = server_factory([reverb_shm.Table.queue("q", 5000)])
+  client = _client(server)
+  writer = client.trajectory_writer(3)
+  n = 0
+  for burst in range(40):
+    for _ in range(25):
+      writer.append({"x": np.array([n, -n], np.int64), "y": np.float32(n)})
+      if n:
+        writer.create_item("q", 1.0, {"x": writer.history["x"][-2:],
+                                      "y": writer.history["y"][-1]})
+      n += 1
+    time.sleep(0.03 if burst % 2 else 0.0)
+  deadline = time.monotonic() + 5
+  while client.server_info()["q"].current_size < n - 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  items = [s.data for s in client.sample("q", n - 1, emit_timesteps=False)]
+  assert [int(y) for _, y in items] == list(range(1, n))
+  for x, y in items:
+    assert x.tolist() == [[y - 1, 1 - y], [y, -y]]
+  writer.close()
+
+
+def test_background_delivery_in_a_fork_child(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 10), reverb_shm.Table.queue("c", 10)])
+  client = _client(server)
+  parent_writer = client.trajectory_writer(2)
+  parent_writer.append({"x": np.float32(1)})
+  parent_writer.create_item("q", 1.0, {"x": parent_writer.history["x"][-1:]})  # a batch
+  up_r, up_w = os.pipe()
+  child = os.fork()
+  if child == 0:
+    try:
+      signal.alarm(30)
+      os.close(up_r)
+      writer = client.trajectory_writer(2)    # the child's own writer and delivery thread
+      writer.append({"x": np.float32(7)})
+      writer.create_item("c", 1.0, {"x": writer.history["x"][-1:]})
+      os.write(up_w, b"created\n")
+      time.sleep(2)    # alive while the parent samples; no flush
+    finally:
+      os._exit(0)  # pylint: disable=protected-access
+  os.close(up_w)
+  with os.fdopen(up_r) as up:
+    assert up.readline() == "created\n"
+    assert _values(client, "c", 1) == [[7.0]]
+    assert _values(client, "q", 1) == [[1.0]]
+  os.waitpid(child, 0)
+  parent_writer.close()
+
+
+_EXIT_SCRIPT = textwrap.dedent("""
+    import sys, numpy as np, reverb_shm
+    client = reverb_shm.Client(sys.argv[1])
+    writer = client.trajectory_writer(2)
+    for i in range(3):
+      writer.append({"x": np.float32(i)})
+      writer.create_item("q", 1.0, {"x": writer.history["x"][-1:]})
+    print("created", flush=True)
+    # exits without flush or close: 2 items are held back by the queue
+""")
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_interpreter_exit_waits_for_held_back_items(server_factory, sampled):
+  server = server_factory([reverb_shm.Table.queue("q", 1)])
+  client = _client(server)
+  proc = subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT, f"shm://{server.name}"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+  assert proc.stdout.readline() == "created\n"
+  t0 = time.monotonic()
+  if sampled:    # while the writer's process waits at exit, the queue drains
+    assert _values(client, "q", 3, timeout_ms=4000) == [[0.0], [1.0], [2.0]]
+  _, err = proc.communicate(timeout=30)
+  assert proc.returncode == 0, err
+  if sampled:
+    assert "dropped" not in err
+  else:   # nobody samples: a bounded wait, then a warning naming the dropped items
+    assert 4.5 < time.monotonic() - t0 < 15
+    assert "2 items" in err and "dropped" in err
+    assert _values(client, "q", 1) == [[0.0]]
