@@ -693,7 +693,10 @@ class TrajectoryWriter(hot.WriterBase):
 
   def _check_usable(self) -> None:
     """TableClosedError (Chunk.publish's) once the server stopped or in a fork child: rows are
-    published later, so appends check here that their chunks can still be written."""
+    published later, so appends check here that their chunks can still be written.
+    DeadOwnerError once the server process died (as every Client call then raises)."""
+    if self._segment.owner_dead:
+      raise self._segment.dead_owner_error()
     for col in self._columns:
       holder = col.holder
       if holder is not None and holder.chunk is not None:
@@ -716,6 +719,8 @@ class TrajectoryWriter(hot.WriterBase):
     batch = self._batch
     if not batch:
       return
+    if insert and self._segment.owner_dead:
+      raise self._segment.dead_owner_error()
     try:
       self._publish()
     except errors.TableClosedError:
@@ -899,6 +904,8 @@ class TrajectoryWriter(hot.WriterBase):
         block_until_num_items, (int, np.integer)) or block_until_num_items < 0:
       raise ValueError(f"block_until_num_items must be an int >= 0, got "
                        f"{block_until_num_items!r}")
+    if self._segment.owner_dead:
+      raise self._segment.dead_owner_error()
     deadline = timeouts.deadline_from_ms(timeout_ms)
     if not self._drain(int(block_until_num_items), deadline, timeout_ms):
       raise self._deadline_error("flush", timeout_ms)
@@ -931,6 +938,8 @@ class TrajectoryWriter(hot.WriterBase):
       TableClosedError: the server stopped (the episode was ended).
     """
     self._check_open()
+    if self._segment.owner_dead:
+      raise self._segment.dead_owner_error()
     deadline = timeouts.deadline_from_ms(timeout_ms)
     try:
       reached = self._drain(0, deadline, timeout_ms)

@@ -143,6 +143,10 @@ def test_every_client_call_fails_fast_after_the_server_is_killed(server_name):
       client.insert(np.float32(1), {"t": 1.0})   # the one-call insert path has its plan
     next(client.sample("t", 1))
     assert client.server_info()["t"].current_size == 2
+    writer = client.trajectory_writer(2)   # made before the kill
+    writer.append({"x": np.float32(1)})
+    writer.create_item("t", 1.0, {"x": writer.history["x"][-1:]})
+    writer.flush()
   finally:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
@@ -150,7 +154,12 @@ def test_every_client_call_fails_fast_after_the_server_is_killed(server_name):
     t0 = time.monotonic()
     _wait_dead(client)
     assert time.monotonic() - t0 < 1.0
-    for label, call in _client_calls(client).items():
+    writer_calls = {
+        "writer.flush": writer.flush,
+        "writer.end_episode": writer.end_episode,
+        "writer.append(new field)": lambda: writer.append({"y": np.float32(2)}),
+    }
+    for label, call in list(_client_calls(client).items()) + list(writer_calls.items()):
       t0 = time.monotonic()
       with pytest.raises(errors.DeadOwnerError) as info:
         call()
