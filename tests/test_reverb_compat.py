@@ -319,13 +319,19 @@ def _values(client, table, n, timeout_ms=2000):
                                  rate_limiter_timeout_ms=timeout_ms)]
 
 
-def test_created_items_become_visible_without_flush(server_factory):
-  server = server_factory([reverb_shm.Table.queue("q", 100)])
-  client = _client(server)
+def _three_items(server_factory, capacity):
+  """(client, writer) after the writer created items [0.], [1.], [2.] in a queue table of
+  `capacity` items, without flush."""
+  client = _client(server_factory([reverb_shm.Table.queue("q", capacity)]))
   writer = client.trajectory_writer(2)
   for i in range(3):
     writer.append({"x": np.float32(i)})
     writer.create_item("q", 1.0, {"x": writer.history["x"][-1:]})
+  return client, writer
+
+
+def test_created_items_become_visible_without_flush(server_factory):
+  client, writer = _three_items(server_factory, 100)
   t0 = time.monotonic()
   assert _values(client, "q", 3) == [[0.0], [1.0], [2.0]]   # no flush, no further call
   assert time.monotonic() - t0 < 1.0
@@ -333,12 +339,7 @@ def test_created_items_become_visible_without_flush(server_factory):
 
 
 def test_held_back_items_are_delivered_without_another_writer_call(server_factory):
-  server = server_factory([reverb_shm.Table.queue("q", 1)])
-  client = _client(server)
-  writer = client.trajectory_writer(2)
-  for i in range(3):
-    writer.append({"x": np.float32(i)})
-    writer.create_item("q", 1.0, {"x": writer.history["x"][-1:]})
+  client, writer = _three_items(server_factory, 1)
   with pytest.raises(errors.DeadlineExceededError, match="inserted as soon as"):
     writer.end_episode(timeout_ms=100)   # the queue holds 1: 2 items stay held back
   # Each sample makes room; the next item follows with no call on the writer.
@@ -354,12 +355,7 @@ def test_held_back_items_are_delivered_without_another_writer_call(server_factor
 
 
 def test_close_hands_held_back_items_to_the_background(server_factory):
-  server = server_factory([reverb_shm.Table.queue("q", 1)])
-  client = _client(server)
-  writer = client.trajectory_writer(2)
-  for i in range(3):
-    writer.append({"x": np.float32(i)})
-    writer.create_item("q", 1.0, {"x": writer.history["x"][-1:]})
+  client, writer = _three_items(server_factory, 1)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     t0 = time.monotonic()
