@@ -34,18 +34,7 @@ FILES = [
 # Tests that cannot pass for a reason outside reverb_shm: test id -> the reason.
 OUTSIDE = {}
 # reverb_shm defects being fixed elsewhere: these may still fail here; any other failure fails.
-_VC = "tf_agents.experimental.distributed.reverb_variable_container_test.ReverbVariableContainerTest"
-_LEGACY = ("the legacy Writer's create_item checks the table signature with the time dim "
-           "(Client.writer(1) + create_item(table, 1, priority) of one step is rejected)")
-PENDING = {
-    f"{_VC}::test_update": _LEGACY,
-    f"{_VC}::test_update_raises_value_error_if_variable_struct_not_match": _LEGACY,
-    f"{_VC}::test_update_raises_value_error_if_variable_type_is_wrong": _LEGACY,
-    f"{_VC}::test_update_with_not_exact_sequence_type_matching": _LEGACY,
-    "tf_agents.replay_buffers.reverb_utils_test.ReverbObserverTest::"
-    "test_trajectory_observer_no_mock": "items a TrajectoryWriter created stay invisible to "
-                                        "samplers until flush (Reverb's stream sends them)",
-}
+PENDING = {}
 EXPECTED_SKIPS = {"test_session"}   # tf.test.TestCase's, skipped on dm-reverb too
 
 pytestmark = pytest.mark.skipif(
