@@ -138,6 +138,39 @@ def w5(args):
   return rows
 
 
+def t1(args):
+  """TrajectoryDataset.from_table_signature(...).batch(256) items/s on a uniform and a
+  prioritized table of min(args.items, args.t1_items) single-step items, filled together (one
+  writer, each step an item of both tables)."""
+  n = min(args.items, args.t1_items)
+  tables = [reverb.Table(name, sampler=sampler, remover=reverb.selectors.Fifo(), max_size=n,
+                         rate_limiter=reverb.rate_limiters.MinSize(1), signature=STEP_SIG)
+            for name, sampler in (("uniform", reverb.selectors.Uniform()),
+                                  ("prioritized", reverb.selectors.Prioritized(0.6)))]
+  srv = reverb.Server(tables)
+  client = reverb.Client(f"localhost:{srv.port}")
+  with client.trajectory_writer(num_keep_alive_refs=1) as w:
+    for i in range(n):
+      w.append(step(i))
+      item = {k: v[-1] for k, v in w.history.items()}
+      w.create_item("uniform", 1.0, item)
+      w.create_item("prioritized", 1.0 + (i % 7), item)
+      if i % 256 == 255:
+        w.flush()
+  rows = []
+  for name in ("uniform", "prioritized"):
+    it = iter(reverb.TrajectoryDataset.from_table_signature(
+        f"localhost:{srv.port}", name, max_in_flight_samples_per_worker=512).batch(256))
+
+    def op():
+      return len(next(it).info.key.numpy())
+    rows.append(row("T1", name, "TrajectoryDataset.batch(256)",
+                    timed(op, args.duration, args.warmup)[0], table_items=n))
+    del it
+  srv.stop()
+  return rows
+
+
 L1_SIG = {"obs": tf.TensorSpec([84], tf.float32), "action": tf.TensorSpec([], tf.int64),
           "reward": tf.TensorSpec([], tf.float32)}
 
@@ -172,13 +205,15 @@ WORKLOADS = {
     "W1": w1, "W2": w2,
     "W3": lambda a: sampling(a, "W3", reverb.selectors.Uniform(), False),
     "W4": lambda a: sampling(a, "W4", reverb.selectors.Prioritized(0.6), True),
-    "W5": w5,
+    "W5": w5, "T1": t1,
 }
 
 
 def _peer_args(p):
   p.add_argument("--peer-items", type=int, default=200_000,
                  help="cap on Reverb's sampled table size (filling runs at ~8k items/s)")
+  p.add_argument("--t1-items", type=int, default=1_000_000,
+                 help="cap on the table size of T1 (TrajectoryDataset; filled at ~8k steps/s)")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ RATIOS = [
     # the cost of a cross-node sample against a same-node one (time per call; no target)
     ("R1 cross-node sample cost / same-node (lower is better)",
      ("shm_ray", "R1_cross", "same_node"), ("shm_ray", "R1_cross", "cross_node"), None),
+    *[(f"T1 TrajectoryDataset.batch(256) vs dm-reverb, {v}", ("shm", "T1", v),
+       ("reverb", "T1", v), 10.0) for v in ("uniform", "prioritized")],
 ]
 G1_WORKLOADS = ["W1", "W3", "W5"]
 # Workloads of a Ray cluster: run by bench/ray_r1.py and the TorchRL peer, not by the others.
@@ -273,7 +275,7 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true")
   p.add_argument("--repeat", type=int, default=1)
   p.add_argument("--only", nargs="+",
-                 help="workloads (W1..W6, scaling, metadata, G1, D1, L1, L2, R1)")
+                 help="workloads (W1..W6, T1, scaling, metadata, G1, D1, L1, L2, R1)")
   p.add_argument("--torchrl-python", default=os.environ.get("TORCHRL_PYTHON",
                                                             peer_python("torchrl")))
   p.add_argument("--d1-dir", default=os.environ.get("REVERB_SHM_D1_DIR", "/var/tmp"),
@@ -293,8 +295,8 @@ def main(argv=None):
   args.items = 20_000 if args.quick else 1_000_000
   args.frames = 500 if args.quick else 4_000
   args.scales = SCALES[:3] if args.quick else SCALES
-  workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata", "G1",
-                            "D1", "L1", "L2", "R1"]
+  workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "T1", "scaling", "metadata",
+                            "G1", "D1", "L1", "L2", "R1"]
   grown, disk = "G1" in workloads, "D1" in workloads
   ray_workloads = [w for w in workloads if w in RAY_WORKLOADS]
   workloads = [w for w in workloads if w not in ("G1", "D1") and w not in RAY_WORKLOADS]
@@ -302,7 +304,7 @@ def main(argv=None):
     workloads += [w for w in G1_WORKLOADS if w not in workloads]
   if not os.path.exists(args.reverb_python) and peer_python("reverb"):
     args.reverb_python = peer_python("reverb")
-  shm = {"W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata"}
+  shm = {"W1", "W2", "W3", "W4", "W5", "W6", "T1", "scaling", "metadata"}
   learner = {"L1", "L2"}
   runners = [("shm", sys.executable, "shm_workloads.py", None, shm),
              ("learner", sys.executable, "learner_workloads.py", "torch", learner),

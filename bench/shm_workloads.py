@@ -360,11 +360,48 @@ def attach_rss(name) -> dict:
   return {"attach_rss_bytes": attach, "sample_rss_bytes": sampling}
 
 
+T1_BATCH = 256
+T1_IN_FLIGHT = 512
+
+
+def t1(args):
+  """TrajectoryDataset.from_table_signature(...).batch(256) items/s, uniform and prioritized
+  tables of args.items single-step items (as bench/peer_reverb.py's t1)."""
+  try:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return []   # (the ratio rows then say n/a)
+  sig = {"obs": tf.TensorSpec([8], tf.float32), "action": tf.TensorSpec([], tf.int64),
+         "reward": tf.TensorSpec([], tf.float32)}
+  n = args.items
+  tables = [reverb.Table(name, sampler=sampler, remover=reverb.selectors.Fifo(), max_size=n,
+                         rate_limiter=reverb.rate_limiters.MinSize(1), signature=sig)
+            for name, sampler in (("uniform", reverb.selectors.Uniform()),
+                                  ("prioritized", reverb.selectors.Prioritized(0.6)))]
+  rows = []
+  with reverb.Server(tables, arena_bytes=max(256 << 20, 4 * n * (STEP_BYTES + 256))) as srv:
+    for name in ("uniform", "prioritized"):
+      table = srv.shared_table(name)
+      for s in range(0, n, 100_000):
+        b = min(100_000, n - s)
+        table.insert(steps(b, s), np.random.default_rng(s).random(b) + 0.1)
+      it = iter(reverb.TrajectoryDataset.from_table_signature(
+          f"localhost:{srv.port}", name, max_in_flight_samples_per_worker=T1_IN_FLIGHT
+      ).batch(T1_BATCH))
+
+      def op():
+        return len(next(it).info.key.numpy())
+      rows.append(row("T1", name, f"TrajectoryDataset.batch({T1_BATCH})",
+                      timed(op, args.duration, args.warmup)[0], table_items=n))
+      del it
+  return rows
+
+
 WORKLOADS = {
     "W1": w1, "W2": w2,
     "W3": lambda a: sampling(a, "W3", reverb.selectors.Uniform(), False),
     "W4": lambda a: sampling(a, "W4", reverb.selectors.Prioritized(0.6), True),
-    "W5": w5, "W6": w6, "scaling": scaling, "metadata": metadata,
+    "W5": w5, "W6": w6, "scaling": scaling, "metadata": metadata, "T1": t1,
 }
 
 

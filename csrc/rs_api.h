@@ -348,6 +348,12 @@ typedef struct rs_gather_col {
   uint64_t stride;
   uint64_t col_bytes;
   char dtype[16];
+  /* The column's shape as sampled: (rows, *element shape), or the element shape when the item
+   * squeezes the column. Items whose column has another shape (same dtype and bytes, e.g. 2 rows
+   * of [] vs 1 row of [2], or a squeezed [3] vs 1 row of [3]) are of another layout. */
+  uint32_t ndim;         /* <= 9 */
+  uint32_t _pad;
+  int64_t shape[9];
 } rs_gather_col;
 
 /* rs_sample, then copy every column of the sampled items into caller buffers: rounds of up to

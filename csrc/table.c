@@ -580,13 +580,21 @@ static int layout_ok(void *base, uint64_t desc_off, uint32_t ncols, const rs_gat
   const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
   const rs_desc_slice *s = rs_desc_slices(d);
   for (uint32_t c = 0; c < ncols; c++) {
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, rows = 0;
+    const rs_chunk_hdr *ch = NULL;
     for (uint32_t j = dc[c].first_slice, end = j + dc[c].nslices; j < end; j++) {
-      const rs_chunk_hdr *ch = rs_chunk(base, s[j].chunk_off);
+      ch = rs_chunk(base, s[j].chunk_off);
       if (rs_dtype_is_object(ch->dtype) || memcmp(ch->dtype, cols[c].dtype, sizeof ch->dtype)) return 0;
       bytes += (uint64_t)s[j].nrows * ch->row_bytes;
+      rows += s[j].nrows;
     }
-    if (bytes != cols[c].col_bytes) return 0;
+    if (bytes != cols[c].col_bytes || ch == NULL) return 0;
+    /* The shape as sampled (the slices of a column share the element shape). */
+    uint32_t lead = (dc[c].flags & 1u) ? 0 : 1;
+    if (cols[c].ndim != ch->ndim + lead) return 0;
+    if (lead && cols[c].shape[0] != (int64_t)rows) return 0;
+    for (uint32_t k = 0; k < ch->ndim; k++)
+      if (cols[c].shape[k + lead] != ch->shape[k]) return 0;
   }
   return 1;
 }
@@ -1228,9 +1236,10 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
                         "n (%u)", *got_io, wait_n, n);
   if (ncols == 0 || !cols) return rs_set_error(RS_EINVAL, "rs_sample_gather: expected >= 1 column");
   for (uint32_t c = 0; c < ncols; c++)
-    if (!cols[c].out || cols[c].stride < cols[c].col_bytes || !memchr(cols[c].dtype, 0, sizeof cols[c].dtype))
+    if (!cols[c].out || cols[c].stride < cols[c].col_bytes || !memchr(cols[c].dtype, 0, sizeof cols[c].dtype) ||
+        cols[c].ndim > 9)
       return rs_set_error(RS_EINVAL, "rs_sample_gather: column %u needs a non-NULL out, stride >= "
-                          "col_bytes (%llu >= %llu) and a NUL-terminated dtype", c,
+                          "col_bytes (%llu >= %llu), a NUL-terminated dtype and ndim <= 9", c,
                           (unsigned long long)cols[c].stride, (unsigned long long)cols[c].col_bytes);
   rc = slot_arg(base, slot);
   if (rc) return rc;

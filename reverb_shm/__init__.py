@@ -28,6 +28,20 @@ from reverb_shm.writer import Writer
 
 __version__ = "0.1.0"
 
+# Reverb's TensorFlow names, imported from reverb_shm.tf (the `tf` extra) on first use.
+_TF_NAMES = frozenset(["TFClient", "TimestepDataset", "TrajectoryDataset"])
+
+
+def __getattr__(name):
+  if name in _TF_NAMES:
+    try:
+      from reverb_shm import tf as tf_lib  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise ImportError(f"reverb_shm.{name} needs TensorFlow: pip install reverb_shm[tf] "
+                        f"({e})") from e
+    return getattr(tf_lib, name)
+  raise AttributeError(f"module 'reverb_shm' has no attribute {name!r}")
+
 __all__ = [
     "BoundedTensorSpec", "Client", "DeadlineExceededError", "ReplaySample", "ReverbError",
     "SampleInfo", "Server", "SharedTable", "StructuredWriter", "Table", "TableInfo", "TensorSpec",

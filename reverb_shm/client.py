@@ -132,11 +132,25 @@ class Client:
       ServerUnavailableError: no server answers to the address.
     """
     seg = self._seg
-    # A segment closed in this process (its Server stopped here) is never used again.
-    if seg is None or self._seg_pid != os.getpid() or seg._closed:  # pylint: disable=protected-access
-      seg = shm.Segment.attach(shm.resolve_address(self._address))
+    # A segment closed in this process (its Server stopped here), or whose server died, is
+    # never used again: attaching anew finds a restarted server or raises DeadOwnerError.
+    if (seg is None or self._seg_pid != os.getpid() or seg._closed  # pylint: disable=protected-access
+        or seg.owner_dead):
+      if seg is not None and seg.owner_dead and self._seg_pid == os.getpid():
+        try:   # a server restarted at the address is used; else the dead one's error
+          seg = shm.Segment.attach(shm.resolve_address(self._address))
+        except (errors.ServerUnavailableError, errors.DeadOwnerError):
+          raise seg.dead_owner_error() from None
+      else:
+        seg = shm.Segment.attach(shm.resolve_address(self._address))
       self._seg, self._seg_pid, self._handles, self._hot_plans = seg, os.getpid(), {}, {}
+      seg.add_death_listener(self)
     return seg
+
+  def _on_server_death(self) -> None:
+    """The server died (called from the owner watcher's thread): drop the one-call insert
+    plans, so that every later call takes a path that checks the segment and raises."""
+    self._hot_plans.clear()
 
   def _table_handle(self, table: str) -> _TableHandle:
     """Cached handle of `table`; UnknownTableError (naming the available tables) if absent."""

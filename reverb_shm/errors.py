@@ -41,6 +41,11 @@ class UnknownTableError(ReverbError, builtins.ValueError, builtins.RuntimeError,
     return builtins.Exception.__str__(self)
 
 
+class HistoryIndexError(ReverbError, builtins.IndexError, builtins.ValueError):
+  """A writer history position or window outside the column's steps since its buffers were last
+  cleared. An IndexError, and a ValueError as Reverb raises there (client code catches that)."""
+
+
 class ResourceExhaustedError(ReverbError, builtins.IndexError):
   """A fixed capacity ran out: the chunk arena, process slots, pin log or /dev/shm."""
 

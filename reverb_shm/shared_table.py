@@ -864,10 +864,12 @@ def _gather_cols(layout, targets):
   template = _GATHER_TEMPLATES.get(layout)
   if template is None:
     template = ffi.new("rs_gather_col[]", len(layout))
-    for g, (dtype, _, col_bytes) in zip(template, layout):
+    for g, (dtype, shape, col_bytes) in zip(template, layout):
       g.stride = col_bytes
       g.col_bytes = col_bytes
       g.dtype = dtype.str.encode()
+      g.ndim = len(shape)
+      g.shape[0:len(shape)] = shape
     if len(_GATHER_TEMPLATES) >= _MAX_PLANS:
       _GATHER_TEMPLATES.clear()
     _GATHER_TEMPLATES[layout] = template

@@ -5,6 +5,7 @@ A signature is a nest whose leaves are :class:`TensorSpec`. Objects exposing `.s
 Signatures are stored in shared memory as msgpack-able data (no pickle).
 """
 import collections
+import sys
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -12,7 +13,7 @@ import numpy as np
 from reverb_shm._internal import structure
 
 __all__ = ["TensorSpec", "BoundedTensorSpec", "as_spec", "as_dtype", "encode_signature",
-           "decode_signature", "validate_signature"]
+           "decode_signature", "validate_signature", "user_signature", "to_tf"]
 
 
 def as_dtype(dtype: Any) -> np.dtype:
@@ -232,3 +233,41 @@ def encode_signature(signature: Any) -> Any:
 def decode_signature(data: Any) -> Any:
   """Inverse of :func:`encode_signature`. Namedtuples come back as equivalent namedtuples."""
   return None if data is None else _decode(data)
+
+
+def to_tf(signature: Any) -> Any:
+  """`signature` with each leaf a `tf.TensorSpec` (a `BoundedTensorSpec` of TensorFlow for a
+  bounded one; object dtype -> tf.string), as dm-reverb's TableInfo holds it. Needs TensorFlow
+  to be imported already.
+
+  Raises:
+    RuntimeError: TensorFlow has not been imported.
+  """
+  tf = sys.modules.get("tensorflow")
+  if tf is None or not hasattr(tf, "TensorSpec"):
+    raise RuntimeError("to_tf needs TensorFlow to be imported first")
+  from tensorflow.python.framework import tensor_spec  # pylint: disable=g-import-not-at-top
+
+  def convert(leaf):
+    if not isinstance(leaf, TensorSpec):
+      return leaf
+    dtype = tf.string if leaf.dtype.kind == "O" else tf.as_dtype(leaf.dtype)
+    shape = tf.TensorShape(None if leaf.shape is None else list(leaf.shape))
+    if isinstance(leaf, BoundedTensorSpec):
+      return tensor_spec.BoundedTensorSpec(shape, dtype, leaf.minimum, leaf.maximum, leaf.name)
+    return tf.TensorSpec(shape, dtype, leaf.name)
+
+  leaves, treedef = structure.flatten(signature)
+  return structure.unflatten(treedef, [convert(leaf) for leaf in leaves])
+
+
+def user_signature(signature: Any) -> Any:
+  """The signature as TableInfo shows it: `tf.TensorSpec`s (see :func:`to_tf`) once the process
+  has imported TensorFlow, as dm-reverb's; else reverb_shm's TensorSpecs. Never imports
+  TensorFlow itself."""
+  if signature is None or "tensorflow" not in sys.modules:
+    return signature
+  try:
+    return to_tf(signature)
+  except RuntimeError:   # TensorFlow half-imported (an import cycle in progress)
+    return signature

@@ -160,7 +160,8 @@ class Table:
         max_times_sampled=self._max_times_sampled,
         rate_limiter_info=RateLimiterInfo(rl.samples_per_insert, rl.min_diff, rl.max_diff,
                                           rl.min_size_to_sample),
-        signature=self._signature, current_size=0, num_episodes=0, num_deleted_episodes=0,
+        signature=specs.user_signature(self._signature), current_size=0, num_episodes=0,
+        num_deleted_episodes=0,
         num_unique_samples=0, table_worker_time=TableWorkerTime())
 
   def can_sample(self, num_samples: int) -> bool:

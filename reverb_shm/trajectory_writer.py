@@ -19,6 +19,7 @@ it whose step has left the keep-alive window, came before the column existed or 
 column read as None, which a TrajectoryColumn rejects with ValueError.
 """
 import collections
+import functools
 import math
 import warnings
 from typing import Any, List, Optional, Sequence
@@ -26,7 +27,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from reverb_shm import errors
-from reverb_shm._internal import chunks, structure, timeouts
+from reverb_shm._internal import chunks, delivery, structure, timeouts
 from reverb_shm._internal._lib import ffi, hot
 from reverb_shm._internal import items
 from reverb_shm._internal.columns import (as_column_array, check_positive_int, check_priorities,
@@ -103,6 +104,20 @@ def _fast_append(writer, columns: list, treedef, keys: Optional[tuple]
 # The writer
 
 
+def _exclusive(method):
+  """Marks a call of the writer's owner in progress (the delivery thread leaves the writer alone
+  meanwhile; the C methods append and create_item do the same)."""
+
+  @functools.wraps(method)
+  def call(self, *args, **kwargs):
+    hot.writer_enter(self)
+    try:
+      return method(self, *args, **kwargs)
+    finally:
+      hot.writer_exit(self)
+  return call
+
+
 class TrajectoryWriter(hot.WriterBase):
   """Writes steps into shared memory and inserts items referencing them.
 
@@ -148,7 +163,29 @@ class TrajectoryWriter(hot.WriterBase):
     self._window_cols = None     # (history, its columns) for create_window_items
     self._tables = {}
     self._last_deadline_error = None
+    # Batches and items held back by a rate limiter are delivered by a background thread when
+    # the owner makes no further call (local tables only; a bridge client's writer sends them).
+    self._background = not hasattr(client, "writer_session")
     self._closed = False
+
+  # ---- background delivery (reverb_shm/_internal/delivery.py)
+
+  def _note_batch(self) -> None:
+    """A batch was started: the delivery thread inserts it if the owner does not soon."""
+    if self._background:
+      delivery.notify(self)
+
+  def _deliver_now(self, deadline_ns: int = 0) -> None:
+    """Inserts the batch and the queued items their rate limiters admit before `deadline_ns`
+    (0: now). Called by the delivery thread holding the writer."""
+    if self._batch and not self._closed:
+      self._flush_batch()
+    self._drain(0, deadline_ns)
+    if self._closed and not self._pending:
+      _close_inserts(self._client)
+
+  def _undelivered(self) -> int:
+    return len(self._pending) + len(self._batch)
 
   # ---- properties
 
@@ -170,6 +207,7 @@ class TrajectoryWriter(hot.WriterBase):
     return max([self._default_keep_alive] + [k for k, _ in self._configs.values()])
 
   @property
+  @_exclusive
   def num_pending_items(self) -> int:
     """Items created but not yet admitted by their table's rate limiter (reverb_shm extension).
 
@@ -240,6 +278,7 @@ class TrajectoryWriter(hot.WriterBase):
       if len(writes) == len(leaves):
         self._fast = self._make_fast(plan[0], treedef, flat_dict_keys(data, len(leaves)))
 
+  @_exclusive
   def extend(self, steps: Any) -> None:
     """Appends T complete steps at once (reverb_shm extension; one chunk write per column).
 
@@ -479,9 +518,12 @@ class TrajectoryWriter(hot.WriterBase):
       return
     batch = self._batch
     batch.append(entry)
+    if len(batch) == 1:
+      self._note_batch()
     if len(batch) >= self._item_batch_size or self._pending:
       self._flush_batch()
 
+  @_exclusive
   def create_items(self, table: str, priorities: Sequence[float],
                    trajectories: Sequence[Any]) -> None:
     """Creates many items, in order, and inserts them at once (reverb_shm extension).
@@ -510,6 +552,7 @@ class TrajectoryWriter(hot.WriterBase):
     self._batch.extend(entries)
     self._flush_batch()
 
+  @_exclusive
   def create_window_items(self, table: str, priorities, starts, num_timesteps: int,
                           columns: Any = None) -> None:
     """Creates one item per start position over the next `num_timesteps` steps of every column,
@@ -535,7 +578,7 @@ class TrajectoryWriter(hot.WriterBase):
       ValueError: `num_timesteps` < 1, `starts` not 1-D integers, `priorities` not n finite
         values (non-negative for Prioritized tables), a window that includes an expired or
         skipped step, or (validate_items) a signature mismatch.
-      IndexError: a window outside a column's steps.
+      HistoryIndexError (an IndexError and a ValueError): a window outside a column's steps.
       Nothing is created when any item is invalid.
     """
     self._check_open()
@@ -595,7 +638,7 @@ class TrajectoryWriter(hot.WriterBase):
     pos = np.where(starts < 0, starts + col.n, starts)
     bad = np.flatnonzero((pos < 0) | (pos + length > col.n))
     if len(bad):
-      raise IndexError(f"create_window_items: item {bad[0]}'s window [{starts[bad[0]]}, "
+      raise errors.HistoryIndexError(f"create_window_items: item {bad[0]}'s window [{starts[bad[0]]}, "
                        f"+{length}) is out of range for column {col.path}, which has {col.n} "
                        "steps since its buffers were last cleared")
     bad = np.flatnonzero(pos < col.alive_from())
@@ -650,7 +693,10 @@ class TrajectoryWriter(hot.WriterBase):
 
   def _check_usable(self) -> None:
     """TableClosedError (Chunk.publish's) once the server stopped or in a fork child: rows are
-    published later, so appends check here that their chunks can still be written."""
+    published later, so appends check here that their chunks can still be written.
+    DeadOwnerError once the server process died (as every Client call then raises)."""
+    if self._segment.owner_dead:
+      raise self._segment.dead_owner_error()
     for col in self._columns:
       holder = col.holder
       if holder is not None and holder.chunk is not None:
@@ -673,6 +719,8 @@ class TrajectoryWriter(hot.WriterBase):
     batch = self._batch
     if not batch:
       return
+    if insert and self._segment.owner_dead:
+      raise self._segment.dead_owner_error()
     try:
       self._publish()
     except errors.TableClosedError:
@@ -736,11 +784,12 @@ class TrajectoryWriter(hot.WriterBase):
         h.pending += 1
       items.append(_Pending(handle.table, random_u64.one(), float(prio), blob, holders))
     self._pending.extend(items)
-    if not insert:
-      return
-    self._drain(0, 0)     # whatever the limiters admit right now, in FIFO order
-    while len(self._pending) > _MAX_PENDING:
-      self._drain(len(self._pending) - 1, -1)
+    if insert:
+      self._drain(0, 0)     # whatever the limiters admit right now, in FIFO order
+      while len(self._pending) > _MAX_PENDING:
+        self._drain(len(self._pending) - 1, -1)
+    if self._pending and self._background:
+      delivery.notify(self, 0.0)   # delivered when the limiter admits them
 
   @staticmethod
   def _insert_now(handle, priorities, blob, offs) -> int:
@@ -836,6 +885,7 @@ class TrajectoryWriter(hot.WriterBase):
         if holder.pending == 0:
           holder.maybe_release()
 
+  @_exclusive
   def flush(self, block_until_num_items: int = 0, timeout_ms: Optional[int] = None) -> None:
     """Waits until at most `block_until_num_items` created items are not yet in their tables.
 
@@ -854,6 +904,8 @@ class TrajectoryWriter(hot.WriterBase):
         block_until_num_items, (int, np.integer)) or block_until_num_items < 0:
       raise ValueError(f"block_until_num_items must be an int >= 0, got "
                        f"{block_until_num_items!r}")
+    if self._segment.owner_dead:
+      raise self._segment.dead_owner_error()
     deadline = timeouts.deadline_from_ms(timeout_ms)
     if not self._drain(int(block_until_num_items), deadline, timeout_ms):
       raise self._deadline_error("flush", timeout_ms)
@@ -866,9 +918,10 @@ class TrajectoryWriter(hot.WriterBase):
     return errors.DeadlineExceededError(
         f"Timeout exceeded: {what}(timeout_ms={timeout_ms}) gave up with "
         f"{len(self._pending)} items still waiting for the rate limiter; they stay queued and "
-        f"are inserted by later create_item/flush/end_episode calls. "
+        f"are inserted as soon as it admits them. "
         f"({self._last_deadline_error})")
 
+  @_exclusive
   def end_episode(self, clear_buffers: bool = True, timeout_ms: Optional[int] = None) -> None:
     """Flushes every queued item, then starts a new episode.
 
@@ -885,6 +938,8 @@ class TrajectoryWriter(hot.WriterBase):
       TableClosedError: the server stopped (the episode was ended).
     """
     self._check_open()
+    if self._segment.owner_dead:
+      raise self._segment.dead_owner_error()
     deadline = timeouts.deadline_from_ms(timeout_ms)
     try:
       reached = self._drain(0, deadline, timeout_ms)
@@ -913,6 +968,7 @@ class TrajectoryWriter(hot.WriterBase):
     self._episode_steps = 0
     self._episode_id = random_u64.one()
 
+  @_exclusive
   def configure(self, path: tuple, *, num_keep_alive_refs: int,
                 max_chunk_length: Optional[int]) -> None:
     """Overrides chunking and keep-alive for one column (now or when it first appears).
@@ -943,29 +999,40 @@ class TrajectoryWriter(hot.WriterBase):
 
   # ---- lifetime
 
+  @_exclusive
   def close(self) -> None:
-    """Closes the writer without waiting: releases every chunk it holds.
+    """Closes the writer without waiting: releases every chunk no item needs.
 
-    Queued items that their rate limiter admits right now are inserted; the others are dropped
-    with a RuntimeWarning (call `flush()` or `end_episode()` first to wait for them). Never
+    Queued items that their rate limiter admits right now are inserted; the others go on in
+    the background, inserted as soon as it admits them (the chunks they reference stay pinned
+    until then), as Reverb's stream does; at interpreter exit they get a bounded wait (5 s for
+    all writers) and are then dropped with a RuntimeWarning (`flush()` waits for them). Never
     blocks, also after the server stopped. Idempotent; other methods raise RuntimeError after it.
     """
+    self._close(hand_over=self._background)
+
+  def _close(self, hand_over: bool) -> None:
     if self._closed:
       return
     try:
       self._drain(0, 0)
     except errors.ReverbError:
-      pass      # server stopped or an item was rejected: the queue is dropped below
+      hand_over = False   # server stopped or an item was rejected: the queue is dropped below
     finally:
-      _close_inserts(self._client)
-      self._release_all()
+      if not (hand_over and self._pending):
+        _close_inserts(self._client)
+      self._release_all(keep_pending=hand_over)
 
-  def _release_all(self) -> None:
+  def _release_all(self, keep_pending: bool = False) -> None:
     self._closed = True
     self._fast = None
-    dropped = len(self._pending) + len(self._batch)
+    dropped = len(self._batch)
     self._batch = []
-    self._finish(len(self._pending))
+    if keep_pending and self._pending:
+      delivery.adopt(self)
+    else:
+      dropped += len(self._pending)
+      self._finish(len(self._pending))
     for col in self._columns:
       col.close_chunk()
       col.clear()
@@ -979,7 +1046,7 @@ class TrajectoryWriter(hot.WriterBase):
       return
     try:
       _finalising(self._client)
-      self.close()
+      self._close(hand_over=False)
     except Exception:  # pylint: disable=broad-except  (never raise from a finaliser)
       pass
 

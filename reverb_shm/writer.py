@@ -11,6 +11,7 @@ are zero-copy views.
 """
 from typing import Any, Optional
 
+from reverb_shm._internal import columns as columns_lib
 from reverb_shm._internal import structure
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 
@@ -56,8 +57,14 @@ class Writer:
     self._chunk_length = chunk_length
     self._max_in_flight = (_UNLIMITED_IN_FLIGHT if max_in_flight_items is None
                            else _positive_int(max_in_flight_items, "max_in_flight_items"))
-    self._writer = trajectory_writer_lib.TrajectoryWriter(client, self._max_sequence_length)
+    # Items are checked here, per step as Reverb's legacy writer does (its table signature
+    # describes one timestep), not by the TrajectoryWriter, which checks whole items.
+    self._writer = trajectory_writer_lib.TrajectoryWriter(client, self._max_sequence_length,
+                                                          validate_items=False)
+    self._client = client
     self._num_leaves = None
+    self._step_columns = None   # (dtype, shape) of each leaf of one step
+    self._checked_tables = set()   # tables whose signature the step layout matches
     self._buffered = 0
     self._closed = False
 
@@ -79,6 +86,8 @@ class Writer:
     self._check_open()
     leaves = self._leaves(data)
     self._writer.append(leaves)
+    if self._step_columns is None:
+      self._step_columns = [(a.dtype, a.shape) for a in map(structure.to_array, leaves)]
     self._buffered = min(self._buffered + 1, self._max_sequence_length)
 
   def append_sequence(self, sequence: Any) -> None:
@@ -100,6 +109,8 @@ class Writer:
     if lengths.pop() == 0:
       return
     self._writer.extend(leaves)
+    if self._step_columns is None:
+      self._step_columns = [(a.dtype, a.shape[1:]) for a in map(structure.to_array, leaves)]
     self._buffered = min(self._buffered + len(structure.to_array(leaves[0])),
                          self._max_sequence_length)
 
@@ -126,7 +137,9 @@ class Writer:
 
     Raises:
       ValueError: num_timesteps < 1, more than buffered or than max_sequence_length; a NaN or
-        otherwise invalid priority; an unknown table; data not matching the table's signature.
+        otherwise invalid priority; an unknown table; steps not matching the table's signature
+        (which describes one timestep: a [T, 3] item of steps of shape [3] matches a signature
+        of shape [3], as in Reverb).
     """
     self._check_open()
     if isinstance(num_timesteps, bool) or not hasattr(num_timesteps, "__index__") or (
@@ -139,10 +152,23 @@ class Writer:
       raise ValueError(f"num_timesteps ({num_timesteps}) is larger than the number of steps "
                        f"appended so far ({self._buffered})")
     n = int(num_timesteps)
+    if table not in self._checked_tables:
+      self._check_signature(table)
     trajectory = [column[-n:] for column in self._writer.history]
     self._writer.create_item(table, priority, trajectory)
     if self._writer.num_pending_items > self._max_in_flight:
       self._writer.flush(self._max_in_flight)
+
+  def _check_signature(self, table: str) -> None:
+    """Checks the step layout against `table`'s signature, once per table (the layout of every
+    step is the first step's: append rejects any other)."""
+    handle = self._client._table_handle(table)  # pylint: disable=protected-access
+    try:
+      columns_lib.check_signature(table, handle.flat_signature, self._step_columns)
+    except ValueError as e:
+      raise ValueError(f"{e} The legacy Writer's table signature describes one step of the "
+                       "appended data (without the time dim of the item).") from None
+    self._checked_tables.add(table)
 
   def flush(self) -> None:
     """Blocks until every created item is in its table."""

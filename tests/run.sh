@@ -5,8 +5,11 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q -e '.[test]'
+# tf-cpu: the TensorFlow datasets' tests (reverb_shm/tf) run here, with current TensorFlow.
+.venv/bin/python -m pip install -q -e '.[test,tf-cpu]'
 # Peer venvs: reference implementations and real clients, each in its own venv.
 REVERB_REF_PYTHON="$(tests/peers/venv.sh reverb)"
 export REVERB_REF_PYTHON
+TFAGENTS_PYTHON="$(tests/peers/venv.sh tfagents)"   # TF-Agents 0.19's Reverb tests
+export TFAGENTS_PYTHON
 exec .venv/bin/python -m pytest -q "$@"

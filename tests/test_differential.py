@@ -2,18 +2,23 @@
 
 Each scenario below takes the `reverb`-like module and returns JSON-able outcomes (orders,
 limiter truth tables, info counters, exception types). dm-reverb runs in a subprocess with the
-reference virtualenv's interpreter (REVERB_REF_PYTHON, default /tmp/refvenv/bin/python); the
-module is skipped when it is absent. This file is also the script that subprocess runs.
+reference virtualenv's interpreter, REVERB_REF_PYTHON (tests/run.sh builds that venv from
+tests/peers/reverb.txt and sets it). This file is also the script that subprocess runs.
+
+When REVERB_REF_PYTHON is set, the reference must run: an interpreter that is missing, cannot
+import dm-reverb or fails makes every test here fail, never skip. Without it the module is
+skipped, except under CI (CI=true), where its absence is a failure too.
 """
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
-REF_PYTHON = os.environ.get("REVERB_REF_PYTHON", "/tmp/refvenv/bin/python")
+REF_PYTHON = os.environ.get("REVERB_REF_PYTHON")
 
 
 # ---- scenarios (run against both implementations; no pytest in here)
@@ -284,6 +289,182 @@ def scenario_structured_writer(rv):
   return out
 
 
+def _tensor_spec(rv):
+  """The TensorSpec class each implementation takes in a signature (dm-reverb: TensorFlow's)."""
+  spec = getattr(rv, "TensorSpec", None)
+  if spec is None:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top  (reference venv only)
+    spec = tf.TensorSpec
+  return spec
+
+
+def _outcome(fn):
+  """fn()'s value, or the names of the built-in classes of the exception it raised."""
+  try:
+    return ["ok", fn()]
+  except Exception as e:  # pylint: disable=broad-except
+    return sorted(c.__name__ for c in type(e).__mro__
+                  if c.__name__ in ("ValueError", "RuntimeError", "TypeError", "IndexError",
+                                    "KeyError"))
+
+
+def scenario_ragged_object_insert(rv):
+  """A ragged object array is rejected with TypeError and the table stays empty."""
+  server = _server(rv, [rv.Table.queue("q", 10)])
+  client = rv.Client(f"localhost:{server.port}")
+  out = {"ragged": _outcome(lambda: client.insert(np.array([[1, 2], [3]], dtype=object),
+                                                  {"q": 1.0})),
+         "size_after": client.server_info()["q"].current_size}
+  server.stop()
+  return out
+
+
+def scenario_legacy_writer_signature_per_step(rv):
+  """The legacy writer checks its steps against a signature that describes one step."""
+  spec = _tensor_spec(rv)
+  table = rv.Table("s", rv.selectors.Fifo(), rv.selectors.Fifo(), 10, rv.rate_limiters.MinSize(1),
+                   signature={"x": spec([2], np.float32)})
+  server = _server(rv, [table])
+  client = rv.Client(f"localhost:{server.port}")
+  out = {}
+  w = client.writer(3)
+  for i in range(3):
+    w.append({"x": np.full(2, i, np.float32)})
+  out["three_steps"] = _outcome(lambda: w.create_item("s", 3, 1.0))
+  out["one_step"] = _outcome(lambda: w.create_item("s", 1, 1.0))
+  w.close()
+  for label, value in [("wrong_shape", np.ones(3, np.float32)),
+                       ("wrong_dtype", np.ones(2, np.float64))]:
+    bad = client.writer(2)
+    bad.append({"x": value})
+    out[label] = _outcome(lambda b=bad: b.create_item("s", 1, 1.0))
+    try:
+      bad.close()
+    except Exception:  # pylint: disable=broad-except  (dm-reverb may raise the error again)
+      pass
+  out["items"] = [np.asarray(s.data[0]).tolist()
+                  for s in client.sample("s", client.server_info()["s"].current_size,
+                                         emit_timesteps=False)]
+  server.stop()
+  return out
+
+
+def scenario_same_bytes_other_shapes(rv):
+  """Items whose column has one dtype and byte size but other shapes sample back in their own
+  shapes, with a reset between them and without."""
+  out = {}
+  for reset in (True, False):
+    server = _server(rv, [rv.Table.queue("q", 10)])
+    client = rv.Client(f"localhost:{server.port}")
+    shapes = []
+    for steps, pattern in [([1.0, 2.0], lambda h: h[-2:]),
+                           ([np.array([1.0, 2.0])], lambda h: h[-1:]),
+                           ([np.arange(3.0)], lambda h: h[-1]),
+                           ([np.arange(3.0)], lambda h: h[-1:])]:
+      with client.trajectory_writer(4) as writer:
+        for step in steps:
+          writer.append({"r": step})
+        writer.create_item("q", 1.0, {"r": pattern(writer.history["r"])})
+      if reset:
+        shapes.append(list(next(client.sample("q", 1, emit_timesteps=False)).data[0].shape))
+        client.reset("q")
+    if not reset:
+      shapes = [list(s.data[0].shape) for s in client.sample("q", 4, emit_timesteps=False)]
+    out[f"reset_{reset}"] = shapes
+    server.stop()
+  return out
+
+
+def scenario_partial_step_history_lengths(rv):
+  """An open partial step counts in every known column's history (Acme's SequenceAdder slices
+  history[c][-4:-1] while the step is open)."""
+  server = _server(rv, [rv.Table.queue("q", 100)])
+  client = rv.Client(f"localhost:{server.port}")
+  out = {"lengths": []}
+  with client.trajectory_writer(5) as w:
+    w.append({"obs": np.float32(0)}, partial_step=True)
+    out["lengths"].append([len(w.history["obs"])])
+    for i in range(1, 5):
+      w.append({"action": np.int64(i)})
+      w.append({"obs": np.float32(i)}, partial_step=True)
+      out["lengths"].append([len(w.history["obs"]), len(w.history["action"])])
+    w.create_item("q", 1.0, {"action": w.history["action"][-4:-1],
+                             "obs": w.history["obs"][-4:-1]})
+    out["open_cell"] = _outcome(lambda: w.create_item("q", 1.0, {"a": w.history["action"][-1]}))
+    w.append({"action": np.int64(5)})
+    out["after_close"] = [len(w.history["obs"]), len(w.history["action"])]
+  out["item"] = [np.asarray(x).tolist() for x in next(client.sample("q", 1,
+                                                                    emit_timesteps=False)).data]
+  server.stop()
+  return out
+
+
+def scenario_history_out_of_range_after_clear(rv):
+  """After end_episode(clear_buffers=True) and one append, history[c][-2:] raises an error that
+  client code catches as ValueError (Reverb's type)."""
+  server = _server(rv, [rv.Table.queue("q", 10)])
+  client = rv.Client(f"localhost:{server.port}")
+  out = {}
+  with client.trajectory_writer(3) as w:
+    for i in range(3):
+      w.append({"x": np.float32(i)})
+    w.end_episode(clear_buffers=True)
+    w.append({"x": np.float32(9)})
+    out["len"] = len(w.history["x"])
+    for label, index in [("slice", slice(-2, None)), ("position", -2)]:
+      try:
+        w.history["x"][index]
+        out[label] = None
+      except ValueError:
+        out[label] = "ValueError"
+    w.end_episode()
+  server.stop()
+  return out
+
+
+def scenario_background_delivery(rv):
+  """Created items reach samplers without flush; items held back by the rate limiter after
+  end_episode timed out are inserted as it admits them, with no further writer call."""
+  server = _server(rv, [rv.Table.queue("q", 1), rv.Table.queue("v", 10)])
+  client = rv.Client(f"localhost:{server.port}")
+
+  def values(table, n):
+    """n items sampled one at a time, each once the table holds one (3 s at most; dm-reverb's
+    Client.sample has no timeout): "missing" for an item that never came."""
+    out = []
+    for _ in range(n):
+      deadline = time.monotonic() + 3
+      while client.server_info()[table].current_size < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+      if client.server_info()[table].current_size < 1:
+        out.append("missing")
+        continue
+      out.append(np.asarray(next(client.sample(table, 1, emit_timesteps=False)).data[0])
+                 .ravel().tolist())
+    return out
+
+  out = {}
+  visible = client.trajectory_writer(2)
+  for i in range(2):
+    visible.append({"x": np.float32(i)})
+    visible.create_item("v", 1.0, {"x": visible.history["x"][-1:]})
+  out["visible"] = values("v", 2)
+  writer = client.trajectory_writer(2)
+  for i in range(3):
+    writer.append({"x": np.float32(i)})
+    writer.create_item("q", 1.0, {"x": writer.history["x"][-1:]})
+  try:
+    writer.end_episode(timeout_ms=100)
+    out["end_episode"] = None
+  except rv.DeadlineExceededError:
+    out["end_episode"] = "DeadlineExceededError"
+  out["held_back"] = values("q", 3)
+  writer.close()
+  visible.close()
+  server.stop()
+  return out
+
+
 SCENARIOS = {name: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
@@ -302,27 +483,53 @@ import pytest  # noqa: E402  (the reference run above must not need pytest)
 
 import reverb_shm  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not os.path.exists(REF_PYTHON),
-                                reason=f"dm-reverb reference interpreter {REF_PYTHON} absent")
+_IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def reference_unavailable(ref_python, in_ci: bool):
+  """Why the dm-reverb reference cannot be used without failing: a skip reason, or None.
+
+  Raises:
+    AssertionError: REVERB_REF_PYTHON unset under CI, or set to a path that is no executable.
+  """
+  if not ref_python:
+    if in_ci:
+      raise AssertionError("REVERB_REF_PYTHON is not set under CI: run the suite with "
+                           "tests/run.sh, which builds the dm-reverb reference venv")
+    return "REVERB_REF_PYTHON not set (tests/run.sh sets it to the dm-reverb reference venv)"
+  if not (os.path.isfile(ref_python) and os.access(ref_python, os.X_OK)):
+    raise AssertionError(f"REVERB_REF_PYTHON={ref_python!r} is not an executable interpreter")
+  return None
+
+
+def run_reference(ref_python) -> dict:
+  """Outcomes of every scenario under dm-reverb, run by `ref_python` in a subprocess.
+
+  Raises:
+    AssertionError: the subprocess failed (dm-reverb missing, a scenario raised) or printed
+      no outcomes; the message carries its stderr.
+  """
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+  proc = subprocess.run([ref_python, os.path.abspath(__file__), "--reference"],
+                        capture_output=True, text=True, timeout=300, env=env, cwd="/")
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("JSON:")]
+  if proc.returncode != 0 or not lines:
+    raise AssertionError(f"the dm-reverb reference run with {ref_python} failed "
+                         f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+  return json.loads(lines[-1][5:])
 
 
 @pytest.fixture(scope="module")
 def reference():
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-  proc = subprocess.run([REF_PYTHON, __file__, "--reference"], capture_output=True, text=True,
-                        timeout=300, env=env, cwd="/")
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("JSON:")]
-  if proc.returncode != 0 or not lines:
-    if "No module named 'reverb'" in proc.stderr:
-      pytest.skip("dm-reverb not installed in the reference interpreter")
-    raise AssertionError(f"reference run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-  return json.loads(lines[-1][5:])
+  skip = reference_unavailable(REF_PYTHON, _IN_CI)
+  if skip:
+    pytest.skip(skip)
+  return run_reference(REF_PYTHON)
 
 
-# Where reverb_shm deliberately raises something else (SPEC "Our decisions").
-DELIBERATE_ERRORS = {
-    "history_slice_too_long": ["IndexError"],   # decision 8: outside the buffered range
-}
+# Where reverb_shm deliberately raises something else (docs/differences.md): none now; history
+# positions outside the buffered range raise an error that is an IndexError and a ValueError.
+DELIBERATE_ERRORS = {}
 
 
 @pytest.mark.timeout(300)
@@ -345,3 +552,18 @@ def test_error_types_catchable_as_dm_reverb_ones(reference):
       assert ours[case] is None, case
     else:
       assert ours[case] is not None and set(ref_classes) <= set(ours[case]), (case, ours[case])
+
+
+# ---- the reference is never silently skipped
+
+def test_unusable_reference_fails_not_skips(tmp_path):
+  """A set REVERB_REF_PYTHON that is missing or lacks dm-reverb fails; CI without it fails."""
+  with pytest.raises(AssertionError, match="not an executable"):
+    reference_unavailable(str(tmp_path / "nope" / "python"), in_ci=False)
+  with pytest.raises(AssertionError, match="not set under CI"):
+    reference_unavailable(None, in_ci=True)
+  assert "not set" in reference_unavailable(None, in_ci=False)
+  assert reference_unavailable(sys.executable, in_ci=True) is None
+  # An interpreter without dm-reverb (this one) is usable as a path but its run fails.
+  with pytest.raises(AssertionError, match="No module named 'reverb'"):
+    run_reference(sys.executable)

@@ -37,8 +37,7 @@ def test_create_item_blocks_when_the_pending_queue_is_full(queue_client, monkeyp
   assert writer.num_pending_items == 3
   with pytest.raises(errors.DeadlineExceededError, match="Timeout exceeded"):
     writer.flush(0, timeout_ms=20)
-  with pytest.warns(RuntimeWarning, match="dropped"):
-    writer.close()
+  writer.close()   # the held-back items go on in the background
 
 
 def test_end_episode_without_clearing_keeps_refs_usable_across_episodes(server_factory):

@@ -44,11 +44,17 @@ REVERB_MODULES = {
                                    "TempDirCheckpointer"],
 }
 # Names Reverb exports that reverb_shm does not have (yet), and why.
-_TF = "TensorFlow datasets and TFClient: reverb_shm.tf, optional extra `tf` (in progress)"
+_TF = "TensorFlow's PatternDataset (structured writer patterns as a dataset): not provided"
+_TF_MODULE = ("a module of reverb_shm.tf (the optional extra `tf`); tests/peers/reverb_shim maps "
+              "reverb.{0} to reverb_shm.tf.{0}")
 NOT_YET = {
-    "PatternDataset": _TF, "TFClient": _TF, "TimestepDataset": _TF, "TrajectoryDataset": _TF,
-    "tf_client": _TF, "timestep_dataset": _TF, "trajectory_dataset": _TF, "pattern_dataset": _TF,
+    "PatternDataset": _TF, "pattern_dataset": _TF,
+    "tf_client": _TF_MODULE.format("tf_client"),
+    "timestep_dataset": _TF_MODULE.format("timestep_dataset"),
+    "trajectory_dataset": _TF_MODULE.format("trajectory_dataset"),
 }
+# Reverb's TensorFlow names (reverb_shm.<name> with the `tf` extra installed) are checked by
+# tests/test_tf_datasets.py, which imports TensorFlow; this module does not.
 NEVER = {  # Reverb names with no counterpart by design
     "server.TableExtensionBase": "C++ table extensions; reverb_shm tables take none",
     "structured_writer.ConditionProto": "Reverb's protobuf message; conditions are Python "

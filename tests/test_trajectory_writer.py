@@ -235,8 +235,7 @@ def test_flush_times_out_on_full_queue_table(client):
       writer.flush(timeout_ms=1)
   assert "queue" in str(info.value) and "inserts=1" in str(info.value)
   assert writer.num_pending_items >= 1
-  with pytest.warns(RuntimeWarning, match="dropped"):
-    writer.close()
+  writer.close()   # the held-back items go on in the background
 
 
 def test_flush_validates_arguments(writer):
@@ -271,8 +270,7 @@ def test_flush_block_until_num_items_leaves_that_many_queued(client):
   writer.flush(2, timeout_ms=0)
   with pytest.raises(errors.DeadlineExceededError):
     writer.flush(1, timeout_ms=5)
-  with pytest.warns(RuntimeWarning, match="2 items"):
-    writer.close()
+  writer.close()   # the 2 held-back items go on in the background (test_reverb_compat.py)
 
 
 def test_end_episode_timeout_still_ends_the_episode(client):

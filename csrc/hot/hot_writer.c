@@ -26,6 +26,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <unistd.h>
 #include <structmember.h>
 
 
@@ -33,7 +34,7 @@
 static PyTypeObject *window_type = NULL;
 
 static PyObject *s_getitem, *s_append, *s_create_item, *s_flush_batch, *s_generation,
-    *s_priority_bound, *s_renew_fast;
+    *s_priority_bound, *s_renew_fast, *s_note_batch;
 
 #define MAX_LEAVES 64   /* larger steps / items take the Python path */
 
@@ -289,11 +290,15 @@ static int exact_int(PyObject *o, long long *out) {
   return 1;
 }
 
+static int column_behind_open_step(ColumnBase *col);
+
 /* history[c][-k:] (k <= n) and history[c][i] when the steps are in the open run and alive: the
- * window directly; everything else (and every error) goes to the Python _getitem. */
+ * window directly; everything else (and every error) goes to the Python _getitem, also a column
+ * that a partial step has not set yet (its history counts that step: Python's). */
 static PyObject *history_subscript(HistoryBase *self, PyObject *index) {
   PyObject *c = self->column;
-  if (c != NULL && window_type != NULL && is_column(c)) {
+  if (c != NULL && window_type != NULL && is_column(c) &&
+      !column_behind_open_step((ColumnBase *)c)) {
     ColumnBase *col = (ColumnBase *)c;
     long long v;
     if (PySlice_Check(index)) {
@@ -347,7 +352,39 @@ typedef struct {
   Py_ssize_t episode_steps;    /* _episode_steps */
   Py_ssize_t item_batch_size;  /* _item_batch_size */
   char closed;           /* _closed */
+  char step_open;        /* _step_open: a partial append opened the current step */
+  /* Exclusion with the background delivery thread (reverb_shm/_internal/delivery.py): `busy`
+   * counts the writer's calls in progress (its owner's thread); the delivery thread claims an
+   * idle writer (bg = 1, bg_pid = its process) and the owner's next call waits for it. */
+  char bg;
+  int busy;
+  pid_t bg_pid;
 } WriterBase;
+
+/* Waits (GIL released) while the delivery thread holds the writer; a claim made before a fork
+ * belongs to a thread that does not exist in the child: dropped. */
+static void writer_wait_bg(WriterBase *w) {
+  while (w->bg) {
+    if (w->bg_pid != getpid()) {
+      w->bg = 0;
+      break;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    usleep(50);
+    Py_END_ALLOW_THREADS
+  }
+}
+
+static PyTypeObject WriterBaseType;
+
+/* A partial step is open and has not set `col` yet: the column's history counts that step
+ * (as Reverb's), one position past col->n. */
+static int column_behind_open_step(ColumnBase *col) {
+  PyObject *w = col->writer;
+  if (w == NULL || !PyObject_TypeCheck(w, &WriterBaseType)) return 1;   /* let Python decide */
+  WriterBase *wb = (WriterBase *)w;
+  return wb->step_open && col->n <= wb->hist_step;
+}
 
 static int writer_traverse(WriterBase *self, visitproc visit, void *arg) {
   Py_VISIT(self->fast);
@@ -377,7 +414,6 @@ static void writer_dealloc(WriterBase *self) {
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyTypeObject WriterBaseType;
 
 /* ------------------------------------------------------------------------------------------ */
 /* FastAppend                                                                                 */
@@ -693,8 +729,31 @@ static void release_leaves(PyObject **leaves, Py_ssize_t n) {
   for (Py_ssize_t i = 0; i < n; i++) Py_DECREF(leaves[i]);
 }
 
+static PyObject *writer_append_impl(WriterBase *self, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames);
+static PyObject *writer_create_item_impl(WriterBase *self, PyObject *const *args,
+                                         Py_ssize_t nargs, PyObject *kwnames);
+
 static PyObject *writer_append(WriterBase *self, PyObject *const *args, Py_ssize_t nargs,
                                PyObject *kwnames) {
+  if (self->bg) writer_wait_bg(self);
+  self->busy++;
+  PyObject *r = writer_append_impl(self, args, nargs, kwnames);
+  self->busy--;
+  return r;
+}
+
+static PyObject *writer_create_item(WriterBase *self, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames) {
+  if (self->bg) writer_wait_bg(self);
+  self->busy++;
+  PyObject *r = writer_create_item_impl(self, args, nargs, kwnames);
+  self->busy--;
+  return r;
+}
+
+static PyObject *writer_append_impl(WriterBase *self, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames) {
   PyObject *fast = self->fast;
   if (nargs == 1 && kwnames == NULL && fast != NULL && Py_TYPE(fast) == &FastAppendType) {
     FastAppend *fa = (FastAppend *)fast;
@@ -824,12 +883,17 @@ done:
   return r;
 }
 
-static PyObject *writer_create_item(WriterBase *self, PyObject *const *args, Py_ssize_t nargs,
-                                    PyObject *kwnames) {
+static PyObject *writer_create_item_impl(WriterBase *self, PyObject *const *args,
+                                         Py_ssize_t nargs, PyObject *kwnames) {
   if (nargs == 3 && kwnames == NULL && window_type != NULL) {
     int r = create_item_fast(self, args[0], args[1], args[2]);
     if (r < 0) return NULL;
     if (r > 0) {
+      if (PyList_GET_SIZE(self->batch) == 1) {   /* a new batch: the delivery thread hears */
+        PyObject *n = PyObject_CallMethodNoArgs((PyObject *)self, s_note_batch);
+        if (n == NULL) return NULL;
+        Py_DECREF(n);
+      }
       int flush = self->batch != NULL && PyList_CheckExact(self->batch) &&
                   PyList_GET_SIZE(self->batch) >= self->item_batch_size;
       if (!flush && self->pending != NULL) {
@@ -902,6 +966,8 @@ static PyMemberDef writer_members[] = {
     {"_item_batch_size", T_PYSSIZET, offsetof(WriterBase, item_batch_size), 0,
      "Window items batched before an insert."},
     {"_closed", T_BOOL, offsetof(WriterBase, closed), 0, "close() was called."},
+    {"_step_open", T_BOOL, offsetof(WriterBase, step_open), 0,
+     "A partial append opened the current step."},
     {NULL}};
 
 static PyObject *s_no_history;
@@ -1018,7 +1084,55 @@ fail:
   return NULL;
 }
 
+static WriterBase *as_writer(PyObject *o) {
+  if (!PyObject_TypeCheck(o, &WriterBaseType)) {
+    PyErr_SetString(PyExc_TypeError, "expected a TrajectoryWriter");
+    return NULL;
+  }
+  return (WriterBase *)o;
+}
+
+static PyObject *hot_writer_enter(PyObject *module, PyObject *o) {
+  WriterBase *w = as_writer(o);
+  if (w == NULL) return NULL;
+  if (w->bg) writer_wait_bg(w);
+  w->busy++;
+  Py_RETURN_NONE;
+}
+
+static PyObject *hot_writer_exit(PyObject *module, PyObject *o) {
+  WriterBase *w = as_writer(o);
+  if (w == NULL) return NULL;
+  if (w->busy > 0) w->busy--;
+  Py_RETURN_NONE;
+}
+
+static PyObject *hot_writer_claim(PyObject *module, PyObject *o) {
+  WriterBase *w = as_writer(o);
+  if (w == NULL) return NULL;
+  if (w->bg && w->bg_pid != getpid()) w->bg = 0;
+  if (w->busy || w->bg) Py_RETURN_FALSE;
+  w->bg = 1;
+  w->bg_pid = getpid();
+  Py_RETURN_TRUE;
+}
+
+static PyObject *hot_writer_unclaim(PyObject *module, PyObject *o) {
+  WriterBase *w = as_writer(o);
+  if (w == NULL) return NULL;
+  w->bg = 0;
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef writer_module_methods[] = {
+    {"writer_enter", hot_writer_enter, METH_O,
+     "writer_enter(writer): a call of the writer's owner begins (waits while the delivery "
+     "thread holds it)."},
+    {"writer_exit", hot_writer_exit, METH_O, "writer_exit(writer): that call ended."},
+    {"writer_claim", hot_writer_claim, METH_O,
+     "writer_claim(writer) -> bool: the delivery thread takes the writer if no call of its "
+     "owner is in progress (the GIL makes the check and the claim one step)."},
+    {"writer_unclaim", hot_writer_unclaim, METH_O, "writer_unclaim(writer): gives it back."},
     {"writer_setup", hot_writer_setup, METH_O,
      "writer_setup(TrajectoryColumn): the window type the C paths create (once, at import)."},
     {"new_window", hot_new_window, METH_VARARGS,
@@ -1035,7 +1149,7 @@ int hot_writer_init(PyObject *module) {
       {&s_getitem, "_getitem"}, {&s_append, "_append"}, {&s_create_item, "_create_item"},
       {&s_flush_batch, "_flush_batch"}, {&s_generation, "_generation"},
       {&s_priority_bound, "priority_bound"}, {&s_no_history, "_no_history"},
-      {&s_renew_fast, "_renew_fast"}};
+      {&s_renew_fast, "_renew_fast"}, {&s_note_batch, "_note_batch"}};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
     if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) ==
                                       NULL)

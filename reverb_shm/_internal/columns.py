@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from reverb_shm import errors
 from reverb_shm._internal import structure
 
 __all__ = ["SUPPORTED_KINDS", "check_supported_dtype", "check_priority", "check_priorities",
@@ -109,7 +110,7 @@ def window_starts(starts) -> np.ndarray:
   (an unsigned 2**64 - 1 must not wrap to -1, the last step)."""
   starts = np.asarray(starts)
   if starts.dtype.kind == "u" and starts.size and int(starts.max()) > np.iinfo(np.int64).max:
-    raise IndexError(f"window start {int(starts.max())} is out of range (starts are step "
+    raise errors.HistoryIndexError(f"window start {int(starts.max())} is out of range (starts are step "
                      f"positions in the history, negative counting from the end)")
   return np.ascontiguousarray(starts, np.int64)
 

@@ -302,7 +302,8 @@ class _ColumnHistory(hot.HistoryBase):
   everything else by `_getitem`.
 
   Raises (on indexing):
-    IndexError: a position (or explicit slice bound) outside the column's steps.
+    HistoryIndexError (an IndexError and a ValueError): a position (or explicit slice bound)
+      outside the column's steps.
     ValueError: a selected position is None (expired, skipped or before the column existed).
     TypeError: another index type.
   """
@@ -317,20 +318,29 @@ class _ColumnHistory(hot.HistoryBase):
     return self._column.path
 
   def __len__(self) -> int:
-    return self._column.n
+    return self._length()
+
+  def _length(self) -> int:
+    """Positions of the column; an open partial step counts in every column as soon as it is
+    opened (as in Reverb), and reads as None in the columns it has not set yet."""
+    column = self._column
+    writer = column.writer
+    if writer._step_open and column.n <= writer._hist_step:  # pylint: disable=protected-access
+      return writer._hist_step + 1  # pylint: disable=protected-access
+    return column.n
 
   def _position(self, i) -> int:
-    n = self._column.n
+    n = self._length()
     if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
       raise TypeError(f"History positions must be ints, got {i!r} of type {type(i).__name__}")
     p = int(i) + n if i < 0 else int(i)
     if not 0 <= p < n:
-      raise IndexError(f"Position {i} is out of range for column {self._column.path}, which has "
+      raise errors.HistoryIndexError(f"Position {i} is out of range for column {self._column.path}, which has "
                        f"{n} steps since its buffers were last cleared")
     return p
 
   def _positions(self, s: slice) -> range:
-    n = self._column.n
+    n = self._length()
     for bound in (s.start, s.stop, s.step):
       if bound is not None and (isinstance(bound, bool) or
                                 not isinstance(bound, (int, np.integer))):
@@ -341,7 +351,7 @@ class _ColumnHistory(hot.HistoryBase):
       if bound is not None:
         b = int(bound) + n if bound < 0 else int(bound)
         if not 0 <= b <= n:
-          raise IndexError(f"Slice {s} is out of range for column {self._column.path}, which "
+          raise errors.HistoryIndexError(f"Slice {s} is out of range for column {self._column.path}, which "
                            f"has {n} steps since its buffers were last cleared")
     return range(*s.indices(n))
 
@@ -366,7 +376,7 @@ class _ColumnHistory(hot.HistoryBase):
                     f"{column.path}: use an int, a slice or a list of ints")
 
   def __repr__(self):
-    return f"ColumnHistory(path={self._column.path}, len={self._column.n})"
+    return f"ColumnHistory(path={self._column.path}, len={self._length()})"
 
 
 class TrajectoryColumn(hot.WindowBase):

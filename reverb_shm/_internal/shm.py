@@ -43,6 +43,7 @@ import msgpack
 import posix_ipc
 
 from reverb_shm import errors
+from reverb_shm._internal import owner_watch
 from reverb_shm._internal._lib import check, ffi, last_error, lib
 
 __all__ = ["Segment", "validate_server_name", "validate_mode", "register_port", "unregister_port",
@@ -224,6 +225,10 @@ class Segment:
     self._table_names = None
     self._configs = {}
     self._closed = False
+    # Set (by the owner_watch thread) once the server owning an attached segment is seen
+    # dead; the objects in _death_listeners then hear of it (_on_server_death()).
+    self.owner_dead = False
+    self._death_listeners = weakref.WeakSet()
     # Appended to "arena full" errors: which setting sizes this arena (the bridge's
     # staging segments name theirs).
     self.arena_hint = ""
@@ -417,7 +422,7 @@ class Segment:
     key = (name, os.getpid())
     with cls._cache_lock:
       seg = cls._cache.get(key)
-      if seg is not None and not seg.is_closed():
+      if seg is not None and not seg.owner_dead and not seg.is_closed():
         return seg
       try:
         mem = posix_ipc.SharedMemory(_shm_name(name))
@@ -449,12 +454,28 @@ class Segment:
         seg._map_arena_file(path, info["arena_off"], info["arena_max"])
       if not _owner_alive(info["owner_pid"], info["owner_start_time"]):
         seg._closed = True
-        raise errors.DeadOwnerError(
-            f"server {name!r} is dead (owner pid {info['owner_pid']} is gone) but its segment "
-            f"{segment_path(name)} remains: restart the server (it reclaims the name) or run "
-            "`reverb-shm gc`")
+        raise seg.dead_owner_error()
       cls._cache[key] = seg
-      return seg
+    ref = weakref.ref(seg)
+    owner_watch.watch(info["owner_pid"], info["owner_start_time"],
+                      lambda: ref() is not None and ref()._owner_died())
+    return seg
+
+  def dead_owner_error(self) -> "errors.DeadOwnerError":
+    """The error every Client call raises once this segment's server is dead."""
+    return errors.DeadOwnerError(
+        f"server {self.name!r} is dead (owner pid {self.info()['owner_pid']} is gone) but its "
+        f"segment {segment_path(self.name)} remains: restart the server (it reclaims the name) "
+        "or run `reverb-shm gc`")
+
+  def add_death_listener(self, listener) -> None:
+    """`listener._on_server_death()` is called (from another thread) when the server dies."""
+    self._death_listeners.add(listener)
+
+  def _owner_died(self) -> None:
+    self.owner_dead = True
+    for listener in list(self._death_listeners):
+      listener._on_server_death()  # pylint: disable=protected-access
 
   # ---- process slot
   @property

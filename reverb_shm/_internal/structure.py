@@ -33,9 +33,19 @@ def structure_of(nest: Any) -> optree.PyTreeSpec:
   return optree.tree_structure(nest, none_is_leaf=True)
 
 
+# Elements an object array may not hold: a ragged or nested array (np.array([[1, 2], [3]],
+# dtype=object) holds lists) has no column dtype and shape; Reverb rejects it with TypeError.
+_NESTED = (list, tuple, dict, set, frozenset, np.ndarray)
+
+
 def _encode_str(x):
   if isinstance(x, str):
     return x.encode("utf-8")
+  if isinstance(x, _NESTED):
+    raise TypeError(
+        f"object arrays may hold str, bytes or numbers only, got an element of type "
+        f"{type(x).__name__} ({x!r:.60}): a ragged or nested array has no dtype and shape; pad "
+        "it to a rectangular numeric array, or store each part in a field of its own")
   if isinstance(x, int) and not isinstance(x, bool) and not -2**63 <= x < 2**64:
     # numpy keeps such ints as Python objects, which no column type can store.
     raise ValueError(f"integer {x} does not fit int64 or uint64; pass a float or a numpy "
@@ -52,6 +62,7 @@ def to_array(leaf: Any) -> np.ndarray:
 
   Raises:
     ValueError: a Python int outside [-2**63, 2**64).
+    TypeError: an object array holding lists, tuples, dicts, sets or arrays (ragged data).
   """
   if isinstance(leaf, np.ndarray) and leaf.dtype.kind not in "USO":
     return leaf

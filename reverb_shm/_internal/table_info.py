@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from reverb_shm import selectors as selectors_lib
+from reverb_shm import specs
 
 __all__ = ["RateLimiterCallStats", "RateLimiterInfo", "TableWorkerTime", "TableInfo",
            "table_info"]
@@ -68,7 +69,7 @@ def table_info(name: str, stats: dict, signature: Any) -> TableInfo:
           max_diff=stats["max_diff"], min_size_to_sample=int(stats["min_size_to_sample"]),
           insert_stats=RateLimiterCallStats(int(stats["inserts"])),
           sample_stats=RateLimiterCallStats(int(stats["samples"]))),
-      signature=signature, current_size=int(stats["size"]),
+      signature=specs.user_signature(signature), current_size=int(stats["size"]),
       num_episodes=int(stats["num_episodes"]),
       num_deleted_episodes=int(stats["num_deleted_episodes"]),
       num_unique_samples=int(stats["num_unique_samples"]),

@@ -1,0 +1,124 @@
+"""Notices the death of the server processes whose segments this process has attached.
+
+One daemon thread per process waits, with the GIL released, in poll(2) on a pidfd of each
+watched server process (Linux >= 5.3), so a SIGKILLed server is noticed within milliseconds
+and nothing runs while every server lives. Where pidfds are unavailable it checks the
+servers' /proc entries every _FALLBACK_POLL_S instead. On a death it calls the callbacks given
+to `watch` for that server (with no lock held), once.
+
+Fork: the child starts with nothing watched (its clients attach anew and watch again); the
+parent's thread, pidfds and wake pipe are the parent's.
+"""
+import os
+import select
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+from reverb_shm._internal._lib import lib
+
+__all__ = ["watch"]
+
+_FALLBACK_POLL_S = 0.1   # /proc checks without pidfds
+
+
+class _Watcher:
+  """The watched servers of this process: pid -> (start time, pidfd or None, callbacks)."""
+
+  def __init__(self):
+    self.lock = threading.Lock()
+    self.owners: Dict[int, Tuple[int, Optional[int], List[Callable[[], None]]]] = {}
+    self.thread = None
+    self.wake_r, self.wake_w = None, None
+
+  def watch(self, pid: int, start_time: int, callback: Callable[[], None]) -> None:
+    with self.lock:
+      entry = self.owners.get(pid)
+      if entry is not None and entry[0] == start_time:
+        entry[2].append(callback)
+        return
+      try:
+        pidfd = os.pidfd_open(pid)
+      except (AttributeError, OSError):   # no pidfds here, or the process is gone already
+        pidfd = None
+      self.owners[pid] = (start_time, pidfd, [callback])
+      if self.thread is None:
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        self.thread = threading.Thread(target=self._run, name="reverb_shm-owner-watch",
+                                       daemon=True)
+        self.thread.start()
+      else:
+        self._wake()
+    # A pid reused between reading the segment header and pidfd_open: its start time differs.
+    if lib.rs_proc_start_time(pid) != start_time:
+      self._dead(pid)
+
+  def _wake(self) -> None:
+    try:
+      os.write(self.wake_w, b"x")
+    except BlockingIOError:   # the pipe is full: the thread wakes anyway
+      pass
+
+  def _run(self) -> None:
+    while True:
+      with self.lock:
+        fds = {fd: pid for pid, (_, fd, _) in self.owners.items() if fd is not None}
+        polled = any(fd is None for _, fd, _ in self.owners.values())
+        wake_r = self.wake_r
+      poller = select.poll()
+      poller.register(wake_r, select.POLLIN)
+      for fd in fds:
+        poller.register(fd, select.POLLIN)
+      try:
+        events = poller.poll(_FALLBACK_POLL_S * 1000 if polled else None)
+      except OSError:   # an fd closed under us (fork child reset): look again
+        continue
+      for fd, _ in events:
+        if fd == wake_r:
+          try:
+            os.read(wake_r, 4096)
+          except BlockingIOError:
+            pass
+        elif fd in fds:
+          self._dead(fds[fd])
+      if polled:
+        with self.lock:
+          stale = [pid for pid, (start, fd, _) in self.owners.items()
+                   if fd is None and lib.rs_proc_start_time(pid) != start]
+        for pid in stale:
+          self._dead(pid)
+
+  def _dead(self, pid: int) -> None:
+    with self.lock:
+      entry = self.owners.pop(pid, None)
+    if entry is None:
+      return
+    if entry[1] is not None:
+      os.close(entry[1])
+    for callback in entry[2]:
+      try:
+        callback()
+      except Exception:  # pylint: disable=broad-except  (one bad listener must not stop others)
+        pass
+
+  def reset_in_child(self) -> None:
+    # The parent's thread does not exist here; its fds are the parent's to close.
+    for _, fd, _ in self.owners.values():
+      if fd is not None:
+        os.close(fd)
+    for fd in (self.wake_r, self.wake_w):
+      if fd is not None:
+        os.close(fd)
+    self.__init__()
+
+
+_WATCHER = _Watcher()
+
+
+def watch(pid: int, start_time: int, callback: Callable[[], None]) -> None:
+  """Calls `callback()` (from the watcher thread, once) when process `pid`, started at
+  `start_time` (rs_proc_start_time's clock ticks), has exited; at once if it already has."""
+  _WATCHER.watch(pid, start_time, callback)
+
+
+os.register_at_fork(after_in_child=_WATCHER.reset_in_child)

@@ -1,0 +1,301 @@
+"""Reverb's TensorFlow surface (reverb_shm.tf, the `tf` extra): TrajectoryDataset,
+TimestepDataset, TFClient, and TableInfo signatures as tf.TensorSpecs.
+
+Behaviour compared with dm-reverb 0.14's (its source and runs in the `reverb` peer venv): element
+structure ReplaySample(info, data) with info dtypes uint64/float64/int64/float64/int32, argument
+checks, end of sequence at the rate limiter timeout, errors for items that do not match.
+"""
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import reverb_shm as reverb
+
+tf = pytest.importorskip("tensorflow")
+
+SIG = {"a": tf.TensorSpec([3, 2], tf.float32), "b": tf.TensorSpec([3], tf.int64)}
+
+
+def _server(table_kwargs=None, signature=SIG, name="t"):
+  kw = dict(sampler=reverb.selectors.Uniform(), remover=reverb.selectors.Fifo(), max_size=1000,
+            rate_limiter=reverb.rate_limiters.MinSize(1), signature=signature)
+  kw.update(table_kwargs or {})
+  return reverb.Server([reverb.Table(name, **kw)])
+
+
+def _fill(client, n, table="t"):
+  """Items of 3 steps: step i holds a = [i, i], b = i; item j = steps j..j+2."""
+  with client.trajectory_writer(3) as w:
+    for i in range(n + 2):
+      w.append({"a": np.full(2, i, np.float32), "b": np.int64(i)})
+      if i >= 2:
+        w.create_item(table, 1.0 + i, {"a": w.history["a"][-3:], "b": w.history["b"][-3:]})
+
+
+@pytest.fixture
+def filled():
+  server = _server()
+  client = reverb.Client(f"localhost:{server.port}")
+  _fill(client, 10)
+  yield server, f"localhost:{server.port}", client
+  server.stop()
+
+
+@pytest.mark.parametrize("name", ["TFClient", "TimestepDataset", "TrajectoryDataset"])
+def test_reverb_tensorflow_names_resolve(name):
+  from reverb_shm import tf as tf_lib  # pylint: disable=g-import-not-at-top
+  assert getattr(reverb, name) is getattr(tf_lib, name)
+
+
+def test_import_never_loads_tensorflow_and_names_need_the_extra():
+  code = ("import sys; import reverb_shm\n"
+          "assert 'tensorflow' not in sys.modules\n"
+          "sys.modules['tensorflow'] = None   # as if not installed\n"
+          "try:\n  reverb_shm.TrajectoryDataset\nexcept ImportError as e:\n  print(e)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  assert "pip install reverb_shm[tf]" in out.stdout
+
+
+def test_signature_is_tf_tensor_spec_once_tensorflow_is_imported(filled):
+  _, address, client = filled
+  sig = client.server_info()["t"].signature
+  assert sig == SIG and all(type(s) is tf.TensorSpec for s in sig.values())
+  code = ("import sys, reverb_shm\n"
+          f"s = reverb_shm.Client({address!r}).server_info()['t'].signature\n"
+          "assert 'tensorflow' not in sys.modules\n"
+          "assert s['a'] == reverb_shm.TensorSpec([3, 2], 'float32'), s\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+
+
+def test_bounded_and_string_signatures_convert():
+  from tensorflow.python.framework import tensor_spec  # pylint: disable=g-import-not-at-top
+  sig = {"x": tensor_spec.BoundedTensorSpec([2], tf.int32, 0, 5), "s": tf.TensorSpec([], tf.string)}
+  server = _server(signature=sig)
+  try:
+    got = reverb.Client(f"localhost:{server.port}").server_info()["t"].signature
+    assert got == sig and type(got["x"]) is tensor_spec.BoundedTensorSpec
+  finally:
+    server.stop()
+
+
+def test_trajectory_dataset_elements(filled):
+  _, address, _ = filled
+  ds = reverb.TrajectoryDataset.from_table_signature(address, "t", 10, max_samples=20)
+  assert isinstance(ds, tf.data.Dataset)
+  spec = ds.element_spec
+  assert isinstance(spec, reverb.ReplaySample) and isinstance(spec.info, reverb.SampleInfo)
+  assert [s.dtype for s in spec.info] == [tf.uint64, tf.float64, tf.int64, tf.float64, tf.int32]
+  assert all(s.shape == [] for s in spec.info)
+  assert spec.data == SIG
+  elements = list(ds)
+  assert len(elements) == 20
+  for e in elements:
+    b = e.data["b"].numpy()
+    first = int(b[0])
+    np.testing.assert_array_equal(b, [first, first + 1, first + 2])
+    np.testing.assert_array_equal(e.data["a"].numpy(), np.repeat(b[:, None], 2, 1))
+    assert e.info.table_size.numpy() == 10
+    assert e.info.probability.numpy() == pytest.approx(0.1)
+    assert e.info.priority.numpy() == 1.0 + first + 2
+    assert e.info.times_sampled.numpy() >= 1
+
+
+def test_batch_gives_what_unbatched_elements_batched_give(filled):
+  _, address, _ = filled
+  ds = reverb.TrajectoryDataset.from_table_signature(address, "t", 3, max_samples=10)
+  assert [len(x.info.key) for x in ds.batch(4)] == [4, 4, 2]
+  dropped = ds.batch(4, drop_remainder=True)
+  assert dropped.element_spec.data["a"].shape == [4, 3, 2]
+  assert dropped.element_spec.info.key.shape == [4]
+  assert [len(x.info.key) for x in dropped] == [4, 4]
+  plain = tf.data.Dataset.batch(ds, 4)   # tf.data's own batch of the same elements
+  assert plain.element_spec == ds.batch(4).element_spec
+
+
+def test_argument_checks_as_reverb(filled):
+  _, address, _ = filled
+  args = dict(server_address=address, table="t", dtypes=tf.int64, shapes=tf.TensorShape([]))
+  for kw, msg in [({"max_in_flight_samples_per_worker": 0}, "max_in_flight"),
+                  ({"num_workers_per_iterator": 0}, "num_workers_per_iterator"),
+                  ({"max_samples_per_stream": 0}, "max_samples_per_stream"),
+                  ({"rate_limiter_timeout_ms": -2}, "rate_limiter_timeout_ms"),
+                  ({"max_samples": 0}, "max_samples")]:
+    full = dict(args, max_in_flight_samples_per_worker=1)
+    full.update(kw)
+    with pytest.raises(ValueError, match=msg):
+      reverb.TrajectoryDataset(**full)
+  with pytest.raises(ValueError):
+    reverb.TrajectoryDataset(address, "t", {"a": tf.int64, "b": tf.int64}, tf.TensorShape([]),
+                             1)
+  with pytest.raises(ValueError, match="does not contain any table named nope"):
+    reverb.TrajectoryDataset.from_table_signature(address, "nope", 1)
+
+
+def test_from_table_signature_needs_a_signature():
+  server = _server(signature=None)
+  try:
+    with pytest.raises(ValueError, match="does not have a signature"):
+      reverb.TrajectoryDataset.from_table_signature(f"localhost:{server.port}", "t", 1)
+  finally:
+    server.stop()
+
+
+def test_rate_limiter_timeout_ends_the_sequence():
+  server = _server()
+  try:
+    address = f"localhost:{server.port}"
+    ds = reverb.TrajectoryDataset.from_table_signature(address, "t", 4,
+                                                       rate_limiter_timeout_ms=150)
+    start = time.monotonic()
+    assert list(ds) == []   # empty table: the first sample times out
+    assert 0.1 < time.monotonic() - start < 10
+    _fill(reverb.Client(address), 2)
+    ds = reverb.TrajectoryDataset.from_table_signature(address, "t", 4,
+                                                       rate_limiter_timeout_ms=150)
+    it = iter(ds)
+    assert len([next(it) for _ in range(5)]) == 5   # MinSize(1): items keep coming
+  finally:
+    server.stop()
+
+
+def test_items_that_do_not_match_raise_invalid_argument(filled):
+  _, address, _ = filled
+  ds = reverb.TrajectoryDataset(address, "t", {"a": tf.float32, "b": tf.int64},
+                                {"a": tf.TensorShape([3, 2]), "b": tf.TensorShape([4])}, 2)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="incompatible tensor at flattened "
+                     "index 1"):
+    next(iter(ds))
+  ds = reverb.TrajectoryDataset(address, "t", {"a": tf.float64, "b": tf.int64},
+                                {"a": tf.TensorShape([3, 2]), "b": tf.TensorShape([3])}, 2)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="flattened index 0"):
+    next(iter(ds))
+
+
+def test_fifo_queue_order_with_one_worker():
+  server = reverb.Server([reverb.Table.queue("q", 100)])
+  try:
+    address = f"localhost:{server.port}"
+    client = reverb.Client(address)
+    for i in range(20):
+      client.insert(np.int64(i), {"q": 1.0})
+    ds = reverb.TrajectoryDataset(address, "q", (tf.int64,), (tf.TensorShape([1]),),
+                                  max_in_flight_samples_per_worker=7,
+                                  num_workers_per_iterator=1, rate_limiter_timeout_ms=100)
+    got = [int(x.data[0].numpy()[0]) for x in ds]
+    assert got == list(range(20))
+  finally:
+    server.stop()
+
+
+def test_timestep_dataset_yields_each_step_of_each_item(filled):
+  _, address, _ = filled
+  ds = reverb.TimestepDataset(address, "t", {"a": tf.float32, "b": tf.int64},
+                              {"a": tf.TensorShape([2]), "b": tf.TensorShape([])}, 4,
+                              max_samples=5)
+  steps = list(ds)
+  assert len(steps) == 15
+  for k in range(5):
+    item = steps[3 * k:3 * k + 3]
+    b = [int(s.data["b"].numpy()) for s in item]
+    assert b == [b[0], b[0] + 1, b[0] + 2]
+    assert len({int(s.info.key.numpy()) for s in item}) == 1
+  assert [len(x.info.key) for x in ds.batch(3)] == [3] * 5
+
+
+def test_tf_client_insert_sample_update_priorities():
+  sig = {"w": tf.TensorSpec([2], tf.float32), "n": tf.TensorSpec([], tf.int64)}
+  server = reverb.Server([reverb.Table("v", reverb.selectors.Prioritized(1.0),
+                                       reverb.selectors.Fifo(), 10,
+                                       reverb.rate_limiters.MinSize(1), signature=sig)])
+  try:
+    address = f"localhost:{server.port}"
+    client = reverb.TFClient(address)
+    assert client.server_address == address
+    data = [tf.constant(7, tf.int64), tf.constant([1.0, 2.0])]   # flattened: n, w
+    client.insert(data, tf.constant(["v"]), tf.constant([2.0], tf.float64))
+    sample = client.sample("v", [tf.int64, tf.float32])
+    assert [t.dtype for t in sample.info] == [tf.uint64, tf.float64, tf.int64, tf.float64,
+                                               tf.int32]
+    assert sample.info.priority.numpy() == 2.0 and sample.info.table_size.numpy() == 1
+    assert int(sample.data[0].numpy()) == 7
+    np.testing.assert_array_equal(sample.data[1].numpy(), [1.0, 2.0])
+    client.update_priorities("v", tf.reshape(sample.info.key, [1]),
+                             tf.constant([5.0], tf.float64))
+    assert next(reverb.Client(address).sample("v")) [0].info.priority == 5.0
+
+    @tf.function
+    def roundtrip(x):
+      client.insert([tf.constant(8, tf.int64), x], tf.constant(["v"]),
+                    tf.constant([1.0], tf.float64))
+      return client.sample("v", {"n": tf.int64, "w": tf.float32}).data
+    out = roundtrip(tf.constant([3.0, 4.0]))
+    assert int(out["n"].numpy()) in (7, 8)
+    with pytest.raises(tf.errors.InvalidArgumentError):   # w of shape [3]: not the signature
+      client.insert([tf.constant(1, tf.int64), tf.constant([1.0, 2.0, 3.0])],
+                    tf.constant(["v"]), tf.constant([1.0], tf.float64))
+    with pytest.raises(tf.errors.InvalidArgumentError):   # dtypes that do not match
+      client.sample("v", [tf.int32, tf.float32])
+    with pytest.raises(ValueError, match="tables must be a string tensor"):
+      client.insert(data, tf.constant([1]), tf.constant([1.0], tf.float64))
+    with pytest.raises(ValueError, match="priorities must be a float64"):
+      client.insert(data, tf.constant(["v"]), tf.constant([1.0], tf.float32))
+    with pytest.raises(ValueError, match="same shape"):
+      client.insert(data, tf.constant(["v"]), tf.constant([1.0, 2.0], tf.float64))
+  finally:
+    server.stop()
+
+
+def test_acme_make_reverb_dataset_pipeline(filled):
+  """acme.datasets.make_reverb_dataset's pipeline: from_table_signature inside an interleave's
+  map_func (traced in graph mode), batch(drop_remainder=True), prefetch."""
+  _, address, _ = filled
+
+  def make(unused_idx):
+    return reverb.TrajectoryDataset.from_table_signature(
+        server_address=address, table="t", max_in_flight_samples_per_worker=8).batch(
+            4, drop_remainder=True)
+  ds = tf.data.Dataset.range(2).interleave(make, cycle_length=2, num_parallel_calls=2,
+                                           deterministic=False).prefetch(2)
+  assert ds.element_spec.data["a"].shape == [4, 3, 2]
+  it = iter(ds)
+  for _ in range(5):
+    batch = next(it)
+    b = batch.data["b"].numpy()
+    np.testing.assert_array_equal(b[:, 1] - b[:, 0], [1, 1, 1, 1])
+
+
+def test_deleting_an_iterator_that_waits_for_a_sample_returns():
+  server = _server({"max_times_sampled": 1})
+  try:
+    address = f"localhost:{server.port}"
+    _fill(reverb.Client(address), 1)
+    done = threading.Event()
+
+    def consume():
+      it = iter(reverb.TrajectoryDataset.from_table_signature(address, "t", 2).prefetch(2))
+      next(it)   # the only item; the prefetch then waits for a sample that never comes
+      del it
+      done.set()
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    assert done.wait(30), "deleting the iterator hung while its generator waited"
+  finally:
+    server.stop()
+
+
+@pytest.mark.timeout(600)
+def test_example_tf_learner_runs():
+  """examples/tf_learner.py: spawned actors fill a table, a Keras learner reads a
+  TrajectoryDataset and learns the reward weights."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "tf_learner.py"
+  out = subprocess.run([sys.executable, str(example), "--steps", "60", "--actors", "2"],
+                       capture_output=True, text=True, timeout=540)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  assert "60 steps in" in out.stdout
