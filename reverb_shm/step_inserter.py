@@ -295,7 +295,8 @@ class StepInserter:
     """Flushes the staged steps, then refuses further inserts (idempotent).
 
     Raises:
-      As flush(); the inserter stays open then (close() can be called again).
+      DeadlineExceededError: as flush(); the inserter stays open then (close() can be called
+        again), as for every other error of flush().
     """
     if not self._closed:
       self.flush()

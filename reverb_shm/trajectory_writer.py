@@ -492,7 +492,8 @@ class TrajectoryWriter(hot.WriterBase):
       trajectories: one trajectory nest per item (as in `create_item`).
 
     Raises:
-      As `create_item`; nothing is inserted or queued when any item is invalid.
+      ValueError: as `create_item` (TypeError too); nothing is inserted or queued when any
+        item is invalid.
     """
     self._check_open()
     if len(priorities) != len(trajectories):
@@ -536,7 +537,8 @@ class TrajectoryWriter(hot.WriterBase):
         values (non-negative for Prioritized tables), a window that includes an expired or
         skipped step, or (validate_items) a signature mismatch.
       IndexError: a window outside a column's steps.
-      Nothing is created when any item is invalid.
+
+    Nothing is created when any item is invalid.
     """
     self._check_open()
     handle = self._table(table)

@@ -354,8 +354,8 @@ class RemoteClient(client_lib.Client):
     encoded straight from the arrays (no staging copy).
 
     Raises:
-      As Client.insert; ServerUnavailableError when the bridge stays unreachable for
-      reconnect_timeout_s.
+      ServerUnavailableError: the bridge stays unreachable for reconnect_timeout_s.
+      ValueError: as Client.insert (and the other errors Client.insert raises).
     """
     if self._insert_fast(data, priorities, timeout_ms):
       return
