@@ -9,17 +9,17 @@ with Reverb's writers, which send items in batches.
 Also the cheap flattening of the hot paths (`flat_leaves`).
 """
 import math
+import operator
 import os
 import warnings
-import operator
 from typing import Any, List, Optional
 
 import numpy as np
 
 from reverb_shm import errors
 from reverb_shm._internal import chunks, hot_plans, structure, timeouts
-from reverb_shm._internal._lib import ffi, lib
 from reverb_shm._internal import columns as columns_lib
+from reverb_shm._internal._lib import ffi, lib
 
 __all__ = ["StepInserter", "flat_leaves"]
 
@@ -97,7 +97,7 @@ class StepInserter:
     self._staged = 0
     self._closed = False
     self._layout = None       # (treedef, ((dtype, shape) per leaf)) of the first step
-    self._rows = None         # staging array (capacity, *shape) per leaf
+    self._rows: Any = None    # staging array (capacity, *shape) per leaf
     self._buffers = None      # their uint8_t[] cdata
     self._writer = None       # chunks.ColumnWriter of the layout
     self._fast = None         # what _stage_same_layout compares (flat dict first steps)

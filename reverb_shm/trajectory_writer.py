@@ -26,16 +26,32 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from reverb_shm import errors
-from reverb_shm._internal import chunks, structure, timeouts
+from reverb_shm._internal import chunks, items, structure, timeouts
 from reverb_shm._internal._lib import ffi, hot
-from reverb_shm._internal import items
-from reverb_shm._internal.columns import (as_column_array, check_positive_int, check_priorities,
-                                          check_priority, check_signature,
-                                          check_supported_dtype, flat_dict_keys, object_row,
-                                          window_starts)
-from reverb_shm._internal.history import (_COUNT, _HOLDER, _POS, AUTO_MAX_ROWS, CellRef,
-                                          TrajectoryColumn, _Column, _ColumnHistory, _Holder,
-                                          _prune, _union)
+from reverb_shm._internal.columns import (
+  as_column_array,
+  check_positive_int,
+  check_priorities,
+  check_priority,
+  check_signature,
+  check_supported_dtype,
+  flat_dict_keys,
+  object_row,
+  window_starts,
+)
+from reverb_shm._internal.history import (
+  _COUNT,
+  _HOLDER,
+  _POS,
+  AUTO_MAX_ROWS,
+  CellRef,
+  TrajectoryColumn,
+  _Column,
+  _ColumnHistory,
+  _Holder,
+  _prune,
+  _union,
+)
 from reverb_shm._internal.items import SQUEEZE_FLAG
 from reverb_shm._internal.keys import random_u64
 
@@ -716,7 +732,8 @@ class TrajectoryWriter(hot.WriterBase):
 
   def _create_general(self, handle, priorities: List[float], trajectories) -> None:
     """Items with any column that is not one window: encoded one by one, inserted now."""
-    encoded = [items.encode_item(self, handle, trajectory, self._validate_items) for trajectory in trajectories]
+    encoded = [items.encode_item(self, handle, trajectory, self._validate_items)
+               for trajectory in trajectories]
     if not encoded:
       return
     self._flush_batch()     # keeps creation order
@@ -874,8 +891,8 @@ class TrajectoryWriter(hot.WriterBase):
   def end_episode(self, clear_buffers: bool = True, timeout_ms: Optional[int] = None) -> None:
     """Flushes every queued item, then starts a new episode.
 
-    The episode ends even when the flush times out (as Reverb documents but does not do): the next append
-    starts a new episode with a new random id. Open chunks are shrunk to their rows.
+    The episode ends even when the flush times out (as Reverb documents but does not do): the
+    next append starts a new episode with a new random id. Open chunks are shrunk to their rows.
 
     Args:
       clear_buffers: expire every ref and empty the history (else refs stay usable).
@@ -1002,13 +1019,13 @@ class TrajectoryWriter(hot.WriterBase):
 
 
 # --------------------------------------------------------------------------------------------
-# Asynchronous clients (the bridge's remote clients). A client may offer `writer_session()`: the client object a
-# new writer then uses (with `_segment` and `_table_handle`), whose tables confirm inserts
-# asynchronously; it offers `in_flight()` (items sent, not yet confirmed), `await_inserts(until,
-# deadline_ns, timeout_ms, what)` (returns a DeadlineExceededError on timeout, raises the tables'
-# errors), `close_inserts()` and `finalising()` (the writer is closed from its __del__: no new
-# streams, whose threads must not start inside the garbage collector). Local clients offer none
-# of these: the hooks do nothing then.
+# Asynchronous clients (the bridge's remote clients). A client may offer `writer_session()`: the
+# client object a new writer then uses (with `_segment` and `_table_handle`), whose tables confirm
+# inserts asynchronously; it offers `in_flight()` (items sent, not yet confirmed),
+# `await_inserts(until, deadline_ns, timeout_ms, what)` (returns a DeadlineExceededError on
+# timeout, raises the tables' errors), `close_inserts()` and `finalising()` (the writer is closed
+# from its __del__: no new streams, whose threads must not start inside the garbage collector).
+# Local clients offer none of these: the hooks do nothing then.
 
 
 def _writer_client(client):

@@ -3,7 +3,8 @@
 Sub-commands:
   reverb-shm list            servers whose segments exist in /dev/shm, with owner state
   reverb-shm info NAME       segment and per-table statistics of server NAME
-  reverb-shm check NAME      run the C invariant checker over every table of NAME (exit 1 on violation)
+  reverb-shm check NAME      run the C invariant checker over every table of NAME (exit 1 on
+                             a violation)
   reverb-shm gc [NAME ...] [--dry-run]
                              remove segments and port aliases whose owner process is dead
                              (of servers NAME only, if given); a segment still being created
@@ -152,6 +153,7 @@ def _cmd_bridge(args) -> int:
     server.wait()
   except KeyboardInterrupt:
     pass
+  return 0
 def _progress_bars():
   """A checkpoint Progress callback drawing tqdm bars, or None when tqdm is not installed."""
   try:
@@ -175,6 +177,7 @@ def _progress_bars():
 
 def _cmd_checkpoint(args) -> int:
   import logging  # pylint: disable=g-import-not-at-top
+
   from reverb_shm import checkpointers  # pylint: disable=g-import-not-at-top
   seg = shm.Segment.attach(args.name)
   progress = _progress_bars()
