@@ -14,7 +14,6 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from reverb_shm import errors
-from reverb_shm import step_inserter as step_inserter_lib
 from reverb_shm import table as table_lib
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 from reverb_shm._internal import addresses, chunks, hot_plans, shm, structure, timeouts
@@ -515,7 +514,7 @@ def one_step(client, data: Any, priorities: Dict[str, float], refresh, plan):
   if handle is None or (prio < 0 and handle.prioritized):
     return None
   try:
-    arrays = step_inserter_lib.step_arrays(data)
+    arrays = columns_lib.step_arrays(data)
   except ValueError:
     return None
   found = plan(handle, tuple([(a.dtype, a.shape) for a in arrays]))

@@ -14,6 +14,7 @@ import numpy as np
 from reverb_shm import errors, specs
 from reverb_shm import step_inserter as step_inserter_lib
 from reverb_shm._internal import chunks, hot_plans, structure, timeouts
+from reverb_shm._internal import columns as columns_lib
 from reverb_shm._internal._lib import check, ffi, hot, lib
 from reverb_shm._internal.shm import Segment
 from reverb_shm._internal.table_info import TableInfo, table_info
@@ -521,7 +522,7 @@ class SharedTable:
     Raises:
       ValueError: as _columns_of.
     """
-    arrays = step_inserter_lib.step_arrays(data)
+    arrays = columns_lib.step_arrays(data)
     columns = tuple([(a.dtype, a.shape) for a in arrays])
     plans = self._insert_plans
     if columns in plans:
