@@ -42,15 +42,27 @@ RATIOS = [
      ("shm", "W5_copy", "numpy"), 0.6),
     ("W6 cross-process vs in-process", ("shm", "W6", "cross_process"),
      ("shm", "W6", "in_process"), 0.8),
+    # G1: the same workloads on servers that start at 8 MiB and grow (growth costs ~nothing)
+    *[(f"G1 {w} {v}: grown arena vs pre-sized", ("shm_grown", w, v), ("shm", w, v), 0.97)
+      for w, v in (("W1", "fastest"), ("W1", "reverb_api"), ("W3", "fastest"),
+                   ("W5_insert", "fastest"), ("W5_sample", "fastest"))],
+    # D1: disk tier, 84x84x4 frames worth 4x a memory cgroup's limit, batch-64 samples (MB/s)
+    ("D1 disk tier vs TorchRL LazyMemmapStorage", ("disk", "D1", "shm"), ("disk", "D1", "torchrl"),
+     1.0),
+    ("D1 disk tier vs cpprb mmap_prefix", ("disk", "D1", "shm"), ("disk", "D1", "cpprb"), 1.0),
+    ("D1 disk tier vs the disk's random reads (memmap gather)", ("disk", "D1", "shm"),
+     ("disk", "D1", "memmap"), 0.7),
 ]
+G1_WORKLOADS = ["W1", "W3", "W5"]
 
 
-def run_runner(python, script, args, workloads, timeout):
+def run_runner(python, script, args, workloads, timeout, extra_env=None):
   """Runs one runner script; returns (rows, note)."""
   cmd = [python, str(HERE / script), "--workloads", *workloads, "--duration", str(args.duration),
          "--warmup", str(args.warmup), "--items", str(args.items), "--frames", str(args.frames),
          "--scales", *map(str, args.scales)]
-  env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             **(extra_env or {}))
   # No idle BLAS worker threads spinning beside the measured loop (every runner alike): numpy's
   # OpenBLAS pool costs a few % of a 2-core machine and none of the workloads use BLAS.
   for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -124,12 +136,12 @@ def ratios(results):
 
 
 def print_table(results, ratio_rows, notes):
-  print(f"\n{'runner':<7} {'workload':<12} {'variant':<26} {'items/s':>13} {'MB/s':>8}  api")
+  print(f"\n{'runner':<9} {'workload':<12} {'variant':<26} {'items/s':>13} {'MB/s':>8}  api")
   for runner, rows in results.items():
     for r in rows:
       mb = f"{r['mb_per_s']:8.0f}" if "mb_per_s" in r else " " * 8
       extra = f"  [{r['table_items']:,} items]" if "table_items" in r else ""
-      print(f"{runner:<7} {r['workload']:<12} {r['variant']:<26} {r['items_per_s']:13,.0f} {mb}"
+      print(f"{runner:<9} {r['workload']:<12} {r['variant']:<26} {r['items_per_s']:13,.0f} {mb}"
             f"  {r['api']}{extra}")
   print(f"\n{'ratio':<62} {'value':>9} {'target':>8}  met")
   for r in ratio_rows:
@@ -167,7 +179,12 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true")
   p.add_argument("--repeat", type=int, default=1)
-  p.add_argument("--only", nargs="+", help="workloads (W1..W6, scaling, metadata)")
+  p.add_argument("--only", nargs="+", help="workloads (W1..W6, scaling, metadata, G1, D1)")
+  p.add_argument("--torchrl-python", default=os.environ.get("TORCHRL_PYTHON"))
+  p.add_argument("--d1-dir", default=os.environ.get("REVERB_SHM_D1_DIR", "/var/tmp"),
+                 help="directory on the disk D1 measures (every runner's files go there)")
+  p.add_argument("--d1-limit-mib", type=int, default=None,
+                 help="D1's memory cgroup limit (default 256 MiB, 64 with --quick)")
   p.add_argument("--reverb-python", default=os.environ.get("REVERB_PYTHON",
                                                            "/tmp/refvenv/bin/python"))
   p.add_argument("--cpprb-python", default=os.environ.get("CPPRB_PYTHON",
@@ -178,7 +195,12 @@ def main(argv=None):
   args.items = 20_000 if args.quick else 1_000_000
   args.frames = 500 if args.quick else 4_000
   args.scales = SCALES[:3] if args.quick else SCALES
-  workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata"]
+  workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata", "G1",
+                            "D1"]
+  grown, disk = "G1" in workloads, "D1" in workloads
+  workloads = [w for w in workloads if w not in ("G1", "D1")]
+  if grown:   # G1 compares W1, W3, W5 on grown and on pre-sized arenas
+    workloads += [w for w in G1_WORKLOADS if w not in workloads]
   runners = [("shm", sys.executable, "shm_workloads.py", None),
              ("reverb", args.reverb_python, "peer_reverb.py", "reverb"),
              ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb")]
@@ -192,14 +214,34 @@ def main(argv=None):
       available.append((name, python, script))
   # Repeats go round the runners (shm, peers, shm, peers, ...) so that a noisy spell on a shared
   # machine hits every runner's median alike instead of one runner's three runs.
+  if grown:
+    available.append(("shm_grown", sys.executable, "shm_workloads.py"))
   runs = {name: [] for name, _, _ in available}
   for i in range(args.repeat):
     for name, python, script in available:
       print(f"running {name} ({i + 1}/{args.repeat}) ...", flush=True)
-      rows, note = run_runner(python, script, args, workloads, timeout=3600)
+      if name == "shm_grown":
+        rows, note = run_runner(python, script, args, G1_WORKLOADS, timeout=3600,
+                                extra_env={"REVERB_SHM_BENCH_ARENA": "grown"})
+      else:
+        rows, note = run_runner(python, script, args, workloads, timeout=3600)
       if note:
         notes.append(note)
       runs[name].append(rows)
+  if disk:
+    limit = args.d1_limit_mib or (64 if args.quick else 256)
+    print(f"running D1 (disk tier, {limit} MiB cgroup, {args.d1_dir}) ...", flush=True)
+    cmd = [sys.executable, str(HERE / "disk_tier.py"), "--limit-mib", str(limit), "--dir",
+           args.d1_dir, "--seconds", "3" if args.quick else "8", "--cpprb-python",
+           args.cpprb_python, "--torchrl-python", args.torchrl_python or ""]
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+      line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS "))
+      out = json.loads(line[len("RESULTS "):])
+      runs["disk"] = [out["rows"]]
+      notes.extend(out["notes"])
+    except (OSError, subprocess.TimeoutExpired, StopIteration) as e:
+      notes.append(f"D1 failed: {e}")
   results = {name: median_rows(r) for name, r in runs.items()}
   ratio_rows = ratios(results)
   print_table(results, ratio_rows, notes)

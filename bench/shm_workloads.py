@@ -36,10 +36,35 @@ def steps(n, start=0):
           "action": v.astype(np.int64), "reward": v.astype(np.float32)}
 
 
+# REVERB_SHM_BENCH_ARENA=grown (run_all's G1): servers start with the default 8 MiB arena and
+# grow while the workloads fill them, within the same max_bytes, instead of reserving it all.
+GROWN = os.environ.get("REVERB_SHM_BENCH_ARENA") == "grown"
+
+
 def server(sampler, max_size, item_bytes=STEP_BYTES, limiter=None):
   table = reverb.Table(TABLE, sampler=sampler, remover=reverb.selectors.Fifo(), max_size=max_size,
                        rate_limiter=limiter or reverb.rate_limiters.MinSize(1))
-  return reverb.Server([table], arena_bytes=max(256 << 20, 2 * max_size * (item_bytes + 256)))
+  presized = max(256 << 20, 2 * max_size * (item_bytes + 256))
+  if GROWN:
+    srv = reverb.Server([table], max_bytes=presized + (256 << 20))
+    _grow(srv.segment, presized)
+    return srv
+  return reverb.Server([table], arena_bytes=presized, max_bytes=presized + (256 << 20))
+
+
+def _grow(seg, nbytes):
+  """Grows the arena of an 8 MiB-start server to `nbytes` by extents (chunks held, then freed)."""
+  from reverb_shm._internal import chunks  # pylint: disable=import-outside-toplevel
+  held = []
+  while seg.info()["arena_size"] < nbytes:
+    held.append(chunks.alloc_chunk(seg, np.uint8, (1 << 20,), 16))
+  for chunk in held:
+    chunk.release()
+
+
+def _table_bytes(info) -> int:
+  """Bytes of a segment beyond its arena and pin logs: header + the tables' metadata."""
+  return info["reserved_bytes"] - info["arena_size"] - info["pins_reserved"]
 
 
 def fill(table, n, block=100_000):
@@ -279,16 +304,16 @@ def metadata(args):
   small = reverb.Server([reverb.Table(TABLE, reverb.selectors.Prioritized(0.6),
                                       reverb.selectors.Fifo(), 1000,
                                       reverb.rate_limiters.MinSize(1))], arena_bytes=256 << 20)
-  base = small._segment.info()["total_size"]
+  base = _table_bytes(small._segment.info())
   small.stop()
   with server(reverb.selectors.Prioritized(0.6), n) as srv:
     seg = srv._segment
-    table_bytes = (seg.info()["total_size"] - base) / (n - 1000)
+    table_bytes = (_table_bytes(seg.info()) - base) / (n - 1000)
     used0 = seg.info()["arena_used"]
     fill(srv.shared_table(TABLE), n, block=10_000)
     arena_bytes = (seg.info()["arena_used"] - used0) / n - STEP_BYTES
     rss = attach_rss(srv.shared_table_name(TABLE))
-    segment_bytes = seg.info()["total_size"]
+    segment_bytes = seg.info()["reserved_bytes"]
   with server(reverb.selectors.Prioritized(0.6), n) as srv:   # the drop-in user's per-step path
     seg, client, data = srv._segment, srv.localhost_client(), step(1)
     client.insert(data, {TABLE: 1.0})

@@ -6,6 +6,9 @@ Workers (forked from this process, which owns the server) loop over every kind o
   sampler  samples batches (zero-copy samples, or gathered by sample_batch), verifies every row's
            checksum, updates priorities, deletes some
   waiter   blocks in sample/insert on a rate-limited table (killed while asleep in the futex)
+  grower   (with --grow) inserts 16 KiB..1 MiB items into a small table and samples them: the
+           arena starts at 64 KiB and grows by extents while everyone works, and every new
+           worker's pin log grows from nothing, so kills land inside growth steps too
 Every payload row is 64 bytes: 60 random bytes followed by their CRC32, so any torn, freed or
 overwritten row is detected by whoever samples it.
 
@@ -19,7 +22,7 @@ themselves within a timeout: no hang), the dead are reaped, and the run checks:
   - no chunk or pin leaked: descriptors == items, and after reset() the arena is empty.
 
 Usage: python bench/torture.py [--seconds 120] [--kills N] [--workers 6] [--kill-every 0.02]
-                               [--json out]
+                               [--grow] [--json out]
 """
 import argparse
 import json
@@ -40,6 +43,7 @@ from reverb_shm._internal import chunks
 
 ROW = 64
 ROLES = ("writer", "inserter", "sampler", "waiter")
+GROW_ROLES = ROLES + ("grower",)
 _CORRUPT_EXIT = 3
 
 
@@ -59,8 +63,9 @@ def rows_intact(rows) -> bool:
              for r in flat)
 
 
-def make_tables():
-  return [
+def make_tables(grow: bool = False):
+  return ([reverb_shm.Table("big", selectors.Uniform(), selectors.Fifo(), 8,
+                            rate_limiters.MinSize(1))] if grow else []) + [
       reverb_shm.Table("prio", selectors.Prioritized(0.8), selectors.Fifo(), 300,
                        rate_limiters.MinSize(1)),
       reverb_shm.Table("uniform", selectors.Uniform(), selectors.MinHeap(), 200,
@@ -133,7 +138,17 @@ def _waiter(server, rng):
       pass
 
 
-_WORKERS = {"writer": _writer, "inserter": _inserter, "sampler": _sampler, "waiter": _waiter}
+def _grower(server, rng):
+  st = server.shared_table("big")
+  block = make_rows(rng, 256)
+  while True:
+    rows = int(rng.integers(256, 16384))     # 16 KiB .. 1 MiB items
+    st.insert({"x": np.resize(block, (rows, ROW))[None]}, 1.0, timeout_ms=2000)
+    _verify(st.sample(2, timeout_ms=2000))
+
+
+_WORKERS = {"writer": _writer, "inserter": _inserter, "sampler": _sampler, "waiter": _waiter,
+            "grower": _grower}
 
 
 def _spawn(server, role: str, stop_path: str) -> int:
@@ -163,27 +178,32 @@ def _reap(server) -> int:
 
 
 def run(seconds: float = 20.0, workers: int = 6, kill_every: float = 0.02, seed: int = 0,
-        arena_bytes: int = 64 << 20, name: str = None, log=None, kills: int = None) -> dict:
+        arena_bytes: int = 64 << 20, name: str = None, log=None, kills: int = None,
+        grow: bool = False) -> dict:
   """Runs the campaign; returns figures. Raises AssertionError on any violation.
 
   Args:
     seconds: longest duration of the kill phase.
     kills: end the kill phase as soon as this many workers were SIGKILLed (None: run for
       `seconds`). The figures report the kills made and the seconds taken.
+    grow: start the arena at 64 KiB (max_bytes 128 MiB) and add the grower role.
   """
   rnd = random.Random(seed)
   name = name or f"torture_{os.getpid()}"
   stop_path = f"/tmp/{name}.stop"
   if os.path.exists(stop_path):
     os.unlink(stop_path)
-  server = reverb_shm.Server(make_tables(), name=name, arena_bytes=arena_bytes, max_procs=64,
-                             port=None)
+  roles = GROW_ROLES if grow else ROLES
+  sizing = dict(arena_bytes=64 << 10, max_bytes=128 << 20) if grow else dict(
+      arena_bytes=arena_bytes)
+  server = reverb_shm.Server(make_tables(grow), name=name, max_procs=64, port=None, **sizing)
+  tables = [t.name for t in make_tables(grow)]
   live = {}          # pid -> role
-  target, kills = kills, {role: 0 for role in ROLES}
+  target, kills = kills, {role: 0 for role in roles}
   crashed = []       # (pid, role, exit code) of workers that died on their own
   try:
     for i in range(workers):
-      role = ROLES[i % len(ROLES)]
+      role = roles[i % len(roles)]
       live[_spawn(server, role, stop_path)] = role
     start = time.monotonic()
     end = start + seconds
@@ -232,7 +252,7 @@ def run(seconds: float = 20.0, workers: int = 6, kill_every: float = 0.02, seed:
     seg.check()
     # The survivors of the campaign (this process) continue, and every payload is intact.
     sizes = {}
-    for table in ("prio", "uniform"):
+    for table in ("prio", "uniform") + (("big",) if grow else ()):
       st = server.shared_table(table)
       sizes[table] = st.size
       st.insert({"x": make_rows(np.random.default_rng(seed), 1)}, 1.0, timeout_ms=1000)
@@ -243,12 +263,11 @@ def run(seconds: float = 20.0, workers: int = 6, kill_every: float = 0.02, seed:
     gc.collect()
     info = seg.info()
     # Items of one batch share a DESC block: exactly the blocks the items reference are left.
-    refs = np.concatenate([server.shared_table(t).items()["desc_off"]
-                           for t in ("prio", "uniform", "limited")])
+    refs = np.concatenate([server.shared_table(t).items()["desc_off"] for t in tables])
     blocks = len(np.unique(chunks.desc_blocks(refs)))
     assert info["num_descs"] == blocks, (info, blocks)
-    repairs = sum(seg.stats(i)["repairs"] for i in range(3))
-    for table in ("prio", "uniform", "limited"):
+    repairs = sum(seg.stats(i)["repairs"] for i in range(len(tables)))
+    for table in tables:
       server.shared_table(table).reset()
     gc.collect()
     info = seg.info()
@@ -256,7 +275,9 @@ def run(seconds: float = 20.0, workers: int = 6, kill_every: float = 0.02, seed:
         f"leak after reset: {info}")
     seg.check()
     result = {"seconds": round(kill_seconds, 1), "workers": workers, "kills": sum(kills.values()),
-              "kills_by_role": kills, "table_repairs": repairs, "items_at_end": sizes}
+              "kills_by_role": kills, "table_repairs": repairs, "items_at_end": sizes,
+              "extents": info["extents"], "arena_mib": round(info["arena_size"] / (1 << 20), 1),
+              "pin_log_kib": info["pins_reserved"] >> 10}
     if log:
       log(result)
     return result
@@ -278,10 +299,13 @@ def main(argv=None) -> int:
   parser.add_argument("--kill-every", type=float, default=0.02,
                       help="mean seconds between two kills")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--grow", action="store_true",
+                      help="start with a 64 KiB arena that grows (adds the grower role)")
   parser.add_argument("--json", help="write the figures to this file")
   args = parser.parse_args(argv)
   t0 = time.monotonic()
-  result = run(args.seconds, args.workers, args.kill_every, args.seed, kills=args.kills)
+  result = run(args.seconds, args.workers, args.kill_every, args.seed, kills=args.kills,
+               grow=args.grow)
   result["wall_seconds"] = round(time.monotonic() - t0, 1)
   print(json.dumps(result, indent=2))
   if args.json:

@@ -14,6 +14,13 @@
  *   "suspect" and rs_recount (stop the world) recomputes them from the truth: table records,
  *   pin-log entries and the descriptors' slices.
  *
+ * - Growth (growable segments): when no free block fits, the arena reserves the pages of a further
+ *   extent past its end, writes a free block header there (not yet in the chain), then commits
+ *   with ONE release store of arena_size (the block joins the chain; extents counts the step),
+ *   and finally merges it into a free last block. Killed before the commit: the old arena, with
+ *   some spare reserved pages; after it: two adjacent free blocks, which repair merges. The same
+ *   holds for pin logs: pages reserved first, then pin_cap stored; free stacks are derived.
+ *
  * Offsets handed out (chunk_off, desc_off, pin-log entries) point just past the block header:
  * a chunk's rs_chunk_hdr or a descriptor's blob copy. All locking is by the caller unless a
  * function says it takes the arena lock.
@@ -58,7 +65,9 @@ static inline uint32_t btype(const rs_blk *b) { return (uint32_t)(bword(b) & TYP
 static inline void bcommit(rs_blk *b, uint64_t size, uint32_t type) {
   __atomic_store_n(&b->word, size | type, __ATOMIC_RELEASE);
 }
-static inline uint64_t arena_end(const rs_seg_hdr *h) { return h->arena_off + h->arena_size; }
+static inline uint64_t arena_end(const rs_seg_hdr *h) {
+  return h->arena_off + __atomic_load_n(&h->arena_size, __ATOMIC_RELAXED);   /* grows under the lock */
+}
 
 static unsigned bin_of(uint64_t size) {
   uint64_t units = size / RS_ALIGN;
@@ -86,6 +95,7 @@ static void write_header(void *base, uint64_t off, uint64_t size, uint32_t type,
 static void set_next_prev_size(void *base, uint64_t off, uint64_t size) {
   uint64_t next = off + size;
   if (next < arena_end(rs_seg(base))) blk(base, next)->prev_size = size;
+  else rs_seg(base)->tail_size = size;   /* the last block: growth appends after it */
 }
 
 static void list_push(void *base, uint64_t off) {
@@ -141,18 +151,79 @@ static uint64_t largest_free(void *base) {
   return 0;
 }
 
+#define GROW_MIN (4ull << 20)     /* smallest extent */
+#define GROW_MAX (256ull << 20)   /* largest extent beyond the need (bounds the reservation time) */
+#define GROW_ALIGN (2ull << 20)
+
+/* Bytes the budget (max_bytes) still allows the arena to add; UINT64_MAX without a budget. */
+static uint64_t budget_left(const rs_seg_hdr *h) {
+  if (!h->max_bytes) return UINT64_MAX;
+  uint64_t used = arena_end(h) + h->pins_reserved;
+  return used >= h->max_bytes ? 0 : h->max_bytes - used;
+}
+
+/* Grow the arena so that a free block of `need` bytes exists at its end. RS_OK; 1 when the arena
+ * may not grow that far (no message); or RS_ENOSPC when its pages could not be reserved
+ * (message set). Caller holds the arena lock. See the file comment for the commit protocol. */
+static int arena_grow(void *base, uint64_t need) {
+  rs_seg_hdr *h = rs_seg(base);
+  uint64_t end = arena_end(h), tail = h->tail_size;
+  int tail_free = h->arena_size && tail && btype(blk(base, end - tail)) == RS_BLOCK_FREE;
+  uint64_t want = need - (tail_free && tail < need ? tail : 0);
+  uint64_t room = h->arena_max - h->arena_size, budget = budget_left(h);
+  if (budget < room) room = budget & ~(uint64_t)(RS_ALIGN - 1);
+  if (!h->growable || want > room) return 1;
+  uint64_t step = h->arena_size / 4;
+  step = step < GROW_MIN ? GROW_MIN : step > GROW_MAX ? GROW_MAX : step;
+  if (step < want) step = want;
+  step = rs_align_up(step, GROW_ALIGN);
+  if (step > room) step = room;
+  int rc = rs_reserve(base, end, step, "the arena");
+  if (rc) return rc;
+  write_header(base, end, step, RS_BLOCK_FREE, tail);                  /* beyond the end: unseen */
+  __atomic_store_n(&h->arena_size, h->arena_size + step, __ATOMIC_RELEASE);   /* commit */
+  __atomic_add_fetch(&h->extents, 1, __ATOMIC_RELAXED);
+  h->tail_size = step;
+  if (tail_free) {                                                     /* merge into the free tail */
+    uint64_t last = end - tail;
+    list_remove(base, last);
+    bcommit(blk(base, last), tail + step, RS_BLOCK_FREE);
+    blk(base, end)->magic = 0;
+    h->tail_size = tail + step;
+    list_push(base, last);
+  } else {
+    list_push(base, end);
+  }
+  return RS_OK;
+}
+
 /* Allocate a block of `need` bytes (header included, multiple of 64) of `type`, refcount 1.
  * Returns the block header offset or 0 (RS_ENOSPC set). Caller holds the arena lock. */
 static uint64_t block_alloc(void *base, uint64_t need, uint32_t type, int32_t owner) {
   rs_seg_hdr *h = rs_seg(base);
   uint64_t off = need <= h->arena_size ? find_free(base, need) : 0;
+  if (!off && need <= h->arena_max) {
+    int rc = arena_grow(base, need);
+    if (rc == RS_OK) off = find_free(base, need);
+    else if (rc != 1) return 0;   /* reserving pages failed: that message stands */
+  }
   if (!off) {
-    rs_set_error(RS_ENOSPC,
-                 "arena full: need %llu bytes, largest free block %llu bytes, free %llu of %llu bytes"
-                 " (free space returns when items are removed and samples released; or create the"
-                 " server with a larger arena)",
-                 (unsigned long long)need, (unsigned long long)largest_free(base),
-                 (unsigned long long)(h->arena_size - h->arena_used), (unsigned long long)h->arena_size);
+    if (h->max_bytes)
+      rs_set_error(RS_ENOSPC,
+                   "arena full: need %llu bytes, largest free block %llu bytes, free %llu of %llu bytes,"
+                   " and the arena is at its limit (%.1f MiB of max_bytes %.1f MiB reserved); free space"
+                   " returns when items are removed and samples released; or create the server with a"
+                   " larger max_bytes (and give /dev/shm the room: docker run --shm-size)",
+                   (unsigned long long)need, (unsigned long long)largest_free(base),
+                   (unsigned long long)(h->arena_size - h->arena_used), (unsigned long long)h->arena_size,
+                   (double)(arena_end(h) + h->pins_reserved) / (1 << 20), (double)h->max_bytes / (1 << 20));
+    else
+      rs_set_error(RS_ENOSPC,
+                   "arena full: need %llu bytes, largest free block %llu bytes, free %llu of %llu bytes"
+                   " (free space returns when items are removed and samples released; or create the"
+                   " server with a larger arena)",
+                   (unsigned long long)need, (unsigned long long)largest_free(base),
+                   (unsigned long long)(h->arena_size - h->arena_used), (unsigned long long)h->arena_size);
     return 0;
   }
   rs_blk *b = blk(base, off);
@@ -491,11 +562,55 @@ static int pins_full(void *base, uint32_t slot, uint32_t n) {
                       slot, s->npins, rs_seg(base)->pins_per_proc, n);
 }
 
+#define PIN_GROW_MIN 1024u   /* pins added at least per growth step (12 KiB of pages) */
+
+int rs_pins_grow(void *base, uint32_t slot, uint32_t n) {
+  rs_seg_hdr *h = rs_seg(base);
+  rs_slot *s = &rs_slots(base)[slot];
+  if (s->free_top >= n) return RS_OK;
+  uint32_t cap = s->pin_cap, ppp = h->pins_per_proc;
+  uint64_t want = (uint64_t)cap + (n - s->free_top);
+  if (want > ppp) return pins_full(base, slot, n);
+  uint64_t newcap = cap * 2ull > want ? cap * 2ull : want;
+  newcap = rs_align_up(newcap < PIN_GROW_MIN ? PIN_GROW_MIN : newcap, PIN_GROW_MIN);
+  if (newcap > ppp) newcap = ppp;
+  uint64_t add = (newcap - cap) * (sizeof(uint64_t) + sizeof(uint32_t));
+  if (h->max_bytes && arena_end(h) + h->pins_reserved + add > h->max_bytes)
+    return rs_set_error(RS_ENOSPC,
+                        "cannot grow the pin log of process slot %u to %llu pins: the server's max_bytes"
+                        " (%.1f MiB) is reserved (arena %.1f MiB + pin logs %.1f MiB); create the server"
+                        " with a larger max_bytes, or release samples",
+                        slot, (unsigned long long)newcap, (double)h->max_bytes / (1 << 20),
+                        (double)arena_end(h) / (1 << 20), (double)h->pins_reserved / (1 << 20));
+  uint64_t log_off = h->pins_off + (uint64_t)slot * h->pin_log_stride;
+  int rc = rs_reserve(base, log_off + cap * sizeof(uint64_t), (newcap - cap) * sizeof(uint64_t),
+                      "a pin log");
+  if (rc == RS_OK)
+    rc = rs_reserve(base, log_off + (uint64_t)ppp * sizeof(uint64_t) + cap * sizeof(uint32_t),
+                    (newcap - cap) * sizeof(uint32_t), "a pin log");
+  if (rc) return rc;
+  /* Entries cap..newcap-1 are zero (never written: ids >= pin_cap are never handed out). */
+  __atomic_store_n(&s->pin_cap, (uint32_t)newcap, __ATOMIC_RELEASE);   /* commit */
+  h->pins_reserved += add;
+  uint32_t *stack = rs_pin_free_stack(base, slot);
+  for (uint32_t i = (uint32_t)newcap; i-- > cap;) stack[s->free_top++] = i;   /* pops hand out cap first */
+  return RS_OK;
+}
+
+int rs_pins_ensure(void *base, uint32_t slot, uint32_t n) {
+  int rc = rs_alock(base);
+  if (rc) return rc;
+  rc = slot_check(base, slot);
+  if (rc == RS_OK) rc = rs_pins_grow(base, slot, n);
+  rs_aunlock(base);
+  return rc;
+}
+
 int rs_pin_descs(void *base, uint32_t slot, uint32_t n, const uint64_t *desc_offs, uint32_t *pins_out) {
   int rc = rs_alock(base);
   if (rc) return rc;
   rc = slot_check(base, slot);
-  if (rc == RS_OK && rs_slots(base)[slot].free_top < n) rc = pins_full(base, slot, n);
+  if (rc == RS_OK) rc = rs_pins_grow(base, slot, n);
   for (uint32_t i = 0; rc == RS_OK && i < n; i++)
     if (!is_block(base, rs_ref_off(desc_offs[i]), RS_BLOCK_DESC, 1))
       rc = rs_set_error(RS_EINVAL, "descriptor %u of %u: offset %llu is not a live item descriptor", i, n,
@@ -514,7 +629,7 @@ int rs_unpin(void *base, uint32_t slot, uint32_t n, const uint32_t *pins) {
   if (rc) return rc;
   rc = slot_check(base, slot);
   uint64_t *e = rc == RS_OK ? rs_pin_entries(base, slot) : NULL;
-  uint32_t ppp = rs_seg(base)->pins_per_proc, marked = 0;
+  uint32_t ppp = rc == RS_OK ? rs_slots(base)[slot].pin_cap : 0, marked = 0;
   for (; rc == RS_OK && marked < n; marked++) {   /* validate, marking to catch duplicates */
     uint32_t p = pins[marked];
     if (p >= ppp) rc = rs_set_error(RS_EINVAL, "pin %u out of range, expected < %u", p, ppp);
@@ -610,7 +725,7 @@ int rs_chunk_alloc(void *base, uint32_t slot, const rs_chunk_hdr *meta, uint64_t
   need = nbytes > UINT64_MAX / 2 ? (UINT64_MAX / 2) & ~TYPE_MASK : rs_align_up(need + nbytes, RS_ALIGN);
   if ((rc = rs_alock(base))) return rc;
   rc = slot_check(base, slot);
-  if (rc == RS_OK && rs_slots(base)[slot].free_top < 1) rc = pins_full(base, slot, 1);
+  if (rc == RS_OK) rc = rs_pins_grow(base, slot, 1);
   uint64_t off = 0;
   if (rc == RS_OK && !(off = block_alloc(base, need, RS_BLOCK_CHUNK, (int32_t)slot))) rc = RS_ENOSPC;
   if (rc == RS_OK) {
@@ -691,6 +806,7 @@ void rs_arena_init(void *base) {
   h->arena_used = h->num_chunks = h->num_descs = 0;
   h->refcounts_suspect = 0;
   write_header(base, h->arena_off, h->arena_size, RS_BLOCK_FREE, 0);
+  h->tail_size = h->arena_size;
   list_push(base, h->arena_off);
 }
 
@@ -722,6 +838,7 @@ void rs_arena_repair(void *base) {
     prev_size = size;
     off += size;
   }
+  h->tail_size = prev_size;
   for (uint64_t off = h->arena_off; off < end; off += bsize(blk(base, off))) {
     rs_blk *b = blk(base, off);
     if (btype(b) == RS_BLOCK_FREE) {
@@ -731,12 +848,15 @@ void rs_arena_repair(void *base) {
       account(h, btype(b), bsize(b), +1);
     }
   }
-  /* Pin-log free stacks are derived from the entries (nonzero = held). */
+  /* Pin-log free stacks are derived from the entries (nonzero = held), as is pins_reserved. */
+  h->pins_reserved = 0;
   for (uint32_t s = 0; s < h->max_procs; s++) {
     rs_slot *sl = &rs_slots(base)[s];
     uint64_t *e = rs_pin_entries(base, s);
     uint32_t *stack = rs_pin_free_stack(base, s), top = 0, held = 0;
-    for (uint32_t i = h->pins_per_proc; i-- > 0;) {
+    if (sl->pin_cap > h->pins_per_proc) sl->pin_cap = h->pins_per_proc;   /* not produced by a crash */
+    if (h->growable) h->pins_reserved += (uint64_t)sl->pin_cap * (sizeof(uint64_t) + sizeof(uint32_t));
+    for (uint32_t i = sl->pin_cap; i-- > 0;) {
       e[i] &= ~PIN_MARK;
       if (e[i]) held++;
       else stack[top++] = i;
@@ -801,7 +921,7 @@ static void count_pins_and_records(void *base, bref *a, uint64_t n, reporter *r)
   for (uint32_t s = 0; s < h->max_procs; s++) {
     uint64_t *e = rs_pin_entries(base, s);
     int live = rs_slots(base)[s].pid != 0;
-    for (uint32_t i = 0; i < h->pins_per_proc; i++) {
+    for (uint32_t i = 0; i < rs_slots(base)[s].pin_cap; i++) {
       if (!e[i]) continue;
       bref *b = live ? find_ref(a, n, e[i]) : NULL;
       if (b) b->count++;
@@ -928,6 +1048,12 @@ int rs_arena_check(void *base, char *report_buf, uint64_t report_len) {
     off += size;
   }
   int walked = off == end;
+  if (walked && h->tail_size != prev_size)
+    report(&r, "arena: records its last block as %llu bytes, the walk finds %llu", (unsigned long long)h->tail_size,
+           (unsigned long long)prev_size);
+  if (walked && h->arena_size > h->arena_max)
+    report(&r, "arena: %llu bytes, more than its room of %llu", (unsigned long long)h->arena_size,
+           (unsigned long long)h->arena_max);
   if (walked && used + freeb != h->arena_size)
     report(&r, "arena: used %llu + free %llu bytes, expected the arena size %llu", (unsigned long long)used,
            (unsigned long long)freeb, (unsigned long long)h->arena_size);
@@ -967,10 +1093,11 @@ int rs_arena_check(void *base, char *report_buf, uint64_t report_len) {
     rs_slot *sl = &rs_slots(base)[s];
     uint64_t *e = rs_pin_entries(base, s);
     uint32_t held = 0;
-    for (uint32_t i = 0; i < h->pins_per_proc; i++) held += e[i] != 0;
-    if ((sl->pid == 0 && held) || held != sl->npins || sl->free_top != h->pins_per_proc - held)
-      report(&r, "arena: slot %u (pid %d) has %u pin entries, npins %u, free stack %u of %u", s, sl->pid, held,
-             sl->npins, sl->free_top, h->pins_per_proc);
+    for (uint32_t i = 0; i < sl->pin_cap; i++) held += e[i] != 0;
+    if ((sl->pid == 0 && held) || held != sl->npins || sl->free_top != sl->pin_cap - held ||
+        sl->pin_cap > h->pins_per_proc || (!h->growable && sl->pin_cap != h->pins_per_proc))
+      report(&r, "arena: slot %u (pid %d) has %u pin entries, npins %u, free stack %u of %u (pins_per_proc %u)",
+             s, sl->pid, held, sl->npins, sl->free_top, sl->pin_cap, h->pins_per_proc);
   }
 
   /* Every refcount equals the recount value. */
@@ -1026,7 +1153,7 @@ static int alloc_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chun
   int rc = rs_alock(base);
   if (rc) return rc;
   rc = slot_check(base, slot);
-  if (rc == RS_OK && rs_slots(base)[slot].free_top < ncols) rc = pins_full(base, slot, ncols);
+  if (rc == RS_OK) rc = rs_pins_grow(base, slot, ncols);
   uint32_t made = 0;
   for (; rc == RS_OK && made < ncols; made++) {
     uint64_t off = block_alloc(base, need[made], RS_BLOCK_CHUNK, (int32_t)slot);

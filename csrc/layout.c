@@ -1,10 +1,12 @@
 /* Segment layout: size planning, initialisation, validation on attach, info, close, and the
  * table directory (find by name, name, config blob).
  *
- *   rs_seg_hdr | u64 table offsets | rs_slot[max_procs] | pin logs | table regions | arena
+ *   rs_seg_hdr | u64 table offsets | rs_slot[max_procs] | table regions | arena | pin logs
  *
- * Every part starts on a 64-byte boundary. The plan is a pure function of the configuration, so
- * rs_segment_size and rs_segment_init always agree.
+ * Every part starts on a 64-byte boundary (pin logs on a page). The plan is a pure function of
+ * the configuration, so rs_segment_size(_ex) and rs_segment_init(_ex) always agree. A fixed
+ * segment (rs_segment_init) has arena_max = arena_bytes and every pin log laid out at once; a
+ * growable one (rs_segment_init_ex) reserves pages as its arena and pin logs grow (arena.c).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -22,8 +24,11 @@
  * must fit in uint32. */
 #define MAX_TABLE_SIZE ((1ull << 30) - 1)
 
+#define PAGE 4096ull
+
 typedef struct plan {
-  uint64_t tables_off, slots_off, pins_off, pin_stride, regions_off, arena_off, arena_size, total;
+  uint64_t tables_off, slots_off, pins_off, pin_stride, regions_off, arena_off, arena_size, arena_max,
+      total;
 } plan;
 
 static int check_config(const rs_table_config *c, uint32_t i) {
@@ -55,7 +60,7 @@ static int check_config(const rs_table_config *c, uint32_t i) {
 }
 
 static int make_plan(const rs_table_config *cfgs, uint32_t ntables, uint32_t max_procs, uint32_t pins_per_proc,
-                     uint64_t arena_bytes, plan *p, uint64_t *table_offs) {
+                     uint64_t arena_bytes, uint64_t arena_max, plan *p, uint64_t *table_offs) {
   if (!cfgs || ntables < 1 || ntables > MAX_TABLES)
     return rs_set_error(RS_EINVAL, "%u tables, expected 1..%u", ntables, MAX_TABLES);
   if (max_procs < 1 || max_procs > MAX_PROCS)
@@ -65,6 +70,9 @@ static int make_plan(const rs_table_config *cfgs, uint32_t ntables, uint32_t max
   if (arena_bytes < rs_arena_min_size() || arena_bytes > (1ull << 46))
     return rs_set_error(RS_EINVAL, "arena of %llu bytes, expected %llu..%llu", (unsigned long long)arena_bytes,
                         (unsigned long long)rs_arena_min_size(), 1ull << 46);
+  if (arena_max < arena_bytes || arena_max > (1ull << 46))
+    return rs_set_error(RS_EINVAL, "arena room of %llu bytes, expected arena_bytes %llu..%llu",
+                        (unsigned long long)arena_max, (unsigned long long)arena_bytes, 1ull << 46);
   for (uint32_t i = 0; i < ntables; i++) {
     int rc = check_config(&cfgs[i], i);
     if (rc) return rc;
@@ -78,32 +86,46 @@ static int make_plan(const rs_table_config *cfgs, uint32_t ntables, uint32_t max
   off = rs_align_up(off + (uint64_t)ntables * sizeof(uint64_t), RS_ALIGN);
   p->slots_off = off;
   off = rs_align_up(off + (uint64_t)max_procs * sizeof(rs_slot), RS_ALIGN);
-  p->pins_off = off;
-  p->pin_stride = rs_align_up((uint64_t)pins_per_proc * (sizeof(uint64_t) + sizeof(uint32_t)), RS_ALIGN);
-  off += p->pin_stride * max_procs;
   p->regions_off = off;
   for (uint32_t i = 0; i < ntables; i++) {
     if (table_offs) table_offs[i] = off;
     off = rs_align_up(off + rs_table_region_size(&cfgs[i]), RS_ALIGN);   /* includes the config blob */
   }
-  p->arena_off = off;
+  p->arena_off = off = rs_align_up(off, PAGE);   /* a page: the disk tier maps a file there */
   p->arena_size = rs_align_up(arena_bytes, RS_ALIGN);
-  p->total = off + p->arena_size;
+  p->arena_max = rs_align_up(arena_max, RS_ALIGN);
+  /* Pin logs after the arena's room, each on its own pages (entries, then the free stack). */
+  p->pins_off = rs_align_up(off + p->arena_max, PAGE);
+  p->pin_stride = rs_align_up((uint64_t)pins_per_proc * (sizeof(uint64_t) + sizeof(uint32_t)), PAGE);
+  p->total = p->pins_off + p->pin_stride * max_procs;
   return RS_OK;
 }
 
 uint64_t rs_segment_size(const rs_table_config *cfgs, uint32_t ntables, uint32_t max_procs,
                          uint32_t pins_per_proc, uint64_t arena_bytes) {
   plan p;
-  return make_plan(cfgs, ntables, max_procs, pins_per_proc, arena_bytes, &p, NULL) ? 0 : p.total;
+  return make_plan(cfgs, ntables, max_procs, pins_per_proc, arena_bytes, arena_bytes, &p, NULL) ? 0 : p.total;
 }
 
-int rs_segment_init(void *base, uint64_t size, const rs_table_config *cfgs, uint32_t ntables,
-                    uint32_t max_procs, uint32_t pins_per_proc, uint64_t arena_bytes,
-                    int32_t owner_pid, uint64_t owner_start_time, uint64_t generation) {
+uint64_t rs_segment_size_ex(const rs_table_config *cfgs, uint32_t ntables, uint32_t max_procs,
+                            uint32_t pins_per_proc, uint64_t arena_bytes, uint64_t arena_max,
+                            uint64_t *initial_out) {
   plan p;
-  int rc = make_plan(cfgs, ntables, max_procs, pins_per_proc, arena_bytes, &p, NULL);
+  if (make_plan(cfgs, ntables, max_procs, pins_per_proc, arena_bytes, arena_max, &p, NULL)) return 0;
+  if (initial_out) *initial_out = p.arena_off + p.arena_size;
+  return p.total;
+}
+
+static int segment_init(void *base, uint64_t size, const rs_table_config *cfgs, uint32_t ntables,
+                        uint32_t max_procs, uint32_t pins_per_proc, uint64_t arena_bytes, uint64_t arena_max,
+                        uint64_t max_bytes, int growable, int32_t owner_pid, uint64_t owner_start_time,
+                        uint64_t generation) {
+  plan p;
+  int rc = make_plan(cfgs, ntables, max_procs, pins_per_proc, arena_bytes, arena_max, &p, NULL);
   if (rc) return rc;
+  if (growable && max_bytes && max_bytes < p.arena_off + p.arena_size)
+    return rs_set_error(RS_EINVAL, "max_bytes %llu is below the %llu bytes the segment needs to start",
+                        (unsigned long long)max_bytes, (unsigned long long)(p.arena_off + p.arena_size));
   if (!base || size < p.total)
     return rs_set_error(RS_EINVAL, "segment of %llu bytes, expected at least %llu for this configuration",
                         (unsigned long long)size, (unsigned long long)p.total);
@@ -124,16 +146,22 @@ int rs_segment_init(void *base, uint64_t size, const rs_table_config *cfgs, uint
   h->pin_log_stride = p.pin_stride;
   h->arena_off = p.arena_off;
   h->arena_size = p.arena_size;
+  h->arena_max = p.arena_max;
+  h->growable = growable ? 1u : 0u;
+  h->max_bytes = growable ? max_bytes : 0;
+  h->pins_reserved = 0;
+  h->extents = 0;
   if ((rc = rs_mutex_init(&h->registry_lock)) || (rc = rs_mutex_init(&h->arena_lock))) return rc;
 
   uint64_t *toffs = (uint64_t *)rs_at(base, p.tables_off);
-  make_plan(cfgs, ntables, max_procs, pins_per_proc, arena_bytes, &p, toffs);
+  make_plan(cfgs, ntables, max_procs, pins_per_proc, arena_bytes, arena_max, &p, toffs);
   for (uint32_t i = 0; i < ntables; i++)   /* lays out the table and copies its config blob */
     if ((rc = rs_table_region_init(base, toffs[i], &cfgs[i]))) return rc;
 
   rs_slot *slots = rs_slots(base);
   for (uint32_t s = 0; s < max_procs; s++) {
     slots[s] = (rs_slot){0};
+    if (growable) continue;   /* pin logs grow on demand (rs_pins_grow): nothing reserved yet */
     uint64_t *e = rs_pin_entries(base, s);
     uint32_t *stack = rs_pin_free_stack(base, s);
     for (uint32_t i = 0; i < pins_per_proc; i++) {
@@ -141,11 +169,28 @@ int rs_segment_init(void *base, uint64_t size, const rs_table_config *cfgs, uint
       stack[i] = pins_per_proc - 1 - i;   /* pops hand out pin 0 first */
     }
     slots[s].free_top = pins_per_proc;
+    slots[s].pin_cap = pins_per_proc;
   }
   rs_arena_init(base);
   __atomic_store_n(&h->ready, 1u, __ATOMIC_RELEASE);
   return RS_OK;
 }
+
+int rs_segment_init(void *base, uint64_t size, const rs_table_config *cfgs, uint32_t ntables,
+                    uint32_t max_procs, uint32_t pins_per_proc, uint64_t arena_bytes,
+                    int32_t owner_pid, uint64_t owner_start_time, uint64_t generation) {
+  return segment_init(base, size, cfgs, ntables, max_procs, pins_per_proc, arena_bytes, arena_bytes, 0, 0,
+                      owner_pid, owner_start_time, generation);
+}
+
+int rs_segment_init_ex(void *base, uint64_t size, const rs_table_config *cfgs, uint32_t ntables,
+                       uint32_t max_procs, uint32_t pins_per_proc, uint64_t arena_bytes,
+                       uint64_t arena_max, uint64_t max_bytes, int32_t owner_pid,
+                       uint64_t owner_start_time, uint64_t generation) {
+  return segment_init(base, size, cfgs, ntables, max_procs, pins_per_proc, arena_bytes, arena_max, max_bytes,
+                      1, owner_pid, owner_start_time, generation);
+}
+
 
 static int inside(uint64_t off, uint64_t len, uint64_t total) { return off <= total && len <= total - off; }
 
@@ -175,7 +220,8 @@ int rs_segment_validate(void *base, uint64_t size) {
   if (!inside(h->tables_off, (uint64_t)h->num_tables * 8, size) ||
       !inside(h->slots_off, (uint64_t)h->max_procs * sizeof(rs_slot), size) ||
       h->pin_log_stride < (uint64_t)h->pins_per_proc * 12 ||
-      !inside(h->pins_off, h->pin_log_stride * h->max_procs, size) || !inside(h->arena_off, h->arena_size, size) ||
+      !inside(h->pins_off, h->pin_log_stride * h->max_procs, size) || !inside(h->arena_off, h->arena_max, size) ||
+      h->arena_size > h->arena_max || h->arena_off + h->arena_max > h->pins_off ||
       h->arena_off % RS_ALIGN || h->arena_size % RS_ALIGN || h->arena_size < RS_ALIGN)
     return rs_set_error(RS_ECORRUPT, "segment offsets outside the %llu mapped bytes: tables %llu, slots %llu,"
                         " pins %llu (stride %llu), arena %llu + %llu", (unsigned long long)size,
@@ -194,8 +240,17 @@ int rs_segment_get_info(void *base, rs_segment_info *out) {
   rs_seg_hdr *h = rs_seg(base);
   memset(out, 0, sizeof *out);
   out->total_size = h->total_size;
-  out->arena_size = h->arena_size;
+  out->arena_size = __atomic_load_n(&h->arena_size, __ATOMIC_ACQUIRE);
   out->arena_used = __atomic_load_n(&h->arena_used, __ATOMIC_RELAXED);
+  out->arena_max = h->arena_max;
+  out->max_bytes = h->max_bytes;
+  out->growable = h->growable;
+  out->arena_file = h->arena_file;
+  out->arena_off = h->arena_off;
+  out->extents = __atomic_load_n(&h->extents, __ATOMIC_RELAXED);
+  out->pins_reserved = h->growable ? __atomic_load_n(&h->pins_reserved, __ATOMIC_RELAXED)
+                                   : h->pin_log_stride * h->max_procs;
+  out->reserved_bytes = h->growable ? h->arena_off + out->arena_size + out->pins_reserved : h->total_size;
   out->arena_free = out->arena_size - out->arena_used;
   out->num_chunks = __atomic_load_n(&h->num_chunks, __ATOMIC_RELAXED);
   out->num_descs = __atomic_load_n(&h->num_descs, __ATOMIC_RELAXED);

@@ -146,6 +146,14 @@ typedef struct rs_segment_info {
   uint64_t owner_start_time; /* /proc/<pid>/stat starttime (clock ticks since boot) */
   uint64_t generation;       /* random id of this incarnation */
   uint64_t layout_version;
+  uint64_t arena_max;        /* the arena may grow up to this many bytes */
+  uint64_t max_bytes;        /* budget of reserved bytes (arena end + pin logs); 0 = none */
+  uint64_t reserved_bytes;   /* bytes reserved now: everything up to the arena's end + pin logs */
+  uint64_t extents;          /* growth steps of the arena so far */
+  uint64_t pins_reserved;    /* bytes of pin logs reserved */
+  uint32_t growable;
+  uint32_t arena_file;       /* 1: chunk data and descriptors live in a file (disk tier) */
+  uint64_t arena_off;
 } rs_segment_info;
 
 /* ---- time, processes ---- */
@@ -161,6 +169,26 @@ uint64_t rs_segment_size(const rs_table_config *cfgs, uint32_t ntables, uint32_t
 int rs_segment_init(void *base, uint64_t size, const rs_table_config *cfgs, uint32_t ntables,
                     uint32_t max_procs, uint32_t pins_per_proc, uint64_t arena_bytes,
                     int32_t owner_pid, uint64_t owner_start_time, uint64_t generation);
+/* A growable segment: the arena starts at arena_bytes and may grow to arena_max bytes, and pin
+ * logs start empty and grow to pins_per_proc, while arena end + pin logs stay within max_bytes
+ * (0 = no budget). Returns the layout's (virtual) size; *initial_out = the bytes from offset 0
+ * the creator must reserve before rs_segment_init_ex (header, tables, first arena). The mapping
+ * must be shared and file-backed (pages beyond the reservation are reserved as they are used). */
+uint64_t rs_segment_size_ex(const rs_table_config *cfgs, uint32_t ntables, uint32_t max_procs,
+                            uint32_t pins_per_proc, uint64_t arena_bytes, uint64_t arena_max,
+                            uint64_t *initial_out);
+int rs_segment_init_ex(void *base, uint64_t size, const rs_table_config *cfgs, uint32_t ntables,
+                       uint32_t max_procs, uint32_t pins_per_proc, uint64_t arena_bytes,
+                       uint64_t arena_max, uint64_t max_bytes, int32_t owner_pid,
+                       uint64_t owner_start_time, uint64_t generation);
+/* Disk tier: map `len` bytes of file `fd` over [base + arena_off, ...) of this process's mapping
+ * of a growable segment (MAP_FIXED; arena_off page-aligned) and remember fd for the arena's
+ * growth (posix_fallocate instead of reserving shared-memory pages). Call before
+ * rs_segment_init_ex (creator) or before any access to the arena (attacher).
+ * rs_unmap_arena_file forgets the fd (the caller closes it). */
+int rs_map_arena_file(void *base, uint64_t arena_off, uint64_t len, int fd);
+void rs_unmap_arena_file(void *base);
+void rs_segment_set_arena_file(void *base);
 /* Validate magic, layout version, sizes and ready flag of a mapped segment of `size` bytes. */
 int rs_segment_validate(void *base, uint64_t size);
 int rs_segment_get_info(void *base, rs_segment_info *out);

@@ -3,8 +3,16 @@
  * Segment layout (one POSIX shm segment per server; all positions are byte offsets from base):
  *
  *   rs_seg_hdr | table offsets (u64[num_tables]) | rs_slot[max_procs] |
- *   pin logs (per slot: u64 entries[pins_per_proc] + u32 free stack[pins_per_proc]) |
- *   per-table regions (rs_table_hdr + its arrays + config blob) | arena
+ *   per-table regions (rs_table_hdr + its arrays + config blob) | arena (arena_size, room for
+ *   arena_max) | pin logs (per slot: u64 entries[pins_per_proc] + u32 free stack[pins_per_proc])
+ *
+ * A growable segment (rs_segment_init_ex) is a sparse file as large as its layout, mapped whole
+ * by every process, of which only the used part holds memory: everything up to the arena's end,
+ * plus the first pin_cap entries (and free-stack slots) of each slot's pin log. Growth reserves
+ * the pages of a further extent (MADV_POPULATE_WRITE: allocated, or a clean error when
+ * /dev/shm is full: never a SIGBUS later) and then publishes it with one store (arena_size, a
+ * slot's pin_cap) under the arena lock. Offsets stay offsets from base: no process maps
+ * anything when the arena grows, and no translation is added to any access.
  *
  * Layers (one .c/.h pair per concept; a file calls only files of lower layers, checked by
  * tests/test_layers.py, which parses these sources):
@@ -17,6 +25,7 @@
  *      limiter.c   Reverb's rate limiter: samples_per_insert, min_size_to_sample and the
  *                  [min_diff, max_diff] window on inserts * samples_per_insert - samples
  *      writer_items.c  window item descriptors of a trajectory writer
+ *      extent.c    reserving a growable segment's extents (pages, or disk-tier file blocks)
  *   2  selectors.c Uniform/Prioritized/Fifo/Lifo/MinHeap/MaxHeap
  *      arena.c     block allocator, chunks, descriptors, refcounts
  *   3  slots.c     process slots, pin logs, reaping, stop-the-world recount, owner liveness
@@ -40,7 +49,7 @@
 #include "rs_api.h"
 
 #define RS_MAGIC 0x3130304d48535652ULL /* "RVSHM001" little-endian */
-#define RS_LAYOUT_VERSION 2ULL
+#define RS_LAYOUT_VERSION 3ULL
 #define RS_ALIGN 64u
 #define RS_NONE 0xFFFFFFFFu
 #define RS_MAX_NDIM 8
@@ -78,8 +87,16 @@ typedef struct rs_seg_hdr {
   uint64_t num_chunks;
   uint64_t num_descs;
   uint32_t refcounts_suspect;     /* set after an arena-lock EOWNERDEAD; cleared by recount */
-  uint32_t _pad;
-  uint64_t reserved[16];
+  uint32_t growable;              /* 1: pin logs and arena reserve pages as they grow */
+  /* growth (rs_segment_init_ex): arena_size <= arena_max; budget of reserved bytes */
+  uint64_t arena_max;             /* room laid out for the arena (its size can reach this) */
+  uint64_t max_bytes;             /* most bytes arena_end + pin logs may hold; 0 = no budget */
+  uint64_t pins_reserved;         /* bytes of pin logs reserved, sum of 12 x pin_cap (derived) */
+  uint64_t extents;               /* growth steps of the arena so far (generation number) */
+  uint64_t tail_size;             /* size of the arena's last block (derived) */
+  uint32_t arena_file;            /* 1: the arena is a file mapped over its range (disk tier) */
+  uint32_t _pad2;
+  uint64_t reserved[10];
 } rs_seg_hdr;
 
 typedef struct rs_slot {
@@ -87,7 +104,7 @@ typedef struct rs_slot {
   uint32_t npins;        /* live pin entries */
   uint64_t start_time;
   uint32_t free_top;     /* number of entries on the free stack */
-  uint32_t _pad;
+  uint32_t pin_cap;      /* pin ids 0..pin_cap-1 are usable (pages reserved); <= pins_per_proc */
 } rs_slot;
 
 /* ------------------------------------------------------------------ tables */
@@ -305,6 +322,17 @@ rs_chunk_hdr *rs_chunk(void *base, uint64_t chunk_off);
 static inline int rs_dtype_is_object(const char *dtype) {
   return (dtype[0] == 'O' && dtype[1] == 0) || (dtype[0] == '|' && dtype[1] == 'O' && dtype[2] == 0);
 }
+/* Make at least n pins free for `slot`, growing its pin log (reserving pages) up to
+ * pins_per_proc when needed. RS_OK, or RS_EFULL / RS_ENOSPC with a message. Caller holds the
+ * arena lock (rs_pins_ensure takes it). */
+int rs_pins_grow(void *base, uint32_t slot, uint32_t n);
+int rs_pins_ensure(void *base, uint32_t slot, uint32_t n);
+/* Reserve the pages of [off, off + len) of a growable segment (MADV_POPULATE_WRITE). RS_OK or
+ * RS_ENOSPC with a message naming the settings that size the segment. */
+int rs_reserve(void *base, uint64_t off, uint64_t len, const char *what);
+/* Disk tier: start reading the pages of [p, p + len) of an arena file (MADV_WILLNEED), so that
+ * the rows of a sampled batch are read from disk concurrently instead of one fault at a time. */
+void rs_prefetch_file_rows(const void *p, uint64_t len);
 /* Verify allocator and refcount invariants; caller holds every lock. */
 int rs_arena_check(void *base, char *report, uint64_t report_len);
 /* Stop-the-world recount (caller holds every table lock and the arena lock). */

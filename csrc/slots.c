@@ -65,7 +65,7 @@ static void registry_unlock(void *base) { rs_mutex_unlock(&rs_seg(base)->registr
 /* Empty a slot's pin log (entries and free stack). Caller holds the arena lock or owns the slot
  * exclusively (being claimed, pid still 0). */
 static void pin_log_reset(void *base, uint32_t slot) {
-  uint32_t ppp = rs_seg(base)->pins_per_proc;
+  uint32_t ppp = rs_slots(base)[slot].pin_cap;   /* the reserved part; a slot keeps its pages */
   uint64_t *e = rs_pin_entries(base, slot);
   uint32_t *stack = rs_pin_free_stack(base, slot);
   for (uint32_t i = 0; i < ppp; i++) {
@@ -85,7 +85,7 @@ int rs_proc_register(void *base, int32_t pid, uint64_t start_time, uint32_t *slo
   rs_slot *slots = rs_slots(base);
   for (uint32_t s = 0; s < h->max_procs; s++) {
     if (__atomic_load_n(&slots[s].pid, __ATOMIC_ACQUIRE) != 0) continue;
-    if (slots[s].npins != 0 || slots[s].free_top != h->pins_per_proc) {
+    if (slots[s].npins != 0 || slots[s].free_top != slots[s].pin_cap) {
       /* Left over by an interrupted unregister/reap: clean it under the arena lock. */
       if ((rc = rs_alock(base))) break;
       pin_log_reset(base, s);
@@ -117,7 +117,7 @@ int rs_proc_unregister(void *base, uint32_t slot) {
     return rs_set_error(RS_EINVAL, "process slot %u is not registered", slot);
   }
   /* Release every pin through the ordinary path (refcounts drop, blocks at zero are freed). */
-  uint32_t *pins = malloc((size_t)h->pins_per_proc * sizeof *pins);
+  uint32_t *pins = malloc(((size_t)rs_slots(base)[slot].pin_cap + 1) * sizeof *pins);
   if (!pins) {
     registry_unlock(base);
     return rs_set_error(RS_ESYS, "out of memory while unregistering slot %u", slot);
@@ -125,7 +125,7 @@ int rs_proc_unregister(void *base, uint32_t slot) {
   if ((rc = rs_alock(base)) == RS_OK) {
     uint64_t *e = rs_pin_entries(base, slot);
     uint32_t n = 0;
-    for (uint32_t i = 0; i < h->pins_per_proc; i++)
+    for (uint32_t i = 0; i < rs_slots(base)[slot].pin_cap; i++)
       if (e[i]) pins[n++] = i;
     rs_aunlock(base);
     /* Only this process touches its own pin log, so the list cannot go stale in between. */

@@ -219,6 +219,7 @@ static int create_holds(void *base, uint32_t slot, rs_snapshot *s) {
   uint64_t nholds = (s->n_chunks + HOLD_CHUNKS - 1) / HOLD_CHUNKS;
   s->hold_pins = malloc((nholds ? nholds : 1) * sizeof *s->hold_pins);
   if (!s->hold_pins) return rs_set_error(RS_ESYS, "out of memory for %llu hold pins", (unsigned long long)nholds);
+  if (nholds <= UINT32_MAX) rs_pins_ensure(base, slot, (uint32_t)nholds);   /* grows the pin log */
   if (rs_slots(base)[slot].free_top < nholds)
     return rs_set_error(RS_EFULL, "snapshot needs %llu pins to hold %llu chunks, process slot %u has %u free",
                         (unsigned long long)nholds, (unsigned long long)s->n_chunks, slot,

@@ -632,6 +632,11 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
   rs_table_hdr *th = op->th;
   rs_seg_hdr *h = rs_seg(base);
   uint32_t avail = __atomic_load_n(&rs_slots(base)[slot].free_top, __ATOMIC_ACQUIRE);
+  uint32_t wanted = want < SAMPLE_ROUND ? want : SAMPLE_ROUND;
+  if (avail < wanted && h->growable && rs_slots(base)[slot].pin_cap < h->pins_per_proc) {
+    rs_pins_ensure(base, slot, wanted);   /* grows the pin log; on failure take what there is */
+    avail = __atomic_load_n(&rs_slots(base)[slot].free_top, __ATOMIC_ACQUIRE);
+  }
   if (avail == 0)
     return rs_set_error(RS_EFULL, "process slot %u holds all of its %u pins; release samples "
                         "before sampling more", slot, h->pins_per_proc);
@@ -1125,6 +1130,7 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
    * and chunk headers never change once written). */
   const char *src[SAMPLE_ROUND * GATHER_COLS];
   int keep = ncols <= GATHER_COLS;
+  int disk = rs_seg(base)->arena_file;   /* disk tier: also ask the kernel to read the rows now */
   for (uint32_t i = 0; i < n; i++) {
     uint64_t blob = rs_ref_off(recs[i].desc_off);
     uint32_t w = memo_way(blob);
@@ -1135,6 +1141,7 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
         if (p) {
           p += shift * memo->row_bytes[w][c];
           __builtin_prefetch(p, 0, 1);
+          if (disk) rs_prefetch_file_rows(p, cols[c].col_bytes);
         }
         src[i * ncols + c] = p;
       }
@@ -1148,6 +1155,7 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
       uint64_t nb;
       const char *p = slice_src(base, &s[dc[c].first_slice], shift, &nb);
       __builtin_prefetch(p, 0, 1);   /* hint L2: measured ~5% faster than L1 on W3 here */
+      if (disk) rs_prefetch_file_rows(p, nb);
       if (keep) src[i * ncols + c] = dc[c].nslices == 1 ? p : NULL;
     }
   }

@@ -20,9 +20,11 @@ from reverb_shm._internal import shm
 from reverb_shm._internal._lib import check, ffi, lib
 from reverb_shm.table import Table
 
-__all__ = ["Server", "Table", "DEFAULT_ARENA_BYTES", "DEFAULT_PINS_PER_PROC", "PIN_ENTRY_BYTES"]
+__all__ = ["Server", "Table", "DEFAULT_ARENA_BYTES", "DEFAULT_MAX_SHARE", "DEFAULT_PINS_PER_PROC",
+           "PIN_ENTRY_BYTES"]
 
-DEFAULT_ARENA_BYTES = 256 << 20
+DEFAULT_ARENA_BYTES = 8 << 20  # the arena's first extent; it grows by itself up to max_bytes
+DEFAULT_MAX_SHARE = 0.5        # default max_bytes: this share of /dev/shm free at start
 DEFAULT_PINS_PER_PROC = 65536
 PIN_ENTRY_BYTES = 12          # one pin-log entry (u64 entry + u32 free-stack slot)
 _REAP_INTERVAL_S = 0.5
@@ -53,23 +55,38 @@ class Server:
       checkpoint's: 'error' (ValueError naming the fields), 'prefer_code' or
       'prefer_checkpoint'. server_info() shows the effective configuration.
     name: server name (the segment is /dev/shm/rvshm.NAME); default f"reverb_{port}".
-    arena_bytes: bytes of shared memory for chunk data and item descriptors.
+    arena_bytes: bytes of shared memory for chunk data and item descriptors to start with
+      (default 8 MiB); the arena then grows by extents as data arrives, up to max_bytes. Set it
+      to the expected data size to have everything reserved at start.
+    max_bytes: the most bytes of /dev/shm this server may hold (tables' metadata, arena and pin
+      logs). Default: half of what /dev/shm has free when the server starts (at least what it
+      needs to start). An insert needing more fails with ResourceExhaustedError naming it.
+    storage: a directory on a local filesystem for the disk tier: chunk payloads (and item
+      descriptors: the whole arena) live in a file there, mapped into every process, while the
+      tables' records, key index, sum trees, rate limiter and pin logs stay in /dev/shm.
+      Sampling, priority updates, zero-copy views and batched gathers work unchanged; the page
+      cache is the only cache. max_bytes then bounds the file (default: half of the
+      directory's free space). The file (same mode as the segment) is removed on stop, and by
+      `reverb-shm gc` or the next server start when this server dies. It is not a checkpoint:
+      a server killed with SIGKILL cannot be restarted from it (use a checkpointer).
     max_procs: maximum number of processes attached at once.
     pins_per_proc: most chunks and sampled items one process may hold pinned at once (live
       sample views and chunks being written), 16..2**20; a batch needing more fails with
-      ResourceExhaustedError. Each process slot reserves a pin log of pins_per_proc x 12 bytes.
+      ResourceExhaustedError. A process's pin log grows to it as needed (12 bytes per pin).
     bridge: a reverb_shm.bridge.BridgeConfig to also serve the tables over gRPC in this
       process (needs the `bridge` extra); see `bridge_address`.
     mode: permission bits of the segment and port alias: 0o600 (default: only this user's
       processes may attach) or 0o660 (also processes of the file's group). Other bits are
       refused.
 
-  Segment size: the segment /dev/shm/rvshm.NAME is reserved in full at creation and holds
-    arena_bytes (chunk data and item descriptors)
-    + the tables' metadata (records, key index, selector structures: roughly 150 to 350 bytes
+  Segment size: the segment /dev/shm/rvshm.NAME starts with
+    the tables' metadata (records, key index, selector structures: roughly 150 to 350 bytes
       per unit of max_size, as some arrays are rounded up to powers of two)
-    + pin logs: max_procs x pins_per_proc x 12 bytes (96 MiB at the defaults 128 x 65536).
-  Lower max_procs or pins_per_proc to shrink it; `reverb-shm info NAME` prints the breakdown.
+    + arena_bytes (chunk data and item descriptors; 8 MiB by default)
+  and grows as it is used: arena extents (at least 4 MiB, a quarter of the arena, at most
+  256 MiB beyond the need) and, per attached process, pin-log pages (12 bytes per pin held at
+  once, in steps of 1024 pins), all within max_bytes. Its file is as large as it may grow, but
+  only the reserved part holds memory (`du`, not `ls -l`); `reverb-shm info NAME` prints it.
 
   If the server process dies (SIGKILL), processes already attached keep working on the mapped
   tables (the server does no per-request work), but a blocked insert or sample fails with
@@ -85,7 +102,8 @@ class Server:
 
   def __init__(self, tables: Sequence[table_lib.Table] = None, port: Optional[int] = None,
                checkpointer=None, *, name: Optional[str] = None,
-               arena_bytes: int = DEFAULT_ARENA_BYTES, max_procs: int = 128,
+               arena_bytes: int = DEFAULT_ARENA_BYTES, max_bytes: Optional[int] = None,
+               storage: Optional[str] = None, max_procs: int = 128,
                pins_per_proc: int = DEFAULT_PINS_PER_PROC, mode: int = 0o600, bridge=None,
                on_config_mismatch: str = "error"):
     self._stopped = True
@@ -114,6 +132,11 @@ class Server:
     if restoring is not None:
       created_tables, restore_indices = checkpointers.effective_tables(tables, restoring,
                                                                        on_config_mismatch)
+    # What servers killed without stop() left behind goes back to the system first (logged).
+    try:
+      shm.reclaim_dead()
+    except OSError as e:   # e.g. a file of another user in /dev/shm: not this server's business
+      shm.log.warning("could not reclaim what dead servers left in %s: %s", shm.SHM_DIR, e)
     self._socket = self._bind_port(port)
     self._port = self._socket.getsockname()[1]
     self._name = name if name is not None else f"reverb_{self._port}"
@@ -121,7 +144,8 @@ class Server:
       shm.validate_server_name(self._name)
       self._segment = shm.Segment.create(self._name, created_tables, arena_bytes=arena_bytes,
                                          max_procs=max_procs, pins_per_proc=pins_per_proc,
-                                         mode=mode)
+                                         mode=mode, max_bytes=max_bytes,
+                                         max_share=DEFAULT_MAX_SHARE, storage=storage)
     except BaseException:
       self._socket.close()
       raise

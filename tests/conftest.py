@@ -2,6 +2,7 @@
 import contextlib
 import itertools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,3 +132,27 @@ def bridge_process(server):
     os.kill(proc.pid, signal.SIGCONT)
     proc.terminate()
     proc.wait(timeout=10)
+
+
+def run_in_private_shm(code: str, size_mib: int = 64, timeout: float = 120, args=()) -> str:
+  """Runs `python -c code *args` with its own /dev/shm: a fresh tmpfs of `size_mib` MiB.
+
+  The child runs in a new mount namespace (`unshare --mount`, needs root or CAP_SYS_ADMIN),
+  so it and its children see only the private tmpfs and the host's /dev/shm is untouched.
+  Skips the test when a mount namespace cannot be made here. Returns the child's stdout;
+  fails the test (with its stderr) when the child exits non-zero or runs past `timeout`.
+  """
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  probe = (subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False)
+           if shutil.which("unshare") else None)
+  if probe is None or probe.returncode != 0:
+    pytest.skip("a private /dev/shm needs `unshare --mount` (root or CAP_SYS_ADMIN): "
+                + ("unshare is not installed" if probe is None else probe.stderr.decode()[-200:]))
+  script = (f"mount -t tmpfs -o size={int(size_mib)}m tmpfs /dev/shm && "
+            'exec "$0" "$@"')
+  proc = subprocess.run(["unshare", "--mount", "sh", "-c", script, sys.executable, "-c", code,
+                         *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                        cwd=root, env={**os.environ, "PYTHONPATH": root}, check=False)
+  assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+  return proc.stdout
+

@@ -34,7 +34,8 @@ class Ctx:
                          rate_limiters.MinSize(1), signature=_SIG),
         reverb_shm.Table("empty", selectors.Uniform(), selectors.Fifo(), 10,
                          rate_limiters.MinSize(1)),
-    ], name=unique_server_name("badinput"), arena_bytes=8 << 20, max_procs=16)
+    ], name=unique_server_name("badinput"), arena_bytes=8 << 20, max_bytes=12 << 20,
+        max_procs=16)
     self.client = reverb_shm.Client(f"localhost:{self.server.port}")
     self.prio = self.server.shared_table("prio")
     self.sig = self.server.shared_table("sig")
@@ -275,8 +276,9 @@ def _our_shm_files() -> set:
 
 def _segment_file(ctx_name: str, mutate) -> str:
   """Copies a fresh server's segment under a new name, applying `mutate(bytearray)`."""
+  # max_bytes bounds the file: a segment's file is as large as the segment may grow (sparse).
   with reverb_shm.Server([_t("a")], name=unique_server_name(), arena_bytes=1 << 20,
-                         max_procs=4) as server:
+                         max_bytes=2 << 20, max_procs=4) as server:
     with open(shm.segment_path(server.name), "rb") as f:
       data = bytearray(f.read())
   mutate(data)

@@ -13,6 +13,7 @@ grpc = pytest.importorskip("grpc")
 
 import reverb_shm  # pylint: disable=g-bad-import-order
 from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import shm
 from reverb_shm.specs import TensorSpec
 from reverb_shm.bridge import Bridge, BridgeConfig, RemoteClient, service, wire, writes
 
@@ -84,9 +85,10 @@ def test_end_episode_timeout_names_the_remote_items_and_ends_the_episode(server_
 
 
 def test_a_bridge_side_error_surfaces_at_flush(server_factory):
-  server = server_factory([_uniform()], bridge=BridgeConfig(), arena_bytes=4 << 20)
+  server = server_factory([_uniform()], bridge=BridgeConfig(), arena_bytes=4 << 20,
+                          max_bytes=shm.start_bytes([_uniform()], 4 << 20) + (64 << 10))
   writer = _remote(server).trajectory_writer(1)
-  writer.append({"x": np.zeros(1 << 20, np.float32)})     # 4 MiB: never fits the bridge's arena
+  writer.append({"x": np.zeros(5 << 18, np.float32)})     # 5 MiB: never fits the bridge's arena
   writer.create_item("dist", 1.0, writer.history["x"][-1:])  # returns: the error comes later
   with pytest.raises(errors.ResourceExhaustedError):
     writer.flush(timeout_ms=10_000)

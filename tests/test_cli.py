@@ -29,19 +29,22 @@ def test_info_and_check_on_a_live_server(server_factory, capsys):
   assert "all invariants hold" in capsys.readouterr().out
 
 
-def test_info_prints_the_segment_breakdown_and_pins_per_proc_shrinks_it(server_factory, capsys):
-  small = server_factory([_table()], max_procs=8, pins_per_proc=1024, arena_bytes=4 << 20)
-  default = server_factory([_table()], max_procs=8, arena_bytes=4 << 20)
-  pin_logs = 8 * 1024 * 12
-  assert default.segment.size - small.segment.size == 8 * (65536 - 1024) * 12
-  assert small.segment.info()["pins_per_proc"] == 1024
-  assert cli.main(["info", small.name]) == 0
+def test_info_prints_the_segment_breakdown_of_what_is_reserved(server_factory, capsys):
+  server = server_factory([_table()], max_procs=8, pins_per_proc=1024, arena_bytes=4 << 20,
+                          max_bytes=64 << 20)
+  server.localhost_client().insert([0, 1], priorities={"t": 1.0})   # this process: 1024 pins
+  info = server.segment.info()
+  assert info["pins_per_proc"] == 1024 and info["pins_reserved"] == 1024 * 12
+  assert cli.main(["info", server.name]) == 0
   out = capsys.readouterr().out
-  rest = small.segment.size - (4 << 20) - pin_logs
-  assert (f"segment: {small.segment.size / 2**20:.1f} MiB = arena 4.0 MiB + pin logs "
-          f"{pin_logs / 2**20:.1f} MiB (8 process slots x 1024 pins x 12 bytes) + tables' metadata "
-          f"and header {rest / 2**20:.1f} MiB") in out
+  rest = info["reserved_bytes"] - (4 << 20) - 1024 * 12
+  assert (f"segment: {info['reserved_bytes'] / 2**20:.1f} MiB reserved of max_bytes 64.0 MiB = "
+          f"arena 4.0 MiB (0 extent(s) added) + pin logs 0.0 MiB (grown per process as needed, "
+          f"up to 1024 pins x 12 bytes) + tables' metadata and header {rest / 2**20:.1f} MiB") in out
   assert 0 < rest < 1 << 20
+  # What the file holds in /dev/shm is what the segment reserved (plus page rounding).
+  held = os.stat(f"/dev/shm/rvshm.{server.name}").st_blocks * 512
+  assert info["reserved_bytes"] <= held <= info["reserved_bytes"] + 3 * 4096
 
 
 def test_unknown_server_is_a_clear_error(capsys):

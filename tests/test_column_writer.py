@@ -5,7 +5,7 @@ import pytest
 
 import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
-from reverb_shm._internal import chunks
+from reverb_shm._internal import chunks, shm
 from reverb_shm._internal._lib import ffi
 
 pytestmark = pytest.mark.timeout(60)
@@ -15,7 +15,8 @@ pytestmark = pytest.mark.timeout(60)
 def seg(server_factory):
   table = reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100,
                            rate_limiters.MinSize(1))
-  return server_factory([table], arena_bytes=1 << 20).segment
+  return server_factory([table], arena_bytes=1 << 20,
+                        max_bytes=shm.start_bytes([table], 1 << 20) + (64 << 10)).segment   # an arena that cannot grow
 
 
 def test_writes_rows_and_headers_of_every_column(seg):

@@ -38,6 +38,18 @@ def test_hundreds_of_kills_leave_consistent_tables_and_no_leak():
   assert all(n > 0 for n in result["items_at_end"].values()), result
 
 
+@pytest.mark.timeout(300)
+def test_kills_while_the_arena_and_pin_logs_grow_leave_consistent_tables():
+  """The arena starts at 64 KiB and grows while workers (and a grower inserting up to 1 MiB
+  items) are killed at random; every new worker's pin log grows from nothing."""
+  result = torture.run(seconds=120, kills=150, workers=5, kill_every=0.02, seed=3,
+                       name=unique_server_name("torture"), grow=True)
+  assert result["kills"] == 150, result
+  assert all(n > 0 for n in result["kills_by_role"].values()), result
+  assert result["extents"] >= 3 and result["pin_log_kib"] >= 5 * 12, result
+  assert all(n > 0 for n in result["items_at_end"].values()), result
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_long_torture():

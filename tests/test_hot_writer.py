@@ -10,7 +10,7 @@ import pytest
 
 import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
-from reverb_shm._internal import chunks
+from reverb_shm._internal import chunks, shm
 from reverb_shm._internal.history import AUTO_MAX_ROWS as _AUTO_ROWS
 from reverb_shm._internal.history import _ColumnHistory
 from reverb_shm.trajectory_writer import TrajectoryColumn, TrajectoryWriter
@@ -539,7 +539,8 @@ def test_expired_chunks_are_released_at_once_or_after_the_batch_that_may_use_the
 
 
 def test_a_full_arena_at_a_chunk_boundary_raises_as_the_general_path(server_factory):
-  servers = [server_factory(_tables(), arena_bytes=2 << 20) for _ in range(2)]
+  fixed = shm.start_bytes(_tables(), 2 << 20) + (64 << 10)   # arenas that cannot grow
+  servers = [server_factory(_tables(), arena_bytes=2 << 20, max_bytes=fixed) for _ in range(2)]
   fast = CountingWriter(servers[0].localhost_client(), 2)
   general = GeneralWriter(servers[1].localhost_client(), 2)
   outcomes = []

@@ -9,7 +9,7 @@ import pytest
 
 import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
-from reverb_shm._internal import chunks
+from reverb_shm._internal import chunks, shm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -155,7 +155,9 @@ def test_unknown_table_error_lists_tables(server_factory):
 
 
 def test_oversized_item_is_arena_full_error(server_factory):
-  st = _server(server_factory, arena_bytes=1 << 20).shared_table("t")
+  small = reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100, rate_limiters.MinSize(1))
+  st = _server(server_factory, small, arena_bytes=1 << 20,
+               max_bytes=shm.start_bytes([small], 1 << 20) + (64 << 10)).shared_table("t")   # an arena that cannot grow
   with pytest.raises(errors.ResourceExhaustedError) as e:
     st.insert({"x": np.zeros((1, 2 << 20), np.uint8)}, 1.0)
   assert isinstance(e.value, IndexError)

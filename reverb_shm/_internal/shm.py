@@ -1,8 +1,12 @@
 """The one place where shared-memory segments are created, attached and unlinked.
 
 A server's segment is the POSIX shm object ``/rvshm.<server name>`` (``/dev/shm/rvshm.<name>``),
-created by the owning :class:`~reverb_shm.Server` with O_CREAT|O_EXCL, mode 0600 and its full
-size reserved up front. Its lifetime belongs to the server (unlinked on stop); attaching
+created by the owning :class:`~reverb_shm.Server` with O_CREAT|O_EXCL and mode 0600. The file is
+as large as the segment may grow (its layout), but only what is in use holds memory: the creator
+reserves the header, the tables and the first arena (posix_fallocate), and the C core reserves
+further arena extents and pin-log pages as they are needed (a clean ResourceExhaustedError when
+/dev/shm is full, never a SIGBUS). Every process maps the whole file once, so growth needs no
+remapping. Its lifetime belongs to the server (unlinked on stop); attaching
 processes never unlink it. posix_ipc does not register segments with multiprocessing's
 resource tracker, so an attaching process exiting leaves the segment alone.
 
@@ -13,11 +17,19 @@ first takes that lock without waiting: a segment whose lock is held is being cre
 as live. A gc may still take the lock in the instant between the creator's O_EXCL open and its
 flock; the creator then finds the name no longer refers to its file and creates it afresh.
 
+Disk tier (``storage=DIR``): the arena (chunk payloads and item descriptors) is the file
+``DIR/rvshm.<name>.<generation>.arena`` (mode as the segment's), mapped by every process over
+the arena's range of its segment mapping, so offsets and addresses are the same as in memory; the
+header, tables (records, key index, sum trees), slots and pin logs stay in /dev/shm. The
+sidecar ``/dev/shm/rvshm-storage.<name>`` holds the file's path: attaching processes map it,
+and whoever reclaims a dead server's segment (gc, a starting server) unlinks the file too.
+
 Port aliases (``Client('localhost:PORT')``) are small files ``/dev/shm/rvshm.port.<PORT>``,
 mode 0600, holding the server name and owner pid.
 """
 import fcntl
 import ipaddress
+import logging
 import mmap
 import os
 import re
@@ -35,7 +47,10 @@ from reverb_shm._internal._lib import check, ffi, last_error, lib
 
 __all__ = ["Segment", "validate_server_name", "validate_mode", "register_port", "unregister_port",
            "prune_stale_aliases", "list_segments", "remove_stale", "is_local_host",
-           "resolve_address", "segment_path", "SHM_DIR"]
+           "resolve_address", "segment_path", "reclaim_dead", "allocated_bytes", "start_bytes",
+           "SHM_DIR"]
+
+log = logging.getLogger("reverb_shm.shm")
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "rvshm."
@@ -106,8 +121,9 @@ def _examine(name: str, reclaim: bool = False) -> Optional[dict]:
   """Owner state of the segment of server `name`, unlinking it if stale and `reclaim`.
 
   Returns None if there is no such segment, else a dict: pid (owner, 0 if not initialised),
-  state ("live", "starting": its creator holds the creation lock, or "stale": owner dead or
-  creator died before initialising it) and removed (True if this call unlinked it). The
+  state ("live", "starting": its creator holds the creation lock, "foreign": another user's,
+  which this process may not open, or "stale": owner dead or creator died before initialising
+  it) and removed (True if this call unlinked it). The
   verdict and the unlink happen under the segment's creation lock (see the module docstring).
   """
   shm_name = _shm_name(name)
@@ -115,6 +131,8 @@ def _examine(name: str, reclaim: bool = False) -> Optional[dict]:
     mem = posix_ipc.SharedMemory(shm_name)
   except posix_ipc.ExistentialError:
     return None
+  except posix_ipc.PermissionsError:   # another user's server: never ours to judge or remove
+    return {"pid": 0, "state": "foreign", "removed": False}
   try:
     try:
       fcntl.flock(mem.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -133,6 +151,43 @@ def _examine(name: str, reclaim: bool = False) -> Optional[dict]:
     return {"pid": pid, "state": "stale", "removed": reclaim}
   finally:
     mem.close_fd()                  # releases the lock
+
+
+def _table_configs(tables):
+  """(rs_table_config[] of `tables`, objects that must outlive it)."""
+  cfgs = ffi.new("rs_table_config[]", len(tables))
+  keep = []
+  for cfg, table in zip(cfgs, tables):
+    name_bytes = table.name.encode("utf-8")
+    ffi.memmove(cfg.name, name_bytes, len(name_bytes))
+    rl = table.rate_limiter
+    cfg.max_size = table.max_size
+    cfg.max_times_sampled = table.max_times_sampled
+    cfg.sampler_kind = table.sampler.kind
+    cfg.sampler_exponent = table.sampler.exponent
+    cfg.remover_kind = table.remover.kind
+    cfg.remover_exponent = table.remover.exponent
+    cfg.samples_per_insert = rl.samples_per_insert
+    cfg.min_size_to_sample = rl.min_size_to_sample
+    cfg.min_diff = rl.min_diff
+    cfg.max_diff = rl.max_diff
+    blob = ffi.from_buffer(table.config_blob())
+    keep.append(blob)
+    cfg.blob = ffi.cast("const uint8_t *", blob)
+    cfg.blob_len = len(blob)
+  return cfgs, keep
+
+
+def start_bytes(tables, arena_bytes: int, max_procs: int = 128, pins_per_proc: int = 65536) -> int:
+  """Bytes a server of `tables` reserves in /dev/shm when it starts with `arena_bytes` (its
+  header, the tables' metadata and the first arena extent). Raises ValueError on a bad
+  configuration."""
+  cfgs, keep = _table_configs(tables)  # pylint: disable=unused-variable
+  initial = ffi.new("uint64_t *")
+  if lib.rs_segment_size_ex(cfgs, len(tables), max_procs, pins_per_proc, arena_bytes, arena_bytes,
+                            initial) == 0:
+    raise ValueError(f"invalid segment configuration: {last_error()}")
+  return initial[0]
 
 
 class Segment:
@@ -172,82 +227,106 @@ class Segment:
     # Appended to "arena full" errors: which setting sizes this arena (the bridge's
     # staging segments name theirs).
     self.arena_hint = ""
+    self.arena_path = None      # disk tier: the arena's file
 
   # ---- creation / attachment
   @classmethod
   def create(cls, name: str, tables: Sequence, *, arena_bytes: int, max_procs: int = 128,
-             pins_per_proc: int = 65536, mode: int = 0o600) -> "Segment":
+             pins_per_proc: int = 65536, mode: int = 0o600, max_bytes: Optional[int] = None,
+             max_share: Optional[float] = None, storage: Optional[str] = None) -> "Segment":
     """Creates and initialises the segment of server `name` holding `tables`.
 
     Args:
       name: validated server name.
       tables: reverb_shm.Table objects (configuration).
-      arena_bytes: bytes for chunk data and item descriptors.
+      arena_bytes: bytes for chunk data and item descriptors to start with.
       max_procs: maximum number of processes attached at once.
-      pins_per_proc: maximum chunks/items one process may pin at once.
+      pins_per_proc: maximum chunks/items one process may pin at once (each process's pin log
+        grows to it as needed, 12 bytes per pin).
       mode: permission bits of the segment: 0o600 (default) or 0o660 (group may attach).
+      max_bytes: the most bytes of /dev/shm the segment may hold (header, tables, arena and pin
+        logs); the arena grows by extents up to it. None: the arena keeps arena_bytes.
+      max_share: with max_bytes None, max_bytes is this share of the space /dev/shm has free
+        now (at least what the segment needs to start).
+      storage: a directory on a local filesystem: the arena lives in a file there (disk tier,
+        see the module docstring); max_bytes (or max_share of the directory's free space)
+        then bounds that file, and /dev/shm holds only the header, tables and pin logs.
 
     Raises:
-      ValueError: bad name or configuration.
-      ResourceExhaustedError: /dev/shm lacks the space ("need X MiB, /dev/shm has Y MiB free").
+      ValueError: bad name or configuration, max_bytes below the starting size.
+      ResourceExhaustedError: /dev/shm lacks the space ("need X MiB, /dev/shm has Y MiB free",
+        with the settings that size it).
       SegmentInUseError: a live server owns a segment of that name.
     """
     validate_server_name(name)
     validate_mode(mode)
     for arg, value in (("arena_bytes", arena_bytes), ("max_procs", max_procs),
-                       ("pins_per_proc", pins_per_proc)):
+                       ("pins_per_proc", pins_per_proc)) + (
+                           (("max_bytes", max_bytes),) if max_bytes is not None else ()):
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{arg} must be a positive int, got {value!r}")
-    cfgs = ffi.new("rs_table_config[]", len(tables))
-    keep = []
-    for cfg, table in zip(cfgs, tables):
-      name_bytes = table.name.encode("utf-8")
-      ffi.memmove(cfg.name, name_bytes, len(name_bytes))
-      rl = table.rate_limiter
-      cfg.max_size = table.max_size
-      cfg.max_times_sampled = table.max_times_sampled
-      cfg.sampler_kind = table.sampler.kind
-      cfg.sampler_exponent = table.sampler.exponent
-      cfg.remover_kind = table.remover.kind
-      cfg.remover_exponent = table.remover.exponent
-      cfg.samples_per_insert = rl.samples_per_insert
-      cfg.min_size_to_sample = rl.min_size_to_sample
-      cfg.min_diff = rl.min_diff
-      cfg.max_diff = rl.max_diff
-      blob = ffi.from_buffer(table.config_blob())
-      keep.append(blob)
-      cfg.blob = ffi.cast("const uint8_t *", blob)
-      cfg.blob_len = len(blob)
-    size = lib.rs_segment_size(cfgs, len(tables), max_procs, pins_per_proc, arena_bytes)
+    cfgs, keep = _table_configs(tables)  # pylint: disable=unused-variable  (keeps blobs alive)
+    initial = ffi.new("uint64_t *")
+    if lib.rs_segment_size_ex(cfgs, len(tables), max_procs, pins_per_proc, arena_bytes,
+                              arena_bytes, initial) == 0:
+      raise ValueError(f"invalid segment configuration: {last_error()}")
+    start = initial[0]
+    arena_off = start - ((arena_bytes + 63) & ~63)
+    free = _free_bytes()
+    if storage is not None:
+      storage = _storage_dir(storage)
+      if max_bytes is None:
+        st = os.statvfs(storage)
+        max_bytes = max(start, int(st.f_bavail * st.f_frsize * (max_share or 0.5)))
+      shm_start = arena_off + (1 << 20)     # header + tables, and a first pin log or so
+      if shm_start > free:
+        raise errors.ResourceExhaustedError(_no_room(name, shm_start, free))
+      free = max(free, start)               # the arena's bytes go to the file
+    if max_bytes is None and max_share is not None:
+      max_bytes = max(start, int(free * max_share))
+    if max_bytes is not None and max_bytes < start:
+      raise ValueError(f"max_bytes={max_bytes} ({max_bytes / _MiB:.1f} MiB) is below the "
+                       f"{start / _MiB:.1f} MiB server {name!r} needs to start (its tables' "
+                       "metadata + arena_bytes): raise max_bytes, or lower arena_bytes or the "
+                       "tables' max_size")
+    arena_max = arena_bytes if max_bytes is None else max(arena_bytes, max_bytes)
+    size = lib.rs_segment_size_ex(cfgs, len(tables), max_procs, pins_per_proc, arena_bytes,
+                                  arena_max, initial)
     if size == 0:
       raise ValueError(f"invalid segment configuration: {last_error()}")
-    free = _free_bytes()
-    if size > free:
-      raise errors.ResourceExhaustedError(
-          f"cannot create segment for server {name!r}: need {size / _MiB:.1f} MiB, "
-          f"{SHM_DIR} has {free / _MiB:.1f} MiB free")
+    if start > free:
+      raise errors.ResourceExhaustedError(_no_room(name, start, free))
     shm_name = _shm_name(name)
+    generation = secrets.randbits(64)
     mem = cls._create_exclusive(name, shm_name, mode)   # creation lock held until close_fd
+    arena_path = None
     try:
       os.fchmod(mem.fd, mode)
+      os.ftruncate(mem.fd, size)      # sparse: only what is reserved holds memory
       try:
-        os.posix_fallocate(mem.fd, 0, size)
+        os.posix_fallocate(mem.fd, 0, arena_off if storage is not None else start)
       except OSError as e:
         raise errors.ResourceExhaustedError(
-            f"cannot reserve segment for server {name!r}: need {size / _MiB:.1f} MiB, "
-            f"{SHM_DIR} has {_free_bytes() / _MiB:.1f} MiB free ({e.strerror})") from None
+            _no_room(name, start, _free_bytes(), f" ({e.strerror})")) from None
       seg = cls(name, mem.fd, size, owner=True)
       try:
+        if storage is not None:
+          arena_path = os.path.join(storage, f"{_PREFIX}{name}.{generation:016x}.arena")
+          seg._map_arena_file(arena_path, arena_off, arena_max, create=(mode, start - arena_off))
         pid = os.getpid()
-        check(lib.rs_segment_init(seg.base, size, cfgs, len(tables), max_procs, pins_per_proc,
-                                  arena_bytes, pid, lib.rs_proc_start_time(pid),
-                                  secrets.randbits(64)),
+        check(lib.rs_segment_init_ex(seg.base, size, cfgs, len(tables), max_procs, pins_per_proc,
+                                     arena_bytes, arena_max, max_bytes or 0, pid,
+                                     lib.rs_proc_start_time(pid), generation),
               f"initialising segment of server {name!r}")
+        if storage is not None:
+          lib.rs_segment_set_arena_file(seg.base)
       except BaseException:
         seg._closed = True
         raise
     except BaseException:
       posix_ipc.unlink_shared_memory(shm_name)
+      if arena_path is not None:
+        _unlink_arena_file(name)
       raise
     finally:
       # Explicitly: the mapping holds a dup of the fd, which would keep the lock (and pass it
@@ -257,6 +336,45 @@ class Segment:
     with cls._cache_lock:
       cls._cache[(name, os.getpid())] = seg
     return seg
+
+  def _map_arena_file(self, path: str, arena_off: int, arena_max: int, create=None) -> None:
+    """Maps the disk tier's arena file over the arena's range of this mapping.
+
+    `create` = (mode, first extent bytes): the creator makes the file (O_EXCL) and first
+    publishes its path in the storage sidecar, so that a crash never orphans the file.
+    """
+    if create is not None:
+      sidecar = sidecar_path(self.name, "storage")
+      fd = os.open(sidecar, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+      with os.fdopen(fd, "w") as f:
+        f.write(path)
+      fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, create[0])
+      try:
+        os.fchmod(fd, create[0])
+        os.ftruncate(fd, arena_max)
+        try:
+          os.posix_fallocate(fd, 0, create[1])
+        except OSError as e:
+          raise errors.ResourceExhaustedError(
+              f"cannot create the arena file {path} of server {self.name!r}: need "
+              f"{create[1] / _MiB:.1f} MiB ({e.strerror}); free disk space or lower arena_bytes"
+          ) from None
+      except BaseException:
+        os.close(fd)
+        raise
+    else:
+      try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+      except OSError as e:
+        raise errors.ServerUnavailableError(
+            f"cannot open the arena file {path} of server {self.name!r} (storage=): "
+            f"{e.strerror}") from None
+    rc = lib.rs_map_arena_file(self.base, arena_off, arena_max, fd)
+    if rc != lib.RS_OK:
+      os.close(fd)
+      check(rc, f"mapping the arena file of server {self.name!r}")
+    self.arena_path = path
+    weakref.finalize(self, _forget_arena_file, self.address, fd)
 
   @staticmethod
   def _create_exclusive(name: str, shm_name: str, mode: int):
@@ -320,6 +438,15 @@ class Segment:
         mem.close_fd()
       check(lib.rs_segment_validate(seg.base, seg.size), f"attaching to server {name!r}")
       info = seg.info()
+      if info["arena_file"]:
+        try:
+          with open(sidecar_path(name, "storage"), encoding="utf-8") as f:
+            path = f.read()
+        except OSError:
+          raise errors.ServerUnavailableError(
+              f"server {name!r} keeps its arena in a file, but its storage sidecar "
+              f"{sidecar_path(name, 'storage')} is missing (server stopping or removed)") from None
+        seg._map_arena_file(path, info["arena_off"], info["arena_max"])
       if not _owner_alive(info["owner_pid"], info["owner_start_time"]):
         seg._closed = True
         raise errors.DeadOwnerError(
@@ -472,9 +599,12 @@ class Segment:
         del Segment._cache[key]
 
   def unlink(self) -> None:
-    """Removes the segment's name (owner only; existing mappings stay valid). Idempotent."""
+    """Removes the segment's name, and with the disk tier its arena file and sidecar (owner
+    only; existing mappings stay valid). Idempotent."""
     if not self.owner:
       raise PermissionError(f"only the server owning {self.name!r} may unlink its segment")
+    if self.arena_path is not None:
+      _unlink_arena_file(self.name)
     try:
       posix_ipc.unlink_shared_memory(_shm_name(self.name))
     except posix_ipc.ExistentialError:
@@ -485,6 +615,51 @@ class Segment:
 
 
 _segments = weakref.WeakSet()
+
+
+def _forget_arena_file(address: int, fd: int) -> None:
+  lib.rs_unmap_arena_file(ffi.cast("void *", address))
+  os.close(fd)
+
+
+def _storage_dir(path) -> str:
+  path = os.path.abspath(os.fspath(path))
+  if not os.path.isdir(path):
+    raise ValueError(f"storage={path!r} is not a directory (the disk tier keeps each server's "
+                     "arena in a file there)")
+  if os.path.realpath(path).startswith(os.path.realpath(SHM_DIR)):
+    raise ValueError(f"storage={path!r} is inside {SHM_DIR}: it should be a disk directory")
+  return path
+
+
+def _arena_file_of_sidecar(sidecar: str) -> Optional[str]:
+  """The arena file a storage sidecar names, if it looks like one of ours."""
+  try:
+    with open(sidecar, encoding="utf-8") as f:
+      path = f.read()
+  except OSError:
+    return None
+  base = os.path.basename(path)
+  return path if base.startswith(_PREFIX) and base.endswith(".arena") else None
+
+
+def _unlink_arena_file(name: str) -> None:
+  """Unlinks the arena file of server `name` named by its storage sidecar, then the sidecar."""
+  sidecar = sidecar_path(name, "storage")
+  path = _arena_file_of_sidecar(sidecar)
+  for doomed in ((path,) if path else ()) + (sidecar,):
+    try:
+      os.unlink(doomed)
+    except OSError:
+      pass
+
+
+def _no_room(name: str, need: int, free: int, why: str = "") -> str:
+  return (f"cannot create segment for server {name!r}: need {need / _MiB:.1f} MiB, {SHM_DIR} has "
+          f"{free / _MiB:.1f} MiB free{why}. The server starts with its tables' metadata (about "
+          "150-350 bytes per unit of max_size) + arena_bytes; lower arena_bytes (the arena grows "
+          "by itself up to max_bytes) or the tables' max_size, stop other servers "
+          "(`reverb-shm list`), or give /dev/shm more room (docker run --shm-size=1g)")
 
 
 def _reset_locks_in_child() -> None:
@@ -596,7 +771,7 @@ def _read_alias(path: str):
     with open(path, "rb") as f:
       lines = f.read().decode().split("\n")
     return lines[0], int(lines[1]), int(lines[2])
-  except (FileNotFoundError, ValueError, IndexError):
+  except (OSError, ValueError, IndexError):   # gone, another user's (unreadable), or malformed
     return None
 
 
@@ -681,10 +856,9 @@ def _scan(names: Optional[Iterable[str]], reclaim: bool) -> List[dict]:
   rows = []
   for name in _segment_names(names):
     path = segment_path(name)
-    try:
-      size = os.stat(path).st_size
-    except OSError:
+    if not os.path.exists(path):
       continue
+    size = allocated_bytes(path)    # what it holds (its file is as large as it may grow)
     found = _examine(name, reclaim)
     if found is not None:
       rows.append({"name": name, "path": path, "size": size, "pid": found["pid"],
@@ -696,8 +870,9 @@ def list_segments(names: Optional[Iterable[str]] = None) -> List[dict]:
   """Segments of this host (or only of servers `names`).
 
   Returns:
-    dicts with name, path, size (bytes), pid (owner; 0 while starting), state ("live",
-    "starting": being created, "stale": owner dead) and alive (state != "stale").
+    dicts with name, path, size (bytes of /dev/shm it holds), pid (owner; 0 while starting),
+    state ("live", "starting": being created, "foreign": another user's, not accessible,
+    "stale": owner dead) and alive (state != "stale").
   """
   return _scan(names, reclaim=False)
 
@@ -722,6 +897,49 @@ def remove_stale(dry_run: bool = False, names: Optional[Iterable[str]] = None) -
           _prune_orphan_sidecars(dry_run, names, doomed))
 
 
+def allocated_bytes(path: str) -> int:
+  """Bytes of /dev/shm (or disk) that file `path` holds (its allocated blocks; 0 if gone).
+
+  A segment's file size is the most it may grow to; only the allocated part uses memory.
+  """
+  try:
+    return os.stat(path).st_blocks * 512
+  except OSError:
+    return 0
+
+
+def _reverb_files() -> Dict[str, int]:
+  """Allocated bytes of every reverb_shm file of SHM_DIR (segments, aliases, sidecars)."""
+  try:
+    entries = os.listdir(SHM_DIR)
+  except OSError:
+    return {}
+  return {os.path.join(SHM_DIR, e): allocated_bytes(os.path.join(SHM_DIR, e))
+          for e in entries if e.startswith(_PREFIX[:-1])}
+
+
+def reclaim_dead(names: Optional[Iterable[str]] = None) -> Tuple[List[str], int]:
+  """Removes what servers whose owner process is dead left on this host; logs what it freed.
+
+  Segments of live servers, and segments still being created (their creation lock is held),
+  are never touched (see the module docstring). Runs when any Server starts, and as
+  `reverb-shm gc`.
+
+  Args:
+    names: if given, only the files of these servers are considered.
+
+  Returns:
+    (removed paths, bytes of /dev/shm they held).
+  """
+  sizes = _reverb_files()
+  removed = remove_stale(names=names)
+  freed = sum(sizes.get(path, 0) for path in removed)
+  if removed:
+    log.info("reclaimed %.1f MiB of %s held by %d file(s) of dead reverb_shm servers: %s",
+             freed / _MiB, SHM_DIR, len(removed), ", ".join(removed))
+  return removed, freed
+
+
 def sidecar_path(name: str, kind: str) -> str:
   """Path of a small per-server file of `kind` (e.g. 'checkpointer') beside the segment.
 
@@ -732,12 +950,28 @@ def sidecar_path(name: str, kind: str) -> str:
 
 
 def _prune_orphan_sidecars(dry_run: bool, names, doomed: Iterable[str] = ()) -> List[str]:
-  """Sidecars whose segment is gone (or in `doomed`: stale segments being removed)."""
+  """Sidecars whose segment is gone (or in `doomed`: stale segments being removed), and the
+  disk tier's arena files that storage sidecars among them name."""
+  files = []
+
   def is_stale(entry: str) -> bool:
     if not entry.startswith(_PREFIX[:-1] + "-") or "." not in entry:
       return False
     name = entry.split(".", 1)[1]
-    return (bool(_NAME_RE.fullmatch(name)) and (names is None or name in names)
-            and (name in doomed or not os.path.exists(segment_path(name))))
+    stale = (bool(_NAME_RE.fullmatch(name)) and (names is None or name in names)
+             and (name in doomed or not os.path.exists(segment_path(name))))
+    if stale and entry.startswith(_PREFIX[:-1] + "-storage."):
+      arena = _arena_file_of_sidecar(os.path.join(SHM_DIR, entry))
+      if arena is not None and os.path.exists(arena):
+        files.append(arena)
+    return stale
 
-  return _unlink_stale_files(is_stale, dry_run)
+  removed = _unlink_stale_files(is_stale, dry_run)
+  for path in files:
+    if not dry_run:
+      try:
+        os.unlink(path)
+      except OSError:
+        continue
+    removed.append(path)
+  return removed

@@ -36,7 +36,8 @@ def _cmd_list(args) -> int:
     return 0
   print(f"{'server':32} {'size MiB':>10} {'owner pid':>10}  state")
   for row in rows:
-    state = {"live": "live", "starting": "starting (being created)"}.get(
+    state = {"live": "live", "starting": "starting (being created)",
+             "foreign": "another user's (not accessible)"}.get(
         row["state"], "STALE (owner dead; `reverb-shm gc` removes it)")
     print(f"{row['name']:32} {row['size'] / _MiB:10.1f} {row['pid']:10d}  {state}")
   return 0
@@ -49,12 +50,16 @@ def _cmd_info(args) -> int:
         f"{info['live_procs']}/{info['max_procs']} process slots in use")
   print(f"arena: {info['arena_used'] / _MiB:.1f} MiB used of {info['arena_size'] / _MiB:.1f} MiB, "
         f"{info['num_chunks']} chunks, {info['num_descs']} item descriptors")
-  pin_logs = info["max_procs"] * info["pins_per_proc"] * PIN_ENTRY_BYTES
-  rest = info["total_size"] - info["arena_size"] - pin_logs
-  print(f"segment: {info['total_size'] / _MiB:.1f} MiB = arena {info['arena_size'] / _MiB:.1f} MiB"
-        f" + pin logs {pin_logs / _MiB:.1f} MiB ({info['max_procs']} process slots x "
-        f"{info['pins_per_proc']} pins x {PIN_ENTRY_BYTES} bytes) + tables' metadata and header "
-        f"{rest / _MiB:.1f} MiB")
+  pin_logs = info["pins_reserved"]
+  rest = info["reserved_bytes"] - info["arena_size"] - pin_logs
+  limit = (f"max_bytes {info['max_bytes'] / _MiB:.1f} MiB" if info["max_bytes"] else
+           f"arena fixed at {info['arena_max'] / _MiB:.1f} MiB")
+  print(f"segment: {info['reserved_bytes'] / _MiB:.1f} MiB reserved of {limit} = arena "
+        f"{info['arena_size'] / _MiB:.1f} MiB ({info['extents']} extent(s) added) + pin logs "
+        f"{pin_logs / _MiB:.1f} MiB (grown per process as needed, up to {info['pins_per_proc']} "
+        f"pins x {PIN_ENTRY_BYTES} bytes) + tables' metadata and header {rest / _MiB:.1f} MiB")
+  if seg.arena_path is not None:
+    print(f"disk tier: the arena is the file {seg.arena_path} (/dev/shm holds the rest)")
   for index, name in enumerate(seg.table_names()):
     st = seg.stats(index)
     print(f"  table {name!r}: size {st['size']}/{st['max_size']}, inserts {st['inserts']}, "
@@ -75,11 +80,15 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_gc(args) -> int:
-  removed = shm.remove_stale(dry_run=args.dry_run, names=args.names or None)
+  if args.dry_run:
+    removed = shm.remove_stale(dry_run=True, names=args.names or None)
+    freed = sum(shm.allocated_bytes(path) for path in removed)
+  else:
+    removed, freed = shm.reclaim_dead(names=args.names or None)
   verb = "would remove" if args.dry_run else "removed"
   for path in removed:
     print(f"{verb} {path}")
-  print(f"{verb} {len(removed)} stale object(s)")
+  print(f"{verb} {len(removed)} stale object(s), {freed / (1 << 20):.1f} MiB")
   return 0
 
 
