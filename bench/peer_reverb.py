@@ -138,7 +138,37 @@ def w5(args):
   return rows
 
 
+L1_SIG = {"obs": tf.TensorSpec([84], tf.float32), "action": tf.TensorSpec([], tf.int64),
+          "reward": tf.TensorSpec([], tf.float32)}
+
+
+def l1(args):
+  """The learner loop of bench/learner_workloads.py: prioritized (0.6) batches of 256 through
+  TrajectoryDataset + as_numpy_iterator, and a mutate_priorities of the batch per iteration."""
+  n = min(args.items, args.peer_items)
+  srv, client = server(reverb.selectors.Prioritized(0.6), n, L1_SIG)
+  fill(client, n, lambda i: {"obs": np.full(84, i, np.float32), "action": np.int64(i),
+                             "reward": np.float32(i)})
+  rng = np.random.default_rng(0)
+  it = reverb.TrajectoryDataset.from_table_signature(
+      f"localhost:{srv.port}", TABLE, max_in_flight_samples_per_worker=512).batch(
+          256).as_numpy_iterator()
+  new_priorities = (rng.random(256) + 0.1).tolist()
+
+  def loop():
+    sample = next(it)
+    client.mutate_priorities(TABLE, dict(zip(sample.info.key.tolist(), new_priorities)))
+    return len(sample.info.key)
+
+  rows = [row("L1", "dataset", "TrajectoryDataset.batch(256).as_numpy_iterator + "
+              "mutate_priorities", timed(loop, args.duration, args.warmup)[0], 84 * 4 + 12,
+              table_items=n)]
+  srv.stop()
+  return rows
+
+
 WORKLOADS = {
+    "L1": l1,
     "W1": w1, "W2": w2,
     "W3": lambda a: sampling(a, "W3", reverb.selectors.Uniform(), False),
     "W4": lambda a: sampling(a, "W4", reverb.selectors.Prioritized(0.6), True),

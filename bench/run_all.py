@@ -5,12 +5,17 @@ table with ratios, writes JSON and a plot of the scaling curves to bench/results
     python bench/run_all.py --quick         # smoke run (small tables, short durations)
     python bench/run_all.py --repeat 3      # every runner 3 times; the table shows the medians
 
-Peers run in their own venvs (bench/make_peer_venvs.sh creates them): --reverb-python (dm-reverb
-0.14 + tensorflow) and --cpprb-python (cpprb 11); a peer whose interpreter is missing or cannot
-import it is skipped with a note. Workloads: see README (W1-W6, scaling, metadata).
+Peers run in their own venvs (bench/make_peer_venvs.sh or tests/peers/venv.sh NAME creates them):
+--reverb-python (dm-reverb 0.14 + tensorflow), --cpprb-python (cpprb 11) and --torchrl-python
+(torch 2.14.1 + torchrl 0.14.1); a peer whose interpreter is missing or cannot import it is
+skipped with a note. Workloads: see README (W1-W6, scaling, metadata) and
+bench/learner_workloads.py (L1, L2: the learner's iterator; needs torch in this Python).
+
+    python bench/run_all.py --only L1 L2    # the learner workloads and their ratio rows
 """
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -52,8 +57,38 @@ RATIOS = [
     ("D1 disk tier vs cpprb mmap_prefix", ("disk", "D1", "shm"), ("disk", "D1", "cpprb"), 1.0),
     ("D1 disk tier vs the disk's random reads (memmap gather)", ("disk", "D1", "shm"),
      ("disk", "D1", "memmap"), 0.7),
+    ("R1 co-located writers vs TorchRL RayReplayBuffer", ("shm_ray", "R1_write", "reverb_shm"),
+     ("torchrl_ray", "R1_write", "RayReplayBuffer"), 20.0),
+    ("R1 learner sample(256) over 3 nodes vs RayReplayBuffer.sample",
+     ("shm_ray", "R1_sample", "reverb_shm"), ("torchrl_ray", "R1_sample", "RayReplayBuffer"), 5.0),
+    # the cost of a cross-node sample against a same-node one (time per call; no target)
+    ("R1 cross-node sample cost / same-node (lower is better)",
+     ("shm_ray", "R1_cross", "same_node"), ("shm_ray", "R1_cross", "cross_node"), None),
 ]
 G1_WORKLOADS = ["W1", "W3", "W5"]
+# Workloads of a Ray cluster: run by bench/ray_r1.py and the TorchRL peer, not by the others.
+RAY_WORKLOADS = ("R1",)
+
+
+def peer_python(name):
+  """The python of peer venv NAME as tests/peers/venv.sh names it, when it has been built."""
+  req = HERE.parent / "tests" / "peers" / f"{name}.txt"
+  root = pathlib.Path(os.environ.get("REVERB_SHM_PEERS",
+                                     pathlib.Path.home() / ".cache" / "reverb_shm" / "peers"))
+  if not req.exists():
+    return None
+  venv = root / f"{name}-{hashlib.sha256(req.read_bytes()).hexdigest()[:12]}"
+  return str(venv / "bin" / "python") if (venv / ".ready").exists() else None
+
+
+def cpu_model():
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or None
 
 
 def run_runner(python, script, args, workloads, timeout, extra_env=None):
@@ -75,6 +110,19 @@ def run_runner(python, script, args, workloads, timeout, extra_env=None):
     if line.startswith("RESULTS "):
       return json.loads(line[len("RESULTS "):]), None
   return [], f"{script} failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}"
+
+
+RAY_SCRIPTS = ("ray_r1.py", "peer_torchrl_ray.py")
+
+
+def torchrl_ray_python() -> str:
+  """The python of the torchrl_ray peer venv (tests/peers/venv.sh builds it on first use)."""
+  try:
+    return subprocess.run(["bash", str(HERE.parent / "tests" / "peers" / "venv.sh"),
+                           "torchrl_ray"], capture_output=True, text=True, timeout=3600,
+                          check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"(torchrl_ray venv unavailable: {e})"
 
 
 def peer_available(python, module):
@@ -110,13 +158,55 @@ def lookup(results, side):
   return None
 
 
-def ratios(results):
+def learner_ratios(results):
+  """Ratio rows of L1 (learner loop) and L2 (sequences)."""
+  def get(runner, workload, variant, field="items_per_s"):
+    for r in results.get(runner, []):
+      if r["workload"] == workload and r["variant"] == variant:
+        return r.get(field)
+    return None
   out = []
+
+  def add(label, value, target, higher_is_better=True):
+    met = None if value is None else (value >= target if higher_is_better else value <= target)
+    out.append({"ratio": label, "value": value, "target": target, "met": met})
+
+  ours = get("learner", "L1", "iterator")
+  trl = [v for v in (get("torchrl", "L1", "no_prefetch"), get("torchrl", "L1", "prefetch4")) if v]
+  if ours is not None or trl:
+    add("L1 vs TorchRL PrioritizedSampler (better of prefetch None/4)",
+        ours / max(trl) if ours and trl else None, 5.0)
+    rev = get("reverb", "L1", "dataset")
+    add("L1 vs dm-reverb TrajectoryDataset + mutate_priorities",
+        ours / rev if ours and rev else None, 30.0)
+    hand = get("learner", "L1", "hand_loop")
+    add("L1 iterator vs hand-written sample_batch loop", ours / hand if ours and hand else None,
+        1.0)
+    it_us = get("learner", "L1", "iterator_step_1ms", "us_per_iter")
+    step_us = get("learner", "L1", "step_only_1ms", "us_per_iter")
+    add("L1 with 1 ms step: iteration time / 1 ms (lower is better)",
+        it_us / 1000 if it_us else None, 1.10, higher_is_better=False)
+    add("L1 with 1 ms step: iteration time / step alone (lower is better)",
+        it_us / step_us if it_us and step_us else None, 1.10, higher_is_better=False)
+  ours2 = get("learner", "L2", "iterator")
+  if ours2 is not None or get("torchrl", "L2", "SliceSampler"):
+    trl2 = get("torchrl", "L2", "SliceSampler")
+    add("L2 windows/s vs TorchRL SliceSampler", ours2 / trl2 if ours2 and trl2 else None, 5.0)
+  sc = {r["table_steps"]: r["us_per_window"] for r in results.get("learner", [])
+        if r["workload"].startswith("L2_scale_")}
+  if 100_000 in sc and max(sc) > 100_000:
+    add(f"L2 cost at {max(sc):.0e} steps / cost at 1e5 (lower is better)",
+        sc[max(sc)] / sc[100_000], 1.5, higher_is_better=False)
+  return out
+
+
+def ratios(results):
+  out = learner_ratios(results)
   for label, num, den, target in RATIOS:
     a, b = lookup(results, num), lookup(results, den)
     ratio = a / b if a and b else None
     out.append({"ratio": label, "value": ratio, "target": target,
-                "met": None if ratio is None else ratio >= target})
+                "met": None if ratio is None or target is None else ratio >= target})
   sc = {r["table_items"]: r["us_per_item"] for r in results.get("shm", [])
         if r["workload"].startswith("scale_")}
   if 10_000 in sc and max(sc) > 10_000:
@@ -141,13 +231,16 @@ def print_table(results, ratio_rows, notes):
     for r in rows:
       mb = f"{r['mb_per_s']:8.0f}" if "mb_per_s" in r else " " * 8
       extra = f"  [{r['table_items']:,} items]" if "table_items" in r else ""
+      if "us_per_iter" in r:
+        extra += f" [{r['us_per_iter']:.0f} us per iteration]"
       print(f"{runner:<9} {r['workload']:<12} {r['variant']:<26} {r['items_per_s']:13,.0f} {mb}"
             f"  {r['api']}{extra}")
   print(f"\n{'ratio':<62} {'value':>9} {'target':>8}  met")
   for r in ratio_rows:
     v = "n/a" if r["value"] is None else f"{r['value']:9.2f}"
     met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
-    print(f"{r['ratio']:<62} {v:>9} {r['target']:>8}  {met}")
+    target = "-" if r["target"] is None else r["target"]
+    print(f"{r['ratio']:<62} {v:>9} {target:>8}  {met}")
   for n in notes:
     print("note:", n)
 
@@ -179,8 +272,10 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true")
   p.add_argument("--repeat", type=int, default=1)
-  p.add_argument("--only", nargs="+", help="workloads (W1..W6, scaling, metadata, G1, D1)")
-  p.add_argument("--torchrl-python", default=os.environ.get("TORCHRL_PYTHON"))
+  p.add_argument("--only", nargs="+",
+                 help="workloads (W1..W6, scaling, metadata, G1, D1, L1, L2, R1)")
+  p.add_argument("--torchrl-python", default=os.environ.get("TORCHRL_PYTHON",
+                                                            peer_python("torchrl")))
   p.add_argument("--d1-dir", default=os.environ.get("REVERB_SHM_D1_DIR", "/var/tmp"),
                  help="directory on the disk D1 measures (every runner's files go there)")
   p.add_argument("--d1-limit-mib", type=int, default=None,
@@ -189,6 +284,9 @@ def main(argv=None):
                                                            "/tmp/refvenv/bin/python"))
   p.add_argument("--cpprb-python", default=os.environ.get("CPPRB_PYTHON",
                                                           "/tmp/refvenv/bin/python"))
+  p.add_argument("--torchrl-ray-python", default=os.environ.get("TORCHRL_RAY_PYTHON"),
+                 help="python of the torchrl_ray peer venv (default: tests/peers/venv.sh "
+                      "torchrl_ray, built on first use)")
   args = p.parse_args(argv)
   args.duration = 0.5 if args.quick else 2.0
   args.warmup = 0.1 if args.quick else 0.3
@@ -196,20 +294,33 @@ def main(argv=None):
   args.frames = 500 if args.quick else 4_000
   args.scales = SCALES[:3] if args.quick else SCALES
   workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata", "G1",
-                            "D1"]
+                            "D1", "L1", "L2", "R1"]
   grown, disk = "G1" in workloads, "D1" in workloads
-  workloads = [w for w in workloads if w not in ("G1", "D1")]
+  ray_workloads = [w for w in workloads if w in RAY_WORKLOADS]
+  workloads = [w for w in workloads if w not in ("G1", "D1") and w not in RAY_WORKLOADS]
   if grown:   # G1 compares W1, W3, W5 on grown and on pre-sized arenas
     workloads += [w for w in G1_WORKLOADS if w not in workloads]
-  runners = [("shm", sys.executable, "shm_workloads.py", None),
-             ("reverb", args.reverb_python, "peer_reverb.py", "reverb"),
-             ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb")]
+  if not os.path.exists(args.reverb_python) and peer_python("reverb"):
+    args.reverb_python = peer_python("reverb")
+  shm = {"W1", "W2", "W3", "W4", "W5", "W6", "scaling", "metadata"}
+  learner = {"L1", "L2"}
+  runners = [("shm", sys.executable, "shm_workloads.py", None, shm),
+             ("learner", sys.executable, "learner_workloads.py", "torch", learner),
+             ("reverb", args.reverb_python, "peer_reverb.py", "reverb", shm | {"L1"}),
+             ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb", shm),
+             ("torchrl", args.torchrl_python or "", "peer_torchrl.py", "torchrl", learner)]
+  runners = [(name, python, script, module) for name, python, script, module, known in runners
+             if known & set(workloads)]
+  if ray_workloads:
+    runners += [("shm_ray", sys.executable, "ray_r1.py", "ray"),
+                ("torchrl_ray", args.torchrl_ray_python or torchrl_ray_python(),
+                 "peer_torchrl_ray.py", "torchrl.data.replay_buffers.ray_buffer, ray")]
   notes = []
   available = []
   for name, python, script, module in runners:
     if module and not peer_available(python, module):
       notes.append(f"{name} skipped: {python} cannot import {module} "
-                   "(create it with bench/make_peer_venvs.sh)")
+                   "(create it with bench/make_peer_venvs.sh or tests/peers/venv.sh)")
     else:
       available.append((name, python, script))
   # Repeats go round the runners (shm, peers, shm, peers, ...) so that a noisy spell on a shared
@@ -224,7 +335,9 @@ def main(argv=None):
         rows, note = run_runner(python, script, args, G1_WORKLOADS, timeout=3600,
                                 extra_env={"REVERB_SHM_BENCH_ARENA": "grown"})
       else:
-        rows, note = run_runner(python, script, args, workloads, timeout=3600)
+        rows, note = run_runner(python, script, args,
+                                ray_workloads if script in RAY_SCRIPTS else workloads,
+                                timeout=3600)
       if note:
         notes.append(note)
       runs[name].append(rows)
@@ -243,7 +356,11 @@ def main(argv=None):
     except (OSError, subprocess.TimeoutExpired, StopIteration) as e:
       notes.append(f"D1 failed: {e}")
   results = {name: median_rows(r) for name, r in runs.items()}
-  ratio_rows = ratios(results)
+  # (rows of workloads not run are left out)
+  ran = set(workloads) | set(ray_workloads) | ({"G1"} if grown else set()) | (
+      {"D1"} if disk else set())
+  ratio_rows = [r for r in ratios(results) if r["value"] is not None or
+                r["ratio"].split()[0] in ran]
   print_table(results, ratio_rows, notes)
   RESULTS.mkdir(exist_ok=True)
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
@@ -255,7 +372,7 @@ def main(argv=None):
   path.write_text(json.dumps({
       "time": stamp, "quick": args.quick, "repeat": args.repeat, "duration_s": args.duration,
       "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                  "cpus": os.cpu_count(), "load": os.getloadavg()},
+                  "cpu_model": cpu_model(), "cpus": os.cpu_count(), "load": os.getloadavg()},
       "results": results, "ratios": ratio_rows, "notes": notes}, indent=2))
   print(f"\nwrote {path}")
   return 0

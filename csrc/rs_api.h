@@ -128,6 +128,9 @@ typedef struct rs_table_stats {
   /* cumulative time in ns: holding the lock for inserts / samples; blocked waiting */
   int64_t inserting_ns; int64_t sampling_ns; int64_t waiting_for_sampling_ns; int64_t waiting_for_inserts_ns;
   int64_t repairs;          /* times the table was repaired after a dead lock owner */
+  /* Prioritized sampler: the sum tree's root, the sum of priority**exponent over the items
+   * (what a sample's probability divides by); 0 for other samplers. */
+  double sampler_total_weight;
 } rs_table_stats;
 
 typedef struct rs_segment_info {
@@ -158,6 +161,10 @@ typedef struct rs_segment_info {
 
 /* ---- time, processes ---- */
 int64_t rs_now_ns(void);                                  /* CLOCK_MONOTONIC */
+/* Seeds the calling thread's random number generator, the one this thread's sampling (selectors'
+ * picks) and random keys draw from: the same seed gives the same draws, so the same picks on the
+ * same table content. Threads start seeded at random; a forked child is reseeded at random. */
+void rs_rand_seed_thread(uint64_t seed);
 uint64_t rs_proc_start_time(int32_t pid);                 /* 0 if no such process */
 const char *rs_last_error(void);
 

@@ -1019,6 +1019,8 @@ int rs_table_get_stats(void *base, uint32_t table, rs_table_stats *out) {
   out->waiting_for_sampling_ns = th->waiting_for_sampling_ns;
   out->waiting_for_inserts_ns = th->waiting_for_inserts_ns;
   out->repairs = th->repairs;
+  if (th->sel[0].kind == RS_SEL_PRIORITIZED)
+    out->sampler_total_weight = rs_sumtree_total(rs_tree(base, &th->sel[0]));
   rs_tunlock(base, table);
   return RS_OK;
 }

@@ -91,6 +91,15 @@ void rs_rand_fill(uint64_t *out, uint32_t n) {
 
 double rs_rand_unit(void) { return (double)(rs_rand_u64() >> 11) * 0x1.0p-53; }
 
+/* Replaces the calling thread's generator state by one derived from `seed` (splitmix64, as the
+ * random seeding does): from here on this thread draws the same numbers for the same seed, until
+ * it is seeded again or a fork reseeds the child. Other threads are untouched. */
+void rs_rand_seed_thread(uint64_t seed) {
+  for (int i = 0; i < 4; i++) rng_s[i] = splitmix(&seed);
+  pthread_once(&rng_once, rng_register_fork_handler);
+  rng_seeded = 1;
+}
+
 void rs_copy_stream(void *dst, const void *src, uint64_t n) {
 #if defined(__SSE2__)
   if (n >= RS_STREAM_MIN_BYTES) {

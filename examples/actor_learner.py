@@ -6,9 +6,11 @@ The main process starts a reverb_shm Server holding one Prioritized table (expon
 Fifo remover, SampleToInsertRatio limiter) and spawns the actors. Each actor opens
 ``reverb.Client(f'localhost:{port}')``, steps gymnasium's CartPole-v1 with an epsilon-greedy
 policy whose Q-network weights it refreshes from the learner, and writes 3-step transitions
-through ``client.trajectory_writer`` (see transitions.py). The learner (this process)
-samples prioritized batches, trains a double DQN with importance-sampling weights (dqn.py)
-and writes |TD error| priorities back with ``client.mutate_priorities``.
+through ``client.trajectory_writer`` (see transitions.py). The learner (this process) takes
+fixed-shape prioritized batches as torch tensors from ``reverb_shm.torch.TorchIterator``
+(a background thread samples the next batches while the learner trains), trains a double DQN
+with the importance-sampling weights the iterator offers (dqn.py) and hands |TD error|
+priorities back to the iterator, which applies them asynchronously.
 
 The run ends on the first of: the environment-step budget, the wall-clock cap, or the mean
 return of the last 20 episodes reaching --stop-return. It prints a summary and exits 0 if
@@ -97,6 +99,28 @@ def parse_args(argv=None) -> RunConfig:
 # Actor process
 
 
+def act_and_write(env, network: NumpyQNetwork, transitions: NStepTransitionWriter,
+                  rng: np.random.Generator, obs: np.ndarray, epsilon: float):
+    """One epsilon-greedy step of ``env`` from ``obs``, recorded as n-step transitions.
+
+    Returns:
+        (the observation to act on next, the step's reward, whether the episode ended; the
+        environment was then reset and the observation is the new episode's first).
+    """
+    q_values = network.q_values(obs)
+    if rng.random() < epsilon:
+        action = int(rng.integers(NUM_ACTIONS))
+    else:
+        action = int(q_values.argmax())
+    next_obs, reward, terminated, truncated, _ = env.step(action)
+    transitions.append(obs, action, reward, terminated, q_values)
+    if terminated or truncated:
+        transitions.end_episode(next_obs, terminated, network.q_values(next_obs))
+        next_obs, _ = env.reset()
+        return next_obs, reward, True
+    return next_obs, reward, False
+
+
 def run_actor(actor_id: int, address: str, cfg: RunConfig, weights: SharedWeights,
               env_steps, returns: mp.Queue, stop: mp.Event) -> None:
     """Steps the environment and writes n-step transitions until ``stop`` is set.
@@ -129,25 +153,16 @@ def run_actor(actor_id: int, address: str, cfg: RunConfig, weights: SharedWeight
                 version, flat = weights.fetch(version)
                 if flat is not None:
                     network.load(flat)
-            q_values = network.q_values(obs)
             epsilon = linear_epsilon(sum(env_steps), 1.0, cfg.epsilon_end,
                                      cfg.epsilon_decay_steps)
-            if rng.random() < epsilon:
-                action = int(rng.integers(NUM_ACTIONS))
-            else:
-                action = int(q_values.argmax())
-            next_obs, reward, terminated, truncated, _ = env.step(action)
-            transitions.append(obs, action, reward, terminated, q_values)
+            obs, reward, episode_over = act_and_write(env, network, transitions, rng, obs,
+                                                      epsilon)
             steps += 1
             env_steps[actor_id] = steps
             episode_return += reward
-            if terminated or truncated:
-                transitions.end_episode(next_obs, terminated, network.q_values(next_obs))
+            if episode_over:
                 returns.put(episode_return)
                 episode_return = 0.0
-                obs, _ = env.reset()
-            else:
-                obs = next_obs
     except Exception:
         if not stop.is_set():
             raise
@@ -226,17 +241,28 @@ def train(cfg: RunConfig, client: reverb.Client, weights: SharedWeights, env_ste
     """Runs the learner until a stopping condition; returns (progress, updates, seconds)."""
     import torch
 
-    from dqn import DQNLearner, LearnerConfig, importance_weights
+    from dqn import DQNLearner, LearnerConfig
+    from reverb_shm.torch import TorchIterator
 
     torch.set_num_threads(1)
     learner = DQNLearner(OBS_DIM, NUM_ACTIONS, LearnerConfig(
         hidden=HIDDEN, learning_rate=cfg.learning_rate,
         target_update_period=cfg.target_update_period), seed=cfg.seed)
     weights.publish(learner.flat_parameters())
-    table = client.shared_table(TABLE)
     progress = Progress(client)
     start = time.monotonic()
     next_report = start + cfg.report_seconds
+    # Batches of exactly batch_size transitions, sampled ahead by a background thread; a batch's
+    # tensors view a ring buffer that is reused once the next batch is taken (keep=1).
+    with TorchIterator(client, TABLE, cfg.batch_size, prefetch=2, timeout_ms=500,
+                       importance_beta=cfg.beta_start, seed=cfg.seed) as batches:
+        return _train_loop(cfg, learner, batches, weights, env_steps, returns, actors, progress,
+                           start, next_report)
+
+
+def _train_loop(cfg: RunConfig, learner, batches, weights: SharedWeights, env_steps,
+                returns: mp.Queue, actors: list, progress: "Progress", start: float,
+                next_report: float) -> tuple[Progress, int, float]:
     while True:
         elapsed = time.monotonic() - start
         total_steps = sum(env_steps)
@@ -253,16 +279,15 @@ def train(cfg: RunConfig, client: reverb.Client, weights: SharedWeights, env_ste
             raise RuntimeError(f"actor process {dead[0].name} exited with code "
                                f"{dead[0].exitcode}")
         try:
-            sample = table.sample_batch(cfg.batch_size, timeout_ms=500)
+            batch = next(batches)
         except reverb.DeadlineExceededError:
             continue  # not enough data yet (or actors lagging): re-check the loop conditions
         fraction = max(elapsed / cfg.max_seconds, total_steps / cfg.max_env_steps)
-        beta = cfg.beta_start + (1.0 - cfg.beta_start) * min(1.0, fraction)
-        info = sample.info
-        priorities = learner.update(sample.data,
-                                    importance_weights(info.probability, info.table_size, beta))
+        # (batches gathered from now on get weights with the annealed beta)
+        batches.importance_beta = cfg.beta_start + (1.0 - cfg.beta_start) * min(1.0, fraction)
+        priorities = learner.update(batch.data, batch.weights)
         # Keys stay numpy uint64 (Reverb's are uint64; half of them do not fit an int64).
-        client.mutate_priorities(TABLE, updates=dict(zip(info.key, priorities)))
+        batches.update_priorities(batch.info.key, priorities)
         if learner.num_updates % cfg.publish_period == 0:
             weights.publish(learner.flat_parameters())
 

@@ -5,7 +5,8 @@ double-DQN targets and the importance-sampling correction of prioritized replay 
 al. 2016, "Prioritized Experience Replay"). Actors never import this module (they run the
 network in numpy, see ``policy.py``), so only the learner process loads torch.
 
-A batch of n-step transitions is a dict of numpy arrays with leading dimension B:
+A batch of n-step transitions is a dict of tensors (or numpy arrays) with leading dimension B,
+as ``reverb_shm.torch.TorchIterator`` delivers them:
 ``obs`` float32[B, obs_dim], ``action`` int64[B], ``reward`` float32[B, n],
 ``discount`` float32[B, n] and ``next_obs`` float32[B, obs_dim]. ``discount[:, k]`` is the
 factor applied after step k: the discount factor while the episode goes on, 0 when it
@@ -59,24 +60,6 @@ def build_q_network(obs_dim: int, num_actions: int, hidden: Sequence[int]) -> nn
     return nn.Sequential(*layers)
 
 
-def importance_weights(probabilities: np.ndarray, table_size: np.ndarray,
-                       beta: float) -> np.ndarray:
-    """Importance-sampling weights ``(N * P(i)) ** -beta``, normalised by their maximum.
-
-    Args:
-        probabilities: float64[B], the probability with which each item was sampled
-            (``SampleInfo.probability``).
-        table_size: int64[B], the number of items in the table at sampling time
-            (``SampleInfo.table_size``).
-        beta: Exponent in [0, 1]; 1 fully corrects the bias of prioritized sampling.
-
-    Returns:
-        float32[B] weights in (0, 1].
-    """
-    weights = (table_size.astype(np.float64) * probabilities) ** -beta
-    return (weights / weights.max()).astype(np.float32)
-
-
 def n_step_return(reward: torch.Tensor,
                   discount: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Discounted n-step reward sum and bootstrap factor.
@@ -120,21 +103,23 @@ class DQNLearner:
         with torch.no_grad():
             return torch.nn.utils.parameters_to_vector(self.online.parameters()).numpy()
 
-    def update(self, batch: Mapping[str, np.ndarray], weights: np.ndarray) -> np.ndarray:
+    def update(self, batch: Mapping[str, torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
         """One gradient step on a batch of n-step transitions.
 
         Args:
-            batch: n-step transitions with leading dimension B (see module doc).
-            weights: float32[B] importance-sampling weights.
+            batch: n-step transitions with leading dimension B (see module doc), tensors or
+                numpy arrays.
+            weights: float32[B] importance-sampling weights (Schaul et al. 2016), e.g.
+                ``Batch.weights`` of the iterator.
 
         Returns:
-            float64[B] new priorities: |TD error| + priority_epsilon.
+            float32[B] new priorities: |TD error| + priority_epsilon.
         """
-        obs = torch.as_tensor(np.asarray(batch["obs"], dtype=np.float32))
-        next_obs = torch.as_tensor(np.asarray(batch["next_obs"], dtype=np.float32))
-        action = torch.as_tensor(np.asarray(batch["action"], dtype=np.int64))
-        reward = torch.as_tensor(np.asarray(batch["reward"], dtype=np.float32))
-        discount = torch.as_tensor(np.asarray(batch["discount"], dtype=np.float32))
+        obs = torch.as_tensor(batch["obs"], dtype=torch.float32)
+        next_obs = torch.as_tensor(batch["next_obs"], dtype=torch.float32)
+        action = torch.as_tensor(batch["action"], dtype=torch.int64)
+        reward = torch.as_tensor(batch["reward"], dtype=torch.float32)
+        discount = torch.as_tensor(batch["discount"], dtype=torch.float32)
 
         returns, bootstrap = n_step_return(reward, discount)
         with torch.no_grad():
@@ -143,7 +128,7 @@ class DQNLearner:
             target = returns + bootstrap * next_value
         q = self.online(obs).gather(1, action.unsqueeze(1)).squeeze(1)
         td_error = target - q
-        loss = (torch.as_tensor(weights)
+        loss = (torch.as_tensor(weights, dtype=torch.float32)
                 * nn.functional.smooth_l1_loss(q, target, reduction="none")).mean()
 
         self.optimizer.zero_grad(set_to_none=True)
@@ -154,4 +139,4 @@ class DQNLearner:
         self.num_updates += 1
         if self.num_updates % self.config.target_update_period == 0:
             self.target.load_state_dict(self.online.state_dict())
-        return td_error.detach().abs().double().numpy() + self.config.priority_epsilon
+        return td_error.detach().abs() + self.config.priority_epsilon

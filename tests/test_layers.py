@@ -108,7 +108,7 @@ TIERS = [
     ("tables", ["step_inserter", "shared_table", "table", "checkpointers", "platform",
                 "platform.*"]),
     ("writers", ["trajectory_writer", "writer", "structured_writer"]),
-    ("client", ["client"]),
+    ("client", ["client", "learner"]),
     ("bridge", ["bridge", "bridge.*"]),
     ("server", ["server"]),
     ("extensions", ["tf", "tf.*", "torch", "torch.*", "jax", "jax.*", "ray", "ray.*",

@@ -33,7 +33,7 @@ from reverb_shm._internal import shm, structure, timeouts
 from reverb_shm._internal._lib import ffi
 from reverb_shm._internal.keys import random_u64
 from reverb_shm.bridge import security, watchdog, wire, writes
-from reverb_shm.replay_sample import SampleInfo
+from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
 
 __all__ = ["RemoteClient"]
@@ -508,6 +508,59 @@ class RemoteClient(client_lib.Client):
     """Checkpoints the remote server; returns the path on the server's host."""
     return str(self._connection().unary("Checkpoint", {})["path"])
 
+  def sample_batch_with_stats(self, table: str, n: int, timeout_ms: Optional[int] = None,
+                              rpc_timeout: Optional[float] = None):
+    """Up to n items sampled in one round trip (the bridge's SampleBatch), and the table's
+    counters after the draw (reverb_shm extension, for samplers spanning several servers).
+
+    Args:
+      table: table name.
+      n: items to sample, 0 .. 65536 (0: only the counters).
+      timeout_ms: rate limiter wait (None: forever); fewer than n items come back only when
+        the limiter admitted fewer by then (at least one, else DeadlineExceededError).
+      rpc_timeout: seconds the whole call may take (None: no limit).
+
+    Returns:
+      (batch, stats): batch is None for n == 0, else a ReplaySample whose info fields are arrays
+      of length B and whose data is the flat list of (B, ...) columns; stats is the table's
+      rs_table_stats dict (size, sampler_kind, sampler_total_weight, ...).
+
+    Raises:
+      ValueError: items of different column layouts in one batch; bad n.
+      DeadlineExceededError, UnknownTableError, ServerUnavailableError: as sample().
+    """
+    return self.sample_batch_async(table, n, timeout_ms, rpc_timeout)()
+
+  def sample_batch_async(self, table: str, n: int, timeout_ms: Optional[int] = None,
+                         rpc_timeout: Optional[float] = None):
+    """Sends sample_batch_with_stats's request without waiting for the answer; returns a
+    function that waits for it and returns (batch, stats) or raises as
+    sample_batch_with_stats does. Unlike other unary calls, an unreachable bridge is not
+    retried: the error is raised at once (the caller decides what to do).
+
+    Raises (at once):
+      ValueError: bad n.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1 << 16:
+      raise ValueError(f"n must be an int in [0, 65536], got {n!r}")
+    msg = {"table": table, "n": n}
+    if timeout_ms is not None:
+      msg["timeout_ms"] = int(timeout_ms)
+    conn = self._connection()
+    future = conn.method("SampleBatch").future(wire.pack(msg), timeout=rpc_timeout,
+                                               metadata=conn.metadata)
+
+    def result():
+      try:
+        reply = wire.unpack(future.result())
+      except grpc.RpcError as e:
+        raise rpc_error(e, self.server_address) from None
+      stats = reply.get("stats")
+      if not isinstance(stats, dict):
+        raise errors.ReverbError(f"bridge {self.server_address} sent a malformed SampleBatch")
+      return (None if not n else _decode_batch(reply["sample"])), stats
+    return result
+
   def _sample_gen(self, handle, n, emit_timesteps, treedef, timeout_ms):
     """Client.sample's generator over a Sample stream (Client.sample validated the arguments).
 
@@ -656,6 +709,32 @@ def _decode_samples(msg: dict, nested: bool = False):
   if len(items) != n:
     raise wire.BadMessage(f"sample reply holds {len(items)} items, expected {n}")
   return list(zip(infos, items))
+
+
+def _decode_batch(msg: dict) -> ReplaySample:
+  """One Sample reply as a ReplaySample of (B,)-arrays of info and (B, ...) columns (flat)."""
+  if "parts" in msg or "items" in msg or any(
+      isinstance(c, dict) and "l" in c for c in msg.get("cols", ())):
+    samples = _decode_samples(msg)   # several layouts or object columns: stack item by item
+    info = SampleInfo(*[np.asarray(f) for f in zip(*[i for i, _ in samples])])
+    try:
+      cols = [np.stack(c) for c in zip(*[cols for _, cols in samples])]
+    except ValueError as e:
+      raise ValueError(f"sampled items of different column layouts in one batch: {e}") from None
+    return ReplaySample(info, cols)
+  n = wire.get_int(msg, "n", 1, 1 << 16, what="sample reply")
+  fields = []
+  for key, dtype in _INFO_DTYPES:
+    data = wire.get(msg, key, bytes, what="sample reply")
+    if len(data) != 8 * n:
+      raise wire.BadMessage(f"sample reply field {key!r} must hold {n} 8-byte values")
+    fields.append(np.frombuffer(data, dtype))
+  fields[-1] = fields[-1].astype(np.int32)   # times_sampled
+  cols = [wire.decode_array(c, "sample column")
+          for c in wire.get_list(msg, "cols", 1 << 16, what="sample reply")]
+  if any(c.shape[:1] != (n,) for c in cols):
+    raise wire.BadMessage(f"sample reply columns must hold {n} items")
+  return ReplaySample(SampleInfo(*fields), cols)
 
 
 _INFO_DTYPES = (("keys", "<u8"), ("probs", "<f8"), ("sizes", "<i8"), ("prios", "<f8"),

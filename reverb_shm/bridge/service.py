@@ -199,6 +199,7 @@ class Bridge:
         "Checkpoint": grpc.unary_unary_rpc_method_handler(self._checkpoint),
         "Insert": grpc.stream_stream_rpc_method_handler(self._insert),
         "Sample": grpc.stream_stream_rpc_method_handler(self._sample),
+        "SampleBatch": grpc.unary_unary_rpc_method_handler(self._sample_batch),
         "Write": grpc.stream_stream_rpc_method_handler(self._write),
     }
     self._grpc.add_generic_rpc_handlers(
@@ -486,7 +487,6 @@ class Bridge:
   async def _sample(self, request_iterator, context):
     async with self._streaming(context) as cancelled:
       inbox = _Inbox(context, 1 << 16)
-      loop = asyncio.get_running_loop()
       try:
         msgs = await inbox.take()
         if not msgs:
@@ -509,18 +509,9 @@ class Bridge:
               return     # the client closed its side: it wants no more samples
             credit += _credits(msgs)
           k = min(credit, n - sent, batch, max(1, _REPLY_BYTES // item_bytes))
-          reply = self._sample_now(st, k)
+          reply = await self._sample_or_wait(st, k, timeout_ms, context, cancelled, 1)
           if reply is None:
-            deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-            remaining_call = context.time_remaining()
-            if remaining_call is not None:
-              call_deadline = time.monotonic() + remaining_call
-              deadline = call_deadline if deadline is None else min(deadline, call_deadline)
-            got = await loop.run_in_executor(self._pool, self._sample_wait, st, timeout_ms,
-                                             deadline, cancelled)
-            if got is None:
-              return     # cancelled
-            reply = self._encode_samples(*got)
+            return     # cancelled
           await self._write_msg(context, reply)
           item_bytes = self._item_bytes[st.name] = max(1, sum(
               len(c.get("b", b"")) for part in reply.get("parts", [reply])
@@ -530,6 +521,47 @@ class Bridge:
           credit += _credits(await inbox.take(block=False) or ())
       finally:
         inbox.stop()
+
+  async def _sample_batch(self, request, context):
+    """Unary SampleBatch {table, n (0 .. 65536), timeout_ms}: up to n items sampled together
+    (fewer when the rate limiter admits fewer before the deadline; at least one unless n is 0),
+    as a Sample reply under "sample", and the table's counters after the draw (rs_table_stats:
+    size, sampler_kind, sampler_total_weight, ...) under "stats". One round trip per batch:
+    what a learner sampling across hosts uses (reverb_shm.ray)."""
+    await self._authorize(context)
+    try:
+      msg = wire.unpack(request, 1 << 16)
+      st = self._table(wire.get_str(msg, "table"))
+      n = wire.get_int(msg, "n", 0, 1 << 16)
+      timeout_ms = wire.timeout_field(msg)
+      reply = {}
+      if n:
+        ended = threading.Event()
+        context.add_done_callback(lambda _: ended.set())
+        reply["sample"] = await self._sample_or_wait(st, n, timeout_ms, context, ended, n)
+        if reply["sample"] is None:
+          return None   # the call was cancelled
+      reply["stats"] = st.stats()
+      return wire.pack(reply)
+    except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
+      await self._fail(context, e)
+
+  async def _sample_or_wait(self, st: SharedTable, k: int, timeout_ms: Optional[int], context,
+                            cancelled: threading.Event, wait_k: int) -> Optional[dict]:
+    """The reply of up to k samples the limiter admits now, else (on the thread pool) of up to
+    wait_k, at least one, waiting until timeout_ms or the call's deadline; None once
+    `cancelled`."""
+    reply = self._sample_now(st, k)
+    if reply is not None:
+      return reply
+    deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+    remaining_call = context.time_remaining()
+    if remaining_call is not None:
+      call_deadline = time.monotonic() + remaining_call
+      deadline = call_deadline if deadline is None else min(deadline, call_deadline)
+    got = await asyncio.get_running_loop().run_in_executor(
+        self._pool, self._sample_wait, st, timeout_ms, deadline, cancelled, wait_k)
+    return None if got is None else self._encode_samples(*got)
 
   def _sample_now(self, st: SharedTable, k: int) -> Optional[dict]:
     """The reply of up to k samples the limiter admits at once, or None."""
@@ -541,9 +573,9 @@ class Bridge:
 
   @staticmethod
   def _sample_wait(st: SharedTable, timeout_ms: Optional[int], deadline: Optional[float],
-                   cancelled: threading.Event):
-    """(records, pins) of one sample, waiting for it in slices (runs on the thread pool);
-    None once `cancelled` is set.
+                   cancelled: threading.Event, k: int = 1):
+    """(records, pins) of up to k samples (at least one), waiting for them in slices (runs on
+    the thread pool); None once `cancelled` is set.
 
     Raises:
       DeadlineExceededError: nothing to sample by `deadline` (monotonic seconds).
@@ -555,7 +587,7 @@ class Bridge:
       if deadline is not None:
         wait_ms = max(0, min(_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
       try:
-        return st.sample_records(1, wait_ms)
+        return st.sample_records(k, wait_ms)
       except errors.DeadlineExceededError:
         if deadline is not None and time.monotonic() >= deadline:
           raise errors.DeadlineExceededError(

@@ -1,0 +1,108 @@
+"""JAX learner iterator: fixed-shape prioritized batches as jax.Arrays, sharded when asked.
+
+    import reverb_shm.jax as rjax
+
+    with rjax.JaxIterator(client, "replay", batch_size=256, sharded=True,
+                          importance_beta=0.4) as batches:
+      for batch in batches:
+        state, td = train_step(state, batch.data, batch.weights)   # jit: one shape, no recompiles
+        batches.update_priorities(batch.info.key, td)               # jax.Array or numpy
+
+Every batch is a reverb_shm.learner.Batch whose ``data`` leaves and ``weights`` / ``mask`` are
+jax.Arrays put on the device by the background thread (``jax.device_put``, finished there, so
+the learner never waits for a transfer); ``info`` stays numpy. With ``sharded=True`` the batch
+dimension is split over ``jax.local_devices()`` (a NamedSharding over a 1-d mesh;
+batch_size must be a multiple of the device count); else ``device`` (default: the first
+local device). Prefetch, fixed shapes, mixing, seeds and errors as BatchIterator
+(reverb_shm.learner).
+
+dtypes: as ``jax.device_put`` makes them: 64-bit columns (int64, float64, uint64) become 32-bit
+unless ``jax.config.update('jax_enable_x64', True)``; the info keys stay numpy uint64.
+
+Buffers: jax.Arrays are immutable and the CPU backend may alias a numpy buffer instead of copying
+it, so every batch is gathered into buffers of its own (``copy=True`` of BatchIterator), never
+into a reused ring buffer: on the CPU backend that makes the gather the only copy.
+"""
+try:
+  import jax
+except ImportError as e:   # pragma: no cover - exercised without the extra installed
+  raise ImportError("reverb_shm.jax needs JAX: pip install 'reverb_shm[jax]'") from e
+
+import numpy as np
+
+from reverb_shm import learner
+from reverb_shm._internal import structure
+from reverb_shm.learner import Batch, importance_weights
+
+__all__ = ["Batch", "JaxIterator", "importance_weights"]
+
+
+class JaxIterator(learner.BatchIterator):
+  """BatchIterator delivering jax.Arrays (see the module docstring).
+
+  Args:
+    source, table, batch_size: as BatchIterator.
+    device: a jax.Device (default: jax.local_devices()[0]); not with sharded=True.
+    sharded: split the batch dimension over all local devices.
+    **kwargs: prefetch, timeout_ms, partial, importance_beta, seed, mask_key, as BatchIterator.
+
+  Raises:
+    ValueError: device not a jax.Device; sharded with a device; batch_size not a multiple of the
+      local device count; partial with sharded (a partial batch cannot be split evenly).
+  """
+
+  def __init__(self, source, table=None, batch_size: int = 256, *, device=None,
+               sharded: bool = False, **kwargs):
+    for name in ("allocate", "transform", "copy", "keep"):
+      if name in kwargs:
+        raise TypeError(f"JaxIterator does not take {name}= (every batch has buffers of its own)")
+    if sharded:
+      if device is not None:
+        raise ValueError("pass either device= or sharded=True, not both")
+      if kwargs.get("partial"):
+        raise ValueError("partial batches cannot be sharded evenly: use sharded=False")
+      devices = jax.local_devices()
+      if isinstance(batch_size, int) and batch_size % len(devices):
+        raise ValueError(f"batch_size {batch_size} is not a multiple of the {len(devices)} local "
+                         "devices it is sharded over")
+      mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
+      self._placement = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    else:
+      if device is None:
+        device = jax.local_devices()[0]
+      if not isinstance(device, jax.Device):
+        raise ValueError(f"device must be a jax.Device (e.g. jax.devices()[0]), got {device!r}")
+      self._placement = device
+    self.sharded = bool(sharded)
+    super().__init__(source, table, batch_size, copy=True, transform=self._put, **kwargs)
+
+  def _put(self, batch: Batch, slot) -> Batch:
+    leaves, treedef = structure.flatten(batch.data)
+    extra = [a for a in (batch.weights, batch.mask) if a is not None]
+    arrays = jax.device_put(leaves + extra, self._placement)
+    jax.block_until_ready(arrays)
+    data = structure.unflatten(treedef, arrays[:len(leaves)])
+    rest = iter(arrays[len(leaves):])
+    return batch._replace(data=data,
+                          weights=None if batch.weights is None else next(rest),
+                          mask=None if batch.mask is None else next(rest))
+
+  def update_priorities(self, keys, priorities, table=None) -> None:
+    """As BatchIterator.update_priorities; keys and priorities may be jax.Arrays on any device.
+    A jax.Array of priorities starts its copy to the host here and the background thread waits
+    for it (the learner does not wait for the computation producing it).
+
+    Raises:
+      TypeError: keys not integers, priorities not floating point. ValueError: as
+      BatchIterator.update_priorities (for a jax.Array, values not finite or negative are found
+      by the background thread and raised by the next call).
+    """
+    if isinstance(keys, jax.Array):
+      keys = np.asarray(jax.device_get(keys))
+    if not isinstance(priorities, jax.Array):
+      return super().update_priorities(keys, priorities, table)
+    if not jax.numpy.issubdtype(priorities.dtype, jax.numpy.floating):
+      raise TypeError(f"priorities must be an array of a floating dtype, got dtype "
+                      f"{priorities.dtype}")
+    priorities.copy_to_host_async()
+    self._queue_async_update(keys, priorities.size, table, lambda: np.asarray(priorities))

@@ -1,0 +1,772 @@
+"""Learner-side batch iterator: fixed-shape, prefetched, prioritized batches with priorities fed back.
+
+The framework-free core of ``reverb_shm.torch`` and ``reverb_shm.jax`` (numpy only), usable on
+its own::
+
+    with BatchIterator(client, "replay", batch_size=256, importance_beta=0.4) as batches:
+      for batch in batches:
+        priorities = learner_step(batch.data, batch.weights)
+        batches.update_priorities(batch.info.key, priorities)
+
+A background thread samples the next batches from the table(s) with the GIL released (one C
+call gathers every column of up to n items straight into a reusable buffer), so the learner does
+not wait for sampling when its step takes longer than the gather; a second one applies the
+learner's priority updates (in the order given, all those queued meanwhile in one C call per
+table), so the learner does not wait for them either.
+
+Buffers. The batches are gathered into a ring of ``prefetch + keep`` reusable buffers. The
+arrays of a batch are views of its ring buffer: they stay valid until the consumer has taken
+``keep`` more batches (``keep=1``, the default: until the next ``next()``), then the buffer is
+gathered into again. Pass ``copy=True`` for batches of their own (a fresh buffer per batch).
+
+Shapes. Every batch holds exactly ``batch_size`` items (fixed shape, what a compiled learner
+needs); ``next()`` waits up to ``timeout_ms`` for one and raises DeadlineExceededError after
+that (the items gathered so far stay for the next call). ``partial=True`` instead delivers what
+was sampled when ``timeout_ms`` has passed since the gather began (at least one item). A column
+of items that are windows of T steps comes out as (B, T, ...).
+
+Mixing. Several tables with weights ({'a': 0.7, 'b': 0.3}) mix item by item: the rows of each
+batch are split among the tables by a multinomial draw over the weights (as sampling each item's
+table independently would), rows of table 0 first. Every table must hold items of the same
+columns. ``Batch.table`` says which table each row came from.
+
+Reproducibility. With ``seed``, the background thread seeds its sampling random number generator
+(the C core's generator of that thread) and the mixing draws, so the sequence of sampled keys is
+the same for the same table content and the same order of inserts and priority changes, for one
+iterator sampling alone. Not guaranteed: while other processes or threads insert, remove or
+sample (limiter waits and removals interleave differently), while priority updates of this
+iterator land between gathers at varying points (their timing is asynchronous), or across
+versions of reverb_shm.
+
+Thread-safety: one consumer thread calls ``next()``; ``update_priorities`` may be called from
+any thread.
+"""
+import collections
+import math
+import threading
+import time
+from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from reverb_shm import errors
+from reverb_shm import shared_table as shared_table_lib
+from reverb_shm._internal import structure
+from reverb_shm._internal._lib import lib
+from reverb_shm.replay_sample import SampleInfo
+
+__all__ = ["Batch", "BatchIterator", "importance_weights", "resolve_tables"]
+
+_SLICE_MS = 50   # longest single wait of the background thread (it checks close() between)
+_SEED_MASK = 2**64 - 1
+_NO_KEYS = np.zeros(0, np.uint64)
+
+
+class Batch(NamedTuple):
+  """One batch of B items (B = batch_size unless partial batches were asked for).
+
+  Attributes:
+    data: the items' columns, each an array (B, ...) (B, T, ...) for windows of T steps, nested as
+      the table's signature (or a flat list without one).
+    info: SampleInfo of arrays of length B: key uint64, probability float64, table_size int64,
+      priority float64, times_sampled int32.
+    weights: float32[B] prioritized-replay importance weights (see importance_weights) when the
+      iterator has an importance_beta, else None.
+    mask: bool[B, T] (or the mask column's shape) when the iterator has a mask_key naming a
+      column of the items, else None.
+    table: uint8[B] index (into BatchIterator.tables) of each row's table when mixing several
+      tables, else None.
+  """
+  data: Any
+  info: SampleInfo
+  weights: Optional[Any] = None
+  mask: Optional[Any] = None
+  table: Optional[np.ndarray] = None
+
+
+def importance_weights(probability, table_size, beta: float, out=None) -> np.ndarray:
+  """Prioritized-replay importance-sampling weights, normalised by their maximum.
+
+  w_i = (N * P(i)) ** -beta / max_j w_j (Schaul et al. 2016, "Prioritized Experience Replay",
+  section 3.4), with N the table's size and P(i) the probability item i was sampled with.
+
+  Args:
+    probability: float64[B] sampling probabilities (SampleInfo.probability), in (0, 1].
+    table_size: int64[B] table sizes at sampling time (SampleInfo.table_size).
+    beta: exponent in [0, 1]; 1 fully corrects the bias of prioritized sampling.
+    out: optional float32[>= B] array receiving the weights.
+
+  Returns:
+    float32[B] weights in (0, 1] (all 1 for uniform sampling).
+  """
+  w = np.multiply(table_size, probability, dtype=np.float64)
+  np.power(w, -float(beta), out=w)
+  w *= 1.0 / w.max()
+  if out is None:
+    return w.astype(np.float32)
+  out = out[:len(w)]
+  out[...] = w
+  return out
+
+
+def _check_beta(beta) -> Optional[float]:
+  if beta is None:
+    return None
+  if isinstance(beta, bool) or not isinstance(beta, (int, float, np.floating)) or \
+      not 0.0 <= float(beta) <= 1.0:
+    raise ValueError(f"importance_beta must be None or a number in [0, 1], got {beta!r}")
+  return float(beta)
+
+
+def resolve_tables(source, table=None):
+  """(SharedTables, mixing weights or None) from the ways an iterator may be given its tables.
+
+  Args:
+    source: a SharedTable, or anything with ``shared_table(name)`` (Client, Server).
+    table: with a Client or Server: a table name, a sequence of names (equal weights) or a
+      mapping name -> weight; with a SharedTable: None. A mapping of SharedTable -> weight may
+      also be passed as `source`.
+
+  Raises:
+    TypeError: `source` is none of these. ValueError: weights not finite and > 0, no table.
+    UnknownTableError: no such table.
+  """
+  if isinstance(source, Mapping) and table is None:
+    tables, weights = list(source.keys()), list(source.values())
+  elif isinstance(source, shared_table_lib.SharedTable):
+    if table is not None:
+      raise ValueError("pass either a SharedTable or a client/server and a table name, not both")
+    tables, weights = [source], None
+  elif hasattr(source, "shared_table"):
+    if isinstance(table, str):
+      names, weights = [table], None
+    elif isinstance(table, Mapping):
+      names, weights = list(table.keys()), list(table.values())
+    elif isinstance(table, Sequence) and table and all(isinstance(t, str) for t in table):
+      names, weights = list(table), None
+    else:
+      raise TypeError("table must be a table name, a sequence of names or a mapping name -> "
+                      f"mixing weight, got {table!r}")
+    tables = [source.shared_table(name) for name in names]
+  else:
+    raise TypeError("source must be a SharedTable, a Client or Server (with a table name) or a "
+                    f"mapping SharedTable -> weight, got {type(source).__name__}")
+  for t in tables:
+    if not isinstance(t, shared_table_lib.SharedTable):
+      raise TypeError(f"tables must be SharedTables, got {type(t).__name__}")
+  if not tables:
+    raise ValueError("no table to sample from")
+  if len(tables) > 255:
+    raise ValueError(f"at most 255 tables can be mixed, got {len(tables)}")
+  if weights is not None:
+    try:
+      w = np.asarray(weights, np.float64)
+    except (TypeError, ValueError):
+      raise ValueError(f"mixing weights must be numbers, got {weights!r}") from None
+    if w.shape != (len(tables),) or not np.isfinite(w).all() or (w <= 0).any():
+      raise ValueError(f"mixing weights must be finite numbers > 0, got {weights!r}")
+    weights = w / w.sum()
+  if len(tables) > 1 and weights is None:
+    weights = np.full(len(tables), 1.0 / len(tables))
+  return tables, (weights if len(tables) > 1 else None)
+
+
+class _Slot:
+  """One ring buffer: the column arrays (n, ...) the background thread gathers into."""
+  __slots__ = ("columns", "weights", "cols", "nest", "fence", "owner", "cache")
+
+  def __init__(self, columns, weights, owner=None):
+    self.columns = columns      # list of arrays (n, ...), one per column
+    self.weights = weights      # float32[n]
+    self.cols = {}              # table index -> (rs_gather_col[], its address) at row 0
+    self.nest = None            # the data nest of the full columns (built once)
+    self.fence = None           # callable waiting until the buffer may be overwritten, or None
+    self.owner = owner          # what keeps the memory alive (e.g. pinned tensors)
+    self.cache = {}             # for the transform: e.g. tensor views of the columns
+
+
+class _Update(NamedTuple):
+  keys: Any
+  priorities: Any
+  table: Any
+  ready: Optional[Callable[[], Any]]   # waits for an asynchronous device copy, returns arrays
+
+
+class BatchIterator:
+  """Iterator of fixed-shape prioritized batches, gathered ahead by a background thread.
+
+  Args:
+    source, table: the table(s) to sample, see resolve_tables (e.g. ``client, 'replay'`` or
+      ``client, {'a': 0.7, 'b': 0.3}``).
+    batch_size: items per batch, >= 1.
+    prefetch: batches gathered ahead of the consumer, >= 1.
+    keep: batches the consumer may still hold when it takes the next one (their buffers are not
+      reused until then), >= 1. Ignored with copy=True.
+    timeout_ms: how long ``next()`` waits for a batch (None: forever), then
+      DeadlineExceededError; with partial=True also how long a gather waits before delivering
+      fewer items (at least one).
+    partial: deliver batches of fewer items at the deadline instead of waiting for batch_size.
+    importance_beta: None, or the exponent beta in [0, 1] of the importance weights offered in
+      Batch.weights (settable later: the attribute of the same name; batches gathered after the
+      change use the new value).
+    seed: None, or an int making the sampled keys reproducible (see the module docstring).
+    mask_key: name of a column (top-level key of the signature dict) holding a step mask, offered
+      as Batch.mask (bool).
+    copy: give every batch its own buffers instead of ring views.
+    allocate: ``allocate(shape, dtype) -> (np.ndarray, owner)`` making a buffer of the ring (the
+      torch iterator passes pinned memory); default numpy.empty.
+    transform: ``transform(batch, slot) -> object`` run by the background thread on every
+      gathered Batch before it is handed over (the framework iterators turn arrays into tensors
+      there); what it returns is what ``next()`` returns. ``slot`` is the batch's buffer: its
+      ``cache`` dict persists with it (e.g. tensor views of its columns, made once), and setting
+      its ``fence`` to a callable makes the thread call it before gathering into that buffer
+      again (e.g. to wait for an asynchronous device copy out of it).
+
+  Raises:
+    ValueError / TypeError: bad arguments (nothing sampled).
+
+  ``next()`` raises DeadlineExceededError (no full batch within timeout_ms), TableClosedError
+  (the server stopped; the background threads have ended), ValueError (items whose columns cannot
+  be batched, or that differ between the mixed tables) and whatever error an asynchronous priority
+  update met, once, at the next call.
+  """
+
+  def __init__(self, source, table=None, batch_size: int = 256, *, prefetch: int = 2,
+               keep: int = 1, timeout_ms: Optional[float] = None, partial: bool = False,
+               importance_beta: Optional[float] = None, seed: Optional[int] = None,
+               mask_key: Optional[str] = None, copy: bool = False,
+               allocate: Optional[Callable] = None, transform: Optional[Callable] = None):
+    self._tables, self._weights = resolve_tables(source, table)
+    for name, v in (("batch_size", batch_size), ("prefetch", prefetch), ("keep", keep)):
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v < 2**31:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if timeout_ms is not None:
+      if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) or \
+          not timeout_ms >= 0:
+        raise ValueError(f"timeout_ms must be None (wait forever) or >= 0, got {timeout_ms!r}")
+    if partial and timeout_ms is None:
+      raise ValueError("partial=True needs a timeout_ms: the deadline at which a batch may hold "
+                       "fewer items")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+      raise ValueError(f"seed must be None or an int, got {seed!r}")
+    if mask_key is not None and not isinstance(mask_key, str):
+      raise ValueError(f"mask_key must be None or a column name (str), got {mask_key!r}")
+    self.batch_size = int(batch_size)
+    self.importance_beta = _check_beta(importance_beta)
+    self._prefetch, self._keep = int(prefetch), int(keep)
+    self._timeout_ms, self._partial, self._copy = timeout_ms, bool(partial), bool(copy)
+    self._seed = None if seed is None else int(seed) & _SEED_MASK
+    self._mix_rng = np.random.default_rng(self._seed)
+    self._mask_key = mask_key
+    self._any_prioritized = None   # whether a table has a Prioritized selector (read once)
+    self._allocate = allocate
+    self._transform = transform
+    self._layout = None            # ((dtype, item shape, bytes) per column), from the first items
+    self._slots: List[_Slot] = []
+    self._cv = threading.Condition()
+    self._free = collections.deque()      # slots the background thread may gather into
+    self._credits = self._prefetch + (0 if self._copy else self._keep)   # batches it may hold
+    self._ready = collections.deque()     # (slot, batch) gathered, not yet taken
+    self._held = collections.deque()      # slots of batches the consumer took
+    self._ucv = threading.Condition()     # guards the priority updates and the counters
+    self._updates: List[_Update] = []
+    self._applying = 0                    # updates taken by the updater, not yet applied
+    self._stop_updates = False
+    self._error: Optional[BaseException] = None       # ends the thread: raised by next()
+    self._update_error: Optional[BaseException] = None   # raised once by the next call
+    self._stop = False
+    self._counts = {"batches": 0, "items": 0, "priority_updates": 0, "keys_updated": 0,
+                    "keys_skipped": 0}
+    self._thread = threading.Thread(target=self._run, name="reverb_shm-batch-prefetch",
+                                    daemon=True)
+    self._updater = threading.Thread(target=self._run_updates, name="reverb_shm-priorities",
+                                     daemon=True)
+    self._thread.start()
+    self._updater.start()
+
+  # ---- public
+  @property
+  def tables(self) -> list:
+    """The SharedTables sampled (Batch.table indexes this list)."""
+    return list(self._tables)
+
+  @property
+  def stats(self) -> dict:
+    """Counters: batches and items delivered by the thread, priority_updates applied (calls),
+    keys_updated, keys_skipped (keys no longer in their table), updates_pending."""
+    with self._ucv:
+      out = dict(self._counts)
+      out["updates_pending"] = len(self._updates) + self._applying
+    return out
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    deadline = None if self._timeout_ms is None else time.monotonic() + self._timeout_ms / 1000.0
+    with self._cv:
+      self._raise_update_error()
+      if self._stop:
+        raise RuntimeError("the iterator is closed")
+      # The consumer is done with the batch taken `keep` batches ago: its buffer may be reused.
+      while len(self._held) >= self._keep:
+        self._release(self._held.popleft())
+      while not self._ready:
+        if self._error is not None:
+          raise self._error
+        if self._stop:
+          raise RuntimeError("the iterator is closed")
+        if deadline is None:
+          self._cv.wait()
+        else:
+          left = deadline - time.monotonic()
+          if left <= 0:
+            raise errors.DeadlineExceededError(
+                f"no batch of {self.batch_size} items within {self._timeout_ms} ms (tables "
+                f"{[t.name for t in self._tables]}: {self._limiter_text()})")
+          self._cv.wait(left)
+      slot, batch = self._ready.popleft()
+      if self._copy:
+        self._release(None)
+      else:
+        self._held.append(slot)
+      return batch
+
+  def update_priorities(self, keys, priorities, table=None) -> None:
+    """Queues new priorities of sampled items; the updater thread applies them soon after, in
+    the order queued (all updates queued meanwhile in one C call per table). The keys were
+    sampled before this call, so an update always lands after the samples it refers to.
+
+    Keys no longer in their table (removed since they were sampled) are skipped and counted in
+    stats['keys_skipped'], as Reverb's mutate_priorities ignores them.
+
+    Args:
+      keys: uint64[n] (or non-negative int64[n]) keys, e.g. Batch.info.key.
+      priorities: float[n] (any float dtype), finite, >= 0 on a Prioritized table.
+      table: which table the keys belong to: None with one table; an int index or table name for
+        all keys; or uint8[n] per key (Batch.table) when mixing tables.
+
+    Raises:
+      TypeError: keys or priorities not of an integer / floating dtype.
+      ValueError: shapes differ, a priority not finite or negative, a bad table.
+      RuntimeError: the iterator is closed; or the error an earlier update met.
+    """
+    keys, priorities = self._check_update(keys, priorities)
+    self._check_negative(priorities)
+    self._queue_update(_Update(keys, priorities, self._check_table(table, len(keys)), None))
+
+  def _queue_async_update(self, keys, count: int, table, fetch: Callable[[], Any]) -> None:
+    """Queues an update whose `count` priorities are still being copied to the host: the
+    background thread calls fetch() (waiting for the copy; it returns the priorities as an
+    array) and validates them there; a bad value is raised by the consumer's next call.
+
+    Raises:
+      TypeError / ValueError: as update_priorities, for the keys, count and table.
+    """
+    keys, _ = self._check_update(keys, np.zeros(np.size(keys)))
+    if count != len(keys):
+      raise ValueError(f"priorities must have one value per key: {len(keys)} keys, {count} "
+                       "priorities")
+
+    def ready():
+      p = np.asarray(fetch(), np.float64).reshape(-1)
+      if not np.isfinite(p).all():
+        raise ValueError(f"priorities must be finite, got {p[~np.isfinite(p)][0]}")
+      self._check_negative(p)
+      return keys, p
+    self._queue_update(_Update(keys, None, self._check_table(table, len(keys)), ready))
+
+  def flush(self, timeout_ms: Optional[float] = None) -> None:
+    """Waits until every queued priority update has been applied.
+
+    Raises:
+      DeadlineExceededError: not all applied within timeout_ms.
+      the error an update met (e.g. TableClosedError), or the background thread's error.
+    """
+    deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
+    with self._ucv:
+      while self._updates or self._applying:
+        if self._error is not None:
+          raise self._error
+        self._raise_update_error()
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          raise errors.DeadlineExceededError(f"priority updates not applied within {timeout_ms} ms")
+        self._ucv.wait(left)
+      self._raise_update_error()
+
+  def close(self, timeout_s: float = 10.0) -> None:
+    """Applies the queued priority updates (unless the server stopped), stops and joins the
+    background threads. Idempotent. Batches already taken stay valid (their buffers are no
+    longer reused)."""
+    with self._cv:
+      self._stop = True
+      self._cv.notify_all()
+    self._stop_updater()
+    if threading.current_thread() not in (self._thread, self._updater):
+      deadline = time.monotonic() + timeout_s
+      self._thread.join(timeout_s)
+      self._updater.join(max(0.0, deadline - time.monotonic()))
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  @property
+  def closed(self) -> bool:
+    """True once close() was called or the sampling thread ended on an error."""
+    return self._stop or not self._thread.is_alive()
+
+  def _stop_updater(self) -> None:
+    """The updater applies what is queued, then ends."""
+    with self._ucv:
+      self._stop_updates = True
+      self._ucv.notify_all()
+
+  # ---- update validation (caller's thread)
+  @staticmethod
+  def _check_update(keys, priorities):
+    """(uint64[n] keys, float64[n] priorities), copies of numpy-convertible inputs."""
+    keys = np.asarray(keys)
+    if keys.dtype != np.uint64:
+      if keys.dtype.kind not in "ui":
+        raise TypeError(f"keys must be an array of unsigned 64-bit integers (Batch.info.key), "
+                        f"got dtype {keys.dtype}")
+      if keys.size and keys.min() < 0:
+        raise ValueError(f"keys must be >= 0, got {keys.min()}")
+    keys = keys.astype(np.uint64).reshape(-1)   # (a copy: the caller may reuse its array)
+    priorities = np.asarray(priorities)
+    if priorities.dtype.kind != "f":
+      raise TypeError(f"priorities must be an array of a floating dtype (float16/32/64), got "
+                      f"dtype {priorities.dtype}")
+    priorities = priorities.astype(np.float64).reshape(-1)
+    if priorities.shape != keys.shape:
+      raise ValueError(f"priorities must have one value per key: {len(keys)} keys, "
+                       f"{priorities.size} priorities")
+    if priorities.size:
+      low, high = priorities.min(), priorities.max()   # (NaN if any is NaN)
+      if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"priorities must be finite, got "
+                         f"{priorities[~np.isfinite(priorities)][0]}")
+    return keys, priorities
+
+  def _check_negative(self, priorities: np.ndarray) -> None:
+    if self._any_prioritized is None:
+      self._any_prioritized = any(t._prioritized() for t in self._tables)  # pylint: disable=protected-access
+    if self._any_prioritized and priorities.size and priorities.min() < 0:
+      raise ValueError(f"priorities must be >= 0 for a Prioritized table, got "
+                       f"{priorities[priorities < 0][0]}")
+
+  def _check_table(self, table, n: int):
+    count = len(self._tables)
+    if table is None:
+      if count > 1:
+        raise ValueError(f"this iterator mixes {count} tables: pass table= (Batch.table, an index "
+                         "or a table name)")
+      return 0
+    if isinstance(table, str):
+      names = [t.name for t in self._tables]
+      if table not in names:
+        raise ValueError(f"table {table!r} is not one of this iterator's tables {names}")
+      return names.index(table)
+    if isinstance(table, (int, np.integer)) and not isinstance(table, bool):
+      if not 0 <= table < count:
+        raise ValueError(f"table index must be in [0, {count}), got {table}")
+      return int(table)
+    t = np.asarray(table)
+    if t.dtype.kind not in "ui" or t.shape != (n,) or (t.size and not
+                                                       (0 <= t.min() and t.max() < count)):
+      raise ValueError(f"table must be None, a name, an index or an int array of {n} indices in "
+                       f"[0, {count}) (Batch.table), got {table!r}")
+    return np.array(t, np.uint8)
+
+  def _queue_update(self, update: _Update) -> None:
+    self._raise_update_error()
+    with self._ucv:
+      if self._stop_updates or self._error is not None:
+        raise RuntimeError("the iterator is closed: priority updates can no longer be applied"
+                           + (f" ({self._error})" if self._error is not None else ""))
+      self._updates.append(update)
+      if len(self._updates) == 1:
+        self._ucv.notify()
+
+  def _raise_update_error(self) -> None:
+    err, self._update_error = self._update_error, None
+    if err is not None:
+      raise err
+
+  # ---- ring
+  def _release(self, slot) -> None:
+    """(Under the lock) the thread may gather one more batch, into `slot` when given."""
+    if slot is not None:
+      self._free.append(slot)
+    self._credits += 1
+    self._cv.notify_all()
+
+  def _new_slot(self) -> _Slot:
+    n = self.batch_size
+    allocate = self._allocate
+    columns, owners = [], []
+    for dtype, shape, _ in self._layout:
+      if allocate is None:
+        columns.append(np.empty((n,) + shape, dtype))
+      else:
+        array, owner = allocate((n,) + shape, dtype)
+        columns.append(array)
+        owners.append(owner)
+    if allocate is None:
+      weights = np.empty(n, np.float32)
+    else:
+      weights, owner = allocate((n,), np.dtype(np.float32))
+      owners.append(owner)
+    return _Slot(columns, weights, owners)
+
+  def _take_slot(self) -> Optional[_Slot]:
+    """(Under the lock) a buffer to gather into, or None when the thread may not gather now."""
+    if self._credits <= 0:
+      return None
+    self._credits -= 1
+    if self._free:
+      return self._free.popleft()
+    if self._layout is None:   # first batch: the layout is learnt from its first item
+      return _Slot(None, None)
+    slot = self._new_slot()
+    if not self._copy:
+      self._slots.append(slot)
+    return slot
+
+  # ---- background thread
+  def _run(self) -> None:
+    try:
+      if self._seed is not None:
+        lib.rs_rand_seed_thread(self._seed)
+      while True:
+        with self._cv:
+          while not (self._stop or self._credits > 0):
+            self._cv.wait()
+          if self._stop:
+            break
+          slot = self._take_slot()
+        if slot.fence is not None:
+          fence, slot.fence = slot.fence, None
+          fence()
+        batch = self._fill(slot)
+        if batch is None:   # closed while gathering
+          break
+        if self._transform is not None:
+          batch = self._transform(batch, slot)
+        with self._cv:
+          self._ready.append((slot, batch))
+          self._cv.notify()
+    except BaseException as e:   # handed to the consumer; the thread ends
+      self._fail(e)
+
+  def _fail(self, e: BaseException) -> None:
+    """Ends the iterator on error `e` (raised by the consumer's next call)."""
+    if isinstance(e, errors.TableClosedError):
+      e = errors.TableClosedError(f"{e}; the iterator's background threads have ended")
+    with self._cv:
+      if self._error is None:
+        self._error = e
+      self._cv.notify_all()
+    self._stop_updater()
+
+  def _run_updates(self) -> None:
+    """The updater thread: applies queued priority updates, all of a round in one C call per
+    table, until stopped (then the last ones)."""
+    while True:
+      with self._ucv:
+        while not (self._updates or self._stop_updates):
+          self._ucv.wait()
+        final = self._stop_updates
+        updates, self._updates = self._updates, []
+        self._applying = len(updates)
+      if updates:
+        self._apply_updates(updates, final)
+      if final:
+        return
+
+  def _apply_updates(self, updates: List[_Update], final: bool) -> None:
+    try:
+      per_table = collections.defaultdict(lambda: ([], []))
+      for u in updates:
+        keys, priorities = u.ready() if u.ready is not None else (u.keys, u.priorities)
+        if isinstance(u.table, np.ndarray):
+          for t in np.unique(u.table):
+            rows = u.table == t
+            per_table[int(t)][0].append(keys[rows])
+            per_table[int(t)][1].append(priorities[rows])
+        else:
+          per_table[u.table][0].append(keys)
+          per_table[u.table][1].append(priorities)
+      updated = skipped = 0
+      for t, (keys, priorities) in per_table.items():
+        keys = keys[0] if len(keys) == 1 else np.concatenate(keys)
+        priorities = priorities[0] if len(priorities) == 1 else np.concatenate(priorities)
+        # (validated when queued: keys uint64, priorities finite float64, >= 0 if prioritized)
+        found = self._tables[t]._mutate(keys, priorities, _NO_KEYS)  # pylint: disable=protected-access
+        found = found[0]
+        updated += found
+        skipped += len(keys) - found
+      with self._ucv:
+        self._counts["priority_updates"] += len(updates)
+        self._counts["keys_updated"] += updated
+        self._counts["keys_skipped"] += skipped
+    except errors.TableClosedError as e:
+      if not final:
+        self._fail(e)
+    except Exception as e:   # pylint: disable=broad-except
+      # (a bad value found after an asynchronous copy: raised by the caller's next call)
+      self._update_error = e
+    finally:
+      with self._ucv:
+        self._applying = 0
+        self._ucv.notify_all()
+
+  def _fill(self, slot: _Slot) -> Optional[Batch]:
+    """Gathers one batch into `slot`; None when closed meanwhile."""
+    n = self.batch_size
+    if self._weights is None:
+      plan = [(0, n)]
+    else:
+      counts = self._mix_rng.multinomial(n, self._weights)
+      plan = [(t, int(c)) for t, c in enumerate(counts) if c]
+    deadline = None if not self._partial else time.monotonic() + self._timeout_ms / 1000.0
+    infos, rows_of = [], []
+    row = 0
+    for t, count in plan:
+      got = 0
+      while got < count:
+        if self._stop:
+          return None
+        slice_ms = _SLICE_MS
+        if deadline is not None:
+          left = (deadline - time.monotonic()) * 1000.0
+          if left <= 0 and row + got > 0:
+            break
+          if left > 0:
+            slice_ms = min(slice_ms, left)
+        info = self._gather(t, slot, row + got, count - got, slice_ms)
+        if info is None:
+          continue
+        infos.append(info)
+        rows_of.append((t, len(info.key)))
+        got += len(info.key)
+      row += got
+      if deadline is not None and time.monotonic() >= deadline and row > 0:
+        break
+    return self._make_batch(slot, row, infos, rows_of)
+
+  def _gather(self, t: int, slot: _Slot, row: int, count: int, slice_ms: float):
+    """Gathers up to `count` items of table t into rows [row, row + count) of slot, waiting at
+    most slice_ms; returns their SampleInfo, or None when none came in time."""
+    table = self._tables[t]
+    layout = table._gather_layout   # pylint: disable=protected-access
+    if slot.columns is None:   # the first batch: learn the columns from its first item
+      try:
+        sample = table.sample_batch(count, timeout_ms=slice_ms)
+      except errors.DeadlineExceededError:
+        return None
+      self._adopt_layout(table)
+      slot.columns, slot.weights, slot.owner = self._fresh_buffers()
+      if not self._copy:
+        self._slots.append(slot)
+      b = len(sample.info.key)
+      leaves = _leaves(sample.data)
+      for dst, src in zip(slot.columns, leaves):
+        dst[row:row + b] = src
+      return sample.info
+    if layout is None or layout != self._layout:
+      try:
+        sample = table.sample_batch(count, timeout_ms=slice_ms,
+                                    out=[c[row:row + count] for c in slot.columns])
+      except errors.DeadlineExceededError:
+        return None
+      except ValueError as e:   # the columns differ from those of the first items
+        raise ValueError(f"the tables hold items of different columns: the first items had "
+                         f"{_layout_text(self._layout)}; table {table.name!r}: {e}") from None
+      self._adopt_layout(table)
+      return sample.info
+    cached = slot.cols.get(t)
+    if cached is None or row:
+      cols = shared_table_lib._gather_cols(   # pylint: disable=protected-access
+          layout, [c[row:] for c in slot.columns] if row else slot.columns)
+      cached = (cols, shared_table_lib._address(cols))   # pylint: disable=protected-access
+      if not row:
+        slot.cols[t] = cached
+    deadline_ns = time.monotonic_ns() + int(slice_ms * 1e6)
+    try:
+      info = table._gather(count, count, deadline_ns, slice_ms,   # pylint: disable=protected-access
+                           layout, cached[1], stop_at_other_layout=True)
+    except errors.DeadlineExceededError:
+      return None
+    if table._gather_layout is None:   # pylint: disable=protected-access
+      table.size   # raises TableClosedError when the server stopped meanwhile
+      raise ValueError(f"table {table.name!r} holds items whose columns differ from the first "
+                       f"items' ({_layout_text(self._layout)}): a fixed-shape batch needs items "
+                       "of one column layout")
+    return info
+
+  def _adopt_layout(self, table) -> None:
+    layout = table._gather_layout   # pylint: disable=protected-access
+    if layout is None:
+      raise ValueError(f"the items of table {table.name!r} have columns of Python objects "
+                       "(strings): they cannot be gathered into batches of arrays")
+    if self._layout is None:
+      self._layout = layout
+      self._structure_table = table
+    elif layout != self._layout:
+      raise ValueError(f"the tables hold items of different columns: "
+                       f"{self._tables[0].name!r}: {_layout_text(self._layout)}; "
+                       f"{table.name!r}: {_layout_text(layout)}")
+
+  def _fresh_buffers(self):
+    slot = self._new_slot()
+    return slot.columns, slot.weights, slot.owner
+
+  def _make_batch(self, slot: _Slot, b: int, infos, rows_of) -> Batch:
+    info = infos[0] if len(infos) == 1 else SampleInfo(
+        *[np.concatenate(field) for field in zip(*infos)])
+    n = self.batch_size
+    if b == n:
+      if slot.nest is None:
+        slot.nest = self._structure_table._structure(list(slot.columns))  # pylint: disable=protected-access
+      data = slot.nest
+    else:
+      data = self._structure_table._structure(  # pylint: disable=protected-access
+          [c[:b] for c in slot.columns])
+    weights = None
+    beta = self.importance_beta
+    if beta is not None:
+      weights = importance_weights(info.probability, info.table_size, beta, out=slot.weights)
+    mask = None
+    if self._mask_key is not None:
+      if not isinstance(data, Mapping) or self._mask_key not in data:
+        raise ValueError(f"mask_key {self._mask_key!r} names no column of the items (columns: "
+                         f"{list(data) if isinstance(data, Mapping) else 'a flat list'})")
+      mask = data[self._mask_key]
+      mask = mask if mask.dtype == np.bool_ else mask != 0
+    table = None
+    if self._weights is not None:
+      table = np.repeat(np.array([t for t, _ in rows_of], np.uint8),
+                        [c for _, c in rows_of])
+    with self._ucv:
+      self._counts["batches"] += 1
+      self._counts["items"] += b
+    return Batch(data, info, weights, mask, table)
+
+  def _limiter_text(self) -> str:
+    try:
+      return "; ".join(t.limiter_message("sample", self._timeout_ms) for t in self._tables)
+    except errors.ReverbError as e:
+      return str(e)
+
+
+def _leaves(data) -> list:
+  return structure.flatten(data)[0]
+
+
+def _layout_text(layout) -> str:
+  return ", ".join(f"{np.dtype(d).name}{list(s)}" for d, s, _ in layout)

@@ -1,0 +1,465 @@
+"""ClusterClient: sampling across the shards of a ReplayCluster as if they were one table.
+
+Global distribution. Let shard s hold items with weights w (priority**exponent for a
+Prioritized sampler, 1 for Uniform) summing to W_s (its sum tree's root, or its size), and
+W = sum_s W_s. A single table holding every item picks item i with probability w_i / W. A batch
+of n is drawn by splitting n multinomially over the shards with probabilities W_s / W and
+drawing the shard's count there with its own sampler: each draw then picks item i of shard s
+with probability (W_s / W) * (w_i / W_s) = w_i / W, independently, which is the global
+distribution exactly (Schaul et al. 2016 sample with replacement as well). The reported
+SampleInfo.probability is the local one times W_s / W, and SampleInfo.table_size the global
+number of items, of the masses the split used: read just before the draw, or (sample_batch with
+max_mass_age_s > 0) those the shards reported with their previous draws. Either way the reported
+probability is exactly that of the draw made; it equals the single-table one when no item was
+inserted, removed or updated in between. Every weight 0 on every
+shard: uniform over all items, as a single table does. Other samplers (Fifo, Lifo, heaps) are
+split by item counts; their order is per shard.
+
+Keys. Item keys are random 64-bit integers drawn independently by every writer, so they are
+unique across shards with overwhelming probability (a collision among n items has probability
+about n**2 / 2**65). The client remembers which shard returned each key it sampled (the last
+`key_memory` keys) and sends an update or delete of such a key to that shard only; keys it has
+not sampled go to every live shard (unknown keys are ignored there).
+
+Rate limiters are per shard: a shard's limiter counts the inserts and samples made on that shard
+(the global counts are the sums in server_info()). A sample of k items on a shard waits for that
+shard's limiter only.
+
+Failure. A shard whose server does not answer within `timeout_s` (its node died, or is too slow)
+is dropped: a warning is issued, `failures` counts it, and the batch is drawn from the remaining
+shards. A dropped shard is probed again at most every `revive_after_s` seconds and rejoins
+(with a warning) if its server answers again; `refresh()` adopts shards restarted elsewhere
+(ClusterHandle.replace).
+"""
+import concurrent.futures
+import itertools
+import threading
+import time
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from reverb_shm import errors, specs
+from reverb_shm._internal import structure
+from reverb_shm.replay_sample import ReplaySample, SampleInfo
+from reverb_shm.selectors import PRIORITIZED
+
+__all__ = ["ClusterClient", "split_batch"]
+
+_INFO_DTYPES = (np.uint64, np.float64, np.int64, np.float64, np.int32)
+
+_NODE_ERRORS = (errors.ServerUnavailableError, errors.DeadOwnerError, errors.TableClosedError,
+                errors.DeadlineExceededError, ConnectionError, OSError)
+
+
+def _mass_of(stats: dict) -> Tuple[float, int, int]:
+  """(mass, size, sampler_kind) of a table from its rs_table_stats."""
+  size = int(stats["size"])
+  kind = int(stats["sampler_kind"])
+  mass = float(stats.get("sampler_total_weight", 0.0)) if kind == PRIORITIZED else float(size)
+  return mass, size, kind
+
+
+def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator) -> np.ndarray:
+  """Multinomial split of `n` draws over shards with masses `masses` (>= 0, finite).
+
+  Returns an int64 array of counts summing to n. All masses 0 -> ValueError (the caller falls
+  back to item counts).
+  """
+  m = np.asarray(masses, np.float64)
+  if m.ndim != 1 or not np.all(np.isfinite(m)) or np.any(m < 0):
+    raise ValueError(f"masses must be finite and >= 0, got {masses!r}")
+  total = m.sum()
+  if not total > 0:
+    raise ValueError("every shard has mass 0")
+  return rng.multinomial(n, m / total).astype(np.int64)
+
+
+class ClusterClient:
+  """Learner-side client over every shard of a ClusterHandle.
+
+  Args:
+    handle: the ClusterHandle.
+    timeout_s: deadline of each call to a shard (reading its masses, probing it); a shard that
+      misses it is dropped.
+    revive_after_s: how often a dropped shard is probed again.
+    max_mass_age_s: sample_batch splits by the masses the shards reported with their last
+      draws when they are at most this old (0: reads them before every draw; see
+      sample_batch).
+    key_memory: how many sampled keys to remember for routing priority updates.
+    seed: seed of the multinomial split (None: fresh entropy).
+
+  Thread-safe for one sampling thread plus other threads updating priorities.
+  """
+
+  def __init__(self, handle, timeout_s: float = 10.0, key_memory: int = 1 << 20,
+               seed: Optional[int] = None, revive_after_s: float = 10.0,
+               max_mass_age_s: float = 0.0):
+    self._handle = handle
+    self._timeout_s = float(timeout_s)
+    self._key_memory = int(key_memory)
+    self._rng = np.random.default_rng(seed)
+    self._lock = threading.Lock()
+    self._keys: Dict[int, int] = {}   # key -> shard, in the order first sampled
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=max(2, handle.num_shards), thread_name_prefix="reverb_shm-ray-sample")
+    self.failures = 0                  # shards dropped since this client was made
+    self.dead: Dict[int, str] = {}     # shard -> why it was dropped
+    self.revived = 0                   # dropped shards that answered again
+    self._revive_after_s = float(revive_after_s)
+    self._dropped_at: Dict[int, float] = {}
+    self._max_mass_age_s = float(max_mass_age_s)
+    self._mass_cache: Dict[str, Dict[int, tuple]] = {}   # table -> shard -> (masses, when)
+    self._local_tables = {}
+    self._treedefs = {}
+    self._clients = {}
+    self._generations = {}
+    for e in handle.entries:
+      self._connect(e.shard)
+
+  def _connect(self, shard: int) -> None:
+    local = self._handle.attach_local(shard)
+    self._clients[shard] = (local if local is not None else
+                            self._handle.remote_client(shard, reconnect_timeout_s=self._timeout_s))
+    self._generations[shard] = self._handle.entries[shard].generation
+
+  @property
+  def live_shards(self) -> List[int]:
+    return [s for s in sorted(self._clients) if s not in self.dead]
+
+  def is_local(self, shard: int) -> bool:
+    """Whether `shard` is reached through shared memory from this process."""
+    from reverb_shm.bridge.remote import RemoteClient  # pylint: disable=g-import-not-at-top
+    return not isinstance(self._clients[shard], RemoteClient)
+
+  def _drop(self, shard: int, exc: BaseException) -> None:
+    with self._lock:
+      if shard in self.dead:
+        return
+      self.dead[shard] = repr(exc)
+      self._dropped_at[shard] = time.monotonic()
+      self.failures += 1
+    warnings.warn(f"reverb_shm.ray: shard {shard} (node {self._handle.entries[shard].node_id}) "
+                  f"dropped, sampling goes on from shards {self.live_shards}: {exc!r}",
+                  RuntimeWarning, stacklevel=3)
+
+  def refresh(self, handle=None) -> List[int]:
+    """Adopts `handle`'s entries (default: the handle given at construction): shards whose
+    generation changed (replaced) are reconnected and revived. Returns the live shards."""
+    if handle is not None:
+      self._handle = handle
+    for e in self._handle.entries:
+      if self._generations.get(e.shard) != e.generation:
+        self._connect(e.shard)
+        self._local_tables = {k: v for k, v in self._local_tables.items() if k[0] != e.shard}
+        for cache in self._mass_cache.values():
+          cache.pop(e.shard, None)
+        with self._lock:
+          self.dead.pop(e.shard, None)
+    return self.live_shards
+
+  def _revive(self) -> None:
+    """Probes the dropped shards not probed for revive_after_s; those that answer rejoin."""
+    now = time.monotonic()
+    due = [s for s in list(self.dead) if now - self._dropped_at.get(s, 0) >= self._revive_after_s]
+    for s in due:
+      self._dropped_at[s] = now
+      if self._alive(s):
+        with self._lock:
+          self.dead.pop(s, None)
+          self.revived += 1
+        warnings.warn(f"reverb_shm.ray: shard {s} answers again and rejoins sampling",
+                      RuntimeWarning, stacklevel=3)
+
+  # ---- masses
+  def _stats(self, shard: int, table: str) -> dict:
+    c = self._clients[shard]
+    if self.is_local(shard):
+      seg = c._segment()  # pylint: disable=protected-access
+      return seg.stats(seg.table_index(table))
+    for entry in c._fetch_tables(timeout=self._timeout_s):  # pylint: disable=protected-access
+      if entry["name"] == table:
+        return entry["stats"]
+    raise errors.UnknownTableError(f"shard {shard} has no table {table!r}")
+
+  def _call_all(self, shards, fn) -> Dict[int, object]:
+    """fn(shard) on every shard in parallel; shards whose call fails with a node error are
+    probed and dropped if dead. Returns {shard: result} of the others."""
+    futures = {s: self._pool.submit(fn, s) for s in shards}
+    out = {}
+    for s, f in futures.items():
+      try:
+        out[s] = f.result(timeout=self._timeout_s * 4 + 30)
+      except _NODE_ERRORS + (concurrent.futures.TimeoutError,) as e:
+        if self._alive(s):
+          raise
+        self._drop(s, e)
+    return out
+
+  def _alive(self, shard: int) -> bool:
+    try:
+      self._stats_any(shard)
+      return True
+    except Exception:  # pylint: disable=broad-except
+      return False
+
+  def _stats_any(self, shard: int) -> None:
+    c = self._clients[shard]
+    if self.is_local(shard):
+      if c._segment().is_closed():  # pylint: disable=protected-access
+        raise errors.TableClosedError("closed")
+    else:
+      c._fetch_tables(timeout=min(self._timeout_s, 2.0))  # pylint: disable=protected-access
+
+  def masses(self, table: str) -> Dict[int, Tuple[float, int, int]]:
+    """{shard: (mass, size, sampler_kind)} of the live shards (read in parallel)."""
+    if self.dead:
+      self._revive()
+    stats = self._call_all(self.live_shards, lambda s: self._stats(s, table))
+    return {s: _mass_of(st) for s, st in stats.items()}
+
+  # ---- sampling
+  def sample(self, table: str, num_samples: int,
+             rate_limiter_timeout_ms: Optional[int] = None,
+             unpack_as_table_signature: bool = False) -> List[ReplaySample]:
+    """`num_samples` items drawn with the global distribution (module docstring).
+
+    Returns a list of ReplaySample whose data is the flat list of columns (as Client.sample
+    with emit_timesteps=False; nested as the table's signature with unpack_as_table_signature)
+    and whose info holds the global probability and table_size. Items come grouped by shard.
+
+    Raises:
+      ValueError: num_samples < 1.
+      ServerUnavailableError: no live shard left.
+      DeadlineExceededError: a live shard's rate limiter did not allow the draw in time.
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+      raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    out: List[ReplaySample] = []
+    while len(out) < num_samples:
+      masses = self.masses(table)
+      if not masses:
+        raise errors.ServerUnavailableError(
+            f"no live shard left to sample {table!r} from (dropped: {self.dead})")
+      shards = sorted(masses)
+      weights = [masses[s][0] for s in shards]
+      if not sum(weights) > 0:   # all weights 0 (or only non-prioritized counts of 0)
+        weights = [float(masses[s][1]) for s in shards]
+      total_size = sum(masses[s][1] for s in shards)
+      if not sum(weights) > 0:
+        raise errors.DeadlineExceededError(f"table {table!r} is empty on every live shard")
+      counts = split_batch(num_samples - len(out), weights, self._rng)
+      total_w = float(sum(weights))
+      scale = {s: w / total_w for s, w in zip(shards, weights)}
+
+      def draw(s, k):
+        return list(self._clients[s].sample(
+            table, int(k), emit_timesteps=False, rate_limiter_timeout_ms=rate_limiter_timeout_ms,
+            unpack_as_table_signature=unpack_as_table_signature))
+      got = self._call_all([s for s, k in zip(shards, counts) if k],
+                           lambda s: draw(s, counts[shards.index(s)]))
+      new_keys = []
+      for s in sorted(got):
+        for smp in got[s]:
+          i = smp.info
+          out.append(ReplaySample(SampleInfo(i.key, i.probability * scale[s], total_size,
+                                             i.priority, i.times_sampled), smp.data))
+          new_keys.append((int(i.key), s))
+      self._remember(new_keys)
+    return out
+
+  def sample_batch(self, table: str, num_samples: int,
+                   rate_limiter_timeout_ms: Optional[int] = None) -> ReplaySample:
+    """`num_samples` items drawn with the global distribution, gathered into one ReplaySample:
+    info fields are arrays of length B (key uint64, probability float64, table_size int64,
+    priority float64, times_sampled int32) and data is the table's signature nest (or the flat
+    list of columns) of (B, ...) arrays, grouped by shard.
+
+    One call per shard and batch, in parallel: a C gather on this node's shard, one SampleBatch
+    round trip to each other node's bridge; each answer carries the shard's mass after the
+    draw, which the next call splits by when it is at most `max_mass_age_s` old and no priority
+    update went through this client since (else the masses are read first). The reported
+    probability is exactly that of the draw made: (W_s / W) of the masses split by, times the
+    shard's own w_i / W_s at the draw, which is w_i / W whenever the masses did not change in
+    between (always, for a table nobody writes to meanwhile).
+
+    Raises:
+      ValueError: num_samples < 1, or items of different column layouts.
+      ServerUnavailableError: no live shard left.
+      DeadlineExceededError: a live shard's rate limiter did not allow the draw in time.
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+      raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    parts = []
+    got = 0
+    while got < num_samples:
+      masses = self._cached_masses(table)
+      if not masses:
+        raise errors.ServerUnavailableError(
+            f"no live shard left to sample {table!r} from (dropped: {self.dead})")
+      shards, weights, total_size = self._weights(table, masses)
+      counts = split_batch(num_samples - got, weights, self._rng)
+      total_w = float(sum(weights))
+      scale = {s: w / total_w for s, w in zip(shards, weights)}
+      k_of = dict(zip(shards, counts.tolist()))
+      answers = self._draw_all(shards, table, k_of, rate_limiter_timeout_ms)
+      now = time.monotonic()
+      cache = self._mass_cache.setdefault(table, {})
+      for s, (batch, stats) in sorted(answers.items()):
+        cache[s] = (_mass_of(stats), now)
+        if batch is None:
+          continue
+        i = batch.info
+        parts.append(ReplaySample(SampleInfo(
+            i.key, i.probability * scale[s], np.full(len(i.key), total_size, np.int64),
+            i.priority, i.times_sampled), batch.data))
+        self._remember(zip(i.key.tolist(), [s] * len(i.key)))
+        got += len(i.key)
+    info = SampleInfo(*[np.concatenate([p.info[f] for p in parts]).astype(dtype, copy=False)
+                        for f, dtype in enumerate(_INFO_DTYPES)])
+    cols = [np.concatenate(c) for c in zip(*[p.data for p in parts])]
+    treedef = self._treedef(table)
+    return ReplaySample(info, cols if treedef is None else structure.unflatten(treedef, cols))
+
+  def _cached_masses(self, table: str) -> Dict[int, Tuple[float, int, int]]:
+    """{shard: (mass, size, kind)}: from the shards' last answers when fresh enough, else
+    read now (one SampleBatch of 0 items per bridge, in parallel)."""
+    if self.dead:
+      self._revive()
+    cache = self._mass_cache.setdefault(table, {})
+    now = time.monotonic()
+    live = self.live_shards
+    if not all(s in cache and now - cache[s][1] <= self._max_mass_age_s for s in live):
+      answers = self._draw_all(live, table, dict.fromkeys(live, 0), None)
+      now = time.monotonic()
+      for s, (_, stats) in answers.items():
+        cache[s] = (_mass_of(stats), now)
+      live = sorted(answers)
+    return {s: cache[s][0] for s in live}
+
+  @staticmethod
+  def _weights(table: str, masses):
+    shards = sorted(masses)
+    weights = [masses[s][0] for s in shards]
+    if not sum(weights) > 0:   # all weights 0 (or only non-prioritized counts of 0)
+      weights = [float(masses[s][1]) for s in shards]
+    if not sum(weights) > 0:
+      raise errors.DeadlineExceededError(f"table {table!r} is empty on every live shard")
+    return shards, weights, sum(masses[s][1] for s in shards)
+
+  def _draw_all(self, shards, table: str, k_of: Dict[int, int], timeout_ms: Optional[int]):
+    """{shard: (batch of k_of[shard] items with flat columns, or None for 0; the table's stats
+    after the draw)}: the bridges' requests go out first, then this node's shard draws in C
+    while they run. Shards failing with a node error are probed and dropped if dead."""
+    if timeout_ms is None:
+      rpc_timeout = None if any(k_of[s] for s in shards) else self._timeout_s
+    else:
+      rpc_timeout = timeout_ms / 1000 + self._timeout_s
+    pending, failed, out = {}, {}, {}
+    for s in shards:
+      if not self.is_local(s):
+        try:
+          pending[s] = self._clients[s].sample_batch_async(table, int(k_of[s]), timeout_ms,
+                                                           rpc_timeout)
+        except _NODE_ERRORS as e:
+          failed[s] = e
+    for s in shards:
+      if self.is_local(s):
+        try:
+          out[s] = self._draw_local(s, table, int(k_of[s]), timeout_ms)
+        except _NODE_ERRORS as e:
+          failed[s] = e
+    for s, result in pending.items():
+      try:
+        out[s] = result()
+      except _NODE_ERRORS as e:
+        failed[s] = e
+    for s, e in sorted(failed.items()):
+      if self._alive(s):
+        raise e
+      self._drop(s, e)
+    return out
+
+  def _draw_local(self, shard: int, table: str, k: int, timeout_ms: Optional[int]):
+    st = self._local_tables.get((shard, table))
+    if st is None:
+      st = self._local_tables[(shard, table)] = self._clients[shard].shared_table(table)
+    batch = None
+    if k:
+      b = st.sample_batch(k, timeout_ms=timeout_ms)
+      batch = ReplaySample(b.info, structure.flatten(b.data)[0])
+    return batch, st.stats()
+
+  def _treedef(self, table: str):
+    """The treedef of `table`'s signature (from any live shard), None without one."""
+    if table not in self._treedefs:
+      s = self.live_shards[0]
+      c = self._clients[s]
+      if self.is_local(s):
+        signature = c.shared_table(table).signature
+      else:
+        signature = specs.decode_signature(c._table_entry(table)[1]["signature"])  # pylint: disable=protected-access
+      self._treedefs[table] = None if signature is None else structure.flatten(signature)[1]
+    return self._treedefs[table]
+
+  def _remember(self, pairs) -> None:
+    """Records key -> shard; beyond key_memory keys the oldest recorded are forgotten (a key
+    sampled again keeps its first place: routing only needs the shard, which never changes)."""
+    with self._lock:
+      keys = self._keys
+      keys.update(pairs)
+      excess = len(keys) - self._key_memory
+      if excess > 0:
+        for k in list(itertools.islice(iter(keys), excess)):
+          del keys[k]
+
+  def shard_of(self, key: int) -> Optional[int]:
+    """The shard that returned `key` in a sample (if still remembered), else None."""
+    with self._lock:
+      return self._keys.get(int(key))
+
+  # ---- priorities
+  def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,
+                        deletes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+    """Sends each update/delete to the shard that holds its key (remembered from samples;
+    unknown keys go to every live shard). Returns the summed (updated, deleted)."""
+    live = self.live_shards
+    per: Dict[int, Tuple[dict, list]] = {s: ({}, []) for s in live}
+    with self._lock:
+      for k, p in (updates or {}).items():
+        s = self._keys.get(int(k))
+        for t in ([s] if s in per else live):
+          per[t][0][k] = p
+      for k in (deletes or ()):
+        s = self._keys.get(int(k))
+        for t in ([s] if s in per else live):
+          per[t][1].append(k)
+    busy = [s for s in live if per[s][0] or per[s][1]]
+    for s in busy:
+      self._mass_cache.get(table, {}).pop(s, None)
+    res = self._call_all(busy, lambda s: self._clients[s].mutate_priorities(
+        table, per[s][0] or None, per[s][1] or None))
+    return sum(r[0] for r in res.values()), sum(r[1] for r in res.values())
+
+  # ---- info
+  def shard_infos(self) -> Dict[int, dict]:
+    """{shard: {table: TableInfo}} of the live shards."""
+    return self._call_all(self.live_shards,
+                          lambda s: self._clients[s].server_info(self._timeout_s))
+
+  def server_info(self) -> dict:
+    """{table: TableInfo} with sizes and rate-limiter counts summed over the live shards."""
+    from reverb_shm.bridge.sharded import _add  # pylint: disable=g-import-not-at-top
+    merged = {}
+    for _, infos in sorted(self.shard_infos().items()):
+      for name, info in infos.items():
+        merged[name] = info if name not in merged else _add(merged[name], info)
+    return merged
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False)
+    for c in self._clients.values():
+      close = getattr(c, "close", None)
+      if close is not None:
+        close()

@@ -1,0 +1,62 @@
+"""The bridge's SampleBatch call (RemoteClient.sample_batch_with_stats): one round trip per
+batch, columns gathered, the table's counters after the draw."""
+import numpy as np
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+import reverb_shm  # pylint: disable=g-bad-import-order
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm.bridge import BridgeConfig, RemoteClient
+
+pytestmark = pytest.mark.timeout(60)
+EXPONENT = 0.7
+
+
+@pytest.fixture
+def served(server_factory):
+  server = server_factory([
+      reverb_shm.Table("prio", selectors.Prioritized(EXPONENT), selectors.Fifo(), 100,
+                       rate_limiters.MinSize(1)),
+      reverb_shm.Table("empty", selectors.Uniform(), selectors.Fifo(), 10,
+                       rate_limiters.MinSize(1))], bridge=BridgeConfig())
+  client = reverb_shm.Client(f"localhost:{server.port}")
+  for i in range(20):
+    client.insert({"obs": np.full(3, i, np.float32), "i": np.int64(i)}, {"prio": float(i)})
+  remote = RemoteClient(server.bridge_address, reconnect_timeout_s=2.0)
+  yield server, remote
+  remote.close()
+
+
+def test_a_batch_carries_exact_probabilities_and_the_mass(served):
+  _, remote = served
+  batch, stats = remote.sample_batch_with_stats("prio", 200, timeout_ms=1000, rpc_timeout=30)
+  mass = sum(float(i) ** EXPONENT for i in range(20))
+  assert stats["size"] == 20 and stats["sampler_total_weight"] == pytest.approx(mass, rel=1e-12)
+  assert batch.info.key.dtype == np.uint64 and batch.info.times_sampled.dtype == np.int32
+  idx, obs = batch.data   # flat columns in the order of the sorted keys
+  assert obs.shape == (200, 1, 3) and obs.dtype == np.float32 and idx.shape == (200, 1)
+  i = idx.reshape(-1)
+  np.testing.assert_array_equal(obs[:, 0, 0], i.astype(np.float32))
+  assert (i != 0).all()   # priority 0 is never drawn
+  np.testing.assert_allclose(batch.info.probability, i.astype(float) ** EXPONENT / mass,
+                             rtol=1e-12)
+  np.testing.assert_array_equal(batch.info.priority, i.astype(float))
+  assert (batch.info.table_size == 20).all()
+
+
+def test_zero_items_returns_only_the_counters(served):
+  _, remote = served
+  batch, stats = remote.sample_batch_with_stats("prio", 0)
+  assert batch is None and stats["size"] == 20 and stats["samples"] == 0
+
+
+def test_errors(served):
+  _, remote = served
+  with pytest.raises(errors.DeadlineExceededError):
+    remote.sample_batch_with_stats("empty", 4, timeout_ms=50, rpc_timeout=30)
+  with pytest.raises(errors.UnknownTableError, match="available tables"):
+    remote.sample_batch_with_stats("nope", 4, timeout_ms=50)
+  for bad in (-1, 1 << 17, 2.0, True):
+    with pytest.raises(ValueError, match="n must be an int"):
+      remote.sample_batch_with_stats("prio", bad)

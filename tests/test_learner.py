@@ -1,0 +1,422 @@
+"""reverb_shm.learner.BatchIterator: fixed shapes, prefetch ring, mixing, priorities back, seeds,
+sequences, bad input, and a server that stops under it (numpy only; torch/JAX in their own
+test modules)."""
+import multiprocessing
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import reverb_shm
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm.learner import Batch, BatchIterator, importance_weights
+
+
+STEP_SIGNATURE = {"obs": reverb_shm.TensorSpec([4], np.float32),
+                  "action": reverb_shm.TensorSpec([], np.int64),
+                  "reward": reverb_shm.TensorSpec([], np.float32)}
+
+
+def _table(name="t", sampler=None, max_size=10_000, limiter=None, signature=STEP_SIGNATURE):
+  return reverb_shm.Table(name, sampler or selectors.Uniform(), selectors.Fifo(), max_size,
+                          limiter or rate_limiters.MinSize(1), signature=signature)
+
+
+def _steps(values, obs_dim=4):
+  """Items whose every column is derived from `values` (so a row can be checked alone)."""
+  v = np.asarray(values, np.int64)
+  return {"obs": (v[:, None] * 10 + np.arange(obs_dim)).astype(np.float32),
+          "action": v, "reward": (v * 0.5).astype(np.float32)}
+
+
+def _fill(st, values, priorities=1.0):
+  return st.insert(_steps(values), priorities)
+
+
+def _assert_rows_consistent(batch):
+  action = batch.data["action"]
+  np.testing.assert_array_equal(batch.data["obs"][:, 0], action * 10)
+  np.testing.assert_array_equal(batch.data["reward"], (action * 0.5).astype(np.float32))
+
+
+def test_batches_have_exactly_batch_size_rows_of_consistent_items(server_factory):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  keys = _fill(st, np.arange(10))
+  key_of = dict(zip(range(10), keys.tolist()))
+  with BatchIterator(server, "t", batch_size=64, timeout_ms=5000) as it:
+    for _ in range(20):
+      batch = next(it)
+      assert isinstance(batch, Batch)
+      assert batch.data["obs"].shape == (64, 4) and batch.data["action"].shape == (64,)
+      assert len(batch.info.key) == 64
+      _assert_rows_consistent(batch)
+      # each row's key is the key of the item whose data it holds
+      assert [key_of[a] for a in batch.data["action"].tolist()] == batch.info.key.tolist()
+      np.testing.assert_allclose(batch.info.probability, 0.1)
+      assert batch.weights is None and batch.mask is None and batch.table is None
+    assert it.stats["batches"] >= 20
+
+
+def test_fixed_shape_waits_then_raises_deadline_and_recovers(server_factory):
+  server = server_factory([_table(limiter=rate_limiters.MinSize(50))])
+  st = server.shared_table("t")
+  _fill(st, np.arange(10))
+  with BatchIterator(st, batch_size=32, timeout_ms=150) as it:
+    start = time.monotonic()
+    with pytest.raises(errors.DeadlineExceededError, match="no batch of 32 items within 150"):
+      next(it)
+    assert 0.14 < time.monotonic() - start < 5
+    _fill(st, np.arange(10, 60))
+    batch = next(it)
+    assert len(batch.info.key) == 32
+    _assert_rows_consistent(batch)
+
+
+def test_fixed_shape_never_returns_fewer_items_from_a_queue(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 100, signature=STEP_SIGNATURE)])
+  st = server.shared_table("q")
+  _fill(st, np.arange(10))
+  with BatchIterator(st, batch_size=16, timeout_ms=200) as it:
+    with pytest.raises(errors.DeadlineExceededError):
+      next(it)
+    _fill(st, np.arange(10, 16))   # the 6 missing items complete the batch
+    batch = next(it)
+    assert sorted(batch.data["action"].tolist()) == list(range(16))
+
+
+def test_partial_batches_only_when_asked(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 100, signature=STEP_SIGNATURE)])
+  st = server.shared_table("q")
+  _fill(st, np.arange(10))
+  with BatchIterator(st, batch_size=16, timeout_ms=100, partial=True) as it:
+    batch = next(it)
+    assert batch.data["action"].tolist() == list(range(10))   # a queue: in order, all 10
+    assert len(batch.info.key) == 10
+    _fill(st, np.arange(10, 26))
+    assert next(it).data["action"].tolist() == list(range(10, 26))
+
+
+def test_ring_buffers_are_reused_after_keep_batches_and_copies_are_not(server_factory):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  _fill(st, np.arange(100))
+  with BatchIterator(st, batch_size=8, prefetch=2, keep=1, timeout_ms=5000) as it:
+    addresses = [next(it).data["obs"].__array_interface__["data"][0] for _ in range(12)]
+    assert 2 <= len(set(addresses)) <= 3   # at most prefetch + keep buffers, reused in turn
+  with BatchIterator(st, batch_size=8, prefetch=2, keep=2, timeout_ms=5000) as it:
+    previous = next(it)
+    for _ in range(10):   # keep=2: the batch before the one just taken is still intact
+      saved = previous.data["obs"].copy()
+      current = next(it)
+      time.sleep(0.01)   # (time for the thread to gather into any buffer it may use)
+      np.testing.assert_array_equal(previous.data["obs"], saved)
+      previous = current
+  with BatchIterator(st, batch_size=8, copy=True, timeout_ms=5000) as it:
+    first = next(it)
+    saved = first.data["obs"].copy()
+    others = [next(it) for _ in range(10)]
+    np.testing.assert_array_equal(first.data["obs"], saved)
+    addresses = {b.data["obs"].__array_interface__["data"][0] for b in [first] + others}
+    assert len(addresses) == 11
+
+
+def test_prioritized_frequencies_and_importance_weights(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(0.6))])
+  st = server.shared_table("t")
+  priorities = np.array([1.0, 2.0, 4.0, 8.0])
+  _fill(st, np.arange(4), priorities)
+  expected = priorities ** 0.6 / (priorities ** 0.6).sum()
+  counts = np.zeros(4)
+  with BatchIterator(st, batch_size=256, importance_beta=0.5, timeout_ms=5000) as it:
+    for _ in range(40):
+      batch = next(it)
+      counts += np.bincount(batch.data["action"], minlength=4)
+      np.testing.assert_allclose(batch.info.probability, expected[batch.data["action"]])
+      w = (4 * expected[batch.data["action"]]) ** -0.5
+      np.testing.assert_allclose(batch.weights, w / w.max(), rtol=1e-6)
+      assert batch.weights.dtype == np.float32
+  freq = counts / counts.sum()
+  # 10240 draws: 5 standard errors of the largest cell is < 0.025
+  np.testing.assert_allclose(freq, expected, atol=0.025)
+
+
+def test_importance_weights_formula():
+  w = importance_weights(np.array([0.5, 0.25, 0.25]), np.array([3, 3, 3]), 1.0)
+  np.testing.assert_allclose(w, [0.5, 1.0, 1.0])
+  np.testing.assert_allclose(importance_weights(np.array([0.1, 0.3]), np.array([10, 10]), 0.0),
+                             [1.0, 1.0])
+
+
+def test_update_priorities_applies_in_order_and_counts_removed_keys(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  keys = _fill(st, np.arange(8))
+  with BatchIterator(st, batch_size=4, timeout_ms=5000) as it:
+    batch = next(it)
+    it.update_priorities(keys[:4], np.array([5.0, 6.0, 7.0, 8.0], np.float32))
+    it.update_priorities(keys[:2], np.array([9.0, 10.0]))   # later wins
+    st.delete(keys[6:])
+    it.update_priorities(keys[4:], np.full(4, 3.0, np.float16))
+    it.flush(timeout_ms=5000)
+    items = {int(k): p for k, p in zip(st.items()["key"], st.items()["priority"])}
+    assert [items[int(k)] for k in keys[:6]] == [9.0, 10.0, 7.0, 8.0, 3.0, 3.0]
+    stats = it.stats
+    assert stats["keys_skipped"] == 2 and stats["keys_updated"] == 8
+    assert stats["priority_updates"] == 3 and stats["updates_pending"] == 0
+    assert len(batch.info.key) == 4
+
+
+def test_mixing_weights_split_rows_and_route_updates(server_factory):
+  server = server_factory([_table("a", sampler=selectors.Prioritized(1.0)),
+                           _table("b", sampler=selectors.Prioritized(1.0))])
+  a, b = server.shared_table("a"), server.shared_table("b")
+  _fill(a, np.arange(0, 50))
+  _fill(b, np.arange(1000, 1050))
+  rows_a = rows = 0
+  with BatchIterator(server, {"a": 0.7, "b": 0.3}, batch_size=100, timeout_ms=5000,
+                     seed=3) as it:
+    assert [t.name for t in it.tables] == ["a", "b"]
+    for _ in range(30):
+      batch = next(it)
+      _assert_rows_consistent(batch)
+      from_b = batch.data["action"] >= 1000
+      np.testing.assert_array_equal(batch.table, from_b.astype(np.uint8))
+      rows_a += int((batch.table == 0).sum())
+      rows += len(batch.table)
+    assert abs(rows_a / rows - 0.7) < 0.04   # 3000 rows: 4.8 standard errors
+    it.update_priorities(batch.info.key, np.where(from_b, 2.0, 3.0), table=batch.table)
+    it.flush(timeout_ms=5000)
+  prio_a = dict(zip(a.items()["key"].tolist(), a.items()["priority"].tolist()))
+  prio_b = dict(zip(b.items()["key"].tolist(), b.items()["priority"].tolist()))
+  for key, t in zip(batch.info.key.tolist(), batch.table.tolist()):
+    assert (prio_b if t else prio_a)[key] == (2.0 if t else 3.0)
+
+
+def test_mixed_tables_must_hold_the_same_columns(server_factory):
+  server = server_factory([
+      _table("a"), _table("b", signature={"x": reverb_shm.TensorSpec([3], np.float64)})])
+  server.shared_table("a").insert(_steps(np.arange(5)), 1.0)
+  server.shared_table("b").insert({"x": np.zeros((5, 3), np.float64)}, 1.0)
+  with BatchIterator(server, ["a", "b"], batch_size=64, timeout_ms=5000) as it:
+    with pytest.raises(ValueError, match="tables hold items of different columns"):
+      next(it)
+    assert not it._thread.is_alive()
+
+
+def _key_sequence(st, seed, batches=5, batch_size=32):
+  with BatchIterator(st, batch_size=batch_size, seed=seed, timeout_ms=5000) as it:
+    return [next(it).info.key.tolist() for _ in range(batches)]
+
+
+@pytest.mark.parametrize("sampler", [selectors.Uniform(), selectors.Prioritized(0.7)])
+def test_seed_makes_the_key_sequence_reproducible(server_factory, sampler):
+  server = server_factory([_table(sampler=sampler)])
+  st = server.shared_table("t")
+  _fill(st, np.arange(500), np.linspace(0.1, 5, 500))
+  first = _key_sequence(st, 42)
+  assert _key_sequence(st, 42) == first
+  assert _key_sequence(st, 43) != first
+  assert _key_sequence(st, None) != first
+
+
+def test_seeded_mixing_is_reproducible(server_factory):
+  server = server_factory([_table("a"), _table("b")])
+  _fill(server.shared_table("a"), np.arange(100))
+  _fill(server.shared_table("b"), np.arange(100, 200))
+
+  def run(seed):
+    with BatchIterator(server, {"a": 0.5, "b": 0.5}, batch_size=16, seed=seed,
+                       timeout_ms=5000) as it:
+      return [next(it).info.key.tolist() for _ in range(4)]
+  assert run(7) == run(7)
+
+
+def test_windows_of_steps_come_out_batch_by_time_with_a_mask(server_factory):
+  t_len = 5
+  server = server_factory([_table(signature={
+      "obs": reverb_shm.TensorSpec([t_len, 3], np.float32),
+      "mask": reverb_shm.TensorSpec([t_len], np.bool_)})])
+  client = server.localhost_client()
+  with client.trajectory_writer(num_keep_alive_refs=t_len) as w:
+    for step in range(12):
+      w.append({"obs": np.full(3, step, np.float32), "mask": step % 4 != 3})
+      if step >= t_len - 1:
+        w.create_item("t", 1.0, {"obs": w.history["obs"][-t_len:],
+                                 "mask": w.history["mask"][-t_len:]})
+  with BatchIterator(server, "t", batch_size=6, mask_key="mask", timeout_ms=5000) as it:
+    batch = next(it)
+  assert batch.data["obs"].shape == (6, t_len, 3)
+  assert batch.mask.shape == (6, t_len) and batch.mask.dtype == np.bool_
+  first = batch.data["obs"][:, :, 0]
+  np.testing.assert_array_equal(first, first[:, :1] + np.arange(t_len))   # consecutive steps
+  np.testing.assert_array_equal(batch.mask, first % 4 != 3)
+
+
+def test_mask_key_naming_no_column_is_an_error(server_factory):
+  server = server_factory([_table()])
+  _fill(server.shared_table("t"), np.arange(4))
+  with BatchIterator(server, "t", batch_size=4, mask_key="done", timeout_ms=5000) as it:
+    with pytest.raises(ValueError, match="mask_key 'done' names no column"):
+      next(it)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"batch_size": 0}, ValueError, "batch_size must be an int >= 1"),
+    ({"prefetch": 0}, ValueError, "prefetch must be an int >= 1"),
+    ({"timeout_ms": -1}, ValueError, "timeout_ms must be None"),
+    ({"partial": True}, ValueError, "partial=True needs a timeout_ms"),
+    ({"importance_beta": 1.5}, ValueError, r"importance_beta must be None or a number in \[0, 1\]"),
+    ({"seed": "x"}, ValueError, "seed must be None or an int"),
+    ({"table": {"t": 0.0}}, ValueError, "mixing weights must be finite numbers > 0"),
+    ({"table": 3}, TypeError, "table must be a table name"),
+    ({"table": "nope"}, errors.UnknownTableError, "nope"),
+])
+def test_bad_arguments_are_rejected(server_factory, kwargs, error, match):
+  server = server_factory([_table()])
+  kwargs = dict({"table": "t", "batch_size": 4}, **kwargs)
+  with pytest.raises(error, match=match):
+    BatchIterator(server, **kwargs)
+  assert server.shared_table("t").stats()["samples"] == 0
+
+
+def test_bad_priority_updates_are_rejected_and_change_nothing(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  keys = _fill(st, np.arange(4))
+  with BatchIterator(st, batch_size=4, timeout_ms=5000) as it:
+    with pytest.raises(TypeError, match="floating dtype"):
+      it.update_priorities(keys, np.array([1, 2, 3, 4]))
+    with pytest.raises(TypeError, match="unsigned 64-bit integers"):
+      it.update_priorities(keys.astype(np.float64), np.ones(4))
+    with pytest.raises(ValueError, match="one value per key"):
+      it.update_priorities(keys, np.ones(3))
+    with pytest.raises(ValueError, match="finite"):
+      it.update_priorities(keys, np.array([1.0, np.nan, 1.0, 1.0]))
+    with pytest.raises(ValueError, match=">= 0 for a Prioritized table"):
+      it.update_priorities(keys, np.array([1.0, -1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="not one of this iterator's tables"):
+      it.update_priorities(keys, np.ones(4), table="other")
+    it.flush(timeout_ms=1000)
+    assert it.stats["priority_updates"] == 0
+  assert st.items()["priority"].tolist() == [1.0] * 4
+  with pytest.raises(RuntimeError, match="closed"):
+    it.update_priorities(keys, np.ones(4))
+
+
+def _serve(name, ready, stop):
+  server = reverb_shm.Server([_table()], name=name, arena_bytes=64 << 20)
+  st = server.shared_table("t")
+  _fill(st, np.arange(100))
+  ready.set()
+  stop.wait(30)
+  server.stop()
+
+
+def test_server_stopping_in_another_process_ends_the_iterator(server_name):
+  ctx = multiprocessing.get_context("spawn")
+  ready, stop = ctx.Event(), ctx.Event()
+  proc = ctx.Process(target=_serve, args=(server_name, ready, stop))
+  proc.start()
+  try:
+    assert ready.wait(30)
+    st = reverb_shm.SharedTable.attach(f"{server_name}/t")
+    it = BatchIterator(st, batch_size=16, prefetch=2, timeout_ms=10_000)
+    assert len(next(it).info.key) == 16
+    stop.set()
+    proc.join(30)
+    assert proc.exitcode == 0
+    start = time.monotonic()
+    with pytest.raises(errors.TableClosedError, match="background threads have ended"):
+      for _ in range(10):   # the batches gathered before the stop come first
+        next(it)
+    assert time.monotonic() - start < 5
+    it._thread.join(5)
+    it._updater.join(5)
+    assert not it._thread.is_alive() and not it._updater.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+      it.update_priorities(np.zeros(1, np.uint64), np.ones(1))
+    it.close()
+  finally:
+    stop.set()
+    proc.join(30)
+    if proc.is_alive():
+      proc.kill()
+
+
+def test_server_stopping_while_the_thread_waits_on_the_limiter(server_factory):
+  server = server_factory([_table(limiter=rate_limiters.MinSize(10))])
+  st = server.shared_table("t")
+  it = BatchIterator(st, batch_size=4, timeout_ms=10_000)
+  result = {}
+
+  def consume():
+    try:
+      next(it)
+    except BaseException as e:   # pylint: disable=broad-except
+      result["error"] = e
+  t = threading.Thread(target=consume)
+  t.start()
+  time.sleep(0.2)
+  server.stop()
+  t.join(10)
+  assert not t.is_alive()
+  assert isinstance(result.get("error"), errors.TableClosedError)
+  it._thread.join(5)
+  assert not it._thread.is_alive()
+
+
+def _actor(name, worker, steps, done):
+  st = reverb_shm.SharedTable.attach(f"{name}/t")
+  for s in range(0, steps, 50):
+    values = worker * 1_000_000 + np.arange(s, s + 50)
+    st.insert(_steps(values), np.ones(50), timeout_ms=10_000)
+  done.put(worker)
+
+
+def test_learner_samples_and_updates_while_actor_processes_insert(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(0.6), max_size=3000)])
+  st = server.shared_table("t")
+  _fill(st, np.arange(100))
+  name = server.name
+  ctx = multiprocessing.get_context("fork")
+  done = ctx.Queue()
+  actors = [ctx.Process(target=_actor, args=(name, w + 1, 4000, done)) for w in range(2)]
+  for p in actors:
+    p.start()
+  sent = 0
+  try:
+    with BatchIterator(st, batch_size=64, importance_beta=0.4, timeout_ms=10_000) as it:
+      while any(p.is_alive() for p in actors) or sent < 20:
+        batch = next(it)
+        _assert_rows_consistent(batch)
+        assert batch.weights.max() == pytest.approx(1.0)
+        it.update_priorities(batch.info.key, np.abs(batch.data["reward"]) + 0.1)
+        sent += 64
+        if sent > 400_000:
+          break
+      it.flush(timeout_ms=10_000)
+      stats = it.stats
+  finally:
+    for p in actors:
+      p.join(30)
+  assert [p.exitcode for p in actors] == [0, 0]
+  assert sorted(done.get(timeout=5) for _ in actors) == [1, 2]
+  assert stats["keys_updated"] + stats["keys_skipped"] == sent
+  assert st.stats()["deletes"] > 0   # the actors pushed items out while the learner sampled
+  st.check()
+
+
+def test_close_applies_queued_updates_and_ends_the_thread(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  keys = _fill(st, np.arange(4))
+  it = BatchIterator(st, batch_size=4, timeout_ms=5000)
+  next(it)
+  it.update_priorities(keys, np.full(4, 2.5))
+  it.close()
+  assert not it._thread.is_alive() and not it._updater.is_alive() and it.closed
+  assert st.items()["priority"].tolist() == [2.5] * 4
+  with pytest.raises(RuntimeError, match="closed"):
+    next(it)

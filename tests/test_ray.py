@@ -1,0 +1,379 @@
+"""reverb_shm.ray on a real multi-node Ray cluster on this machine.
+
+One cluster for the module (reverb_shm.ray.local_cluster): a head node in this process's mount
+namespace and worker nodes each with a private tmpfs on /dev/shm (`unshare --mount`), so no
+node sees another's segments. Servers run on the head and on nodes A and B; node C has none;
+node D joins only to replace a killed node. The failure test runs last (it kills node A).
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import reverb_shm  # noqa: E402
+from reverb_shm import rate_limiters, selectors  # noqa: E402
+from reverb_shm.ray import ReplayCluster, split_batch  # noqa: E402
+from reverb_shm.ray.local_cluster import LocalRayCluster  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+EXPONENT = 0.8
+# (node label, priorities written there); one item of priority 0 is never sampled.
+PRIOS = {"head": [1.0, 2.0, 3.0], "nodeA": [4.0, 5.0], "nodeB": [0.5, 6.0, 0.0]}
+UNIFORM_COUNTS = {"head": 2, "nodeA": 3, "nodeB": 5}
+CALL_S = 60   # deadline of every blocking Ray call in this module
+
+
+def _tables():
+  return [
+      reverb_shm.Table("prio", selectors.Prioritized(EXPONENT), selectors.Fifo(), 1000,
+                       rate_limiters.MinSize(1)),
+      reverb_shm.Table("unif", selectors.Uniform(), selectors.Fifo(), 1000,
+                       rate_limiters.MinSize(1)),
+      reverb_shm.Table("stream", selectors.Uniform(), selectors.Fifo(), 100,
+                       rate_limiters.MinSize(1)),
+  ]
+
+
+def _unshare_works():
+  return subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+  if not _unshare_works():
+    pytest.fail("`unshare --mount` is needed for nodes with a private /dev/shm (run as root)")
+  local = LocalRayCluster(num_cpus=1, object_store_mb=80, shm_mb=384)
+  handle = None
+  try:
+    local.start()
+    for label in ("nodeA", "nodeB", "nodeC"):
+      local.add_node(label)
+    ray.init(address=local.address, log_to_driver=False, namespace="reverb_shm_test")
+    local.wait_for_nodes()
+    nodes = [local.node_id(l) for l in ("head", "nodeA", "nodeB")]
+    handle = ReplayCluster.start(
+        _tables(), nodes=nodes, checkpoint_root=str(tmp_path_factory.mktemp("ckpt")),
+        server_kwargs={"arena_bytes": 32 << 20}, timeout_s=CALL_S * 2)
+    yield local, handle
+  finally:
+    if handle is not None:
+      handle.stop(timeout_s=20)
+    if ray.is_initialized():
+      ray.shutdown()
+    local.shutdown()
+
+
+def _on(label):
+  return {"resources": {label: 0.01}}
+
+
+@ray.remote(num_cpus=0)
+def _probe(handle):
+  """What a task sees on its node: the shard there, the kind of client it gets, and which
+  shards' segments it can attach to."""
+  c = handle.client()
+  return {"node": ray.get_runtime_context().get_node_id(), "local_shard": handle.local_shard(),
+          "client": type(c).__name__,
+          "attachable": [handle.attach_local(s) is not None for s in range(handle.num_shards)],
+          "dev_shm": sorted(n for n in os.listdir("/dev/shm")
+                            if n.startswith("rvshm.") and not n.startswith("rvshm.port."))}
+
+
+@ray.remote(num_cpus=0)
+def _write(handle, table, priorities, base):
+  c = handle.client()
+  for i, p in enumerate(priorities):
+    c.insert(np.array([base + i], np.int64), {table: float(p)}, timeout_ms=10_000)
+  return type(c).__name__
+
+
+@ray.remote(num_cpus=0)
+class _Writer:
+  """A writer actor that inserts into 'stream' through its node's client."""
+
+  def __init__(self, handle):
+    self.client = handle.client()
+    self.kind = type(self.client).__name__
+    self.n = 0
+
+  def insert(self, k):
+    for _ in range(k):
+      self.client.insert(np.array([self.n], np.int64), {"stream": 1.0}, timeout_ms=10_000)
+      self.n += 1
+    return self.n, self.kind
+
+
+def _shard(handle, local, label):
+  node = local.node_id(label)
+  return next(e.shard for e in handle.entries if e.node_id == node)
+
+
+# ---- no cluster needed
+def test_import_reverb_shm_does_not_import_ray():
+  out = subprocess.run([sys.executable, "-c",
+                        "import sys, reverb_shm, reverb_shm.bridge; "
+                        "print('ray' in sys.modules)"], capture_output=True, text=True,
+                       timeout=60)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "False"
+
+
+def test_without_ray_the_import_error_names_the_extra():
+  code = ("import sys\n"
+          "class Block:\n"
+          "  def find_spec(self, name, path=None, target=None):\n"
+          "    if name == 'ray' or name.startswith('ray.'):\n"
+          "      raise ImportError('No module named ' + repr(name))\n"
+          "sys.meta_path.insert(0, Block())\n"
+          "try:\n"
+          "  import reverb_shm.ray\n"
+          "except ImportError as e:\n"
+          "  print(e)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  assert "pip install reverb_shm[ray]" in out.stdout
+
+
+def test_split_batch_is_multinomial_over_masses():
+  rng = np.random.default_rng(0)
+  masses = [1.0, 3.0, 0.0, 6.0]
+  counts = np.array([split_batch(10, masses, rng) for _ in range(20000)])
+  assert (counts.sum(axis=1) == 10).all()
+  assert (counts[:, 2] == 0).all()
+  np.testing.assert_allclose(counts.mean(axis=0), [1.0, 3.0, 0.0, 6.0], atol=0.05)
+  with pytest.raises(ValueError, match="mass 0"):
+    split_batch(4, [0.0, 0.0], rng)
+  with pytest.raises(ValueError, match="finite and >= 0"):
+    split_batch(4, [1.0, -1.0], rng)
+
+
+# ---- on the cluster
+def test_same_node_is_decided_by_attaching(cluster):
+  local, handle = cluster
+  seen = {l: ray.get(_probe.options(**_on(l)).remote(handle), timeout=CALL_S)
+          for l in ("nodeA", "nodeB", "nodeC")}
+  a, b = _shard(handle, local, "nodeA"), _shard(handle, local, "nodeB")
+  head = _shard(handle, local, "head")
+  # Each worker node sees only its own server's segment (a private /dev/shm).
+  assert seen["nodeA"]["dev_shm"] == [f"rvshm.{handle.entries[a].server_name}"]
+  assert seen["nodeB"]["dev_shm"] == [f"rvshm.{handle.entries[b].server_name}"]
+  assert seen["nodeC"]["dev_shm"] == []
+  for label, shard in (("nodeA", a), ("nodeB", b)):
+    assert seen[label]["local_shard"] == shard
+    assert seen[label]["client"] == "Client"   # shared memory
+    assert seen[label]["attachable"] == [s == shard for s in range(3)]
+  # No server on node C: a bridge client, and no segment reachable.
+  assert seen["nodeC"]["local_shard"] is None
+  assert seen["nodeC"]["client"] == "RemoteClient"
+  assert seen["nodeC"]["attachable"] == [False] * 3
+  # The driver runs on the head node, in the head's namespace.
+  assert handle.local_shard() == head
+  assert [handle.attach_local(s) is not None for s in range(3)] == [s == head for s in range(3)]
+  assert type(handle.client()).__name__ == "Client"
+  # A client asked for another node's shard goes through that shard's bridge.
+  assert type(handle.client(shard=a)).__name__ == "RemoteClient"
+
+
+def _fill(handle, local):
+  kinds = []
+  base = 0
+  for label, prios in PRIOS.items():
+    kinds.append(ray.get(_write.options(**_on(label)).remote(handle, "prio", prios, base),
+                         timeout=CALL_S))
+    base += 100
+  for label, n in UNIFORM_COUNTS.items():
+    kinds.append(ray.get(_write.options(**_on(label)).remote(handle, "unif", [1.0] * n, base),
+                         timeout=CALL_S))
+    base += 100
+  assert kinds == ["Client"] * 6   # every writer wrote through its node's shared memory
+
+
+@pytest.fixture(scope="module")
+def filled(cluster):
+  local, handle = cluster
+  _fill(handle, local)
+  return local, handle
+
+
+def test_global_prioritized_sampling_matches_one_table(filled):
+  local, handle = filled
+  cc = handle.global_client(seed=1, timeout_s=10)
+  # value -> priority (values: 100 * node index + position)
+  prio_of = {}
+  for n, prios in enumerate(PRIOS.values()):
+    for i, p in enumerate(prios):
+      prio_of[100 * n + i] = p
+  total = sum(p ** EXPONENT for p in prio_of.values())
+  counts = dict.fromkeys(prio_of, 0)
+  draws = 0
+  for _ in range(60):
+    for s in cc.sample("prio", 250, rate_limiter_timeout_ms=10_000):
+      value = int(np.asarray(s.data[0]).reshape(-1)[0])
+      expected = prio_of[value] ** EXPONENT / total
+      assert s.info.probability == pytest.approx(expected, rel=1e-12, abs=0)
+      assert s.info.table_size == len(prio_of)
+      assert s.info.priority == prio_of[value]
+      counts[value] += 1
+      draws += 1
+  assert draws == 15000
+  for value, p in prio_of.items():
+    q = p ** EXPONENT / total
+    sigma = np.sqrt(draws * q * (1 - q))
+    assert abs(counts[value] - draws * q) <= 5 * sigma + 1, (value, counts[value], draws * q)
+  assert counts[202] == 0   # priority 0
+  batch = cc.sample_batch("prio", 64, rate_limiter_timeout_ms=10_000)
+  assert batch.info.key.dtype == np.uint64 and batch.info.probability.shape == (64,)
+  values = np.asarray(batch.data[0]).reshape(64)
+  np.testing.assert_allclose(batch.info.probability,
+                             [prio_of[v] ** EXPONENT / total for v in values], rtol=1e-12)
+  assert (batch.info.table_size == len(prio_of)).all()
+  assert cc.failures == 0
+  assert cc.is_local(_shard(handle, local, "head"))
+  assert not cc.is_local(_shard(handle, local, "nodeA"))
+  info = cc.server_info()
+  assert info["prio"].current_size == len(prio_of)
+  assert info["unif"].current_size == sum(UNIFORM_COUNTS.values())
+  cc.close()
+
+
+def test_global_uniform_sampling_splits_by_item_counts(filled):
+  local, handle = filled
+  cc = handle.global_client(seed=2, timeout_s=10)
+  n_items = sum(UNIFORM_COUNTS.values())
+  per_node = dict.fromkeys(UNIFORM_COUNTS, 0)
+  labels = list(UNIFORM_COUNTS)
+  draws = 0
+  for _ in range(20):
+    for s in cc.sample("unif", 250, rate_limiter_timeout_ms=10_000):
+      value = int(np.asarray(s.data[0]).reshape(-1)[0])
+      per_node[labels[value // 100 - 3]] += 1
+      assert s.info.probability == pytest.approx(1 / n_items, rel=1e-12, abs=0)
+      assert s.info.table_size == n_items
+      draws += 1
+  for label, n in UNIFORM_COUNTS.items():
+    q = n / n_items
+    assert abs(per_node[label] - draws * q) <= 5 * np.sqrt(draws * q * (1 - q)), per_node
+  cc.close()
+
+
+def _mass(handle, shard, table="prio"):
+  c = handle.remote_client(shard)
+  try:
+    entry = next(e for e in c._fetch_tables(timeout=10) if e["name"] == table)
+    return entry["stats"]["sampler_total_weight"]
+  finally:
+    c.close()
+
+
+def test_priority_updates_reach_the_shard_holding_the_key(filled):
+  local, handle = filled
+  cc = handle.global_client(seed=3, timeout_s=10)
+  a = _shard(handle, local, "nodeA")
+  samples = cc.sample("prio", 200, rate_limiter_timeout_ms=10_000)
+  on_a = [s for s in samples if cc.shard_of(s.info.key) == a]
+  assert on_a, "no sample from node A in 200 draws"
+  key, old = int(on_a[0].info.key), float(on_a[0].info.priority)
+  before = [_mass(handle, s) for s in range(3)]
+  assert cc.mutate_priorities("prio", updates={key: 50.0}) == (1, 0)
+  after = [_mass(handle, s) for s in range(3)]
+  for s in range(3):
+    if s == a:
+      assert after[s] == pytest.approx(before[s] - old ** EXPONENT + 50.0 ** EXPONENT,
+                                       rel=1e-12)
+    else:
+      assert after[s] == before[s]
+  # Keys the client has not sampled go to every shard; unknown everywhere: nothing changes.
+  assert cc.mutate_priorities("prio", updates={12345: 1.0}) == (0, 0)
+  assert cc.mutate_priorities("prio", updates={key: old}) == (1, 0)
+  assert _mass(handle, a) == pytest.approx(before[a], rel=1e-12)
+  cc.close()
+
+
+def test_a_stalled_node_is_dropped_within_the_deadline_and_rejoins(filled):
+  local, handle = filled
+  b = _shard(handle, local, "nodeB")
+  cc = handle.global_client(seed=5, timeout_s=2, revive_after_s=0.5)
+  assert len(cc.sample("prio", 32, rate_limiter_timeout_ms=10_000)) == 32
+  pid = handle.entries[b].pid
+  os.kill(pid, signal.SIGSTOP)   # the server process (and its bridge) stops answering
+  try:
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=f"shard {b} .* dropped"):
+      got = cc.sample("prio", 32, rate_limiter_timeout_ms=10_000)
+    assert time.monotonic() - t0 < 20
+    assert len(got) == 32 and cc.failures == 1 and list(cc.dead) == [b]
+    assert all(cc.shard_of(s.info.key) != b for s in got)
+  finally:
+    os.kill(pid, signal.SIGCONT)
+  time.sleep(0.6)
+  with pytest.warns(RuntimeWarning, match=f"shard {b} answers again"):
+    got = cc.sample("prio", 32, rate_limiter_timeout_ms=10_000)
+  assert cc.revived == 1 and not cc.dead and cc.live_shards == [0, 1, 2]
+  cc.close()
+
+
+def test_node_failure_checkpoint_and_restore(filled):
+  local, handle = filled
+  a, b = _shard(handle, local, "nodeA"), _shard(handle, local, "nodeB")
+  paths = handle.checkpoint(timeout_s=CALL_S)
+  assert len(paths) == 3 and all(p and os.path.isdir(p) for p in paths)
+  assert all(p.startswith(os.path.join(handle.checkpoint_root, f"shard-{i}"))
+             for i, p in enumerate(paths))
+  writer_b = _Writer.options(**_on("nodeB")).remote(handle)
+  assert ray.get(writer_b.insert.remote(10), timeout=CALL_S) == (10, "Client")
+  cc = handle.global_client(seed=4, timeout_s=10, revive_after_s=1e9)
+  assert len(cc.sample("prio", 64, rate_limiter_timeout_ms=10_000)) == 64
+
+  local.kill_raylet("nodeA")
+  t0 = time.monotonic()
+  with pytest.warns(RuntimeWarning, match=f"shard {a} .* dropped"):
+    got = None
+    while time.monotonic() - t0 < 60:   # until node A's processes are gone
+      got = cc.sample("prio", 64, rate_limiter_timeout_ms=10_000)
+      if cc.failures:
+        break
+  assert cc.failures == 1 and list(cc.dead) == [a]
+  assert time.monotonic() - t0 < 60
+  # Sampling goes on from the head and node B only, with their global probabilities.
+  total = sum(p ** EXPONENT for l, ps in PRIOS.items() if l != "nodeA" for p in ps)
+  for _ in range(3):
+    got = cc.sample("prio", 64, rate_limiter_timeout_ms=10_000)
+    assert len(got) == 64
+    for s in got:
+      assert cc.shard_of(s.info.key) != a
+      assert s.info.probability == pytest.approx(s.info.priority ** EXPONENT / total,
+                                                 rel=1e-12)
+  # The writer on node B is unaffected.
+  assert ray.get(writer_b.insert.remote(10), timeout=CALL_S) == (20, "Client")
+  # Checkpointing now reports the dead shard as None (within the deadline).
+  with pytest.warns(UserWarning, match=f"shard {a} .* did not checkpoint"):
+    paths2 = handle.checkpoint(timeout_s=20)
+  assert paths2[a] is None and paths2[b] is not None
+
+  # A replacement node restores node A's shard from its last checkpoint.
+  local.add_node("nodeD")
+  local.wait_for_nodes()
+  entry = handle.replace(a, local.node_id("nodeD"), timeout_s=CALL_S * 2)
+  assert entry.restored_from == paths[a]
+  assert entry.node_id == local.node_id("nodeD")
+  assert cc.refresh(handle) == [0, 1, 2]
+  info = cc.shard_infos()[a]
+  assert info["prio"].current_size == len(PRIOS["nodeA"])
+  assert info["unif"].current_size == UNIFORM_COUNTS["nodeA"]
+  full = sum(p ** EXPONENT for ps in PRIOS.values() for p in ps)
+  seen_a = 0
+  for s in cc.sample("prio", 500, rate_limiter_timeout_ms=10_000):
+    assert s.info.probability == pytest.approx(s.info.priority ** EXPONENT / full, rel=1e-12)
+    seen_a += cc.shard_of(s.info.key) == a
+  assert seen_a > 0
+  probe = ray.get(_probe.options(**_on("nodeD")).remote(handle), timeout=CALL_S)
+  assert probe["local_shard"] == a and probe["client"] == "Client"
+  ray.kill(writer_b)
+  cc.close()
