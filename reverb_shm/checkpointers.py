@@ -25,12 +25,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 
-from reverb_shm import specs
-from reverb_shm._checkpoint import io as checkpoint_io
-from reverb_shm._internal import shm
 from reverb_shm import rate_limiters as rate_limiters_lib
 from reverb_shm import selectors as selectors_lib
+from reverb_shm import specs
 from reverb_shm import table as table_lib
+from reverb_shm._checkpoint import io as checkpoint_io
+from reverb_shm._internal import shm
 
 __all__ = ["CheckpointerBase", "DefaultCheckpointer", "TempDirCheckpointer",
            "default_checkpointer", "ON_CONFIG_MISMATCH", "effective_tables", "for_server"]
@@ -263,7 +263,8 @@ def for_server(server_name: str) -> CheckpointerBase:
     with open(_spec_path(server_name)) as f:
       spec = json.load(f)
   except FileNotFoundError:
-    raise ValueError(f"server {server_name!r} has no checkpointer usable from another process")
+    raise ValueError(
+        f"server {server_name!r} has no checkpointer usable from another process") from None
   return DefaultCheckpointer(**spec)
 
 

@@ -14,13 +14,12 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from reverb_shm import errors
-from reverb_shm._internal import addresses, chunks, counters, hot_plans, shm, structure, timeouts
-from reverb_shm import step_inserter as step_inserter_lib
-from reverb_shm._internal._lib import ffi, hot, lib
-from reverb_shm._internal import columns as columns_lib
-from reverb_shm._internal.keys import random_u64
 from reverb_shm import table as table_lib
 from reverb_shm import trajectory_writer as trajectory_writer_lib
+from reverb_shm._internal import addresses, chunks, counters, hot_plans, shm, structure, timeouts
+from reverb_shm._internal import columns as columns_lib
+from reverb_shm._internal._lib import ffi, hot, lib
+from reverb_shm._internal.keys import random_u64
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
 from reverb_shm.shared_table import SharedTable
@@ -248,7 +247,8 @@ class Client:
     return True
 
   def _insert_numeric(self, seg, handles, prios, arrays, episode_id, deadline, timeout_ms) -> None:
-    """Client.insert's hot path for numeric steps: one ColumnWriter call, one rs_insert per table."""
+    """Client.insert's hot path for numeric steps: one ColumnWriter call, one rs_insert per
+    table."""
     columns = tuple((a.dtype, a.shape) for a in arrays)
     writer = self._column_writers.get(columns)
     if writer is None:
@@ -397,11 +397,10 @@ class Client:
         prios = st._priorities(list(updates.values()), len(keys), "updated priorities")
         return st._mutate(keys, prios, _NO_KEYS)
     # Python ints above 2**63 would make numpy guess float64: pass uint64 scalars instead.
-    if updates:
-      updates = {_key(k): v for k, v in updates.items()}
-    if deletes is not None and len(deletes):
-      deletes = [_key(k) for k in deletes]
-    return st.mutate(updates, deletes)
+    upd: Optional[dict] = {_key(k): v for k, v in updates.items()} if updates else updates
+    dels: Optional[list] = (
+        [_key(k) for k in deletes] if deletes is not None and len(deletes) else deletes)
+    return st.mutate(upd, dels)
 
   def reset(self, table: str) -> None:
     """Removes every item of `table` and zeroes its limiter and episode counters.
@@ -546,7 +545,7 @@ def one_step(client, data: Any, priorities: Dict[str, float], refresh, plan):
   if handle is None or (prio < 0 and handle.prioritized):
     return None
   try:
-    arrays = step_inserter_lib.step_arrays(data)
+    arrays = columns_lib.step_arrays(data)
   except ValueError:
     return None
   found = plan(handle, tuple([(a.dtype, a.shape) for a in arrays]))

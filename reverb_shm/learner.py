@@ -1,4 +1,4 @@
-"""Learner-side batch iterator: fixed-shape, prefetched, prioritized batches with priorities fed back.
+"""Learner-side batch iterator: fixed-shape, prefetched, prioritized batches, priorities fed back.
 
 The framework-free core of ``reverb_shm.torch`` and ``reverb_shm.jax`` (numpy only), usable on
 its own::
@@ -261,7 +261,7 @@ class BatchIterator:
     self._any_prioritized = None   # whether a table has a Prioritized selector (read once)
     self._allocate = allocate
     self._transform = transform
-    self._layout = None            # ((dtype, item shape, bytes) per column), from the first items
+    self._layout: Any = None       # ((dtype, item shape, bytes) per column), from the first items
     self._slots: List[_Slot] = []
     self._cv = threading.Condition()
     self._free = collections.deque()      # slots the background thread may gather into
@@ -703,7 +703,7 @@ class BatchIterator:
     except errors.DeadlineExceededError:
       return None
     if table._gather_layout is None:   # pylint: disable=protected-access
-      table.size   # raises TableClosedError when the server stopped meanwhile
+      _ = table.size   # raises TableClosedError when the server stopped meanwhile
       raise ValueError(f"table {table.name!r} holds items whose columns differ from the first "
                        f"items' ({_layout_text(self._layout)}): a fixed-shape batch needs items "
                        "of one column layout")

@@ -108,7 +108,8 @@ class SampleToInsertRatio(RateLimiter):
       (min_diff, max_diff) pair.
 
   Raises:
-    ValueError: spi <= 0 or infinite; a NaN or infinite error_buffer; max_diff - min_diff < 2*max(1, spi); min_diff > spi*min_size;
+    ValueError: spi <= 0 or infinite; a NaN or infinite error_buffer;
+      max_diff - min_diff < 2*max(1, spi); min_diff > spi*min_size;
       min_size_to_sample < 1. (max_diff < spi*min_size only logs a warning: it can deadlock
       unless inserts and samples run concurrently.)
   """

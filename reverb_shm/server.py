@@ -15,10 +15,10 @@ import weakref
 from typing import Optional, Sequence
 
 from reverb_shm import checkpointers
-from reverb_shm._internal import shm
 from reverb_shm import table as table_lib
-from reverb_shm.table import Table
+from reverb_shm._internal import shm
 from reverb_shm._internal._lib import check, ffi, lib
+from reverb_shm.table import Table
 
 __all__ = ["Server", "Table", "DEFAULT_ARENA_BYTES", "DEFAULT_MAX_SHARE", "DEFAULT_PINS_PER_PROC",
            "PIN_ENTRY_BYTES"]

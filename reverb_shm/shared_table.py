@@ -7,19 +7,19 @@ locks the table; a SharedTable may be shared between threads.
 import math
 import operator
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from reverb_shm import errors, specs
-from reverb_shm._internal import chunks, counters, hot_plans, structure
 from reverb_shm import step_inserter as step_inserter_lib
-from reverb_shm._internal import timeouts
+from reverb_shm._internal import chunks, counters, hot_plans, structure, timeouts
+from reverb_shm._internal import columns as columns_lib
 from reverb_shm._internal._lib import check, ffi, hot, lib
-from reverb_shm.replay_sample import ReplaySample, SampleInfo
-from reverb_shm.selectors import PRIORITIZED
 from reverb_shm._internal.shm import Segment
 from reverb_shm._internal.table_info import TableInfo, table_info
+from reverb_shm.replay_sample import ReplaySample, SampleInfo
+from reverb_shm.selectors import PRIORITIZED
 
 __all__ = ["SharedTable"]
 
@@ -47,7 +47,7 @@ class SharedTable:
     self._name = segment.table_names()[self._index]
     self._signature = None
     self._signature_loaded = False
-    self._signature_tree = None   # (number of leaves, treedef) of the signature
+    self._signature_tree: Any = None   # (number of leaves, treedef) of the signature
     self._validates_negative = None
     self._priority_bound = None
     self._column_writers = {}     # (dtype, shape) per column -> chunks.ColumnWriter
@@ -93,7 +93,7 @@ class SharedTable:
     if self._validates_negative is None:
       s = self._seg.stats(self._index)
       self._validates_negative = PRIORITIZED in (s["sampler_kind"], s["remover_kind"])
-    return self._validates_negative
+    return bool(self._validates_negative)
 
   @property
   def priority_bound(self) -> float:
@@ -538,7 +538,7 @@ class SharedTable:
     Raises:
       ValueError: as _columns_of.
     """
-    arrays = step_inserter_lib.step_arrays(data)
+    arrays = columns_lib.step_arrays(data)
     columns = tuple([(a.dtype, a.shape) for a in arrays])
     plans = self._insert_plans
     if columns in plans:

@@ -5,62 +5,21 @@ preallocated staging rows; every `capacity` steps (and on flush(), close() or le
 block) one C call writes the staged rows to shared memory and inserts them as items, as
 SharedTable.insert of the batch would. Items become visible to samplers only at that flush, as
 with Reverb's writers, which send items in batches.
-
-Also the cheap flattening of the hot paths (`flat_leaves`).
 """
 import math
+import operator
 import os
 import warnings
-import operator
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from reverb_shm import errors
 from reverb_shm._internal import chunks, hot_plans, structure, timeouts
-from reverb_shm._internal._lib import ffi, lib
 from reverb_shm._internal import columns as columns_lib
+from reverb_shm._internal._lib import ffi, lib
 
-__all__ = ["StepInserter", "flat_leaves"]
-
-# Types optree treats as leaves, whose dicts the hot paths flatten without optree.
-_LEAF_TYPES = frozenset([np.ndarray, float, int, bool, str, bytes, type(None)] +
-                        [t for t in np.sctypeDict.values() if issubclass(t, np.generic)])
-# Leaves used as they are (numeric numpy values expose their bytes); others go to to_array.
-_NUMERIC_VALUES = frozenset([np.ndarray] + [t for t in np.sctypeDict.values()
-                                            if issubclass(t, np.generic) and
-                                            np.dtype(t).kind in "biufc"])
-_DICT_ORDERS = {}   # tuple of a dict's str keys in insertion order -> the keys sorted
-_MAX_ORDERS = 256
-
-
-def flat_leaves(nest: Any) -> List[Any]:
-  """The leaves of `nest` in structure.flatten's order (dm-tree's: dict keys sorted).
-
-  A plain dict of str keys whose values are leaves (arrays, numpy or Python scalars) is
-  flattened without optree, several times faster; anything else goes through
-  structure.flatten.
-  """
-  if type(nest) is dict:
-    keys = tuple(nest)
-    order = _DICT_ORDERS.get(keys)
-    if order is None and all(type(k) is str for k in keys):
-      if len(_DICT_ORDERS) >= _MAX_ORDERS:
-        _DICT_ORDERS.clear()
-      order = _DICT_ORDERS[keys] = tuple(sorted(keys))
-    if order is not None:
-      leaves = [nest[k] for k in order]
-      if _LEAF_TYPES.issuperset(map(type, leaves)):
-        return leaves
-  return structure.flatten(nest)[0]
-
-
-def step_arrays(nest: Any) -> list:
-  """flat_leaves of `nest` as arrays: numeric numpy values as they are (a numpy scalar is used
-  through its buffer), other leaves through structure.to_array (which may raise ValueError)."""
-  return [x if type(x) in _NUMERIC_VALUES else structure.to_array(x)
-          for x in flat_leaves(nest)]
-
+__all__ = ["StepInserter"]
 
 class StepInserter:
   """Inserts single-step items into one table in batches of up to `capacity`.
@@ -97,7 +56,7 @@ class StepInserter:
     self._staged = 0
     self._closed = False
     self._layout = None       # (treedef, ((dtype, shape) per leaf)) of the first step
-    self._rows = None         # staging array (capacity, *shape) per leaf
+    self._rows: Any = None    # staging array (capacity, *shape) per leaf
     self._buffers = None      # their uint8_t[] cdata
     self._writer = None       # chunks.ColumnWriter of the layout
     self._fast = None         # what _stage_same_layout compares (flat dict first steps)
@@ -200,7 +159,7 @@ class StepInserter:
     leaves = None
     if type(step) is dict and flat_keys is not None and tuple(step) == flat_keys:
       leaves = [step[k] for k in flat_order]   # the first step's flat dict layout
-      if not _LEAF_TYPES.issuperset(map(type, leaves)):
+      if not columns_lib.LEAF_TYPES.issuperset(map(type, leaves)):
         leaves = None
     if leaves is None:
       if structure.structure_of(step) != treedef:
@@ -208,7 +167,8 @@ class StepInserter:
                          f"first step's {treedef}")
       leaves = structure.flatten(step)[0]
     try:
-      arrays = [x if type(x) in _NUMERIC_VALUES else structure.to_array(x) for x in leaves]
+      arrays = [x if type(x) in columns_lib.NUMERIC_VALUES else structure.to_array(x)
+                for x in leaves]
     except ValueError as e:
       raise ValueError(f"step: {e}") from None
     for i, (a, (dtype, shape)) in enumerate(zip(arrays, columns)):
@@ -238,7 +198,7 @@ class StepInserter:
     self._rows = [np.zeros((self._capacity,) + shape, dtype) for dtype, shape in columns]
     self._buffers = chunks.row_buffers(self._rows)
     flat = type(step) is dict and all(type(k) is str for k in step) and all(
-        type(v) in _LEAF_TYPES for v in step.values())
+        type(v) in columns_lib.LEAF_TYPES for v in step.values())
     self._layout = (treedef, columns, tuple(step) if flat else None,
                     tuple(sorted(step)) if flat else None)
     if flat:   # (keys, leaves getter, leaf types, (index, dtype, shape) of array leaves)
@@ -295,7 +255,8 @@ class StepInserter:
     """Flushes the staged steps, then refuses further inserts (idempotent).
 
     Raises:
-      As flush(); the inserter stays open then (close() can be called again).
+      DeadlineExceededError: as flush(); the inserter stays open then (close() can be called
+        again), as for every other error of flush().
     """
     if not self._closed:
       self.flush()

@@ -13,14 +13,29 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from reverb_shm._internal import structure
 from reverb_shm import trajectory_writer as trajectory_writer_lib
+from reverb_shm._internal import structure
 from reverb_shm._internal.structured import (  # noqa: F401  (re-exported: sw.Config, sw.Condition, ...)
-    Condition, Config, ConstantPriorityFn, Pattern, PatternNode, ReferenceStep, TDError, constant_priority_fn,
-    create_config, create_reference_step, history_length, infer_signature,
-    pattern_from_transform, td_error, unpack_pattern, validate_config)
+  Condition,
+  Config,
+  ConstantPriorityFn,
+  Pattern,
+  PatternNode,
+  ReferenceStep,
+  TDError,
+  constant_priority_fn,
+  create_config,
+  create_reference_step,
+  history_length,
+  infer_signature,
+  pattern_from_transform,
+  td_error,
+  unpack_pattern,
+  validate_config,
+)
 
-__all__ = ["StructuredWriter", "Config", "Condition", "Pattern", "PatternNode", "ReferenceStep", "create_reference_step",
+__all__ = ["StructuredWriter", "Config", "Condition", "Pattern", "PatternNode", "ReferenceStep",
+           "create_reference_step",
            "pattern_from_transform", "create_config", "unpack_pattern", "infer_signature",
            "constant_priority_fn", "td_error"]
 

@@ -11,8 +11,13 @@ import msgpack
 from reverb_shm import rate_limiters as rate_limiters_lib
 from reverb_shm import selectors as selectors_lib
 from reverb_shm import shared_table, specs
-from reverb_shm._internal.table_info import (RateLimiterCallStats, RateLimiterInfo, TableInfo,
-                                             TableWorkerTime, table_info)
+from reverb_shm._internal.table_info import (
+  RateLimiterCallStats,
+  RateLimiterInfo,
+  TableInfo,
+  TableWorkerTime,
+  table_info,
+)
 
 __all__ = ["Table", "TableInfo", "RateLimiterInfo", "RateLimiterCallStats", "TableWorkerTime",
            "table_info", "MAX_NAME_BYTES", "MAX_SIZE"]

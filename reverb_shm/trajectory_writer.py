@@ -27,16 +27,32 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from reverb_shm import errors
-from reverb_shm._internal import chunks, delivery, structure, timeouts
+from reverb_shm._internal import chunks, delivery, items, structure, timeouts
 from reverb_shm._internal._lib import ffi, hot
-from reverb_shm._internal import items
-from reverb_shm._internal.columns import (as_column_array, check_positive_int, check_priorities,
-                                          check_priority, check_signature,
-                                          check_supported_dtype, flat_dict_keys, object_row,
-                                          window_starts)
-from reverb_shm._internal.history import (_COUNT, _HOLDER, _POS, AUTO_MAX_ROWS, CellRef,
-                                          TrajectoryColumn, _Column, _ColumnHistory, _Holder,
-                                          _prune, _union)
+from reverb_shm._internal.columns import (
+  as_column_array,
+  check_positive_int,
+  check_priorities,
+  check_priority,
+  check_signature,
+  check_supported_dtype,
+  flat_dict_keys,
+  object_row,
+  window_starts,
+)
+from reverb_shm._internal.history import (
+  _COUNT,
+  _HOLDER,
+  _POS,
+  AUTO_MAX_ROWS,
+  CellRef,
+  TrajectoryColumn,
+  _Column,
+  _ColumnHistory,
+  _Holder,
+  _prune,
+  _union,
+)
 from reverb_shm._internal.items import SQUEEZE_FLAG
 from reverb_shm._internal.keys import random_u64
 
@@ -534,7 +550,8 @@ class TrajectoryWriter(hot.WriterBase):
       trajectories: one trajectory nest per item (as in `create_item`).
 
     Raises:
-      As `create_item`; nothing is inserted or queued when any item is invalid.
+      ValueError: as `create_item` (TypeError too); nothing is inserted or queued when any
+        item is invalid.
     """
     self._check_open()
     if len(priorities) != len(trajectories):
@@ -579,7 +596,8 @@ class TrajectoryWriter(hot.WriterBase):
         values (non-negative for Prioritized tables), a window that includes an expired or
         skipped step, or (validate_items) a signature mismatch.
       HistoryIndexError (an IndexError and a ValueError): a window outside a column's steps.
-      Nothing is created when any item is invalid.
+
+    Nothing is created when any item is invalid.
     """
     self._check_open()
     handle = self._table(table)
@@ -712,7 +730,7 @@ class TrajectoryWriter(hot.WriterBase):
         holder.publish()
 
   def _flush_batch(self, insert: bool = True) -> None:
-    """Inserts the batched window items: one rsitems.encode_windows + one insert per run of items
+    """Inserts the batched window items: one items.encode_windows + one insert per run of items
     of one kind (table and column windows); what the rate limiter holds back is queued.
     insert=False queues them all (before their steps are cleared; never raises
     TableClosedError)."""
@@ -762,7 +780,8 @@ class TrajectoryWriter(hot.WriterBase):
 
   def _create_general(self, handle, priorities: List[float], trajectories) -> None:
     """Items with any column that is not one window: encoded one by one, inserted now."""
-    encoded = [items.encode_item(self, handle, trajectory, self._validate_items) for trajectory in trajectories]
+    encoded = [items.encode_item(self, handle, trajectory, self._validate_items)
+               for trajectory in trajectories]
     if not encoded:
       return
     self._flush_batch()     # keeps creation order
@@ -778,12 +797,12 @@ class TrajectoryWriter(hot.WriterBase):
 
   def _enqueue(self, handle, priorities, blobs, holder_sets, insert: bool = True) -> None:
     """Queues items behind the rate limiter, then (if `insert`) inserts what it admits now."""
-    items = []
+    queued = []
     for blob, prio, holders in zip(blobs, priorities, holder_sets):
       for h in holders:
         h.pending += 1
-      items.append(_Pending(handle.table, random_u64.one(), float(prio), blob, holders))
-    self._pending.extend(items)
+      queued.append(_Pending(handle.table, random_u64.one(), float(prio), blob, holders))
+    self._pending.extend(queued)
     if insert:
       self._drain(0, 0)     # whatever the limiters admit right now, in FIFO order
       while len(self._pending) > _MAX_PENDING:
@@ -925,8 +944,8 @@ class TrajectoryWriter(hot.WriterBase):
   def end_episode(self, clear_buffers: bool = True, timeout_ms: Optional[int] = None) -> None:
     """Flushes every queued item, then starts a new episode.
 
-    The episode ends even when the flush times out (as Reverb documents but does not do): the next append
-    starts a new episode with a new random id. Open chunks are shrunk to their rows.
+    The episode ends even when the flush times out (as Reverb documents but does not do): the
+    next append starts a new episode with a new random id. Open chunks are shrunk to their rows.
 
     Args:
       clear_buffers: expire every ref and empty the history (else refs stay usable).
@@ -1067,13 +1086,13 @@ class TrajectoryWriter(hot.WriterBase):
 
 
 # --------------------------------------------------------------------------------------------
-# Asynchronous clients (the bridge's remote clients). A client may offer `writer_session()`: the client object a
-# new writer then uses (with `_segment` and `_table_handle`), whose tables confirm inserts
-# asynchronously; it offers `in_flight()` (items sent, not yet confirmed), `await_inserts(until,
-# deadline_ns, timeout_ms, what)` (returns a DeadlineExceededError on timeout, raises the tables'
-# errors), `close_inserts()` and `finalising()` (the writer is closed from its __del__: no new
-# streams, whose threads must not start inside the garbage collector). Local clients offer none
-# of these: the hooks do nothing then.
+# Asynchronous clients (the bridge's remote clients). A client may offer `writer_session()`: the
+# client object a new writer then uses (with `_segment` and `_table_handle`), whose tables confirm
+# inserts asynchronously; it offers `in_flight()` (items sent, not yet confirmed),
+# `await_inserts(until, deadline_ns, timeout_ms, what)` (returns a DeadlineExceededError on
+# timeout, raises the tables' errors), `close_inserts()` and `finalising()` (the writer is closed
+# from its __del__: no new streams, whose threads must not start inside the garbage collector).
+# Local clients offer none of these: the hooks do nothing then.
 
 
 def _writer_client(client):

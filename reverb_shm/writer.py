@@ -11,9 +11,9 @@ are zero-copy views.
 """
 from typing import Any, Optional
 
+from reverb_shm import trajectory_writer as trajectory_writer_lib
 from reverb_shm._internal import columns as columns_lib
 from reverb_shm._internal import structure
-from reverb_shm import trajectory_writer as trajectory_writer_lib
 
 __all__ = ["Writer"]
 

@@ -1,6 +1,7 @@
 """The compiled C core and the one place where its status codes become exceptions."""
-from reverb_shm import errors
-from reverb_shm import _hot  # noqa: F401  (re-exported)
+from typing import NoReturn
+
+from reverb_shm import _hot, errors  # noqa: F401  (_hot is re-exported as `hot`)
 from reverb_shm._core import ffi, lib  # noqa: F401  (re-exported)
 
 __all__ = ["ffi", "lib", "hot", "check", "last_error", "raise_for"]
@@ -29,7 +30,8 @@ _EXCEPTIONS = {
 }
 
 
-def raise_for(rc: int, context: str = "", not_found: type = errors.UnknownTableError):
+def raise_for(rc: int, context: str = "", not_found: type = errors.UnknownTableError
+              ) -> NoReturn:
   """Raises the exception for status `rc` with `context` prefixed to the C message."""
   message = last_error()
   if context:

@@ -11,7 +11,7 @@ import itertools
 import math
 import os
 import struct
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import msgpack
 import numpy as np
@@ -635,7 +635,7 @@ def read_items(seg, desc_offs, pins: Pins) -> List[List[np.ndarray]]:
   cache = {}                           # chunk headers; valid while `pins` are held
   if len(offs) < 4:                    # below this, numpy's per-call overhead dominates
     return [read_item(seg, off, pins, cache) for off in offs.tolist()]
-  out = [None] * len(offs)
+  out: List[Any] = [None] * len(offs)
   words = np.frombuffer(seg.buf, np.uint32, seg.size // 4)
   shifts = (offs >> np.uint64(_REF_OFF_BITS)).astype(np.int64)
   at = ((offs & np.uint64(_REF_OFF_MASK)) + np.uint64(_DESC_DATA_OFFSET)).astype(np.int64) >> 2

@@ -3,6 +3,8 @@
 One place decides what a column may hold and whether an item fits its table:
   * `check_supported_dtype`: the numpy dtypes a column stores (float16/32/64, int8..64,
     uint8..64, bool, complex64/128, and str/bytes as object);
+  * `flat_leaves` / `step_arrays`: a step's leaves in dm-tree order (flat dicts of str keys
+    without optree, the hot paths' case), and as the arrays its column rows are written from;
   * `as_column_array` / `object_row`: a step's leaf as the array a column row is written from;
   * `flat_dict_keys`: the key order of a flat dict step (the C fast paths take leaves by key);
   * `check_priority` / `check_priorities`: priorities are finite numbers, never negative on a
@@ -14,20 +16,60 @@ Every check raises ValueError (IndexError for out-of-range positions) saying wha
 what was expected, before anything is written.
 """
 import math
-from typing import Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
 from reverb_shm import errors
 from reverb_shm._internal import structure
 
-__all__ = ["SUPPORTED_KINDS", "check_supported_dtype", "check_priority", "check_priorities",
+__all__ = ["LEAF_TYPES", "NUMERIC_VALUES", "flat_leaves", "step_arrays", "SUPPORTED_KINDS",
+           "check_supported_dtype", "check_priority", "check_priorities",
            "check_signature", "shape_matches", "dtype_matches", "window_starts",
            "flat_dict_keys", "as_column_array", "object_row", "check_positive_int"]
 
 # dtype.kind -> the item sizes a column stores ("O": str/bytes/objects as Python objects).
 SUPPORTED_KINDS = {"f": (2, 4, 8), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "b": (1,),
                    "c": (8, 16), "O": (8,)}
+
+
+# Types optree treats as leaves, whose dicts the hot paths flatten without optree.
+LEAF_TYPES = frozenset([np.ndarray, float, int, bool, str, bytes, type(None)] +
+                        [t for t in np.sctypeDict.values() if issubclass(t, np.generic)])
+# Leaves used as they are (numeric numpy values expose their bytes); others go to to_array.
+NUMERIC_VALUES = frozenset([np.ndarray] + [t for t in np.sctypeDict.values()
+                                            if issubclass(t, np.generic) and
+                                            np.dtype(t).kind in "biufc"])
+_DICT_ORDERS = {}   # tuple of a dict's str keys in insertion order -> the keys sorted
+_MAX_ORDERS = 256
+
+
+def flat_leaves(nest: Any) -> List[Any]:
+  """The leaves of `nest` in structure.flatten's order (dm-tree's: dict keys sorted).
+
+  A plain dict of str keys whose values are leaves (arrays, numpy or Python scalars) is
+  flattened without optree, several times faster; anything else goes through
+  structure.flatten.
+  """
+  if type(nest) is dict:
+    keys = tuple(nest)
+    order = _DICT_ORDERS.get(keys)
+    if order is None and all(type(k) is str for k in keys):
+      if len(_DICT_ORDERS) >= _MAX_ORDERS:
+        _DICT_ORDERS.clear()
+      order = _DICT_ORDERS[keys] = tuple(sorted(keys))
+    if order is not None:
+      leaves = [nest[k] for k in order]
+      if LEAF_TYPES.issuperset(map(type, leaves)):
+        return leaves
+  return structure.flatten(nest)[0]
+
+
+def step_arrays(nest: Any) -> list:
+  """flat_leaves of `nest` as arrays: numeric numpy values as they are (a numpy scalar is used
+  through its buffer), other leaves through structure.to_array (which may raise ValueError)."""
+  return [x if type(x) in NUMERIC_VALUES else structure.to_array(x)
+          for x in flat_leaves(nest)]
 
 
 def check_supported_dtype(dtype: np.dtype, path) -> None:

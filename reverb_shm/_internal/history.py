@@ -7,7 +7,7 @@ the C base classes (ColumnBase, HistoryBase, WindowBase) directly.
 """
 import collections
 import math
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -311,7 +311,7 @@ class _ColumnHistory(hot.HistoryBase):
   __slots__ = ()
 
   def __init__(self, column: _Column):
-    self._column = column
+    self._column = column  # type: ignore[misc]  # a slot of the C base
 
   @property
   def path(self) -> tuple:
@@ -395,7 +395,8 @@ class TrajectoryColumn(hot.WindowBase):
 
   def __init__(self, data_references: Sequence[Optional[CellRef]], *, squeeze: bool = False,
                path: Optional[tuple] = None):
-    self._win = None    # (column, generation, start, stop, index) of a history window
+    # (column, generation, start, stop, index) of a history window
+    self._win = None  # type: ignore[misc]  # a slot of the C base
     refs = list(data_references)
     if None in refs:   # CellRefs compare by identity
       raise ValueError(
@@ -405,12 +406,12 @@ class TrajectoryColumn(hot.WindowBase):
     if squeeze and len(refs) != 1:
       raise ValueError(f"Columns must contain exactly one data reference when squeeze is set, "
                        f"got {len(refs)} (path {path}).")
-    self._cells = refs
-    self._squeeze = bool(squeeze)
-    self._path = path
+    self._cells = refs  # type: ignore[misc]  # a slot of the C base
+    self._squeeze = bool(squeeze)  # type: ignore[misc]  # a slot of the C base
+    self._path = path  # type: ignore[misc]  # a slot of the C base
 
   @property
-  def _refs(self) -> List[CellRef]:
+  def _refs(self) -> List[Any]:
     cells = self._cells
     if cells is None:
       column, gen, start, stop, _ = self._win

@@ -58,7 +58,9 @@ class TableInfo:
 
 def table_info(name: str, stats: dict, signature: Any) -> TableInfo:
   """Builds a TableInfo from a table's rs_table_stats (as a dict) and its signature."""
-  ms = lambda ns: int(ns // 1_000_000)
+  def ms(ns) -> int:
+    return int(ns // 1_000_000)
+
   sampler = selectors_lib.from_kind(stats["sampler_kind"], stats["sampler_exponent"])
   remover = selectors_lib.from_kind(stats["remover_kind"], stats["remover_exponent"])
   return TableInfo(

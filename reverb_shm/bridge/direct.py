@@ -19,7 +19,7 @@ from typing import Optional
 import grpc
 
 try:
-  from grpc._cython import cygrpc   # pylint: disable=g-import-not-at-top
+  from grpc._cython import cygrpc  # pylint: disable=g-import-not-at-top
 except ImportError:   # pragma: no cover  (a grpcio without the Cython core)
   cygrpc = None
 
@@ -111,7 +111,7 @@ class DirectStream:
     return self._batch((cygrpc.SendMessageOperation(last, 0),
                         cygrpc.ReceiveMessageOperation(0)), _ROUND_TRIP)
 
-  def receive(self) -> bytes:
+  def receive(self) -> Optional[bytes]:
     """The next reply message (replies of several messages).
 
     Raises:

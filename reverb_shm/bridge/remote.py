@@ -20,17 +20,17 @@ import queue
 import secrets
 import threading
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import grpc
 import numpy as np
 
-from reverb_shm import errors, specs
-from reverb_shm._internal import shm, structure, timeouts
 from reverb_shm import client as client_lib
+from reverb_shm import errors, specs
 from reverb_shm import table as table_lib
-from reverb_shm._internal._lib import ffi
 from reverb_shm._internal import columns as columns_lib
+from reverb_shm._internal import shm, structure, timeouts
+from reverb_shm._internal._lib import ffi
 from reverb_shm._internal.keys import random_u64
 from reverb_shm.bridge import security, watchdog, wire, writes
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
@@ -354,8 +354,8 @@ class RemoteClient(client_lib.Client):
     encoded straight from the arrays (no staging copy).
 
     Raises:
-      As Client.insert; ServerUnavailableError when the bridge stays unreachable for
-      reconnect_timeout_s.
+      ServerUnavailableError: the bridge stays unreachable for reconnect_timeout_s.
+      ValueError: as Client.insert (and the other errors Client.insert raises).
     """
     if self._insert_fast(data, priorities, timeout_ms):
       return
@@ -374,7 +374,7 @@ class RemoteClient(client_lib.Client):
                for seq, (h, prio) in enumerate(zip(handles, prios.tolist()), 1)]
       self._inserter.send([{"op": "step", "cols": cols, "ep": episode_id, "items": items,
                             "timeout_ms": wire_timeout,
-                            "b": b"".join([np.ascontiguousarray(a) for a in arrays])}],
+                            "b": b"".join([np.ascontiguousarray(a) for a in arrays])}],  # type: ignore[misc]
                           wire_timeout)
       return
     ops = []
@@ -410,7 +410,7 @@ class RemoteClient(client_lib.Client):
     try:
       payload = b"".join(arrays)
     except (BufferError, TypeError, ValueError):   # not C-contiguous
-      payload = b"".join([np.ascontiguousarray(a) for a in arrays])
+      payload = b"".join([np.ascontiguousarray(a) for a in arrays])  # type: ignore[misc]
     self._inserter.send([{"op": "step", "cols": cols, "ep": random_u64.one(),
                           "items": [[1, handle.name, random_u64.one(), prio]],
                           "timeout_ms": timeout_ms, "b": payload}], timeout_ms)
@@ -423,10 +423,11 @@ class RemoteClient(client_lib.Client):
   # ---- plumbing used by Client's methods and TrajectoryWriter
   def _connection(self) -> _Connection:
     with self._conn_lock:
-      if self._conn is None or self._conn_pid != os.getpid():
-        self._conn, self._conn_pid, self._handles, self._entries = (
-            _Connection(self), os.getpid(), {}, {})
-      return self._conn
+      conn = self._conn
+      if conn is None or self._conn_pid != os.getpid():
+        conn = _Connection(self)
+        self._conn, self._conn_pid, self._handles, self._entries = conn, os.getpid(), {}, {}
+      return conn
 
   def _new_session(self) -> writes.WriteSession:
     return writes.WriteSession(self.server_address, self._connection, self._segment,
@@ -464,7 +465,7 @@ class RemoteClient(client_lib.Client):
             f"tables: {sorted(e['name'] for e in entries)}")
     return found
 
-  def _table_handle(self, table: str) -> _RemoteHandle:
+  def _table_handle(self, table: str) -> Any:   # a _RemoteHandle (Client's is a _TableHandle)
     self._connection()
     handle = self._handles.get(table)
     if handle is None:

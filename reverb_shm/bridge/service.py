@@ -4,7 +4,8 @@ The bridge attaches to the server's segment like any client process; tables neve
 it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm.Bridge`:
 
   ServerInfo  unary           {} -> {"tables": [{"name", "stats", "signature"}]}
-  Mutate      unary           {"table", "upd_keys", "upd_prios", "del_keys"} -> {"updated", "deleted"}
+  Mutate      unary           {"table", "upd_keys", "upd_prios", "del_keys"}
+                              -> {"updated", "deleted"}
   Reset       unary           {"table"} -> {}
   Checkpoint  unary           {} -> {"path"}
   Insert      stream-stream   a client's persistent insert stream: each message is {"ops": [...]}
@@ -46,8 +47,8 @@ import numpy as np
 
 from reverb_shm import errors, specs
 from reverb_shm._internal import chunks, hot_plans, shm, structure, timeouts
-from reverb_shm._internal._lib import check, ffi, lib
 from reverb_shm._internal import columns as columns_lib
+from reverb_shm._internal._lib import check, ffi, lib
 from reverb_shm.bridge import security, wire
 from reverb_shm.shared_table import SharedTable
 
@@ -672,7 +673,10 @@ _INFO_FIELDS = (("key", "keys", "<u8"), ("probability", "probs", "<f8"),
 
 
 def _credits(msgs) -> int:
-  return sum(wire.get_int(m, "credit", 1, _MAX_CREDIT) for m in msgs)
+  total = 0
+  for m in msgs:
+    total += wire.get_int(m, "credit", 1, _MAX_CREDIT)
+  return total
 
 
 def _encode_column(col: np.ndarray) -> dict:

@@ -63,7 +63,7 @@ class ShardedClient:
     """Samples `num_samples` items, taking each from the next shard in turn.
 
     Raises:
-      As Client.sample (a shard's error is raised as is).
+      ReverbError: as Client.sample; a shard's error is raised as is.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
       raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")

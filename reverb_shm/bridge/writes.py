@@ -161,9 +161,9 @@ class WriteSession:
     self._gens = itertools.count()
     self._ids = itertools.count(1)
     self._seqs = itertools.count(1)
-    self._sent: "collections.OrderedDict[int, _SentChunk]" = collections.OrderedDict()
+    self._sent: collections.OrderedDict[int, _SentChunk] = collections.OrderedDict()
     self._sent_bytes = 0
-    self._unconfirmed: "collections.OrderedDict[int, _Batch]" = collections.OrderedDict()
+    self._unconfirmed: collections.OrderedDict[int, _Batch] = collections.OrderedDict()
     self._in_flight_items = 0
     self._in_flight_bytes = 0
     self._error: Optional[Exception] = None
@@ -464,7 +464,6 @@ class WriteSession:
   def _on_ack(self, stream: _Stream, msg: dict) -> None:
     upto = msg.get("upto")
     errs = {e[0]: e[1:] for e in msg.get("errs") or () if isinstance(e, list) and len(e) == 4}
-    drops = []
     with self._cond:
       if stream is not self._stream or not isinstance(upto, int):
         return

@@ -95,8 +95,8 @@ def serve(config_text: str, args, prog: str) -> int:
   Returns the exit code: 0 after a signal, 2 for a bad config or option (message on stderr).
   """
   from reverb_shm import checkpointers  # pylint: disable=import-outside-toplevel
-  from reverb_shm.cli import server_config  # pylint: disable=import-outside-toplevel
   from reverb_shm import server as server_lib  # pylint: disable=import-outside-toplevel
+  from reverb_shm.cli import server_config  # pylint: disable=import-outside-toplevel
   try:
     _check_options(args)
     tables, port = server_config.load(config_text)

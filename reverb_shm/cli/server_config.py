@@ -28,8 +28,11 @@ class ConfigError(ValueError):
 def _message_classes():
   """(ReverbServerConfig class) built from a runtime descriptor; ImportError if no protobuf."""
   try:
-    from google.protobuf import descriptor_pb2, descriptor_pool  # pylint: disable=g-import-not-at-top
-    from google.protobuf import message_factory  # pylint: disable=g-import-not-at-top
+    from google.protobuf import (  # pylint: disable=g-import-not-at-top
+      descriptor_pb2,
+      descriptor_pool,
+      message_factory,  # pylint: disable=g-import-not-at-top
+    )
   except ImportError:
     raise ImportError("reading a ReverbServerConfig needs the protobuf package: "
                       "pip install 'reverb_shm[server]' (or pip install protobuf)") from None

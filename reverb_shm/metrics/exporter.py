@@ -11,8 +11,7 @@ from typing import Iterator, Optional
 
 try:
   from prometheus_client import CollectorRegistry, start_http_server
-  from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                      HistogramMetricFamily)
+  from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 except ImportError as e:   # pragma: no cover - exercised without the extra installed
   raise ImportError("reverb_shm.metrics needs prometheus-client: pip install "
                     "'reverb_shm[metrics]'") from e

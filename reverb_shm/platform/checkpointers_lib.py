@@ -1,4 +1,4 @@
-"""`reverb.platform.checkpointers_lib`: the same checkpointer classes as reverb_shm.checkpointers."""
+"""`reverb.platform.checkpointers_lib`: the checkpointer classes of reverb_shm.checkpointers."""
 from reverb_shm.checkpointers import CheckpointerBase, DefaultCheckpointer, TempDirCheckpointer
 
 __all__ = ["CheckpointerBase", "DefaultCheckpointer", "TempDirCheckpointer"]

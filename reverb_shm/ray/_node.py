@@ -5,7 +5,9 @@ from typing import List, Optional
 
 import ray
 
-from reverb_shm import checkpointers, client as client_lib, server as server_lib
+from reverb_shm import checkpointers
+from reverb_shm import client as client_lib
+from reverb_shm import server as server_lib
 from reverb_shm import table as table_lib
 from reverb_shm.bridge import BridgeConfig
 

@@ -24,7 +24,9 @@ from typing import List, Optional, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from reverb_shm import client as client_lib, errors, table as table_lib
+from reverb_shm import client as client_lib
+from reverb_shm import errors
+from reverb_shm import table as table_lib
 from reverb_shm.ray import _node
 
 __all__ = ["ClusterHandle", "ReplayCluster", "ShardEntry"]
@@ -182,10 +184,11 @@ class ClusterHandle:
         try:
           path = ray.get(refs[e.shard], timeout=timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
-          warnings.warn(f"shard {e.shard} (node {e.node_id}) did not checkpoint: {exc!r}")
+          warnings.warn(f"shard {e.shard} (node {e.node_id}) did not checkpoint: {exc!r}",
+                        stacklevel=2)
       else:
         warnings.warn(f"shard {e.shard} (node {e.node_id}) did not checkpoint: its server actor "
-                      "is gone")
+                      "is gone", stacklevel=2)
       paths.append(path)
     return paths
 

@@ -126,8 +126,8 @@ class LocalRayCluster:
     deadline = time.monotonic() + timeout_s
     while True:
       labels = {k for n in ray.nodes() if n.get("Alive") for k in n.get("Resources", {})}
-      missing = [l for l in self.nodes if l != "head" and l not in labels
-                 and self.nodes[l].poll() is None]
+      missing = [lab for lab in self.nodes if lab != "head" and lab not in labels
+                 and self.nodes[lab].poll() is None]
       if not missing:
         return
       if time.monotonic() > deadline:
@@ -187,7 +187,7 @@ class LocalRayCluster:
 
   def shutdown(self) -> None:
     """Kills every node (workers first, then the head) and removes the temp dir."""
-    for label in [l for l in self.nodes if l != "head"] + ["head"]:
+    for label in [lab for lab in self.nodes if lab != "head"] + ["head"]:
       if label in self.nodes:
         self.kill_node(label)
     # Processes a node left in its session (workers re-parented elsewhere) are in its group.

@@ -36,7 +36,7 @@ import itertools
 import threading
 import time
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -183,7 +183,7 @@ class ClusterClient:
         return entry["stats"]
     raise errors.UnknownTableError(f"shard {shard} has no table {table!r}")
 
-  def _call_all(self, shards, fn) -> Dict[int, object]:
+  def _call_all(self, shards, fn) -> Dict[int, Any]:
     """fn(shard) on every shard in parallel; shards whose call fails with a node error are
     probed and dropped if dead. Returns {shard: result} of the others."""
     futures = {s: self._pool.submit(fn, s) for s in shards}
@@ -258,7 +258,7 @@ class ClusterClient:
             table, int(k), emit_timesteps=False, rate_limiter_timeout_ms=rate_limiter_timeout_ms,
             unpack_as_table_signature=unpack_as_table_signature))
       got = self._call_all([s for s, k in zip(shards, counts) if k],
-                           lambda s: draw(s, counts[shards.index(s)]))
+                           lambda s, counts=counts, shards=shards: draw(s, counts[shards.index(s)]))
       new_keys = []
       for s in sorted(got):
         for smp in got[s]:
@@ -375,10 +375,10 @@ class ClusterClient:
         out[s] = result()
       except _NODE_ERRORS as e:
         failed[s] = e
-    for s, e in sorted(failed.items()):
+    for s, err in sorted(failed.items()):
       if self._alive(s):
-        raise e
-      self._drop(s, e)
+        raise err
+      self._drop(s, err)
     return out
 
   def _draw_local(self, shard: int, table: str, k: int, timeout_ms: Optional[int]):

@@ -12,10 +12,9 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.util import nest as tf_nest   # flatten_up_to: not in tf.nest's API
+from tensorflow.python.util import nest as tf_nest  # flatten_up_to: not in tf.nest's API
 
-from reverb_shm.replay_sample import ReplaySample
-from reverb_shm.replay_sample import SampleInfo
+from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.tf import _batches
 
 _INFO_TF_DTYPES = SampleInfo(tf.uint64, tf.float64, tf.int64, tf.float64, tf.int32)

@@ -5,8 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from reverb_shm._internal import structure
-from reverb_shm.replay_sample import ReplaySample
-from reverb_shm.replay_sample import SampleInfo
+from reverb_shm.replay_sample import ReplaySample, SampleInfo
 
 __all__ = ["TFClient"]
 
