@@ -344,9 +344,24 @@ typedef struct ep_ctx {
   uint32_t count;
 } ep_ctx;
 
+#define EP_NEW_SEEN 64   /* distinct new episodes of one item told apart exactly */
+
+typedef struct ep_new_ctx {
+  ep_ctx c;
+  uint32_t nseen;
+  uint64_t seen[EP_NEW_SEEN];   /* the new episodes counted so far */
+} ep_new_ctx;
+
+/* Counts the episodes of an item that the map does not hold yet, each once: the chunks of one
+ * episode (one per column) need one new entry, not one each. Past EP_NEW_SEEN distinct new
+ * episodes the rest are counted per chunk (an overestimate: the capacity check stays safe). */
 static void ep_count_new(void *c, uint64_t ep) {
-  ep_ctx *x = c;
-  if (!rs_epmap_find(x->em, x->th->episodes_cap, ep)) x->count++;
+  ep_new_ctx *x = c;
+  if (rs_epmap_find(x->c.em, x->c.th->episodes_cap, ep)) return;
+  for (uint32_t i = 0; i < x->nseen; i++)
+    if (x->seen[i] == ep) return;
+  if (x->nseen < EP_NEW_SEEN) x->seen[x->nseen++] = ep;
+  x->c.count++;
 }
 
 static void ep_add(void *c, uint64_t ep) {
@@ -427,9 +442,11 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
     update_priority(base, th, r, priority);
     return RS_OK;
   }
-  ep_ctx ctx = {th, rs_tepisodes(base, th), 0};
+  ep_new_ctx ctx;
+  ctx.c = (ep_ctx){th, rs_tepisodes(base, th), 0};
+  ctx.nseen = 0;
   rs_desc_each_episode(base, (const rs_desc_hdr *)blob, 0, ep_count_new, &ctx);
-  if ((uint64_t)th->num_episodes + ctx.count >= th->episodes_cap)
+  if ((uint64_t)th->num_episodes + ctx.c.count >= th->episodes_cap)
     return rs_set_error(RS_EFULL, "table '%s': episode map full (%lld episodes, capacity %u)",
                         th->name, (long long)th->num_episodes, th->episodes_cap - 1);
   if (th->free_rec_head == RS_NONE) /* cannot happen: size <= max_size < cap */
