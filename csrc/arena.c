@@ -843,6 +843,16 @@ static int desc_sane(void *base, uint64_t off) {
   return b->aux == len && RS_ALIGN + rs_desc_data_offset() + len <= bsize(b);
 }
 
+int rs_item_ref_valid(void *base, uint64_t ref) {
+  uint64_t off = rs_ref_off(ref);
+  if (!is_block(base, off, RS_BLOCK_DESC, 1) || !desc_sane(base, off)) return 0;
+  const rs_desc_hdr *d = rs_desc_blob(base, off);
+  const rs_desc_slice *s = desc_slices(d);
+  for (uint32_t k = 0; k < d->nslices; k++)
+    if (!is_block(base, s[k].chunk_off, RS_BLOCK_CHUNK, 1)) return 0;
+  return rs_item_in_arena(base, ref);
+}
+
 /* Add one reference per distinct chunk of every (live) descriptor. Returns -1 on out of memory. */
 static int count_desc_chunks(void *base, bref *a, uint64_t n, reporter *r) {
   chunk_count_ctx c = {a, n, r, 0, 0};
