@@ -1,4 +1,4 @@
-"""Same-process A/B of the one-call C insert plans (reverb_shm/hot_plans.py) against the Python
+"""Same-process A/B of the one-call C insert plans (reverb_shm/_internal/hot_plans.py) against the Python
 paths they replace: Client.insert of one step and SharedTable.insert of a 1-step batch; and of
 the plans' open chunks against one-shot chunks (each insert allocating its own).
 
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 import reverb_shm as reverb  # noqa: E402
-from reverb_shm import hot_plans  # noqa: E402
+from reverb_shm._internal import hot_plans  # noqa: E402
 
 
 def best_us(fn, calls, repeats):

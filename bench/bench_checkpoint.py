@@ -122,7 +122,7 @@ def run(n_items: int, root: str) -> dict:
 
 
 def checkpoint_pause(path: str) -> int:
-  from reverb_shm import checkpoint_io  # pylint: disable=g-import-not-at-top
+  from reverb_shm._checkpoint import io as checkpoint_io  # pylint: disable=g-import-not-at-top
   return checkpoint_io.read_manifest(path).body["pause_ns"]
 
 

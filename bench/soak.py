@@ -23,7 +23,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import reverb_shm  # noqa: E402  pylint: disable=g-import-not-at-top
-from reverb_shm import rate_limiters, selectors, shm  # noqa: E402  pylint: disable=g-import-not-at-top
+from reverb_shm import rate_limiters, selectors  # noqa: E402  pylint: disable=g-import-not-at-top
+from reverb_shm._internal import shm
 
 
 def _rss_kib(pid: int) -> int:

@@ -35,7 +35,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import reverb_shm  # noqa: E402  pylint: disable=g-import-not-at-top
-from reverb_shm import chunks, errors, rate_limiters, selectors  # noqa: E402  pylint: disable=g-import-not-at-top
+from reverb_shm import errors, rate_limiters, selectors  # noqa: E402  pylint: disable=g-import-not-at-top
+from reverb_shm._internal import chunks
 
 ROW = 64
 ROLES = ("writer", "inserter", "sampler", "waiter")
@@ -155,7 +156,7 @@ def _spawn(server, role: str, stop_path: str) -> int:
 
 # ---------------------------------------------------------------- controller
 def _reap(server) -> int:
-  from reverb_shm._lib import check, ffi, lib  # pylint: disable=g-import-not-at-top
+  from reverb_shm._internal._lib import check, ffi, lib  # pylint: disable=g-import-not-at-top
   n = ffi.new("uint32_t *")
   check(lib.rs_reap(server.segment.base, n), "reaping")
   return n[0]

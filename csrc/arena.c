@@ -1006,7 +1006,7 @@ int rs_arena_check(void *base, char *report_buf, uint64_t report_len) {
   return r.errors ? RS_ECORRUPT : RS_OK;
 }
 
-/* ------------------------------------------------------------------ issue 6: rs_write_chunks */
+/* ------------------------------------------------------------------ rs_write_chunks */
 
 #define WRITE_CHUNKS_MAX 64   /* columns per rs_write_chunks call (stack bookkeeping) */
 

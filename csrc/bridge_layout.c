@@ -1,4 +1,4 @@
-/* issue 7 (round 3, bridge): grouping sampled items by column layout, so the gRPC bridge can
+/* Grouping sampled items by column layout, so the gRPC bridge can
  * gather each group's columns into one array per column (rs_gather) with exact layouts. */
 #include <string.h>
 

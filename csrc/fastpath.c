@@ -1,9 +1,6 @@
-/* Issue 6 (round 3): fused small-insert path (rs_insert_rows). See rs_api.h. */
+/* Fused small-insert path (rs_insert_rows). See rs_api.h. */
 #include <stdlib.h>
 #include <string.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #include "rs_internal.h"
 
@@ -103,28 +100,4 @@ int rs_insert_rows_at(void *base, uint32_t slot, uint32_t table, uint32_t n, uin
   }
   return insert_row_items(base, slot, table, n, keys, priorities, ncols, chunk_offs, first_row, col_flags,
                           flags, deadline_ns, slice_ns, done_out);
-}
-
-void rs_copy_stream(void *dst, const void *src, uint64_t n) {
-#if defined(__SSE2__)
-  if (n >= RS_STREAM_MIN_BYTES) {
-    uint8_t *d = dst;
-    const uint8_t *s = src;
-    uint64_t head = (RS_ALIGN - ((uintptr_t)d & (RS_ALIGN - 1))) & (RS_ALIGN - 1);
-    memcpy(d, s, head);
-    d += head, s += head, n -= head;
-    for (; n >= RS_ALIGN; d += RS_ALIGN, s += RS_ALIGN, n -= RS_ALIGN) {
-      __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
-      __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
-      _mm_stream_si128((__m128i *)d, a);
-      _mm_stream_si128((__m128i *)(d + 16), b);
-      _mm_stream_si128((__m128i *)(d + 32), c);
-      _mm_stream_si128((__m128i *)(d + 48), e);
-    }
-    _mm_sfence();   /* the stores are globally visible before rows is published */
-    memcpy(d, s, n);
-    return;
-  }
-#endif
-  memcpy(dst, src, n);
 }

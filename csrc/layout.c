@@ -267,14 +267,9 @@ int rs_table_blob(void *base, uint32_t table, uint64_t *off_out, uint32_t *len_o
   return RS_OK;
 }
 
-int rs_owner_check(void *base) {
-  rs_seg_hdr *h = rs_seg(base);
-  int32_t pid = h->owner_pid;
-  int dead = pid <= 0 || (kill(pid, 0) == -1 && errno == ESRCH);
-  if (!dead && h->owner_start_time != 0) dead = rs_proc_start_time(pid) != h->owner_start_time;
-  if (!dead) return RS_OK;
-  return rs_set_error(RS_EDEADOWNER,
-                      "the server process (pid %d) that owns this segment is dead; data already "
-                      "mapped stays readable, but blocking calls cannot complete: restart the server "
-                      "(which reclaims the stale segment) or run `reverb-shm gc`", (int)pid);
+/* The one upward link of the C layers: lock.c runs the table and arena repairs after a dead
+ * lock owner through hooks registered here, when the core library is loaded (before any lock
+ * can be taken in this process). */
+__attribute__((constructor)) static void register_repairs(void) {
+  rs_lock_register_repairs(rs_table_repair, rs_arena_repair);
 }

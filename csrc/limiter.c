@@ -1,4 +1,4 @@
-/* Rate limiter predicates (SPEC §4). */
+/* Rate limiter predicates (Reverb's: see limiter.h). */
 #include <math.h>
 
 #include "limiter.h"

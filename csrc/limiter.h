@@ -1,4 +1,4 @@
-/* Reverb's rate limiter (SPEC §4), evaluated in doubles exactly as Reverb does. */
+/* Reverb's rate limiter, evaluated in doubles exactly as Reverb does. */
 #ifndef RS_LIMITER_H
 #define RS_LIMITER_H
 

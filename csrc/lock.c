@@ -14,6 +14,17 @@
 
 #include "rs_internal.h"
 
+/* What rs_tlock / rs_alock run after a lock owner died. lock.c sits below table.c and arena.c,
+ * so it reaches their repairs only through this one registration (rs_lock_register_repairs,
+ * made by layout.c when the core library is loaded). Process-local; inherited across fork. */
+static rs_table_repair_fn table_repair_hook = NULL;
+static rs_arena_repair_fn arena_repair_hook = NULL;
+
+void rs_lock_register_repairs(rs_table_repair_fn table_repair, rs_arena_repair_fn arena_repair) {
+  table_repair_hook = table_repair;
+  arena_repair_hook = arena_repair;
+}
+
 int rs_mutex_init(pthread_mutex_t *m) {
   pthread_mutexattr_t a;
   int rc = pthread_mutexattr_init(&a);
@@ -69,7 +80,11 @@ int rs_tlock(void *base, uint32_t t) {
   int rc = rs_mutex_lock(&th->lock, &recovered);
   if (rc) return rc;
   if (recovered) {
-    rs_table_repair(base, t);
+    if (!table_repair_hook) {   /* never: layout.c registers at load; leave the lock marked */
+      rs_mutex_unlock(&th->lock);
+      return rs_set_error(RS_ECORRUPT, "table %u needs repair but no repair is registered", t);
+    }
+    table_repair_hook(base, t);
     th->repairs++;
     rs_mutex_consistent(&th->lock);
   }
@@ -84,7 +99,11 @@ int rs_alock(void *base) {
   int rc = rs_mutex_lock(&h->arena_lock, &recovered);
   if (rc) return rc;
   if (recovered) {
-    rs_arena_repair(base);
+    if (!arena_repair_hook) {   /* never: layout.c registers at load; leave the lock marked */
+      rs_mutex_unlock(&h->arena_lock);
+      return rs_set_error(RS_ECORRUPT, "the arena needs repair but no repair is registered");
+    }
+    arena_repair_hook(base);
     h->refcounts_suspect = 1;
     rs_mutex_consistent(&h->arena_lock);
   }

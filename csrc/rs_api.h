@@ -6,7 +6,7 @@
  * - Every function returns an int status: RS_OK (0) or a negative RS_E* code.
  *   On error, rs_last_error() returns a thread-local, human readable message
  *   naming what was wrong and what was expected. Python maps codes to
- *   exceptions in exactly one place (reverb_shm/_lib.py).
+ *   exceptions in exactly one place (reverb_shm/_internal/_lib.py).
  * - `base` is the address at which the calling process mapped the segment.
  *   Everything inside shared memory is addressed by byte offsets from base
  *   (uint64_t "off"), never by pointers, since every process maps it elsewhere.
@@ -181,7 +181,7 @@ int rs_table_find(void *base, const char *name, uint32_t *table_out);  /* RS_ENO
 int rs_table_name(void *base, uint32_t table, char *out64);
 int rs_table_blob(void *base, uint32_t table, uint64_t *off_out, uint32_t *len_out);
 int rs_table_get_stats(void *base, uint32_t table, rs_table_stats *out);
-/* Pure rate-limiter predicates (Reverb semantics, SPEC §4). 1 = true, 0 = false, <0 error. */
+/* Pure rate-limiter predicates (Reverb semantics, see limiter.h). 1 = true, 0 = false, <0 error. */
 int rs_can_insert(void *base, uint32_t table, int64_t n);
 int rs_can_sample(void *base, uint32_t table, int64_t n);
 
@@ -223,7 +223,7 @@ int rs_sample(void *base, uint32_t slot, uint32_t table, uint32_t n, int64_t dea
  * column must be exactly `col_bytes` bytes (rows * row_bytes), else RS_EINVAL naming the item. */
 int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col,
               uint8_t *out, uint64_t out_stride, uint64_t col_bytes);
-/* Deletes first, then updates (SPEC decision 1); unknown keys ignored; all priorities validated
+/* Deletes first, then updates (as Reverb does); unknown keys ignored; all priorities validated
  * before anything changes. Counts of effective updates/deletes returned. Wakes waiters. */
 int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_keys,
               const double *upd_prios, uint32_t n_del, const uint64_t *del_keys,
@@ -241,7 +241,7 @@ int rs_table_get(void *base, uint32_t table, uint64_t key, rs_item_rec *out);
  * RS_ECORRUPT and writes a report (NUL-terminated) into report[0..report_len). */
 int rs_check(void *base, char *report, uint64_t report_len);
 
-/* ================================================================ issue 5: checkpoint support
+/* ================================================================ checkpoint support
  * A snapshot lists every table's items, descriptors and counters under all table locks (taken
  * in index order, held only for the listing) and keeps every referenced chunk alive through
  * "holds": descriptor blocks naming up to a few thousand chunks each, pinned once each by the
@@ -303,7 +303,7 @@ int rs_restore_counters(void *base, uint32_t table, const rs_table_counters *c);
  * [min_diff, max_diff] (as if the items had just been inserted). Wakes waiters. */
 int rs_table_reset_limiter(void *base, uint32_t table);
 
-/* ---- issue 6: batched fast paths (one C call per batch) ---- */
+/* ---- batched fast paths (one C call per batch) ---- */
 
 /* Where rs_sample_gather copies column c of the i-th sampled item: out + i * stride, exactly
  * col_bytes bytes (rows x row_bytes, all slices concatenated). Every chunk the column reads must
@@ -347,7 +347,7 @@ int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hd
                     const uint8_t *const *data, uint32_t rows, uint64_t episode_id,
                     uint64_t start_step, uint64_t *offs_out, uint32_t *pins_out);
 
-/* ---- issue 6 (round 3, metadata) ---- */
+/* ---- metadata ---- */
 /* Item references. rs_sample_rec.desc_off, rs_item_rec.desc_off (of rs_table_items/rs_table_get)
  * and the desc_offs of rs_gather/rs_pin are item references: bits 0..N-1 (N = the value returned
  * here) are the DESC block's offset, the bits above a row shift to add to every slice's
@@ -356,7 +356,7 @@ int rs_write_chunks(void *base, uint32_t slot, uint32_t ncols, const rs_chunk_hd
  * descriptors (rs_snapshot_table.descs) are per item with the shift already applied. */
 uint32_t rs_desc_ref_off_bits(void);
 
-/* ---- issue 6 (round 3, hot paths): one C call per small insert ---- */
+/* ---- hot paths: one C call per small insert ---- */
 enum {
   RS_ROWS_RANDOM_KEYS = 1,     /* rs_insert_rows: draw keys[0..n) here (rs_rand_u64) first */
   RS_ROWS_RANDOM_EPISODE = 2   /* rs_insert_rows: draw the chunks' episode id here */
@@ -375,7 +375,7 @@ int rs_insert_rows(void *base, uint32_t slot, uint32_t table, uint32_t n, uint64
                    uint32_t flags, int64_t deadline_ns, int64_t slice_ns,
                    uint64_t *chunk_offs_out, uint32_t *pins_out, uint32_t *done_out);
 
-/* ---- issue 6 (round 3, trajectory writer) ---- */
+/* ---- trajectory writer ---- */
 /* One run of a writer column: history positions [first_pos, first_pos + nrows) stored as rows
  * [row_offset, row_offset + nrows) of the chunk at chunk_off. */
 typedef struct rs_window_seg { int64_t first_pos; uint64_t chunk_off; uint32_t row_offset; uint32_t nrows; } rs_window_seg;
@@ -394,7 +394,7 @@ int rs_encode_windows(uint32_t n, uint32_t ncols, const rs_window_seg *segs,
                       const double *priorities, uint32_t nonneg, uint8_t *blob, uint64_t blob_cap,
                       uint64_t *offs, uint64_t *size_out);
 
-/* ---- issue 7 (round 3, bridge) ---- */
+/* ---- gRPC bridge ---- */
 /* Groups n sampled items (pinned by the caller) by column layout: group_out[i] is the group of
  * item i, numbered from 0 in order of first appearance. Items of one group have the same number
  * of columns and, per column, the same squeeze flag, total rows, and dtype / element shape in
@@ -404,7 +404,7 @@ int rs_encode_windows(uint32_t n, uint32_t ncols, const rs_window_seg *segs,
 int rs_group_layouts(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t max_groups,
                      uint32_t *group_out, uint32_t *ngroups_out);
 
-/* ---- issue 6 (round 3, priority caps checked before staging) ---- */
+/* ---- priority caps checked before staging ---- */
 /* Largest priority whose weight (priority ** exponent) every Prioritized selector of the table
  * admits, computed with pow (callers compare with a small margin and confirm a priority above
  * it with rs_check_priorities); +inf without a Prioritized selector, NaN for a bad table. */
@@ -414,7 +414,7 @@ double rs_table_priority_bound(void *base, uint32_t table);
  * bad one. Reads only the table's fixed configuration: no lock, no state change. */
 int rs_check_priorities(void *base, uint32_t table, uint32_t n, const double *priorities);
 
-/* ---- issue 6 (round 4, open chunks): per-step inserts appending to chunks held open ---- */
+/* ---- open chunks: per-step inserts appending to chunks held open ---- */
 enum {
   RS_CHUNK_ROW_EPISODES = 1   /* rs_chunk_hdr.flags: row r is its own episode, episode_id + r */
 };

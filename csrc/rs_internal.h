@@ -6,19 +6,29 @@
  *   pin logs (per slot: u64 entries[pins_per_proc] + u32 free stack[pins_per_proc]) |
  *   per-table regions (rs_table_hdr + its arrays + config blob) | arena
  *
- * Module ownership (one .c/.h pair per concept):
- *   util.c    errors, clocks, per-process RNG                           (rs_util)
- *   lock.c    robust process-shared mutexes, futex wait/wake            (rs_lock)
- *   layout.c  segment size/init/validate/info/close, table directory     (rs_layout)
- *   slots.c   process slots, pin logs, reaping, stop-the-world recount   (rs_slots)
- *   arena.c   block allocator, chunks, descriptors, refcounts            (rs_arena)
- *   index.c   key -> record hash (open addressing, backward-shift delete)
- *   sumtree.c float64 sum tree, exact recompute along the path           (Schaul et al. 2016)
- *   selectors.c Uniform/Prioritized/Fifo/Lifo/MinHeap/MaxHeap
- *   limiter.c Reverb's rate limiter formulas (SPEC §4)
- *   table.c   insert/sample/mutate/reset/items/stats + repair after a dead lock owner
- *   table_check.c per-table invariants (rs_table_check)
- *   check.c   rs_check: takes every lock, arena + table checks
+ * Layers (one .c/.h pair per concept; a file calls only files of lower layers, checked by
+ * tests/test_layers.py, which parses these sources):
+ *   0  util.c      errors, clocks, per-process RNG, rs_copy_stream (non-temporal copies)
+ *   1  lock.c      robust process-shared mutexes, futex wait/wake. After a dead lock owner it
+ *                  runs the table and arena repairs through hooks registered by layout.c at
+ *                  load time (rs_lock_register_repairs): the one call that goes upward.
+ *      sumtree.c   float64 sum tree, exact recompute along the path (Schaul et al. 2016)
+ *      index.c     key -> record hash (open addressing, backward-shift delete), episode map
+ *      limiter.c   Reverb's rate limiter: samples_per_insert, min_size_to_sample and the
+ *                  [min_diff, max_diff] window on inserts * samples_per_insert - samples
+ *      writer_items.c  window item descriptors of a trajectory writer
+ *   2  selectors.c Uniform/Prioritized/Fifo/Lifo/MinHeap/MaxHeap
+ *      arena.c     block allocator, chunks, descriptors, refcounts
+ *   3  slots.c     process slots, pin logs, reaping, stop-the-world recount, owner liveness
+ *      bridge_layout.c  chunk layouts shipped by the gRPC bridge
+ *   4  table.c     insert/sample/mutate/reset/items/stats + repair after a dead lock owner
+ *      table_check.c    per-table invariants (rs_table_check)
+ *   5  layout.c    segment size/init/validate/info/close, table directory; registers the repairs
+ *      fastpath.c  fused small inserts (rs_insert_rows)
+ *      snapshot.c  checkpoint snapshot and restore of a table
+ *      check.c     rs_check: takes every lock, arena + table checks
+ *   hot/ (a separate CPython extension, reverb_shm._hot) calls the core only through function
+ *   pointers taken from reverb_shm._core at import (one copy of the core in a process).
  */
 #ifndef RS_INTERNAL_H
 #define RS_INTERNAL_H
@@ -146,7 +156,7 @@ typedef struct rs_table_hdr {
   int32_t max_times_sampled;
   uint32_t cap;          /* record capacity = max_size + 1 */
   rs_selector sel[2];    /* 0 = sampler, 1 = remover */
-  /* rate limiter (SPEC §4) */
+  /* rate limiter: samples_per_insert, min_diff, max_diff, min_size_to_sample */
   double samples_per_insert;
   int64_t min_size_to_sample;
   double min_diff;
@@ -227,14 +237,19 @@ void rs_mutex_unlock(pthread_mutex_t *m);
  * Returns RS_OK (woken or value changed), RS_ETIMEDOUT, or RS_EAGAIN (EINTR). */
 int rs_futex_wait(uint32_t *word, uint32_t expected, int64_t deadline_ns);
 void rs_futex_wake_all(uint32_t *word);
-/* Lock table t, repairing it (rs_table_repair) if the previous owner died. */
+/* The repairs rs_tlock / rs_alock run after a dead lock owner. lock.c is below table.c and
+ * arena.c: they reach it only through this registration, made once by layout.c at load time. */
+typedef void (*rs_table_repair_fn)(void *base, uint32_t t);
+typedef void (*rs_arena_repair_fn)(void *base);
+void rs_lock_register_repairs(rs_table_repair_fn table_repair, rs_arena_repair_fn arena_repair);
+/* Lock table t, repairing it (the registered rs_table_repair) if the previous owner died. */
 int rs_tlock(void *base, uint32_t t);
 void rs_tunlock(void *base, uint32_t t);
-/* Lock the arena; after a dead owner: rs_arena_repair + refcounts_suspect = 1. */
+/* Lock the arena; after a dead owner: the registered rs_arena_repair + refcounts_suspect = 1. */
 int rs_alock(void *base);
 void rs_aunlock(void *base);
 
-/* ------------------------------------------------------------------ layout.c (issue 4) */
+/* ------------------------------------------------------------------ slots.c: owner liveness */
 /* RS_OK while the segment's owner (the server process) lives, else RS_EDEADOWNER with a message
  * naming the dead pid and the way out. Cheap (kill(pid, 0) + /proc/<pid>/stat); blocked calls
  * run it once per wait slice so a waiter never sleeps forever on a dead server. */
@@ -347,7 +362,7 @@ static inline int rs_item_in_arena(void *base, uint64_t ref) {
  * the first difference otherwise. */
 int rs_table_layout_check(void *base, uint32_t t);
 
-/* ------------------------------------------------------------------ fastpath.c (issue 6, round 3) */
+/* ------------------------------------------------------------------ util.c: streaming copy */
 #define RS_STREAM_MIN_BYTES (16u << 10)
 /* memcpy of n bytes into shared memory that no one reads soon (a fresh chunk): from
  * RS_STREAM_MIN_BYTES on, the 64-byte-aligned part of dst is written with non-temporal stores

@@ -1,4 +1,4 @@
-/* Uniform, Prioritized, Fifo, Lifo, MinHeap and MaxHeap selectors (SPEC §3). */
+/* Uniform, Prioritized, Fifo, Lifo, MinHeap and MaxHeap selectors. */
 #include "selectors.h"
 #include "sumtree.h"
 

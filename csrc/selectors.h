@@ -1,4 +1,4 @@
-/* The six item selectors (SPEC §3), each usable as the sampler (si 0) or the remover (si 1).
+/* The six item selectors, each usable as the sampler (si 0) or the remover (si 1).
  *
  * Uniform draws record ids directly (rejecting free records) while >= 3/4 of the records hold
  * items, else uses the table's dense array; Fifo/Lifo use its insertion-order list (both kept by
@@ -45,7 +45,7 @@ void rs_sel_update(void *base, rs_table_hdr *th, int si, uint32_t r); /* priorit
 void rs_sel_rebuild(void *base, rs_table_hdr *th, int si);
 
 /* Pick k records (table size > 0, no change in between) into recs[], with their reported
- * probabilities (SPEC §3) in probs[]. */
+ * probabilities in probs[]. */
 void rs_sel_pick(void *base, rs_table_hdr *th, int si, uint32_t k, uint32_t *recs, double *probs);
 
 #endif

@@ -38,6 +38,18 @@ uint64_t rs_proc_start_time(int32_t pid) {
   return end == p ? 0 : (uint64_t)v;
 }
 
+int rs_owner_check(void *base) {
+  rs_seg_hdr *h = rs_seg(base);
+  int32_t pid = h->owner_pid;
+  int dead = pid <= 0 || (kill(pid, 0) == -1 && errno == ESRCH);
+  if (!dead && h->owner_start_time != 0) dead = rs_proc_start_time(pid) != h->owner_start_time;
+  if (!dead) return RS_OK;
+  return rs_set_error(RS_EDEADOWNER,
+                      "the server process (pid %d) that owns this segment is dead; data already "
+                      "mapped stays readable, but blocking calls cannot complete: restart the server "
+                      "(which reclaims the stale segment) or run `reverb-shm gc`", (int)pid);
+}
+
 static int registry_lock(void *base) {
   rs_seg_hdr *h = rs_seg(base);
   int recovered = 0;

@@ -1,5 +1,5 @@
 /* Checkpoint support: consistent snapshots of every table, chunk holds, and restore of items and
- * counters (declarations and contract: the "issue 5" section of rs_api.h).
+ * counters (declarations and contract: the "checkpoint support" section of rs_api.h).
  *
  * Snapshot: every table lock is taken in index order (the lock order of rs_reap), the items of
  * each table are listed in insertion order with copies of their descriptors, the distinct chunks

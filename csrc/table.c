@@ -245,7 +245,7 @@ static int has_prioritized(const rs_table_hdr *th) {
 }
 
 /* Priorities must be finite; >= 0 with a Prioritized sampler or remover, whose weight
- * priority**exponent must also be at most rs_sel_weight_cap (SPEC "Our decisions" 4): finite
+ * priority**exponent must also be at most rs_sel_weight_cap: finite
  * weights could otherwise sum to an infinite tree total. */
 static int check_priorities(const rs_table_hdr *th, uint32_t n, const double *p, const char *what) {
   for (uint32_t i = 0; i < n; i++) {
@@ -977,7 +977,7 @@ int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_ke
   uint32_t updated = 0, deleted = 0;
   rs_index_entry *ix = rs_tindex(base, th);
   int arena_locked = 0;
-  for (uint32_t i = 0; i < n_del; i++) { /* deletes first (SPEC decision 1) */
+  for (uint32_t i = 0; i < n_del; i++) { /* deletes first, as Reverb does */
     uint32_t r = rs_index_find(ix, th->index_cap, del_keys[i]);
     if (r == RS_NONE) continue;
     if (!arena_locked) arena_locked = rs_alock(base) == RS_OK;
@@ -1183,7 +1183,7 @@ void rs_table_repair(void *base, uint32_t t) {
   }
 }
 
-/* ================================================================== issue 6: batched fast paths */
+/* ================================================================== batched fast paths */
 
 /* Copy every column of `n` pinned items (recs) into cols[] at rows first..first+n and their info
  * into info at the same rows. Validates each item's layout against cols[] as it goes. */

@@ -15,7 +15,7 @@ static inline const rs_desc_slice *rs_desc_slices(const rs_desc_hdr *d) {
 }
 
 /* Call fn(ctx, episode_id) once per distinct chunk referenced by descriptor d (the unit in which
- * a table counts episode references, SPEC §2 num_episodes); for a chunk whose rows are episodes
+ * a table counts episode references, TableInfo.num_episodes); for a chunk whose rows are episodes
  * of their own (RS_CHUNK_ROW_EPISODES), once per row of each of its slices instead. `shift` is
  * the item reference's row shift (rs_ref_shift), 0 for a blob of its own. */
 static inline void rs_desc_each_episode(void *base, const rs_desc_hdr *d, uint32_t shift,

@@ -1,4 +1,4 @@
-/* Errors, clocks and the per-process random number generator. */
+/* Errors, clocks, the per-process random number generator, and rs_copy_stream. */
 #define _GNU_SOURCE
 #include <stdarg.h>
 #include <stdio.h>
@@ -7,6 +7,9 @@
 #include <unistd.h>
 #include <pthread.h>
 #include <sys/random.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "rs_internal.h"
 
@@ -87,3 +90,27 @@ void rs_rand_fill(uint64_t *out, uint32_t n) {
 }
 
 double rs_rand_unit(void) { return (double)(rs_rand_u64() >> 11) * 0x1.0p-53; }
+
+void rs_copy_stream(void *dst, const void *src, uint64_t n) {
+#if defined(__SSE2__)
+  if (n >= RS_STREAM_MIN_BYTES) {
+    uint8_t *d = dst;
+    const uint8_t *s = src;
+    uint64_t head = (RS_ALIGN - ((uintptr_t)d & (RS_ALIGN - 1))) & (RS_ALIGN - 1);
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; n >= RS_ALIGN; d += RS_ALIGN, s += RS_ALIGN, n -= RS_ALIGN) {
+      __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+      __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+      _mm_stream_si128((__m128i *)d, a);
+      _mm_stream_si128((__m128i *)(d + 16), b);
+      _mm_stream_si128((__m128i *)(d + 32), c);
+      _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    _mm_sfence();   /* the stores are globally visible before rows is published */
+    memcpy(d, s, n);
+    return;
+  }
+#endif
+  memcpy(dst, src, n);
+}

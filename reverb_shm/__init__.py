@@ -8,9 +8,8 @@ from reverb_shm import item_selectors
 from reverb_shm import platform
 from reverb_shm import rate_limiters
 from reverb_shm import selectors
-from reverb_shm import structure
-from reverb_shm import structured
 from reverb_shm import structured_writer
+from reverb_shm import structured_writer as structured
 from reverb_shm.client import Client
 from reverb_shm.errors import DeadlineExceededError
 from reverb_shm.errors import ReverbError
@@ -31,9 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BoundedTensorSpec", "Client", "DeadlineExceededError", "ReplaySample", "ReverbError",
-    "SampleInfo", "Server", "SharedTable", "Table", "TableInfo", "TensorSpec",
-    "TrajectoryColumn", "TrajectoryWriter", "checkpointers", "errors", "item_selectors", "platform", "rate_limiters",
-    "selectors", "structure",
-    # issue 3
-    "StructuredWriter", "Writer", "structured", "structured_writer",
+    "SampleInfo", "Server", "SharedTable", "StructuredWriter", "Table", "TableInfo", "TensorSpec",
+    "TrajectoryColumn", "TrajectoryWriter", "Writer", "checkpointers", "errors", "item_selectors",
+    "platform", "rate_limiters", "selectors", "structured", "structured_writer",
 ]

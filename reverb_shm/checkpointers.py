@@ -1,7 +1,7 @@
-"""Checkpointers (SPEC §9): where checkpoints go, which one a new Server restores, retention.
+"""Checkpointers: where checkpoints go, which one a new Server restores, retention.
 
 A checkpoint is a directory ``<root>/<RFC 3339 UTC timestamp with ns>`` written by
-:mod:`reverb_shm.checkpoint_io` under a temporary name and renamed into place, so a directory with
+:mod:`reverb_shm._checkpoint.io` under a temporary name and renamed into place, so a directory with
 a checkpoint name is complete unless storage damaged it; damage (a missing file, a flipped byte,
 an unreadable manifest) is detected by checksums, reported with a warning naming the reason, and
 the next older checkpoint is tried.
@@ -25,7 +25,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 
-from reverb_shm import checkpoint_io, shm, specs
+from reverb_shm import specs
+from reverb_shm._checkpoint import io as checkpoint_io
+from reverb_shm._internal import shm
 from reverb_shm import rate_limiters as rate_limiters_lib
 from reverb_shm import selectors as selectors_lib
 from reverb_shm import table as table_lib

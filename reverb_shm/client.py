@@ -1,4 +1,4 @@
-"""Client: Reverb's client API over a server's shared-memory segment (SPEC §5).
+"""Client: Reverb's client API over a server's shared-memory segment.
 
 A Client names a server by address ('localhost:PORT', 'HOST:PORT' of this host, or
 'shm://NAME'). It attaches lazily on first use and again after a fork; it pickles as its
@@ -13,16 +13,20 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from reverb_shm import chunks, errors, hot_plans, shm, structure, timeouts
+from reverb_shm import errors
+from reverb_shm._internal import addresses, chunks, hot_plans, shm, structure, timeouts
 from reverb_shm import step_inserter as step_inserter_lib
-from reverb_shm._lib import ffi, hot, lib
+from reverb_shm._internal._lib import ffi, hot, lib
+from reverb_shm._internal import columns as columns_lib
+from reverb_shm._internal.keys import random_u64
 from reverb_shm import table as table_lib
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
 from reverb_shm.shared_table import SharedTable
+from reverb_shm.writer import Writer
 
-__all__ = ["Client"]
+__all__ = ["Client", "Writer"]
 
 # Polling interval while server_info waits for a server to appear.
 _SERVER_POLL_S = 0.02
@@ -66,8 +70,8 @@ class _TableHandle:
     if plan is _NO_PLAN:
       try:
         for i, (dtype, _) in enumerate(columns):
-          trajectory_writer_lib.check_supported_dtype(dtype, i)
-        trajectory_writer_lib.check_signature(
+          columns_lib.check_supported_dtype(dtype, i)
+        columns_lib.check_signature(
             self.name, self.flat_signature, [(d, (1,) + shape) for d, shape in columns],
             allow_unbatched=True)
         plan = chunks.ColumnWriter(columns)
@@ -89,11 +93,10 @@ class Client:
   """
 
   def __new__(cls, server_address=None, *args, **kwargs):
-    # Dispatch (issue 7): a remote bridge address gives a RemoteClient, several addresses a
-    # ShardedClient (reverb_shm.bridge.addresses describes the rules).
+    # Dispatch: a remote bridge address gives a RemoteClient, several addresses a
+    # ShardedClient (reverb_shm._internal.addresses describes the rules).
     if cls is Client and (isinstance(server_address, (list, tuple)) or (
         isinstance(server_address, str) and not server_address.startswith("shm://"))):
-      from reverb_shm.bridge import addresses  # pylint: disable=g-import-not-at-top
       remote = addresses.remote_client_for(server_address)
       if isinstance(remote, type):
         return super().__new__(remote)
@@ -179,7 +182,7 @@ class Client:
       TableClosedError: the server stopped.
     """
     result = hot_plans.client_insert(self._hot_plans, data, priorities, timeout_ms)
-    if result is True:   # the common case, done in one C call (reverb_shm/hot_plans.py)
+    if result is True:   # the common case, done in one C call (reverb_shm/_internal/hot_plans.py)
       return
     if result is not None:   # the core call failed or waited past a slice: finish or raise
       hot_plans.finish(result, None, next(iter(priorities.values())), timeout_ms)
@@ -189,7 +192,7 @@ class Client:
     handles, prios, arrays = checked_insert(self, data, priorities)
     deadline = timeouts.deadline_from_ms(timeout_ms)
     seg = self._segment()
-    episode_id = trajectory_writer_lib.random_u64.one()
+    episode_id = random_u64.one()
     if not any(a.dtype.kind == "O" for a in arrays):
       self._insert_numeric(seg, handles, prios, arrays, episode_id, deadline, timeout_ms)
       return
@@ -205,7 +208,7 @@ class Client:
       blob = chunks.encode_descriptor([([(c.off, 0, 1)], False) for c in written])
       offs = np.array([0, len(blob)], np.uint64)
       for h, prio in zip(handles, prios):
-        key = np.array([trajectory_writer_lib.random_u64.one()], np.uint64)
+        key = np.array([random_u64.one()], np.uint64)
         h.table.insert_descriptors(key, prio[None], blob, offs, timeouts.remaining_ms(deadline))
     finally:
       for c in written:
@@ -341,7 +344,7 @@ class Client:
   # ---- mutation
   def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,
                         deletes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
-    """Deletes `deletes`, then sets `updates` (SPEC "Our decisions" 1); unknown keys ignored.
+    """Deletes `deletes`, then sets `updates` (as Reverb does); unknown keys ignored.
 
     Every key and priority is validated before anything changes.
 
@@ -426,7 +429,7 @@ class Client:
   # ---- writers
   def trajectory_writer(self, num_keep_alive_refs: int, *,
                         validate_items: bool = True) -> trajectory_writer_lib.TrajectoryWriter:
-    """A TrajectoryWriter inserting into this server's tables (SPEC §6).
+    """A TrajectoryWriter inserting into this server's tables.
 
     Args:
       num_keep_alive_refs: steps each column keeps referenceable (>= 1).
@@ -441,7 +444,7 @@ class Client:
 
   def writer(self, max_sequence_length: int, delta_encoded: bool = False,
              chunk_length: Optional[int] = None, max_in_flight_items: Optional[int] = 25):
-    """Legacy Writer whose items span the last N appended steps (SPEC §5).
+    """Legacy Writer whose items span the last N appended steps.
 
     Args:
       max_sequence_length: most steps an item may span (>= 1).
@@ -453,12 +456,11 @@ class Client:
     Raises:
       ValueError: an argument out of range.
     """
-    from reverb_shm import writer as writer_lib  # pylint: disable=g-import-not-at-top
-    return writer_lib.Writer(self, max_sequence_length, delta_encoded, chunk_length,
+    return Writer(self, max_sequence_length, delta_encoded, chunk_length,
                              max_in_flight_items)
 
   def structured_writer(self, configs):
-    """StructuredWriter creating items from declarative configs (SPEC §6b).
+    """StructuredWriter creating items from declarative configs.
 
     Args:
       configs: non-empty sequence of configs from `structured_writer.create_config`.
@@ -470,7 +472,7 @@ class Client:
     return sw.StructuredWriter(self, configs)
 
   def checkpoint(self) -> str:
-    """Writes a checkpoint of every table with the server's checkpointer (SPEC §9).
+    """Writes a checkpoint of every table with the server's checkpointer.
 
     The snapshot is taken in this process: every table lock is held only while items and
     counters are listed; chunk data is then streamed while inserts and samples continue.
@@ -523,7 +525,7 @@ def one_step(client, data: Any, priorities: Dict[str, float], refresh, plan):
 def checked_insert(client, data: Any, priorities: Dict[str, float]):
   """(table handles, float64 priorities, column arrays) of a valid Client.insert call.
 
-  Shared with the bridge's RemoteClient.insert (issue 7b). Raises as Client.insert.
+  Shared with the bridge's RemoteClient.insert. Raises as Client.insert.
   """
   if not priorities:
     raise ValueError("priorities must not be empty: name at least one table to insert into")
@@ -531,7 +533,7 @@ def checked_insert(client, data: Any, priorities: Dict[str, float]):
     raise TypeError(f"priorities must be a dict table -> priority, got "
                     f"{type(priorities).__name__}")
   handles = [client._table_handle(name) for name in priorities]  # pylint: disable=protected-access
-  prios = np.array([trajectory_writer_lib.check_priority(p, h.name, h.prioritized)
+  prios = np.array([columns_lib.check_priority(p, h.name, h.prioritized)
                     for h, p in zip(handles, priorities.values())], dtype=np.float64)
   leaves, _ = structure.flatten(data)
   if not leaves:
@@ -544,11 +546,11 @@ def checked_insert(client, data: Any, priorities: Dict[str, float]):
       arr = structure.to_array(leaf)
     except ValueError as e:
       raise ValueError(f"data leaf {i}: {e}") from None
-    trajectory_writer_lib.check_supported_dtype(arr.dtype, i)
+    columns_lib.check_supported_dtype(arr.dtype, i)
     arrays.append(arr)
   columns = [(a.dtype, (1,) + a.shape) for a in arrays]
   for h in handles:
-    trajectory_writer_lib.check_signature(h.name, h.flat_signature, columns,
+    columns_lib.check_signature(h.name, h.flat_signature, columns,
                                           allow_unbatched=True)
   return handles, prios, arrays
 

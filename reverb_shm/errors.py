@@ -1,7 +1,7 @@
 """Exception classes of reverb_shm.
 
 Every class derives from :class:`ReverbError` and, where Reverb surfaces a built-in exception,
-from that built-in too, so callers may catch either family (SPEC "Our decisions" 12).
+from that built-in too, so callers may catch either family (docs/differences.md#errors).
 """
 import builtins
 

@@ -1,7 +1,7 @@
-"""Rate limiters (SPEC §4): configuration of how far samples may run ahead of inserts.
+"""Rate limiters: configuration of how far samples may run ahead of inserts.
 
 The formulas run in the C core. Objects are immutable configuration and thread-safe; one
-object may configure several tables (SPEC "Our decisions" 6).
+object may configure several tables.
 """
 import logging
 import math

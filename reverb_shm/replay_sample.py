@@ -1,4 +1,4 @@
-"""SampleInfo and ReplaySample (SPEC §5)."""
+"""SampleInfo and ReplaySample: what Client.sample and SharedTable.sample return."""
 from typing import Any, NamedTuple
 
 import numpy as np

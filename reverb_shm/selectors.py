@@ -1,6 +1,6 @@
 """Item selectors: how a table picks the item to sample (sampler) or to evict (remover).
 
-Each selector is plain configuration; the C core implements them (SPEC §3). Thread-safe
+Each selector is plain configuration; the C core implements them (csrc/selectors.c). Thread-safe
 (immutable).
 """
 import dataclasses

@@ -1,4 +1,4 @@
-"""Server: owns a shared-memory segment holding its tables (SPEC §1).
+"""Server: owns a shared-memory segment holding its tables.
 
 The server does no per-request work: processes attach to the segment and operate on the
 tables directly. The Server object creates the segment, keeps a TCP port bound (so
@@ -14,11 +14,13 @@ import threading
 import weakref
 from typing import Optional, Sequence
 
-from reverb_shm import checkpointers, shm
+from reverb_shm import checkpointers
+from reverb_shm._internal import shm
 from reverb_shm import table as table_lib
-from reverb_shm._lib import check, ffi, lib
+from reverb_shm.table import Table
+from reverb_shm._internal._lib import check, ffi, lib
 
-__all__ = ["Server", "DEFAULT_ARENA_BYTES", "DEFAULT_PINS_PER_PROC", "PIN_ENTRY_BYTES"]
+__all__ = ["Server", "Table", "DEFAULT_ARENA_BYTES", "DEFAULT_PINS_PER_PROC", "PIN_ENTRY_BYTES"]
 
 DEFAULT_ARENA_BYTES = 256 << 20
 DEFAULT_PINS_PER_PROC = 65536

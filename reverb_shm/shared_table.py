@@ -11,14 +11,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from reverb_shm import chunks, errors, hot_plans, specs, structure
+from reverb_shm import errors, specs
+from reverb_shm._internal import chunks, hot_plans, structure
 from reverb_shm import step_inserter as step_inserter_lib
-from reverb_shm import table as table_lib
-from reverb_shm import timeouts
-from reverb_shm._lib import check, ffi, hot, lib
+from reverb_shm._internal import timeouts
+from reverb_shm._internal._lib import check, ffi, hot, lib
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
-from reverb_shm.shm import Segment
+from reverb_shm._internal.shm import Segment
+from reverb_shm._internal.table_info import TableInfo, table_info
 
 __all__ = ["SharedTable"]
 
@@ -36,7 +37,7 @@ class SharedTable:
   """A table of a running server.
 
   Args:
-    segment: the server's :class:`~reverb_shm.shm.Segment`.
+    segment: the server's :class:`~reverb_shm._internal.shm.Segment`.
     table_index: index of the table in the segment.
   """
 
@@ -434,9 +435,9 @@ class SharedTable:
     return stats
 
   @property
-  def info(self) -> table_lib.TableInfo:
+  def info(self) -> TableInfo:
     """Live TableInfo. Raises TableClosedError once the server stopped."""
-    return table_lib.table_info(self._name, self._open_stats(), self.signature)
+    return table_info(self._name, self._open_stats(), self.signature)
 
   @property
   def size(self) -> int:

@@ -1,4 +1,4 @@
-"""Tensor specs without TensorFlow (SPEC "Our decisions" 10) and signature encoding.
+"""Tensor specs without TensorFlow (docs/differences.md#signatures) and signature encoding.
 
 A signature is a nest whose leaves are :class:`TensorSpec`. Objects exposing `.shape` and
 `.dtype` (a `tf.TensorSpec`, a jax `ShapeDtypeStruct`) are converted by :func:`as_spec`.
@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from reverb_shm import structure
+from reverb_shm._internal import structure
 
 __all__ = ["TensorSpec", "BoundedTensorSpec", "as_spec", "as_dtype", "encode_signature",
            "decode_signature", "validate_signature"]

@@ -1,4 +1,4 @@
-"""StepInserter: single-step items staged in private rows and inserted in batches (issue 6).
+"""StepInserter: single-step items staged in private rows and inserted in batches.
 
 The fastest way to insert one step per call: `insert(step, priority)` copies the step into
 preallocated staging rows; every `capacity` steps (and on flush(), close() or leaving a `with`
@@ -16,8 +16,10 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from reverb_shm import chunks, errors, hot_plans, structure, timeouts, trajectory_writer
-from reverb_shm._lib import ffi, lib
+from reverb_shm import errors
+from reverb_shm._internal import chunks, hot_plans, structure, timeouts
+from reverb_shm._internal._lib import ffi, lib
+from reverb_shm._internal import columns as columns_lib
 
 __all__ = ["StepInserter", "flat_leaves"]
 
@@ -152,9 +154,9 @@ class StepInserter:
     if self._closed:
       raise RuntimeError("StepInserter is closed")
     if type(priority) is not float or not -math.inf < priority < math.inf:
-      priority = trajectory_writer.check_priority(priority, self._table.name, self._prioritized)
+      priority = columns_lib.check_priority(priority, self._table.name, self._prioritized)
     if priority < 0 and self._prioritized:
-      trajectory_writer.check_priority(priority, self._table.name, True)   # raises
+      columns_lib.check_priority(priority, self._table.name, True)   # raises
     if priority > self._priority_bound:   # the exact sum-tree cap check (raises if above it)
       self._table.check_priority_cap(priority)
     if self._staged == self._capacity:   # a flush failed before: try again first

@@ -1,7 +1,7 @@
-"""StructuredWriter: creates items from declarative configs at every step (SPEC §6b).
+"""StructuredWriter: creates items from declarative configs at every step.
 
 `from reverb_shm import structured_writer as sw` gives the writer and every helper of
-:mod:`reverb_shm.structured` (`sw.Config`, `sw.create_config`, `sw.Condition`, ...).
+:mod:`reverb_shm._internal.structured` (`sw.Config`, `sw.create_config`, `sw.Condition`, ...).
 
 After each complete step (and in `end_episode`) every config whose conditions hold creates one
 item: its pattern's nodes become TrajectoryColumns over the most recent steps of the referenced
@@ -13,9 +13,9 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from reverb_shm import structure
+from reverb_shm._internal import structure
 from reverb_shm import trajectory_writer as trajectory_writer_lib
-from reverb_shm.structured import (  # noqa: F401  (re-exported: sw.Config, sw.Condition, ...)
+from reverb_shm._internal.structured import (  # noqa: F401  (re-exported: sw.Config, sw.Condition, ...)
     Condition, Config, ConstantPriorityFn, Pattern, PatternNode, ReferenceStep, TDError, constant_priority_fn,
     create_config, create_reference_step, history_length, infer_signature,
     pattern_from_transform, td_error, unpack_pattern, validate_config)

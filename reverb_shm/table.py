@@ -1,9 +1,8 @@
-"""Table configuration and the TableInfo snapshot (SPEC §2).
+"""Table configuration and the TableInfo snapshot.
 
 A :class:`Table` built by the user is configuration. Once a :class:`~reverb_shm.Server` owns
 it, `info`, `can_sample` and `can_insert` read the live table in shared memory. Thread-safe.
 """
-import dataclasses
 import warnings
 from typing import Any, Sequence
 
@@ -11,7 +10,9 @@ import msgpack
 
 from reverb_shm import rate_limiters as rate_limiters_lib
 from reverb_shm import selectors as selectors_lib
-from reverb_shm import specs
+from reverb_shm import shared_table, specs
+from reverb_shm._internal.table_info import (RateLimiterCallStats, RateLimiterInfo, TableInfo,
+                                             TableWorkerTime, table_info)
 
 __all__ = ["Table", "TableInfo", "RateLimiterInfo", "RateLimiterCallStats", "TableWorkerTime",
            "table_info", "MAX_NAME_BYTES", "MAX_SIZE"]
@@ -20,49 +21,6 @@ MAX_NAME_BYTES = 63
 # Largest max_size the C core lays out (its record capacity, max_size + 1, is at most 2**30).
 MAX_SIZE = 2**30 - 1
 _BLOB_VERSION = 1
-
-
-@dataclasses.dataclass
-class RateLimiterCallStats:
-  completed: int = 0
-
-
-@dataclasses.dataclass
-class RateLimiterInfo:
-  samples_per_insert: float
-  min_diff: float
-  max_diff: float
-  min_size_to_sample: int
-  insert_stats: RateLimiterCallStats = dataclasses.field(default_factory=RateLimiterCallStats)
-  sample_stats: RateLimiterCallStats = dataclasses.field(default_factory=RateLimiterCallStats)
-
-
-@dataclasses.dataclass
-class TableWorkerTime:
-  """Cumulative times in milliseconds."""
-  running_ms: int = 0
-  sampling_ms: int = 0
-  inserting_ms: int = 0
-  sleeping_ms: int = 0
-  waiting_for_sampling_ms: int = 0
-  waiting_for_inserts_ms: int = 0
-
-
-@dataclasses.dataclass
-class TableInfo:
-  """Snapshot of a table (field order as Reverb's)."""
-  name: str
-  sampler_options: selectors_lib.KeyDistributionOptions
-  remover_options: selectors_lib.KeyDistributionOptions
-  max_size: int
-  max_times_sampled: int
-  rate_limiter_info: RateLimiterInfo
-  signature: Any
-  current_size: int
-  num_episodes: int
-  num_deleted_episodes: int
-  num_unique_samples: int
-  table_worker_time: TableWorkerTime
 
 
 def _check_name(name) -> str:
@@ -186,7 +144,6 @@ class Table:
   def _live_table(self):
     if self._live is None:
       return None
-    from reverb_shm import shared_table  # pylint: disable=g-import-not-at-top
     return shared_table.SharedTable(*self._live)
 
   # ---- state
@@ -247,28 +204,3 @@ class Table:
     return (f"Table(name={self._name!r}, sampler={self._sampler!r}, remover={self._remover!r}, "
             f"max_size={self._max_size}, rate_limiter={self._rate_limiter!r}, "
             f"max_times_sampled={self._max_times_sampled}, signature={self._signature!r})")
-
-
-def table_info(name: str, stats: dict, signature: Any) -> TableInfo:
-  """Builds a TableInfo from a table's rs_table_stats (as a dict) and its signature."""
-  ms = lambda ns: int(ns // 1_000_000)
-  sampler = selectors_lib.from_kind(stats["sampler_kind"], stats["sampler_exponent"])
-  remover = selectors_lib.from_kind(stats["remover_kind"], stats["remover_exponent"])
-  return TableInfo(
-      name=name, sampler_options=sampler.options(), remover_options=remover.options(),
-      max_size=int(stats["max_size"]), max_times_sampled=max(0, int(stats["max_times_sampled"])),
-      rate_limiter_info=RateLimiterInfo(
-          samples_per_insert=stats["samples_per_insert"], min_diff=stats["min_diff"],
-          max_diff=stats["max_diff"], min_size_to_sample=int(stats["min_size_to_sample"]),
-          insert_stats=RateLimiterCallStats(int(stats["inserts"])),
-          sample_stats=RateLimiterCallStats(int(stats["samples"]))),
-      signature=signature, current_size=int(stats["size"]),
-      num_episodes=int(stats["num_episodes"]),
-      num_deleted_episodes=int(stats["num_deleted_episodes"]),
-      num_unique_samples=int(stats["num_unique_samples"]),
-      table_worker_time=TableWorkerTime(
-          running_ms=ms(stats["inserting_ns"] + stats["sampling_ns"]),
-          sampling_ms=ms(stats["sampling_ns"]), inserting_ms=ms(stats["inserting_ns"]),
-          sleeping_ms=ms(stats["waiting_for_sampling_ns"] + stats["waiting_for_inserts_ns"]),
-          waiting_for_sampling_ms=ms(stats["waiting_for_sampling_ns"]),
-          waiting_for_inserts_ms=ms(stats["waiting_for_inserts_ns"])))

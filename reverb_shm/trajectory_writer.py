@@ -13,664 +13,40 @@ wait in a bounded FIFO queue that `create_item`, `flush`, `end_episode` and `clo
 
 Positions in `writer.history` count the column's steps since the last buffer clear
 (`end_episode(clear_buffers=True)`), so `history[c][0:n]` after n appends covers all n steps
-(SPEC "Our decisions" 14). Positions outside that range raise IndexError (decision 8); positions
-within it whose step has left the keep-alive window, came before the column existed or skipped
-the column read as None, which a TrajectoryColumn rejects with ValueError (SPEC §6).
+(Reverb's slicing loses steps there; see docs/differences.md#trajectory-writer). Positions
+outside that range raise an error that is both an IndexError and a ValueError; positions within
+it whose step has left the keep-alive window, came before the column existed or skipped the
+column read as None, which a TrajectoryColumn rejects with ValueError.
 """
 import collections
 import math
-import os
 import warnings
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from reverb_shm import chunks, errors, structure, timeouts
-from reverb_shm._lib import check, ffi, hot, lib
+from reverb_shm import errors
+from reverb_shm._internal import chunks, structure, timeouts
+from reverb_shm._internal._lib import ffi, hot
+from reverb_shm._internal import items
+from reverb_shm._internal.columns import (as_column_array, check_positive_int, check_priorities,
+                                          check_priority, check_signature,
+                                          check_supported_dtype, flat_dict_keys, object_row,
+                                          window_starts)
+from reverb_shm._internal.history import (_COUNT, _HOLDER, _POS, AUTO_MAX_ROWS, CellRef,
+                                          TrajectoryColumn, _Column, _ColumnHistory, _Holder,
+                                          _prune, _union)
+from reverb_shm._internal.items import SQUEEZE_FLAG
+from reverb_shm._internal.keys import random_u64
 
 __all__ = ["TrajectoryWriter", "TrajectoryColumn", "CellRef"]
 
-# Auto chunk length: as many rows as fit in this byte budget, clamped to [1, _AUTO_MAX_ROWS].
-_AUTO_CHUNK_BYTES = 64 * 1024
-_AUTO_MAX_ROWS = 1024
 # Items queued behind the rate limiter before create_item blocks on the oldest one.
 _MAX_PENDING = 1024
 # Window items batched by create_item before they are inserted with one C call.
 _BATCH_ITEMS = 256
 # Distinct validated item kinds (table, column windows) remembered per writer.
 _MAX_KINDS = 4096
-# Descriptor sizes (rs_desc_hdr, rs_desc_col, rs_desc_slice) and the squeeze flag.
-_DESC_FIXED, _DESC_COL, _DESC_SLICE = (chunks.DESC_HDR.itemsize, chunks.DESC_COL.itemsize,
-                                       chunks.DESC_SLICE.itemsize)
-SQUEEZE_FLAG = chunks.SQUEEZE
-
-_SUPPORTED_KINDS = {"f": (2, 4, 8), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "b": (1,),
-                    "c": (8, 16), "O": (8,)}
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers shared with client.py
-
-
-class _RandomU64:
-  """Random uint64 values (item keys, episode ids), re-seeded from the OS after a fork."""
-
-  def __init__(self):
-    self._pid = None
-    self._rng = None
-    self._pool = []
-
-  def __call__(self, n: int) -> np.ndarray:
-    """n random uint64 values."""
-    pid = os.getpid()
-    if pid != self._pid:
-      self._rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
-      self._pool = []
-      self._pid = pid
-    return self._rng.bit_generator.random_raw(n)
-
-  def one(self) -> int:
-    """One random uint64 as a Python int (drawn from a pool refilled 1024 at a time)."""
-    if self._pid != os.getpid() or not self._pool:
-      self._pool = self(1024).tolist()
-    return self._pool.pop()
-
-
-random_u64 = _RandomU64()
-
-
-def check_supported_dtype(dtype: np.dtype, path) -> None:
-  """Raises ValueError naming `path` unless `dtype` can be stored in a column."""
-  if dtype.itemsize not in _SUPPORTED_KINDS.get(dtype.kind, ()) or dtype.fields is not None:
-    raise ValueError(
-        f"Unsupported dtype {dtype} for column {path}: expected one of float16/32/64, "
-        "int8/16/32/64, uint8/16/32/64, bool, complex64/128, or str/bytes (object)")
-
-
-def check_priority(priority, table_name: str, prioritized: bool) -> float:
-  """Returns `priority` as a float; ValueError if NaN, infinite or negative on Prioritized."""
-  try:
-    value = float(priority)
-  except (TypeError, ValueError):
-    raise ValueError(f"`priority` must be a number, got {priority!r}") from None
-  if math.isnan(value):
-    raise ValueError("`priority` must not be nan.")
-  if math.isinf(value):
-    raise ValueError(f"`priority` must be finite, got {value}")
-  if value < 0 and prioritized:
-    raise ValueError(f"`priority` must not be negative for table '{table_name}' (it uses a "
-                     f"Prioritized selector), got {value}")
-  return value
-
-
-def _shape_matches(spec_shape, shape) -> bool:
-  if spec_shape is None:
-    return True
-  spec_shape = tuple(spec_shape)
-  return len(spec_shape) == len(shape) and all(
-      s is None or s == d for s, d in zip(spec_shape, shape))
-
-
-def _dtype_matches(spec_dtype, dtype: np.dtype) -> bool:
-  spec_dtype = np.dtype(getattr(spec_dtype, "as_numpy_dtype", spec_dtype))
-  if spec_dtype.kind in "OSU":
-    return dtype.kind == "O"
-  return spec_dtype == dtype
-
-
-def check_signature(table_name: str, flat_signature: Optional[list], columns: Sequence[tuple],
-                    *, allow_unbatched: bool = False) -> None:
-  """Checks item columns against a table's flattened signature.
-
-  Args:
-    table_name: for messages.
-    flat_signature: flattened signature specs (objects with .shape/.dtype) or None (no check).
-    columns: (dtype, shape) of each item column as the sample will return it (time dim
-      included unless squeezed).
-    allow_unbatched: also accept a spec matching the shape without its leading dim (Client.insert,
-      whose items are single steps described per step or per trajectory).
-
-  Raises:
-    ValueError: column count, dtype or shape incompatible with the signature.
-  """
-  if flat_signature is None:
-    return
-  if len(flat_signature) != len(columns):
-    raise ValueError(
-        f"Unable to create item in table '{table_name}': the table signature has "
-        f"{len(flat_signature)} columns but the item has {len(columns)}.")
-  for i, (spec, (dtype, shape)) in enumerate(zip(flat_signature, columns)):
-    if not _dtype_matches(spec.dtype, dtype):
-      raise ValueError(
-          f"Unable to create item in table '{table_name}': column {i} has dtype {dtype} but the "
-          f"table signature expects {np.dtype(getattr(spec.dtype, 'as_numpy_dtype', spec.dtype))}"
-          f" (spec {spec!r}).")
-    ok = _shape_matches(spec.shape, shape) or (
-        allow_unbatched and len(shape) >= 1 and _shape_matches(spec.shape, shape[1:]))
-    if not ok:
-      raise ValueError(
-          f"Unable to create item in table '{table_name}': column {i} has shape {list(shape)} "
-          f"which is incompatible with the table signature shape "
-          f"{None if spec.shape is None else list(spec.shape)} (spec {spec!r}).")
-
-
-def _window_starts(starts) -> np.ndarray:
-  """int64 copy of create_window_items' `starts`; IndexError for values no int64 holds
-  (an unsigned 2**64 - 1 must not wrap to -1, the last step)."""
-  starts = np.asarray(starts)
-  if starts.dtype.kind == "u" and starts.size and int(starts.max()) > np.iinfo(np.int64).max:
-    raise IndexError(f"window start {int(starts.max())} is out of range (starts are step "
-                     f"positions in the history, negative counting from the end)")
-  return np.ascontiguousarray(starts, np.int64)
-
-
-def _check_priorities(prios: np.ndarray, handle) -> None:
-  """ValueError (check_priority's) for the first priority that is not finite, or negative on a
-  Prioritized table."""
-  bad = np.flatnonzero(~np.isfinite(prios) | ((prios < 0) & handle.prioritized))
-  if len(bad):
-    check_priority(prios[bad[0]], handle.name, handle.prioritized)
-
-
-def _flat_dict_keys(nest, num_leaves: int) -> Optional[tuple]:
-  """`nest`'s str keys in flatten order when `nest` is a non-empty dict of `num_leaves` leaves
-  with str keys (the C fast paths then take leaves by key); else None."""
-  if type(nest) is not dict or len(nest) != num_leaves or not nest or not all(
-      type(k) is str for k in nest):
-    return None
-  return tuple(sorted(nest))
-
-
-def _as_column_array(leaf) -> np.ndarray:
-  if type(leaf) is np.ndarray and leaf.dtype.kind not in "USO":
-    return leaf
-  return structure.to_array(leaf)
-
-
-# --------------------------------------------------------------------------------------------
-# Chunks, runs, refs and columns
-#
-# A column stores its steps as runs: [first_pos, holder, first_row, count] says that history
-# positions first_pos .. first_pos+count-1 are rows first_row.. of holder's chunk. Positions in no
-# run were skipped (or precede the column). The column's open run (the one `append` extends) keeps
-# its count implicit, n - first_pos, so that appending a step costs one row write per column.
-# Refs (CellRef, TrajectoryColumn windows) are (column, clear generation, position) and are checked
-# against the column's keep-alive window when used; a holder is released once every run on it has
-# left that window (and no window item is batched), no queued item needs it and it is no longer
-# the column's current chunk.
-
-_POS, _HOLDER, _ROW, _COUNT = range(4)
-
-
-
-class _Holder:
-  """A chunk this writer holds a pin on, with the reasons it still needs it."""
-
-  __slots__ = ("chunk", "off", "data", "values", "used", "capacity", "live", "pending",
-               "open")
-
-  def __init__(self, chunk, values=None):
-    self.chunk = chunk
-    self.off = chunk.off
-    self.data = chunk.data          # writable (capacity, *shape) view; None for object columns
-    self.values = values            # object columns: the rows as written
-    self.used = len(values) if values is not None else 0   # rows written (see _Column.sync)
-    self.capacity = chunk.capacity
-    self.live = 0                   # runs of this chunk inside a keep-alive window
-    self.pending = 0                # queued items referencing it
-    self.open = values is None      # still the column's current chunk (rows may be added)
-
-  def publish(self) -> None:
-    """Makes the written rows visible to items (TableClosedError once the server stopped)."""
-    chunk = self.chunk
-    if chunk is not None and chunk.rows < self.used:
-      chunk.publish(self.used)
-
-  def maybe_release(self) -> None:
-    if self.live == 0 and self.pending == 0 and not self.open and self.chunk is not None:
-      chunk, self.chunk, self.data = self.chunk, None, None
-      chunk.release()   # a no-op once Server.stop() dropped this process's pins
-
-  def close(self) -> None:
-    """No more rows will be written: publish them, return the unused tail to the arena."""
-    if self.open:
-      self.open = False
-      if self.chunk is not None and 0 < self.used:
-        try:
-          self.publish()
-          if self.used < self.capacity:
-            self.chunk.shrink()
-            self.capacity = self.used
-        except errors.TableClosedError:
-          pass        # the server stopped: the chunk is gone with it
-      self.maybe_release()
-
-  def force_release(self) -> None:
-    self.open = False
-    self.live = self.pending = 0
-    self.maybe_release()
-
-
-class CellRef:
-  """A reference to one step of one column (Reverb's WeakCellRef).
-
-  Attributes:
-    expired: True once the step left the column's keep-alive window or the writer cleared its
-      buffers; an expired ref can no longer be read or put into an item.
-    shape: element shape (tuple of ints, no time dim).
-    dtype: numpy dtype of the element.
-  """
-
-  __slots__ = ("_column", "_gen", "_pos")
-
-  def __init__(self, column: "_Column", gen: int, position: int):
-    self._column = column
-    self._gen = gen
-    self._pos = position
-
-  @property
-  def expired(self) -> bool:
-    column = self._column
-    return self._gen != column.gen or self._pos < column.alive_from()
-
-  @property
-  def shape(self) -> tuple:
-    return self._column.shape
-
-  @property
-  def dtype(self) -> np.dtype:
-    return self._column.dtype
-
-  def numpy(self) -> np.ndarray:
-    """A copy of the referenced value (shape `self.shape`).
-
-    Raises:
-      RuntimeError: the ref has expired.
-    """
-    where = None if self.expired else self._column.locate(self._pos)
-    if where is None:
-      raise RuntimeError(f"Cannot read an expired reference of column {self._column.path}: the "
-                         "step has left the writer's keep-alive window (num_keep_alive_refs).")
-    holder, row = where
-    if holder.values is not None:
-      return holder.values[row]
-    return np.array(holder.data[row])
-
-  def __repr__(self):
-    state = "expired" if self.expired else "alive"
-    return f"CellRef(column={self._column.path}, {state})"
-
-
-class _Column(hot.ColumnBase):
-  """One leaf path of the union structure: dtype/shape, runs and keep-alive window.
-
-  writer, open, n, gen, floor and keep_alive are fields of the C base, which the C fast paths
-  (csrc/hot/hot_writer.c) read and write directly.
-  """
-
-  __slots__ = ("index", "path", "dtype", "shape", "is_object", "row_bytes",
-               "max_chunk_length", "holder", "runs", "history")
-
-  def __init__(self, writer, index, path, dtype, shape, keep_alive, max_chunk_length, n):
-    self.writer = writer
-    self.index = index
-    self.path = path
-    self.dtype = dtype
-    self.shape = shape
-    self.is_object = dtype.kind == "O"
-    self.row_bytes = dtype.itemsize * math.prod(shape)
-    self.keep_alive = keep_alive
-    self.max_chunk_length = max_chunk_length
-    self.holder = None            # current (open) numeric chunk
-    self.runs = collections.deque()   # [first_pos, holder, first_row, count], by position
-    self.open = None              # the last run while appends extend it (count implicit)
-    self.n = n                    # positions since the last clear (including skipped ones)
-    self.gen = 0                  # bumped by clear(): refs of an older generation are expired
-    self.floor = 0                # positions below it expired (keep-alive shrunk by configure)
-    self.history = _ColumnHistory(self)
-
-  def chunk_length(self) -> int:
-    if self.max_chunk_length is not None:
-      return self.max_chunk_length
-    return max(1, min(_AUTO_MAX_ROWS, _AUTO_CHUNK_BYTES // max(1, self.row_bytes)))
-
-  def alive_from(self) -> int:
-    """First position still inside the keep-alive window."""
-    first = self.n - self.keep_alive
-    return first if first > self.floor else self.floor
-
-  def sync(self) -> None:
-    """Brings the open run's holder.used up to date (append leaves it behind)."""
-    run = self.open
-    if run is not None:
-      run[_HOLDER].used = run[_ROW] + self.n - run[_POS]
-
-  def needs_chunk(self) -> bool:
-    self.sync()
-    holder = self.holder
-    return self.is_object or holder is None or holder.used >= holder.capacity
-
-  def close_run(self) -> None:
-    run = self.open
-    if run is not None:
-      run[_COUNT] = self.n - run[_POS]
-      run[_HOLDER].used = run[_ROW] + run[_COUNT]
-      self.open = None
-
-  def add_rows(self, holder: _Holder, first_row: int, count: int, keep_open: bool) -> None:
-    """Rows [first_row, first_row + count) of holder now hold the next `count` positions."""
-    run = self.open
-    if run is None or run[_HOLDER] is not holder:
-      self.close_run()
-      run = [self.n, holder, first_row, count]
-      self.runs.append(run)
-      holder.live += 1
-      self.open = run
-    self.n += count
-    if not keep_open:
-      self.close_run()
-    else:
-      holder.used = first_row + count
-
-  def skip(self) -> None:
-    """The closing step did not write this column: its position reads as None."""
-    self.close_run()
-    self.n += 1
-
-  def run_end(self, run) -> int:
-    return self.n if run is self.open else run[_POS] + run[_COUNT]
-
-  def locate(self, position: int):
-    """(holder, row) of a stored position inside the keep-alive window, else None."""
-    if not self.alive_from() <= position < self.n:
-      return None
-    for run in reversed(self.runs):
-      if position >= run[_POS]:
-        if position < self.run_end(run):
-          return run[_HOLDER], run[_ROW] + position - run[_POS]
-        return None
-    return None
-
-  def covers(self, start: int, stop: int) -> bool:
-    """True when every position of [start, stop) is stored and alive (stop > start)."""
-    if start < self.alive_from() or stop > self.n:
-      return False
-    run = self.open
-    if run is not None and start >= run[_POS]:
-      return True
-    return all(self.locate(p) is not None for p in range(start, stop))
-
-  def get(self, position: int) -> Optional[CellRef]:
-    return CellRef(self, self.gen, position) if self.locate(position) is not None else None
-
-  def segments(self, first: int = 0) -> list:
-    """(first_pos, chunk_off, first_row, count) of every run from position `first` on, for
-    rs_encode_windows."""
-    out = []
-    for run in self.runs:
-      pos, end = run[_POS], self.run_end(run)
-      if end > first:
-        skip = first - pos if first > pos else 0
-        out.append((pos + skip, run[_HOLDER].off, run[_ROW] + skip, end - pos - skip))
-    return out
-
-  def holders_between(self, start: int, stop: int) -> list:
-    return [run[_HOLDER] for run in self.runs
-            if run[_POS] < stop and self.run_end(run) > start]
-
-  def collect(self) -> None:
-    """Releases the holders of runs that left the keep-alive window, unless window items are
-    batched: those may use the runs, which the writer's next batch insert then releases."""
-    if self.writer._batch:  # pylint: disable=protected-access
-      return
-    first = self.alive_from()
-    runs = self.runs
-    while runs and runs[0] is not self.open and runs[0][_POS] + runs[0][_COUNT] <= first:
-      self._drop(runs.popleft())
-
-  @staticmethod
-  def _drop(run) -> None:
-    holder = run[_HOLDER]
-    holder.live -= 1
-    if holder.live == 0:
-      holder.maybe_release()
-
-  def set_keep_alive(self, keep_alive: int) -> None:
-    self.floor = self.alive_from()      # expired positions stay expired
-    self.keep_alive = keep_alive
-    self.collect()
-
-  def clear(self) -> None:
-    self.close_run()
-    runs, self.runs = self.runs, collections.deque()
-    for run in runs:
-      self._drop(run)
-    self.n = 0
-    self.floor = 0
-    self.gen += 1
-
-  def close_chunk(self) -> None:
-    self.close_run()
-    if self.holder is not None:
-      holder, self.holder = self.holder, None
-      holder.close()
-
-
-class _ColumnHistory(hot.HistoryBase):
-  """The history of one column, as found in `writer.history` (a leaf for nest libraries).
-
-  Index with an int (a squeezed single-step TrajectoryColumn), a slice or a list of ints (a
-  TrajectoryColumn with a time dim; any order, repeats allowed). Positions count the column's
-  steps since the writer last cleared its buffers; negative positions count from the end.
-  Deliberately not a Sequence, so that nest libraries treat it as a leaf.
-
-  Indexing is the C base's: `h[-k:]` and `h[i]` over the column's open chunk are built in C,
-  everything else by `_getitem`.
-
-  Raises (on indexing):
-    IndexError: a position (or explicit slice bound) outside the column's steps.
-    ValueError: a selected position is None (expired, skipped or before the column existed).
-    TypeError: another index type.
-  """
-
-  __slots__ = ()
-
-  def __init__(self, column: _Column):
-    self._column = column
-
-  @property
-  def path(self) -> tuple:
-    return self._column.path
-
-  def __len__(self) -> int:
-    return self._column.n
-
-  def _position(self, i) -> int:
-    n = self._column.n
-    if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-      raise TypeError(f"History positions must be ints, got {i!r} of type {type(i).__name__}")
-    p = int(i) + n if i < 0 else int(i)
-    if not 0 <= p < n:
-      raise IndexError(f"Position {i} is out of range for column {self._column.path}, which has "
-                       f"{n} steps since its buffers were last cleared")
-    return p
-
-  def _positions(self, s: slice) -> range:
-    n = self._column.n
-    for bound in (s.start, s.stop, s.step):
-      if bound is not None and (isinstance(bound, bool) or
-                                not isinstance(bound, (int, np.integer))):
-        raise TypeError(f"Slice bounds must be ints or None, got {s}")
-    if s.step == 0:
-      raise ValueError("slice step cannot be zero")
-    for bound in (s.start, s.stop):
-      if bound is not None:
-        b = int(bound) + n if bound < 0 else int(bound)
-        if not 0 <= b <= n:
-          raise IndexError(f"Slice {s} is out of range for column {self._column.path}, which "
-                           f"has {n} steps since its buffers were last cleared")
-    return range(*s.indices(n))
-
-  def _getitem(self, index) -> "TrajectoryColumn":
-    """The general path of indexing (see the class docstring)."""
-    column = self._column
-    if type(index) is slice:
-      positions = self._positions(index)
-      if positions.step == 1 and positions.stop > positions.start and column.covers(
-          positions.start, positions.stop):
-        return _window(column, positions.start, positions.stop, False, index)
-      return TrajectoryColumn([column.get(p) for p in positions], path=column.path + (index,))
-    if isinstance(index, list):
-      return TrajectoryColumn([column.get(self._position(i)) for i in index],
-                              path=column.path + (tuple(index),))
-    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-      p = self._position(index)
-      if column.locate(p) is not None:
-        return _window(column, p, p + 1, True, int(index))
-      return TrajectoryColumn([None], squeeze=True, path=column.path + (int(index),))
-    raise TypeError(f"Unsupported index type {type(index).__name__} for column history "
-                    f"{column.path}: use an int, a slice or a list of ints")
-
-  def __repr__(self):
-    return f"ColumnHistory(path={self._column.path}, len={self._column.n})"
-
-
-class TrajectoryColumn(hot.WindowBase):
-  """Steps of one column selected for an item (SPEC §6).
-
-  Args:
-    data_references: CellRefs, one per step, in the order the sample returns them.
-    squeeze: the column holds exactly one step and the sample drops its time dim.
-    path: where the column came from, for messages.
-
-  Raises:
-    ValueError: a reference is None, or `squeeze` with other than one reference.
-  """
-
-  __slots__ = ()   # _cells, _squeeze, _path and _win are the C base's
-
-  def __init__(self, data_references: Sequence[Optional[CellRef]], *, squeeze: bool = False,
-               path: Optional[tuple] = None):
-    self._win = None    # (column, generation, start, stop, index) of a history window
-    refs = list(data_references)
-    if None in refs:   # CellRefs compare by identity
-      raise ValueError(
-          f"TrajectoryColumns cannot contain any None data references, got {refs} for "
-          f"TrajectoryColumn at path {path}: the selected steps expired (left the keep-alive "
-          "window), were skipped, or precede the column's first value.")
-    if squeeze and len(refs) != 1:
-      raise ValueError(f"Columns must contain exactly one data reference when squeeze is set, "
-                       f"got {len(refs)} (path {path}).")
-    self._cells = refs
-    self._squeeze = bool(squeeze)
-    self._path = path
-
-  @property
-  def _refs(self) -> List[CellRef]:
-    cells = self._cells
-    if cells is None:
-      column, gen, start, stop, _ = self._win
-      cells = self._cells = [CellRef(column, gen, p) for p in range(start, stop)]
-    return cells
-
-  @property
-  def is_squeezed(self) -> bool:
-    return self._squeeze
-
-  @property
-  def path(self) -> Optional[tuple]:
-    win = self._win
-    return self._path if win is None else win[0].path + (win[4],)
-
-  @property
-  def dtype(self) -> Optional[np.dtype]:
-    """numpy dtype of the first reference (None when empty)."""
-    if self._win is not None:
-      return self._win[0].dtype
-    return self._cells[0].dtype if self._cells else None
-
-  @property
-  def shape(self) -> tuple:
-    """(steps, *element shape), or the element shape when squeezed."""
-    refs = self._refs
-    elem = refs[0].shape if refs else ()
-    return tuple(elem) if self._squeeze else (len(refs),) + tuple(elem)
-
-  def __len__(self) -> int:
-    win = self._win
-    return len(self._cells) if win is None else win[3] - win[2]
-
-  def __iter__(self):
-    return iter(self._refs)
-
-  def __getitem__(self, index) -> "TrajectoryColumn":
-    if isinstance(index, slice):
-      return TrajectoryColumn(self._refs[index], path=self.path)
-    if isinstance(index, list):
-      return TrajectoryColumn([self._refs[i] for i in index], path=self.path)
-    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-      return TrajectoryColumn([self._refs[index]], squeeze=True, path=self.path)
-    raise TypeError(f"Unsupported index type {type(index).__name__}")
-
-  def numpy(self) -> np.ndarray:
-    """The referenced values, stacked along a new time dim unless squeezed.
-
-    Raises:
-      RuntimeError: a reference has expired.
-    """
-    refs = self._refs
-    values = [r.numpy() for r in refs]
-    if self._squeeze:
-      return values[0]
-    if refs and refs[0].dtype.kind == "O":
-      out = np.empty((len(values),) + tuple(refs[0].shape), dtype=object)
-      for i, v in enumerate(values):
-        out[i] = v
-      return out
-    return np.stack(values)
-
-  def window(self):
-    """(column, generation, start, stop, None) when the column is contiguous steps of one
-    writer column, else None (the batched item path needs that)."""
-    refs = self._cells
-    if self._win is not None:
-      return self._win
-    if not refs:
-      return None
-    first = refs[0]
-    column, gen, start = first._column, first._gen, first._pos
-    for i, ref in enumerate(refs):
-      if ref._column is not column or ref._gen != gen or ref._pos != start + i:
-        return None
-    return column, gen, start, start + len(refs), None
-
-  def __repr__(self):
-    return f"TrajectoryColumn(path={self.path}, shape={self.shape}, squeeze={self._squeeze})"
-
-
-hot.writer_setup(TrajectoryColumn)
-# _window(column, start, stop, squeeze, index): a TrajectoryColumn over positions [start, stop)
-# of column (all stored and alive).
-_window = hot.new_window
-
-
-def _column_slices(refs: List[CellRef]) -> Tuple[list, list]:
-  """Merges consecutive rows of one chunk into (chunk_off, row_offset, nrows) slices; also
-  returns the holders (refs must be alive)."""
-  slices = []
-  holders = []
-  last_holder = None
-  last_end = -1
-  for ref in refs:
-    holder, row = ref._column.locate(ref._pos)
-    if holder is last_holder and row == last_end:
-      off, start, nrows = slices[-1]
-      slices[-1] = (off, start, nrows + 1)
-    else:
-      slices.append((holder.off, row, 1))
-      holders.append(holder)
-    last_holder, last_end = holder, row + 1
-  return slices, holders
 
 
 class _Pending:
@@ -698,7 +74,7 @@ def _fast_append(writer, columns: list, treedef, keys: Optional[tuple]
   if len(columns) != len(writer._columns) or len({id(c) for c in columns}) != len(columns):  # pylint: disable=protected-access
     return None
   cols = []
-  room = _AUTO_MAX_ROWS << 20
+  room = AUTO_MAX_ROWS << 20
   for col in columns:
     run = col.open if col is not None else None
     if col is None or col.is_object or run is None or run[_HOLDER] is not col.holder:
@@ -724,53 +100,11 @@ def _fast_append(writer, columns: list, treedef, keys: Optional[tuple]
 
 
 # --------------------------------------------------------------------------------------------
-# Union structure
-
-
-def _union(a, b):
-  """Union of two history skeletons (leaves: _ColumnHistory or None)."""
-  if a is None:
-    return b
-  if b is None or a is b:
-    return a
-  if isinstance(a, dict) and isinstance(b, dict):
-    keys = set(a) | set(b)
-    try:
-      keys = sorted(keys)
-    except TypeError:
-      keys = list(a) + [k for k in b if k not in a]
-    return {k: _union(a.get(k), b.get(k)) for k in keys}
-  if isinstance(a, tuple) and hasattr(a, "_fields"):
-    if type(a) is not type(b):
-      raise ValueError(f"Cannot merge step structures: {type(a).__name__} vs {type(b).__name__}")
-    return type(a)(*[_union(x, y) for x, y in zip(a, b)])
-  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-    longer = a if len(a) >= len(b) else b
-    merged = [_union(a[i] if i < len(a) else None, b[i] if i < len(b) else None)
-              for i in range(len(longer))]
-    return type(longer)(merged)
-  raise ValueError(f"Cannot merge step structures: a {type(a).__name__} and a "
-                   f"{type(b).__name__} appear at the same path")
-
-
-def _prune(node):
-  """Drops dict entries that hold no column (fields only ever None); None if nothing remains."""
-  if isinstance(node, dict):
-    out = {k: v for k, v in ((k, _prune(v)) for k, v in node.items()) if v is not None}
-    return out or None
-  if isinstance(node, tuple) and hasattr(node, "_fields"):
-    return type(node)(*[_prune(x) for x in node])
-  if isinstance(node, (list, tuple)):
-    return type(node)(_prune(x) for x in node)
-  return node
-
-
-# --------------------------------------------------------------------------------------------
 # The writer
 
 
 class TrajectoryWriter(hot.WriterBase):
-  """Writes steps into shared memory and inserts items referencing them (SPEC §6).
+  """Writes steps into shared memory and inserts items referencing them.
 
   Obtain one with `Client.trajectory_writer(num_keep_alive_refs)`. Not thread-safe: use a writer
   from one thread at a time.
@@ -790,8 +124,8 @@ class TrajectoryWriter(hot.WriterBase):
   def __init__(self, client, num_keep_alive_refs: int, *, validate_items: bool = True,
                item_batch_size: int = _BATCH_ITEMS):
     self._closed = True   # until fully constructed (so __del__ is harmless)
-    num_keep_alive_refs = _check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
-    self._item_batch_size = _check_positive_int(item_batch_size, "item_batch_size")
+    num_keep_alive_refs = check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
+    self._item_batch_size = check_positive_int(item_batch_size, "item_batch_size")
     self._client = _writer_client(client)
     self._segment = client._segment()  # pylint: disable=protected-access
     self._default_keep_alive = num_keep_alive_refs
@@ -873,7 +207,7 @@ class TrajectoryWriter(hot.WriterBase):
       col = columns[i]
       if col is None:
         col = self._by_path.get(paths[i])
-      arr = _as_column_array(leaf)
+      arr = as_column_array(leaf)
       if col is None:
         check_supported_dtype(arr.dtype, paths[i])
       else:
@@ -904,7 +238,7 @@ class TrajectoryWriter(hot.WriterBase):
     if not partial_step:
       self._collect()
       if len(writes) == len(leaves):
-        self._fast = self._make_fast(plan[0], treedef, _flat_dict_keys(data, len(leaves)))
+        self._fast = self._make_fast(plan[0], treedef, flat_dict_keys(data, len(leaves)))
 
   def extend(self, steps: Any) -> None:
     """Appends T complete steps at once (reverb_shm extension; one chunk write per column).
@@ -936,7 +270,7 @@ class TrajectoryWriter(hot.WriterBase):
       if leaf is None:
         continue
       col = columns[i] or self._by_path.get(paths[i])
-      arr = _as_column_array(leaf)
+      arr = as_column_array(leaf)
       if arr.ndim == 0:
         raise ValueError(f"extend() needs a leading time dim, but column {paths[i]} got a scalar")
       if num_steps is None:
@@ -1043,7 +377,7 @@ class TrajectoryWriter(hot.WriterBase):
           rows = list(arr) if batched else [arr]
           chunk = chunks.object_chunk(seg, rows, episode_id=self._episode_id,
                                       start_step=start_step, owned=True)
-          allocated.append([_Holder(chunk, values=[_object_row(r, col.shape) for r in rows])])
+          allocated.append([_Holder(chunk, values=[object_row(r, col.shape) for r in rows])])
         else:
           allocated.append(self._fresh_holders(col, num_steps, start_step))
     except BaseException:
@@ -1138,7 +472,7 @@ class TrajectoryWriter(hot.WriterBase):
     if priority > getattr(handle, "priority_bound", math.inf):   # (remote: the bridge checks)
       handle.table.check_priority_cap(priority)   # above the sum-tree cap: raises now
     leaves, _ = structure.flatten(trajectory)
-    self._item_keys = _flat_dict_keys(trajectory, len(leaves))
+    self._item_keys = flat_dict_keys(trajectory, len(leaves))
     entry = self._window_entry(handle, priority, leaves)
     if entry is None:
       self._create_general(handle, [priority], [trajectory])
@@ -1207,7 +541,7 @@ class TrajectoryWriter(hot.WriterBase):
     self._check_open()
     handle = self._table(table)
     cols = self._window_columns(columns)
-    length = _check_positive_int(num_timesteps, "num_timesteps")
+    length = check_positive_int(num_timesteps, "num_timesteps")
     starts = np.asarray(starts)
     if starts.ndim != 1 or (starts.size and starts.dtype.kind not in "iu"):
       raise ValueError(f"starts must be a 1-D array of ints, got shape {starts.shape} and dtype "
@@ -1223,14 +557,14 @@ class TrajectoryWriter(hot.WriterBase):
       return
     if prios.max() > getattr(handle, "priority_bound", math.inf):
       handle.table.check_priority_cap(prios)   # above the sum-tree cap: nothing is created
-    starts = _window_starts(starts)
+    starts = window_starts(starts)
     kind = self._kind(handle, tuple((col, length, False) for col in cols))
     self._flush_batch()
     self._publish()
     try:      # the C call validates every priority and window (alive steps only)
-      blob, offs = self._encode_windows(kind, starts, prios, handle.prioritized, alive=True)
+      blob, offs = items.encode_windows(kind, starts, prios, handle.prioritized, alive=True)
     except errors.InvalidArgumentError:
-      _check_priorities(prios, handle)
+      check_priorities(prios, handle)
       for col in cols:
         self._window_positions(col, starts, length)
       raise      # a window over a skipped step: the C message names it
@@ -1332,7 +666,7 @@ class TrajectoryWriter(hot.WriterBase):
         holder.publish()
 
   def _flush_batch(self, insert: bool = True) -> None:
-    """Inserts the batched window items: one rs_encode_windows + one insert per run of items
+    """Inserts the batched window items: one rsitems.encode_windows + one insert per run of items
     of one kind (table and column windows); what the rate limiter holds back is queued.
     insert=False queues them all (before their steps are cleared; never raises
     TableClosedError)."""
@@ -1350,7 +684,7 @@ class TrajectoryWriter(hot.WriterBase):
       while i < len(batch):
         kind = batch[i][0]
         j, positions, priorities = hot.batch_run(batch, i)
-        blob, offs = self._encode_windows(kind, positions)
+        blob, offs = items.encode_windows(kind, positions)
         i = j
         self._insert_encoded(kind[0], priorities, blob, offs, kind[1], positions, insert)
     except BaseException:
@@ -1358,38 +692,9 @@ class TrajectoryWriter(hot.WriterBase):
       raise
     self._collect()     # runs kept for the batch (queued items hold their chunks)
 
-  @staticmethod
-  def _encode_windows(kind: tuple, starts: np.ndarray, priorities: Optional[np.ndarray] = None,
-                      nonneg: bool = False, alive: bool = False) -> Tuple[np.ndarray, np.ndarray]:
-    """Descriptors of items whose column c covers kind's length c steps from starts[i, c]
-    (starts of shape (n, ncols), positions) or starts[i] (shape (n,), negative ones counting
-    from each column's end). Validates priorities when given, and (alive) that every step is
-    inside its keep-alive window; InvalidArgumentError names the first bad item."""
-    _, sig, flags, lengths = kind
-    n, ncols = len(starts), len(sig)
-    segs, col_segs, ends, bound = [], [0], [], 0
-    for col, length, _ in sig:
-      col_runs = col.segments(col.alive_from() if alive else 0)
-      segs += col_runs
-      col_segs.append(len(segs))
-      ends.append(col.n)
-      bound += min(length, len(col_runs))
-    cap = n * (_DESC_FIXED + _DESC_COL * ncols + _DESC_SLICE * bound)
-    blob = np.empty(cap, np.uint8)
-    offs = np.empty(n + 1, np.uint64)
-    size = ffi.new("uint64_t *")
-    check(lib.rs_encode_windows(
-        n, ncols, ffi.new("rs_window_seg[]", segs), ffi.new("uint32_t[]", col_segs),
-        ffi.new("int64_t[]", ends), flags, lengths, ffi.from_buffer("int64_t[]", starts),
-        1 if starts.ndim == 1 else ncols,
-        ffi.NULL if priorities is None else ffi.from_buffer("double[]", priorities),
-        bool(nonneg), ffi.from_buffer("uint8_t[]", blob, require_writable=True), cap,
-        ffi.from_buffer("uint64_t[]", offs, require_writable=True), size), "creating items")
-    return blob[:size[0]], offs
-
   def _insert_encoded(self, handle, priorities, blob: np.ndarray, offs: np.ndarray, sig: tuple,
                       positions: np.ndarray, insert: bool = True) -> None:
-    """Inserts encoded window items (positions as _encode_windows' starts); those the rate
+    """Inserts encoded window items (positions as items.encode_windows' starts); those the rate
     limiter does not admit now are queued (all of them when not `insert`)."""
     n = len(offs) - 1
     done = 0 if self._pending or not insert else self._insert_now(handle, priorities, blob, offs)
@@ -1409,7 +714,7 @@ class TrajectoryWriter(hot.WriterBase):
 
   def _create_general(self, handle, priorities: List[float], trajectories) -> None:
     """Items with any column that is not one window: encoded one by one, inserted now."""
-    encoded = [self._encode_item(handle, trajectory) for trajectory in trajectories]
+    encoded = [items.encode_item(self, handle, trajectory, self._validate_items) for trajectory in trajectories]
     if not encoded:
       return
     self._flush_batch()     # keeps creation order
@@ -1454,49 +759,6 @@ class TrajectoryWriter(hot.WriterBase):
       return e.inserted
     except errors.InvalidArgumentError:
       return 0
-
-  def _encode_item(self, handle, trajectory):
-    leaves, _ = structure.flatten(trajectory)
-    if not leaves:
-      raise ValueError("trajectory must not be empty.")
-    desc_columns = []
-    holders = {}
-    shapes = []
-    for i, leaf in enumerate(leaves):
-      if not isinstance(leaf, TrajectoryColumn):
-        raise TypeError(f"All leaves of the trajectory must be TrajectoryColumns, but leaf {i} "
-                        f"is a {type(leaf).__name__}: {leaf!r}")
-      refs = leaf._refs
-      if not refs:
-        raise ValueError(f"Error in column {i}: the column references no steps.")
-      first = refs[0]
-      first_column = first._column
-      if first_column.writer is not self:
-        raise ValueError(f"Error in column {i}: the column references data of another "
-                         "TrajectoryWriter.")
-      for ref in refs:
-        if ref.expired:
-          raise ValueError(f"Error in column {i}: Column contains expired CellRef.")
-        column = ref._column
-        if column is not first_column:   # refs of one column agree by construction
-          if column.writer is not self:
-            raise ValueError(f"Error in column {i}: the column references data of another "
-                             "TrajectoryWriter.")
-          if column.dtype != first_column.dtype:
-            raise ValueError(f"Error in column {i}: Column contains mixed dtypes "
-                             f"({first.dtype} and {ref.dtype}).")
-          if column.shape != first_column.shape:
-            raise ValueError(f"Error in column {i}: Column contains incompatible shapes "
-                             f"({list(first.shape)} and {list(ref.shape)}).")
-      slices, column_holders = _column_slices(refs)
-      for holder in column_holders:
-        holders[id(holder)] = holder
-      desc_columns.append((slices, leaf._squeeze))
-      if self._validate_items and handle.flat_signature is not None:
-        shapes.append((first_column.dtype, leaf.shape))
-    if shapes:
-      check_signature(handle.name, handle.flat_signature, shapes)
-    return desc_columns, tuple(holders.values())
 
   def _table(self, name: str):
     handle = self._tables.get(name)
@@ -1610,7 +872,7 @@ class TrajectoryWriter(hot.WriterBase):
   def end_episode(self, clear_buffers: bool = True, timeout_ms: Optional[int] = None) -> None:
     """Flushes every queued item, then starts a new episode.
 
-    The episode ends even when the flush times out (SPEC "Our decisions" 3): the next append
+    The episode ends even when the flush times out (as Reverb documents but does not do): the next append
     starts a new episode with a new random id. Open chunks are shrunk to their rows.
 
     Args:
@@ -1666,9 +928,9 @@ class TrajectoryWriter(hot.WriterBase):
     """
     self._check_open()
     self._fast = None
-    num_keep_alive_refs = _check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
+    num_keep_alive_refs = check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
     if max_chunk_length is not None:
-      max_chunk_length = _check_positive_int(max_chunk_length, "max_chunk_length")
+      max_chunk_length = check_positive_int(max_chunk_length, "max_chunk_length")
       if max_chunk_length > num_keep_alive_refs:
         raise ValueError(f"max_chunk_length ({max_chunk_length}) must be None or <= "
                          f"num_keep_alive_refs ({num_keep_alive_refs})")
@@ -1738,7 +1000,7 @@ class TrajectoryWriter(hot.WriterBase):
 
 
 # --------------------------------------------------------------------------------------------
-# Asynchronous clients (issue 7b). A client may offer `writer_session()`: the client object a
+# Asynchronous clients (the bridge's remote clients). A client may offer `writer_session()`: the client object a
 # new writer then uses (with `_segment` and `_table_handle`), whose tables confirm inserts
 # asynchronously; it offers `in_flight()` (items sent, not yet confirmed), `await_inserts(until,
 # deadline_ns, timeout_ms, what)` (returns a DeadlineExceededError on timeout, raises the tables'
@@ -1775,13 +1037,3 @@ def _close_inserts(client) -> None:
     close()
 
 
-def _object_row(value, shape):
-  if not shape:
-    return value
-  return np.asarray(value, dtype=object).reshape(shape)
-
-
-def _check_positive_int(value, name: str) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-  return int(value)

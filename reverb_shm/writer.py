@@ -1,4 +1,4 @@
-"""Legacy Writer: `client.writer(max_sequence_length)` (SPEC §5).
+"""Legacy Writer: `client.writer(max_sequence_length)`.
 
 Every appended step is a flat list of leaves (the number of leaves is fixed by the first step);
 `create_item(table, num_timesteps, priority)` references the last `num_timesteps` steps of every
@@ -11,7 +11,7 @@ are zero-copy views.
 """
 from typing import Any, Optional
 
-from reverb_shm import structure
+from reverb_shm._internal import structure
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 
 __all__ = ["Writer"]

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import chunks, errors, rate_limiters, selectors, shm
-from reverb_shm._lib import check, ffi, lib
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import chunks, shm
+from reverb_shm._internal._lib import check, ffi, lib
 
 from conftest import unique_server_name
 

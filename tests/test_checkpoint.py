@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import checkpoint_io, checkpointers, chunks, cli, rate_limiters, selectors
+from reverb_shm import checkpointers, cli, rate_limiters, selectors
+from reverb_shm._checkpoint import io as checkpoint_io
+from reverb_shm._internal import chunks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,8 +123,8 @@ def test_checkpoint_holds_chunks_of_items_removed_while_it_streams(server_factor
   server = _saved_server(server_factory, tmp_path)
   seg = server.segment
   descs = seg.info()["num_descs"]
-  snap = reverb_shm._lib.ffi.new("rs_snapshot **")
-  lib = reverb_shm._lib.lib
+  snap = reverb_shm._internal._lib.ffi.new("rs_snapshot **")
+  lib = reverb_shm._internal._lib.lib
   assert lib.rs_snapshot_take(seg.base, seg.slot, snap) == 0
   for name in ("prio", "queue", "thrice"):
     server.shared_table(name).reset()
@@ -202,8 +204,8 @@ def test_kill_9_while_checkpointing_leaves_the_last_good_checkpoint(server_facto
     finally:
       proc.send_signal(signal.SIGKILL)
       proc.wait(timeout=10)
-  reaped = reverb_shm._lib.ffi.new("uint32_t *")
-  assert reverb_shm._lib.lib.rs_reap(server.segment.base, reaped) == 0
+  reaped = reverb_shm._internal._lib.ffi.new("uint32_t *")
+  assert reverb_shm._internal._lib.lib.rs_reap(server.segment.base, reaped) == 0
   server.segment.check()
   info = server.segment.info()
   assert (info["num_descs"], info["arena_used"]) == (descs, used)   # holds reclaimed

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 
 import reverb_shm
-from reverb_shm import cli, rate_limiters, selectors, shm
+from reverb_shm import cli, rate_limiters, selectors
+from reverb_shm._internal import shm
 
 pytestmark = pytest.mark.timeout(60)
 

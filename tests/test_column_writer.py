@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import chunks, errors, rate_limiters, selectors
-from reverb_shm._lib import ffi
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import chunks
+from reverb_shm._internal._lib import ffi
 
 pytestmark = pytest.mark.timeout(60)
 

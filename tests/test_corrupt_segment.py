@@ -14,8 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from reverb_shm import errors, shm
-from reverb_shm._lib import ffi, lib
+from reverb_shm import errors
+from reverb_shm._internal import shm
+from reverb_shm._internal._lib import ffi, lib
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuzz"))
 from fuzz_core import CorruptTarget, read_segment  # noqa: E402  pylint: disable=wrong-import-position

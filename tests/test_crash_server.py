@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import cli, errors, shm
+from reverb_shm import cli, errors
+from reverb_shm._internal import shm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,7 +120,7 @@ def test_attached_processes_keep_working_on_the_mapped_tables(dead_server):
 def test_new_attach_to_a_dead_server_is_a_clear_error(dead_server):
   name, port, _ = dead_server
   # A process that never attached before (its own segment cache) gets DeadOwnerError.
-  code = ("import sys\nfrom reverb_shm import errors, shm\n"
+  code = ("import sys\nfrom reverb_shm import errors\nfrom reverb_shm._internal import shm\n"
           "try:\n  shm.Segment.attach(sys.argv[1])\n"
           "except errors.DeadOwnerError as e:\n  print('DEAD', e)\n")
   out = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True,

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import chunks, errors, rate_limiters, selectors
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import chunks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -333,7 +334,7 @@ def test_client_sample_items_keep_their_batch_alive_and_are_private(server_facto
 
 
 def test_hot_sampling_helpers_reject_malformed_calls():
-  from reverb_shm._lib import hot  # pylint: disable=g-import-not-at-top
+  from reverb_shm._internal._lib import hot  # pylint: disable=g-import-not-at-top
   info = reverb_shm.SampleInfo(*(np.zeros(2, t) for t in (np.uint64, np.float64, np.int64,
                                                            np.float64, np.int32)))
   cols = [np.zeros((2, 3), np.float32)]

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import cli, errors, rate_limiters, selectors, server_config
+from reverb_shm import cli, errors, rate_limiters, selectors
+from reverb_shm.cli import server_config
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import rate_limiters, selectors, shm
+from reverb_shm import rate_limiters, selectors
+from reverb_shm._internal import shm
 
 from conftest import run_in_fork
 
@@ -35,8 +36,8 @@ def server(server_factory):
 
 
 def _reap(server):
-  n = reverb_shm._lib.ffi.new("uint32_t *")  # pylint: disable=protected-access
-  reverb_shm._lib.check(reverb_shm._lib.lib.rs_reap(server.segment.base, n))  # pylint: disable=protected-access
+  n = reverb_shm._internal._lib.ffi.new("uint32_t *")  # pylint: disable=protected-access
+  reverb_shm._internal._lib.check(reverb_shm._internal._lib.lib.rs_reap(server.segment.base, n))  # pylint: disable=protected-access
   return n[0]
 
 
@@ -164,7 +165,8 @@ _TRACKER_SCRIPT = textwrap.dedent("""
     import multiprocessing as mp, os, sys, warnings
     import numpy as np
     import reverb_shm
-    from reverb_shm import selectors, rate_limiters, shm
+    from reverb_shm import selectors, rate_limiters
+    from reverb_shm._internal import shm
     warnings.simplefilter("always")
 
     def child(name):

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import cli, errors, shm
+from reverb_shm import cli, errors
+from reverb_shm._internal import shm
 
 pytestmark = pytest.mark.timeout(90)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""The one-call C insert plans (reverb_shm/hot_plans.py, csrc/hot/hot_insert.c) store exactly
+"""The one-call C insert plans (reverb_shm/_internal/hot_plans.py, csrc/hot/hot_insert.c) store exactly
 what the Python paths store, decline to them (same exceptions, nothing inserted) for anything
 else, and keep their guarantees across threads, forks and rate-limiter waits."""
 import contextlib
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import errors, hot_plans, rate_limiters, selectors
-from reverb_shm._lib import lib
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import hot_plans
+from reverb_shm._internal._lib import lib
 from reverb_shm.specs import TensorSpec
 
 from conftest import run_in_fork, run_threads

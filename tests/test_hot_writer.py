@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import chunks, errors, rate_limiters, selectors
-from reverb_shm.trajectory_writer import TrajectoryColumn, TrajectoryWriter, _ColumnHistory
-from reverb_shm.trajectory_writer import _AUTO_MAX_ROWS as _AUTO_ROWS
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import chunks
+from reverb_shm._internal.history import AUTO_MAX_ROWS as _AUTO_ROWS
+from reverb_shm._internal.history import _ColumnHistory
+from reverb_shm.trajectory_writer import TrajectoryColumn, TrajectoryWriter
 
 from conftest import run_in_fork
 
@@ -501,9 +503,9 @@ def test_c_base_fields_are_the_python_attributes(pair):
   with pytest.raises(TypeError):
     fast._hist_step = "x"
   with pytest.raises(TypeError):
-    reverb_shm._lib.hot.FastAppend(None, None, ((col, np.zeros(3), 1),), 0, 1, None, 0)
+    reverb_shm._internal._lib.hot.FastAppend(None, None, ((col, np.zeros(3), 1),), 0, 1, None, 0)
   with pytest.raises(ValueError):   # a view shorter than the limit
-    reverb_shm._lib.hot.FastAppend(None, None, ((col, np.zeros((1, 3), np.float32),
+    reverb_shm._internal._lib.hot.FastAppend(None, None, ((col, np.zeros((1, 3), np.float32),
                                                  np.dtype(np.float32)),), 0, 5, None, 0)
 
 

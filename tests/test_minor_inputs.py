@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import errors, rate_limiters, selectors, shm, table as table_lib, timeouts
-from reverb_shm._lib import ffi, lib
+from reverb_shm import errors, rate_limiters, selectors, table as table_lib
+from reverb_shm._internal import shm, timeouts
+from reverb_shm._internal._lib import ffi, lib
 
 from conftest import run_in_fork
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import checkpointers, chunks, errors, hot_plans, rate_limiters, selectors
-from reverb_shm._lib import check, ffi, lib
+from reverb_shm import checkpointers, errors, rate_limiters, selectors
+from reverb_shm._internal import chunks, hot_plans
+from reverb_shm._internal._lib import check, ffi, lib
 
 from conftest import run_in_fork, run_threads
 

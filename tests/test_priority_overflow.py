@@ -12,7 +12,7 @@ import pytest
 import reverb_shm
 from reverb_shm import rate_limiters, selectors
 from reverb_shm._core import lib
-from reverb_shm._lib import last_error
+from reverb_shm._internal._lib import last_error
 
 from test_core_table import FIFO, PRIORITIZED, UNIFORM, Segment, insert_ok, sample_ok
 

@@ -9,7 +9,8 @@ import stat
 import pytest
 
 import reverb_shm
-from reverb_shm import errors, rate_limiters, selectors, shm
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import shm
 
 from conftest import run_in_fork
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import errors, rate_limiters, selectors, shm
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import shm
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import chunks, errors, rate_limiters, selectors
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import chunks
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import reverb_shm
-from reverb_shm import errors, rate_limiters, selectors, trajectory_writer
+from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import history
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -202,7 +203,7 @@ def test_batched_items_keep_fifo_order_behind_the_rate_limiter(client):
 
 def test_fast_append_validates_like_the_slow_path(client):
   writer = client.trajectory_writer(3)
-  n = trajectory_writer._AUTO_MAX_ROWS + 44    # pylint: disable=protected-access
+  n = history.AUTO_MAX_ROWS + 44
   data = _steps(n)
   for t in range(n):        # crosses a chunk boundary (auto chunks' rows) on the fast path
     writer.append(_step(data, t))

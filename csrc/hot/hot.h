@@ -8,7 +8,7 @@
  * the C core through function pointers taken from reverb_shm._core (one copy of the core, one
  * thread-local error message). It holds no policy: every function either completes the common
  * case or returns a "not handled" / status-code result, and the Python layer takes its general
- * path, which validates and raises (reverb_shm/_lib.py stays the one place where core status
+ * path, which validates and raises (reverb_shm/_internal/_lib.py stays the one place where core status
  * codes become exceptions).
  */
 #ifndef RS_HOT_H
@@ -28,7 +28,7 @@
 
 #include "../rs_api.h"
 
-/* The C core's entry points, bound once at import by reverb_shm/_lib.py (hot_module.c lists
+/* The C core's entry points, bound once at import by reverb_shm/_internal/_lib.py (hot_module.c lists
  * their names in CORE_FUNCTIONS, in this order). */
 typedef struct {
   int (*insert_rows)(void *base, uint32_t slot, uint32_t table, uint32_t n, uint64_t *keys,

@@ -2,14 +2,14 @@
  * One-call insert of a step (Client.insert) or a batch (SharedTable.insert) of a known layout,
  * and one-call staging of a step (StepInserter.insert).
  *
- * An InsertPlan is made by Python (reverb_shm/hot_plans.py) for one table, one registration of
+ * An InsertPlan is made by Python (reverb_shm/_internal/hot_plans.py) for one table, one registration of
  * this process with the segment and one step layout that the Python path has already checked
  * against the table (structure, dtypes, shapes, signature). Its insert() matches the data
  * against that layout, takes each leaf's bytes (array data, or a scalar's value), and calls
  * rs_insert_rows once with the GIL released. It never raises for the data: anything it does
  * not handle exactly as the Python path would makes it return None having done nothing, and
  * the caller takes the Python path (which validates and raises). A failed core call returns
- * its status and partial-progress state for Python to finish or raise (reverb_shm/_lib.py).
+ * its status and partial-progress state for Python to finish or raise (reverb_shm/_internal/_lib.py).
  * A stager plan (StepInserter) also copies a matched step into a row of private staging arrays
  * (stage(); no core call).
  *

@@ -2,7 +2,7 @@
  * TrajectoryWriter per-step fast paths: append of a step shaped like the previous one,
  * history[c][-k:] / history[c][i], and create_item of window items of the last item kind.
  *
- * The Python classes of reverb_shm/trajectory_writer.py subclass the C types below, whose fields
+ * The Python classes of reverb_shm/_internal/history.py and reverb_shm/trajectory_writer.py subclass the C types below, whose fields
  * are member descriptors: Python reads and writes `col.n`, `writer._hist_step`, ... as before
  * while C reads and writes the same fields directly. Each fast path either completes the common
  * case exactly as the Python general path would, or changes nothing and calls the Python method

@@ -25,11 +25,13 @@ from typing import Dict, Optional
 import grpc
 import numpy as np
 
-from reverb_shm import errors, shm, specs, structure, timeouts
+from reverb_shm import errors, specs
+from reverb_shm._internal import shm, structure, timeouts
 from reverb_shm import client as client_lib
-from reverb_shm import trajectory_writer as tw
 from reverb_shm import table as table_lib
-from reverb_shm._lib import ffi
+from reverb_shm._internal._lib import ffi
+from reverb_shm._internal import columns as columns_lib
+from reverb_shm._internal.keys import random_u64
 from reverb_shm.bridge import security, watchdog, wire, writes
 from reverb_shm.replay_sample import SampleInfo
 from reverb_shm.selectors import PRIORITIZED
@@ -227,10 +229,10 @@ class _RemoteHandle:
     if cols is False:
       try:
         for i, (dtype, _) in enumerate(columns):
-          tw.check_supported_dtype(dtype, i)
+          columns_lib.check_supported_dtype(dtype, i)
           if dtype.kind == "O":
             raise ValueError("object column")
-        tw.check_signature(self.name, self.flat_signature,
+        columns_lib.check_signature(self.name, self.flat_signature,
                            [(d, (1,) + shape) for d, shape in columns], allow_unbatched=True)
         cols = [[d.str, list(shape)] for d, shape in columns]
       except ValueError:
@@ -361,14 +363,14 @@ class RemoteClient(client_lib.Client):
     # Validated here; the bridge applies it (whole milliseconds, None = forever) per table.
     wire_timeout = (None if timeouts.deadline_from_ms(timeout_ms) < 0
                     else int(math.ceil(timeout_ms)))
-    episode_id = tw.random_u64.one()
+    episode_id = random_u64.one()
     if not any(a.dtype.kind == "O" for a in arrays):
       # One "step" op: the bridge writes every column with one C call (see service._step).
       layout = tuple((a.dtype.str, a.shape) for a in arrays)
       cols = self._layouts.get(layout)
       if cols is None:
         cols = self._layouts[layout] = [[d, list(s)] for d, s in layout]
-      items = [[seq, h.name, tw.random_u64.one(), prio]
+      items = [[seq, h.name, random_u64.one(), prio]
                for seq, (h, prio) in enumerate(zip(handles, prios.tolist()), 1)]
       self._inserter.send([{"op": "step", "cols": cols, "ep": episode_id, "items": items,
                             "timeout_ms": wire_timeout,
@@ -387,7 +389,7 @@ class RemoteClient(client_lib.Client):
     desc = [[[[cid, 0, 1]], False] for cid in range(1, len(arrays) + 1)]
     for seq, (h, prio) in enumerate(zip(handles, prios), 1):
       ops.append({"op": "items", "seq": seq, "table": h.name,
-                  "keys": np.array([tw.random_u64.one()], "<u8").tobytes(),
+                  "keys": np.array([random_u64.one()], "<u8").tobytes(),
                   "prios": np.array([prio], "<f8").tobytes(), "descs": [desc],
                   "timeout_ms": wire_timeout})
     self._inserter.send(ops, wire_timeout)
@@ -409,8 +411,8 @@ class RemoteClient(client_lib.Client):
       payload = b"".join(arrays)
     except (BufferError, TypeError, ValueError):   # not C-contiguous
       payload = b"".join([np.ascontiguousarray(a) for a in arrays])
-    self._inserter.send([{"op": "step", "cols": cols, "ep": tw.random_u64.one(),
-                          "items": [[1, handle.name, tw.random_u64.one(), prio]],
+    self._inserter.send([{"op": "step", "cols": cols, "ep": random_u64.one(),
+                          "items": [[1, handle.name, random_u64.one(), prio]],
                           "timeout_ms": timeout_ms, "b": payload}], timeout_ms)
     return True
 

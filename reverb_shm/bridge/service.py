@@ -44,9 +44,10 @@ from typing import Dict, Optional
 import grpc
 import numpy as np
 
-from reverb_shm import chunks, errors, hot_plans, shm, specs, structure, timeouts
-from reverb_shm import trajectory_writer as tw
-from reverb_shm._lib import check, ffi, lib
+from reverb_shm import errors, specs
+from reverb_shm._internal import chunks, hot_plans, shm, structure, timeouts
+from reverb_shm._internal._lib import check, ffi, lib
+from reverb_shm._internal import columns as columns_lib
 from reverb_shm.bridge import security, wire
 from reverb_shm.shared_table import SharedTable
 
@@ -755,7 +756,7 @@ class _StepLayout:
     if table not in self._checked:
       signature = st.signature
       if signature is not None:
-        tw.check_signature(table, structure.flatten(signature)[0], self._specs,
+        columns_lib.check_signature(table, structure.flatten(signature)[0], self._specs,
                            allow_unbatched=True)
       self._checked.add(table)
 

@@ -27,7 +27,8 @@ from typing import Callable, Optional
 import grpc
 import numpy as np
 
-from reverb_shm import chunks, errors
+from reverb_shm import errors
+from reverb_shm._internal import chunks
 from reverb_shm.bridge import direct, watchdog, wire
 
 __all__ = ["WriteSession"]

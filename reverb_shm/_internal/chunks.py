@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 
 from reverb_shm import errors
-from reverb_shm._lib import check, ffi, lib
+from reverb_shm._internal._lib import check, ffi, lib
 
 __all__ = ["Chunk", "ColumnWriter", "Pins", "alloc_chunk", "object_chunk", "encode_descriptor",
            "join_descriptors", "encode_row_descriptors", "read_item", "read_items", "row_buffers",
@@ -769,7 +769,7 @@ def gather_column(seg, desc_offs: np.ndarray, col: int,
   return out
 
 
-# ---------------------------------------------------------------- chunk readers (issue 7b)
+# ---------------------------------------------------------------- chunk readers
 # Public readers of a chunk by arena offset, for processes that forward chunks they wrote
 # (the gRPC bridge's remote client reads its staging arena with these).
 

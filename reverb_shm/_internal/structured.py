@@ -1,4 +1,4 @@
-"""Patterns, conditions and configs of the StructuredWriter (SPEC §6b), without protobuf.
+"""Patterns, conditions and configs of the StructuredWriter, without protobuf.
 
 A *pattern* is a nest whose leaves are :class:`PatternNode` (which column of the appended step,
 and which of its most recent steps). A :class:`Config` pairs a flattened pattern with a table,
@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from reverb_shm import specs, structure
+from reverb_shm import specs
+from reverb_shm._internal import structure
 
 __all__ = ["PatternNode", "Condition", "ConstantPriorityFn", "TDError", "Config",
            "create_reference_step", "pattern_from_transform", "create_config", "unpack_pattern",

@@ -1,6 +1,10 @@
 """Which client serves an address: shared memory (local server) or the gRPC bridge.
 
-No grpc import here: local programs never need the optional `bridge` extra.
+This module sits below both `reverb_shm.client` and `reverb_shm.bridge`: it classifies an
+address and names the class that serves it. The remote clients live in the optional bridge
+package (extra `bridge`, which needs grpcio); they are looked up by module name
+(`REMOTE_CLIENTS`) only when an address is remote, so local programs never import grpc and the
+client module never imports the bridge.
 
 Rules (`Client(address)`):
   * a list/tuple of addresses -> a ShardedClient over them;
@@ -12,12 +16,24 @@ Rules (`Client(address)`):
   * any other HOST -> remote; a HOST that resolves to several IPv4 (or, lacking those, IPv6)
     addresses -> a ShardedClient with one shard per address.
 """
+import importlib
 import socket
 from typing import List, Optional
 
-from reverb_shm import shm
+from reverb_shm._internal import shm
 
 _PROBE_TIMEOUT_S = 0.5
+
+# Which class serves a remote address: (module, class name), imported on first use.
+REMOTE_CLIENTS = {
+    "remote": ("reverb_shm.bridge.remote", "RemoteClient"),
+    "sharded": ("reverb_shm.bridge.sharded", "ShardedClient"),
+}
+
+
+def _remote_class(kind: str) -> type:
+  module, name = REMOTE_CLIENTS[kind]
+  return getattr(importlib.import_module(module), name)
 
 
 def split(address: str):
@@ -68,13 +84,10 @@ def remote_client_for(address) -> Optional[object]:
   a ready ShardedClient instance.
   """
   if isinstance(address, (list, tuple)):
-    from reverb_shm.bridge.sharded import ShardedClient  # pylint: disable=g-import-not-at-top
-    return ShardedClient(list(address))
+    return _remote_class("sharded")(list(address))
   if not isinstance(address, str) or is_local(address):
     return None
   targets = shard_targets(address)
   if len(targets) > 1:
-    from reverb_shm.bridge.sharded import ShardedClient  # pylint: disable=g-import-not-at-top
-    return ShardedClient(targets)
-  from reverb_shm.bridge.remote import RemoteClient  # pylint: disable=g-import-not-at-top
-  return RemoteClient
+    return _remote_class("sharded")(targets)
+  return _remote_class("remote")

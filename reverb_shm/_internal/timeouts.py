@@ -1,4 +1,4 @@
-"""Timeout arguments (SPEC "Our decisions" 2): None waits forever, 0 polls, negative is an error.
+"""Timeout arguments (docs/differences.md#timeouts): None waits forever, 0 polls, negative is an error.
 
 A timeout so large that its deadline does not fit CLOCK_MONOTONIC nanoseconds in int64 (about
 292 years from boot), float('inf') included, also waits forever; NaN is an error.

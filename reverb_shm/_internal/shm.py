@@ -31,7 +31,7 @@ import msgpack
 import posix_ipc
 
 from reverb_shm import errors
-from reverb_shm._lib import check, ffi, last_error, lib
+from reverb_shm._internal._lib import check, ffi, last_error, lib
 
 __all__ = ["Segment", "validate_server_name", "validate_mode", "register_port", "unregister_port",
            "prune_stale_aliases", "list_segments", "remove_stale", "is_local_host",
@@ -169,7 +169,7 @@ class Segment:
     self._table_names = None
     self._configs = {}
     self._closed = False
-    # Appended to "arena full" errors: which setting sizes this arena (issue 7b; the bridge's
+    # Appended to "arena full" errors: which setting sizes this arena (the bridge's
     # staging segments name theirs).
     self.arena_hint = ""
 

@@ -1,4 +1,4 @@
-"""Reverb's `ReverbServerConfig` text format -> Tables (SPEC §10).
+"""Reverb's `ReverbServerConfig` text format -> Tables.
 
 The config is a text-format protobuf message::
 

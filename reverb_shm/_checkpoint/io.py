@@ -28,8 +28,9 @@ from typing import Callable, Dict, List, Optional
 import msgpack
 import numpy as np
 
-from reverb_shm import chunks, errors
-from reverb_shm._lib import check, ffi, lib
+from reverb_shm import errors
+from reverb_shm._internal import chunks
+from reverb_shm._internal._lib import check, ffi, lib
 
 __all__ = ["FORMAT", "VERSION", "MANIFEST", "CorruptCheckpointError", "Manifest", "write",
            "read_manifest", "verify", "restore", "table_config", "log_progress", "fsync_dir"]
@@ -207,7 +208,7 @@ def write(seg, directory: str, *, progress: Optional[Progress] = None) -> dict:
   and samples go on. `directory` must not exist; the caller renames it into place afterwards.
 
   Args:
-    seg: an attached :class:`~reverb_shm.shm.Segment`.
+    seg: an attached :class:`~reverb_shm._internal.shm.Segment`.
     directory: path of the directory to create.
     progress: optional Progress callback.
 

@@ -27,8 +27,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from reverb_shm import timeouts
-from reverb_shm._lib import check, ffi, hot, lib
+from reverb_shm._internal import timeouts
+from reverb_shm._internal._lib import check, ffi, hot, lib
 
 __all__ = ["PlanCache", "client_insert", "finish", "open_release", "open_rows", "stager",
            "template"]

@@ -21,7 +21,8 @@ import os
 import signal
 import sys
 
-from reverb_shm import errors, shm
+from reverb_shm import errors
+from reverb_shm._internal import shm
 from reverb_shm.server import PIN_ENTRY_BYTES
 
 _MiB = float(1 << 20)
@@ -83,7 +84,8 @@ def _cmd_gc(args) -> int:
 
 def _serve(config_text: str, *, name=None, arena_mib=None, prog: str) -> int:
   """Builds the tables of a ReverbServerConfig, serves them until SIGINT/SIGTERM; exit code."""
-  from reverb_shm import server as server_lib, server_config  # pylint: disable=g-import-not-at-top
+  from reverb_shm import server as server_lib  # pylint: disable=g-import-not-at-top
+  from reverb_shm.cli import server_config
   try:
     tables, port = server_config.load(config_text)
     kwargs = {"name": name}
@@ -116,7 +118,7 @@ def _cmd_serve(args) -> int:
 
 
 def reverb_server_main(argv=None) -> int:
-  """`reverb_server --config "<textproto>"`: Reverb's server executable (SPEC §10)."""
+  """`reverb_server --config "<textproto>"`: Reverb's server executable."""
   parser = argparse.ArgumentParser(
       prog="reverb_server", description="Serve reverb_shm tables from a ReverbServerConfig.")
   parser.add_argument("--config", required=True,
