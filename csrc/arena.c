@@ -466,7 +466,10 @@ static int slot_check(void *base, uint32_t slot) {
 /* Record a pin of the block at payload `off` for `slot` (refcount already accounted by caller). */
 static uint32_t pin_push(void *base, uint32_t slot, uint64_t off) {
   rs_slot *s = &rs_slots(base)[slot];
-  uint32_t idx = rs_pin_free_stack(base, slot)[--s->free_top];
+  /* free_top: atomic stores, since sample_round reads it without the arena lock */
+  uint32_t top = s->free_top - 1;
+  __atomic_store_n(&s->free_top, top, __ATOMIC_RELAXED);
+  uint32_t idx = rs_pin_free_stack(base, slot)[top];
   __atomic_store_n(&rs_pin_entries(base, slot)[idx], off, __ATOMIC_RELEASE);
   s->npins++;
   return idx;
@@ -478,7 +481,8 @@ static uint64_t pin_pop(void *base, uint32_t slot, uint32_t p) {
   uint64_t *e = &rs_pin_entries(base, slot)[p];
   uint64_t off = *e & ~PIN_MARK;
   __atomic_store_n(e, 0, __ATOMIC_RELEASE);
-  rs_pin_free_stack(base, slot)[s->free_top++] = p;
+  rs_pin_free_stack(base, slot)[s->free_top] = p;
+  __atomic_store_n(&s->free_top, s->free_top + 1, __ATOMIC_RELAXED);
   s->npins--;
   return off;
 }
@@ -741,7 +745,7 @@ void rs_arena_repair(void *base) {
       if (e[i]) held++;
       else stack[top++] = i;
     }
-    sl->free_top = top;
+    __atomic_store_n(&sl->free_top, top, __ATOMIC_RELAXED);
     sl->npins = held;
   }
 }
