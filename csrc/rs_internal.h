@@ -26,7 +26,8 @@
  *   5  layout.c    segment size/init/validate/info/close, table directory; registers the repairs
  *      fastpath.c  fused small inserts (rs_insert_rows)
  *      snapshot.c  checkpoint snapshot and restore of a table
- *      check.c     rs_check: takes every lock, arena + table checks
+ *   6  check.c     rs_check: validates the segment header and table layouts (layout.c), then
+ *                  takes every lock and runs the arena and table checks
  *   hot/ (a separate CPython extension, reverb_shm._hot) calls the core only through function
  *   pointers taken from reverb_shm._core at import (one copy of the core in a process).
  */
