@@ -45,6 +45,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))   # tests/: the reference model
 
 from reverb_shm._core import ffi, lib  # noqa: E402
+from test_core_table import Model, Segment as CoreSegment  # noqa: E402
 
 UNIFORM, PRIORITIZED, FIFO, LIFO, MINHEAP, MAXHEAP = range(6)
 FLT_MAX = float(np.finfo(np.float64).max)
@@ -193,13 +194,7 @@ class Table:
       arr = ffi.new("uint32_t[]", list(pins))
       ok(lib.rs_unpin(self.base, self.slot if slot is None else slot, len(pins), arr), "rs_unpin")
 
-  def mutate(self, updates=(), deletes=()):
-    uk = ffi.new("uint64_t[]", [k for k, _ in updates] or [0])
-    up = ffi.new("double[]", [p for _, p in updates] or [0.0])
-    dk = ffi.new("uint64_t[]", list(deletes) or [0])
-    nu, nd = ffi.new("uint32_t *"), ffi.new("uint32_t *")
-    rc = lib.rs_mutate(self.base, 0, len(updates), uk, up, len(deletes), dk, nu, nd)
-    return rc, nu[0], nd[0]
+  mutate = CoreSegment.mutate   # (rc, updated, deleted) of rs_mutate on table 0
 
   def items(self):
     cap = 64
@@ -227,7 +222,6 @@ class Table:
 
 
 def _verify_sample(model, sampler, mts, rec, label):
-  from test_core_table import Model  # noqa: F401  (imported for the type only)
   key = rec["key"]
   expect(model.can_sample(1) and model.items, f"{label}: sampled {key} while the model blocks")
   want = model.pick(sampler)
@@ -308,7 +302,6 @@ def _fork_and_kill(table, run_us):
 def run_ops(data: bytes) -> None:
   """One ops-mode input (see the module docstring). Raises Violation on any disagreement."""
   import atheris  # pylint: disable=import-outside-toplevel
-  from test_core_table import Model  # pylint: disable=import-outside-toplevel
   fdp = atheris.FuzzedDataProvider(data)
   sampler = fdp.ConsumeIntInRange(0, 5)
   remover = (FIFO, LIFO, MINHEAP, MAXHEAP)[fdp.ConsumeIntInRange(0, 3)]
