@@ -64,6 +64,8 @@ DESELECT["tsan"] = DESELECT["asan"] + [
     "tests/test_core_table.py::test_killed_lock_owner_is_repaired_and_table_stays_consistent",
     "tests/test_hot_insert.py::test_forked_child_makes_its_own_plan",
     "tests/test_hot_insert.py::test_plan_declines_after_a_fork_without_python_hooks",
+    "tests/test_shared_table.py::test_four_writer_processes_and_a_verifying_sampler",
+    "tests/test_server.py::test_stale_segment_of_dead_owner_is_reclaimed",
 ]
 
 FLAGS = {
