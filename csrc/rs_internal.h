@@ -323,10 +323,11 @@ static inline int rs_arena_span_ok(void *base, uint64_t off, uint64_t len) {
   uint64_t end = h->arena_off + h->arena_size;
   return off >= h->arena_off && off <= end && len <= end - off;
 }
-/* Is the chunk header at chunk_off inside the arena, with rows [first, first + n) within its
- * capacity and its whole payload (capacity x row_bytes, and nbytes) inside the arena? */
+/* Is the chunk header at chunk_off (64-aligned, as every block payload) inside the arena, with
+ * rows [first, first + n) within its capacity and its whole payload (capacity x row_bytes, and
+ * nbytes) inside the arena? */
 static inline int rs_chunk_rows_ok(void *base, uint64_t chunk_off, uint64_t first, uint64_t n) {
-  if (!rs_arena_span_ok(base, chunk_off, sizeof(rs_chunk_hdr))) return 0;
+  if (chunk_off % RS_ALIGN || !rs_arena_span_ok(base, chunk_off, sizeof(rs_chunk_hdr))) return 0;
   const rs_chunk_hdr *c = (const rs_chunk_hdr *)rs_at(base, chunk_off);
   uint64_t data = c->data_offset, bytes;
   if (first + n < first || first + n > c->capacity) return 0;
@@ -334,11 +335,11 @@ static inline int rs_chunk_rows_ok(void *base, uint64_t chunk_off, uint64_t firs
   if (!rs_arena_span_ok(base, chunk_off, data)) return 0;
   return rs_arena_span_ok(base, chunk_off + data, bytes) && rs_arena_span_ok(base, chunk_off + data, c->nbytes);
 }
-/* Is the descriptor blob of item reference `ref` inside the arena, with every column's slices
- * inside the blob? (Its slices' chunks are checked by rs_chunk_rows_ok where they are read.) */
+/* Is the descriptor blob of item reference `ref` 64-aligned inside the arena, with every
+ * column's slices inside the blob? (Its slices' chunks are checked by rs_chunk_rows_ok where they are read.) */
 static inline int rs_desc_in_arena(void *base, uint64_t ref) {
   uint64_t off = ref & ((1ull << RS_REF_OFF_BITS) - 1);
-  if (!rs_arena_span_ok(base, off, sizeof(rs_desc_hdr))) return 0;
+  if (off % RS_ALIGN || !rs_arena_span_ok(base, off, sizeof(rs_desc_hdr))) return 0;
   const rs_desc_hdr *d = (const rs_desc_hdr *)rs_at(base, off);
   uint64_t len = sizeof *d + (uint64_t)d->ncols * sizeof(rs_desc_col) + (uint64_t)d->nslices * sizeof(rs_desc_slice);
   if (!rs_arena_span_ok(base, off, len)) return 0;

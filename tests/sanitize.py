@@ -170,6 +170,25 @@ def reports_in(reports: pathlib.Path) -> list:
   return sorted(p for p in reports.glob("*") if p.is_file() and p.stat().st_size > 0)
 
 
+# What a sanitizer prints when it reports: some reports reach stderr rather than log_path (the
+# UBSan runtime loaded next to ASan's), so the output is scanned for these too.
+MARKERS = ("runtime error:", "ERROR: AddressSanitizer", "WARNING: ThreadSanitizer",
+           "ERROR: ThreadSanitizer", "SUMMARY: UndefinedBehaviorSanitizer")
+
+
+def run_scanned(cmd, cwd, env) -> tuple:
+  """Runs cmd, echoing its output; returns (exit status, output lines with a sanitizer marker)."""
+  proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, errors="replace")
+  marked = []
+  for line in proc.stdout:
+    sys.stdout.write(line)
+    if any(m in line for m in MARKERS):
+      marked.append(line.rstrip())
+  sys.stdout.flush()
+  return proc.wait(), marked
+
+
 def prepare(mode: str, build_dir: pathlib.Path = None):
   """Builds the copy; returns (its directory, an empty report directory, the environment)."""
   dest = (build_dir or ROOT / "build" / "sanitize" / mode).resolve()
@@ -212,9 +231,9 @@ def fuzz(target: str, seconds: float, fuzzer_args: list, build_dir: pathlib.Path
     env["REVERB_SHM_FUZZ_TRACE"] = "1"
     cmd = [sys.executable, "tests/fuzz/fuzz_core.py", target,
            *[str(pathlib.Path(p).resolve()) for p in replay]]
-    proc = subprocess.run(cmd, cwd=dest, env=env)
+    rc, marked = run_scanned(cmd, dest, env)
     found = show_reports(reports)
-    return 0 if proc.returncode == 0 and not found else 1
+    return 0 if rc == 0 and not found and not marked else 1
   corpus = dest / "fuzz-corpus" / target
   corpus.mkdir(parents=True, exist_ok=True)
   seeds = dest / "tests" / "fuzz" / "corpus" / target
@@ -227,10 +246,11 @@ def fuzz(target: str, seconds: float, fuzzer_args: list, build_dir: pathlib.Path
           "-rss_limit_mb=4096", "-timeout=30", "-print_final_stats=1", "-len_control=0",
           "-max_len=600", *fuzzer_args]
   print(f"sanitize: {' '.join(cmd[1:])}", flush=True)
-  proc = subprocess.run(cmd, cwd=dest, env=env)
+  rc, marked = run_scanned(cmd, dest, env)
   found = show_reports(reports)
-  print(f"sanitize: fuzz {target}: exit {proc.returncode}, {len(found)} report(s)", flush=True)
-  return 0 if proc.returncode == 0 and not found else 1
+  print(f"sanitize: fuzz {target}: exit {rc}, {len(found)} report file(s), {len(marked)} "
+        f"sanitizer line(s) in the output", flush=True)
+  return 0 if rc == 0 and not found and not marked else 1
 
 
 def run(mode: str, quick: bool, pytest_args: list, build_dir: pathlib.Path = None) -> int:
@@ -246,11 +266,11 @@ def run(mode: str, quick: bool, pytest_args: list, build_dir: pathlib.Path = Non
          *[f"--deselect={t}" for t in DESELECT[mode]], *pytest_args]
   t0 = time.monotonic()
   print(f"sanitize: {' '.join(cmd[3:])}", flush=True)
-  proc = subprocess.run(cmd, cwd=dest, env=env)
+  rc, marked = run_scanned(cmd, dest, env)
   found = show_reports(reports)
-  print(f"sanitize: {mode}: pytest exit {proc.returncode}, {len(found)} sanitizer report(s), "
-        f"{time.monotonic() - t0:.0f} s", flush=True)
-  return 0 if proc.returncode == 0 and not found else 1
+  print(f"sanitize: {mode}: pytest exit {rc}, {len(found)} report file(s), {len(marked)} "
+        f"sanitizer line(s) in the output, {time.monotonic() - t0:.0f} s", flush=True)
+  return 0 if rc == 0 and not found and not marked else 1
 
 
 def main(argv=None) -> int:

@@ -108,11 +108,14 @@ def _first_desc_slice(t):
   return off + 8 + 16 * ncols        # the first rs_desc_slice: chunk_off, row_offset, nrows
 
 
-@pytest.mark.parametrize("bad_chunk_off", [8, 1 << 40, None])
+@pytest.mark.parametrize("bad_chunk_off", [8, 1 << 40, "table", "misaligned"])
 def test_a_damaged_descriptor_is_reported_by_the_checker_and_sampling_raises(target, bad_chunk_off):
   slice_at = _first_desc_slice(target)
-  if bad_chunk_off is None:      # a live block, but not a chunk: the table header's offset
+  if bad_chunk_off == "table":         # not an arena block: a table header's offset
     bad_chunk_off = target.regions["table"][0][0]
+  elif bad_chunk_off == "misaligned":  # inside the arena, 7 bytes past the real chunk
+    # (under UBSan, reading a chunk header there was a misaligned access: found by the fuzzer)
+    bad_chunk_off = struct.unpack_from("<Q", target.pristine, slice_at)[0] + 7
   target.apply([(slice_at, struct.pack("<Q", bad_chunk_off))])
   rc, report = _check_report(target)
   assert rc == lib.RS_ECORRUPT

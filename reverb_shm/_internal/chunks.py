@@ -155,8 +155,9 @@ class _ChunkMeta:
   def __init__(self, seg, off: int):
     # Offsets come from descriptors in shared memory: checked against the segment before they
     # are dereferenced, so that a damaged segment raises instead of crashing the process.
-    if not _CHUNK_HDR_SIZE <= off <= seg.size - _CHUNK_HDR_SIZE:
-      raise _damaged(seg, f"chunk offset {off} lies outside the {seg.size}-byte segment")
+    if off % 64 or not _CHUNK_HDR_SIZE <= off <= seg.size - _CHUNK_HDR_SIZE:
+      raise _damaged(seg, f"chunk offset {off} is not a 64-aligned offset inside the "
+                     f"{seg.size}-byte segment")
     h = ffi.cast("rs_chunk_hdr *", seg.address + off)
     payload = max(h.capacity * h.row_bytes, h.nbytes)
     if h.ndim > 8 or h.data_offset > seg.size - off or payload > seg.size - off - h.data_offset:
