@@ -537,7 +537,10 @@ static int slot_check(void *base, uint32_t slot) {
 /* Record a pin of the block at payload `off` for `slot` (refcount already accounted by caller). */
 static uint32_t pin_push(void *base, uint32_t slot, uint64_t off) {
   rs_slot *s = &rs_slots(base)[slot];
-  uint32_t idx = rs_pin_free_stack(base, slot)[--s->free_top];
+  /* free_top: atomic stores, since sample_round reads it without the arena lock */
+  uint32_t top = s->free_top - 1;
+  __atomic_store_n(&s->free_top, top, __ATOMIC_RELAXED);
+  uint32_t idx = rs_pin_free_stack(base, slot)[top];
   __atomic_store_n(&rs_pin_entries(base, slot)[idx], off, __ATOMIC_RELEASE);
   s->npins++;
   return idx;
@@ -549,7 +552,8 @@ static uint64_t pin_pop(void *base, uint32_t slot, uint32_t p) {
   uint64_t *e = &rs_pin_entries(base, slot)[p];
   uint64_t off = *e & ~PIN_MARK;
   __atomic_store_n(e, 0, __ATOMIC_RELEASE);
-  rs_pin_free_stack(base, slot)[s->free_top++] = p;
+  rs_pin_free_stack(base, slot)[s->free_top] = p;
+  __atomic_store_n(&s->free_top, s->free_top + 1, __ATOMIC_RELAXED);
   s->npins--;
   return off;
 }
@@ -861,7 +865,7 @@ void rs_arena_repair(void *base) {
       if (e[i]) held++;
       else stack[top++] = i;
     }
-    sl->free_top = top;
+    __atomic_store_n(&sl->free_top, top, __ATOMIC_RELAXED);
     sl->npins = held;
   }
 }
@@ -961,6 +965,16 @@ static int desc_sane(void *base, uint64_t off) {
   const rs_desc_hdr *d = rs_desc_blob(base, off);
   uint64_t len = sizeof *d + (uint64_t)d->ncols * sizeof(rs_desc_col) + (uint64_t)d->nslices * sizeof(rs_desc_slice);
   return b->aux == len && RS_ALIGN + rs_desc_data_offset() + len <= bsize(b);
+}
+
+int rs_item_ref_valid(void *base, uint64_t ref) {
+  uint64_t off = rs_ref_off(ref);
+  if (!is_block(base, off, RS_BLOCK_DESC, 1) || !desc_sane(base, off)) return 0;
+  const rs_desc_hdr *d = rs_desc_blob(base, off);
+  const rs_desc_slice *s = desc_slices(d);
+  for (uint32_t k = 0; k < d->nslices; k++)
+    if (!is_block(base, s[k].chunk_off, RS_BLOCK_CHUNK, 1)) return 0;
+  return rs_item_in_arena(base, ref);
 }
 
 /* Add one reference per distinct chunk of every (live) descriptor. Returns -1 on out of memory. */

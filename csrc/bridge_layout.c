@@ -60,7 +60,7 @@ int rs_group_layouts(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t
   for (uint32_t i = 0; i < n; i++) {
     const rs_desc_hdr *d = rs_desc_blob(base, desc_offs[i]);
     uint32_t g = UINT32_MAX;
-    if (gatherable(base, d)) {
+    if (rs_item_in_arena(base, desc_offs[i]) && gatherable(base, d)) {   /* damaged: ungrouped */
       for (uint32_t k = 0; k < ngroups && g == UINT32_MAX; k++)
         if (same_layout(base, reps[k], d)) g = k;
       if (g == UINT32_MAX && ngroups < max_groups) {

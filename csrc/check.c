@@ -1,5 +1,6 @@
 /* rs_check: stop the world (every table lock in index order, then the arena lock) and verify
  * every table's invariants (rs_table_check) and the allocator's (rs_arena_check). */
+#include <stdio.h>
 #include <string.h>
 
 #include "rs_internal.h"
@@ -7,6 +8,13 @@
 int rs_check(void *base, char *report, uint64_t report_len) {
   if (report && report_len) report[0] = 0;
   rs_seg_hdr *h = rs_seg(base);
+  /* The header and table layouts first (a segment damaged after it was attached): every later
+   * check follows their offsets. */
+  int vrc = rs_segment_validate(base, h->total_size);
+  if (vrc) {
+    if (report && report_len) snprintf(report, report_len, "%s\n", rs_last_error());
+    return vrc;
+  }
   uint32_t locked = 0;
   int rc = RS_OK;
   for (; locked < h->num_tables; locked++)

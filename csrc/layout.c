@@ -240,6 +240,10 @@ int rs_segment_validate(void *base, uint64_t size) {
     if (!inside(toffs[t], sizeof(rs_table_hdr), h->arena_off) || toffs[t] % RS_ALIGN)
       return rs_set_error(RS_ECORRUPT, "table %u header offset %llu, expected a 64-aligned offset before the"
                           " arena at %llu", t, (unsigned long long)toffs[t], (unsigned long long)h->arena_off);
+  for (uint32_t t = 0; t < h->num_tables; t++) {
+    int rc = rs_table_layout_check(base, t);
+    if (rc) return rc;
+  }
   return RS_OK;
 }
 

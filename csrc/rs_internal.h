@@ -37,7 +37,8 @@
  *   5  layout.c    segment size/init/validate/info/close, table directory; registers the repairs
  *      fastpath.c  fused small inserts (rs_insert_rows)
  *      snapshot.c  checkpoint snapshot and restore of a table
- *      check.c     rs_check: takes every lock, arena + table checks
+ *   6  check.c     rs_check: validates the segment header and table layouts (layout.c), then
+ *                  takes every lock and runs the arena and table checks
  *   hot/ (a separate CPython extension, reverb_shm._hot) calls the core only through function
  *   pointers taken from reverb_shm._core at import (one copy of the core in a process).
  */
@@ -337,10 +338,63 @@ int rs_reserve(void *base, uint64_t off, uint64_t len, const char *what);
 /* Disk tier: start reading the pages of [p, p + len) of an arena file (MADV_WILLNEED), so that
  * the rows of a sampled batch are read from disk concurrently instead of one fault at a time. */
 void rs_prefetch_file_rows(const void *p, uint64_t len);
+/* Checker: is item reference `ref` a live DESC block whose blob fits it, every slice naming a
+ * live chunk, with rs_item_in_arena? (Walks nothing; reads the blocks' headers.) */
+int rs_item_ref_valid(void *base, uint64_t ref);
 /* Verify allocator and refcount invariants; caller holds every lock. */
 int rs_arena_check(void *base, char *report, uint64_t report_len);
 /* Stop-the-world recount (caller holds every table lock and the arena lock). */
 void rs_recount(void *base);
+
+/* ------------------------------------------------------------------ bounds of read paths
+ * Offsets that readers take from shared memory (descriptor blobs, their slices' chunk offsets,
+ * chunk headers) are checked against the arena before they are dereferenced, so that a damaged
+ * segment gives RS_ECORRUPT instead of a SIGSEGV. Arithmetic on header fields only: no walk. */
+static inline int rs_arena_span_ok(void *base, uint64_t off, uint64_t len) {
+  const rs_seg_hdr *h = rs_seg(base);
+  uint64_t end = h->arena_off + h->arena_size;
+  return off >= h->arena_off && off <= end && len <= end - off;
+}
+/* Is the chunk header at chunk_off (64-aligned, as every block payload) inside the arena, with
+ * rows [first, first + n) within its capacity and its whole payload (capacity x row_bytes, and
+ * nbytes) inside the arena? */
+static inline int rs_chunk_rows_ok(void *base, uint64_t chunk_off, uint64_t first, uint64_t n) {
+  if (chunk_off % RS_ALIGN || !rs_arena_span_ok(base, chunk_off, sizeof(rs_chunk_hdr))) return 0;
+  const rs_chunk_hdr *c = (const rs_chunk_hdr *)rs_at(base, chunk_off);
+  uint64_t data = c->data_offset, bytes;
+  if (first + n < first || first + n > c->capacity) return 0;
+  if (__builtin_mul_overflow((uint64_t)c->capacity, c->row_bytes, &bytes)) return 0;
+  if (!rs_arena_span_ok(base, chunk_off, data)) return 0;
+  return rs_arena_span_ok(base, chunk_off + data, bytes) && rs_arena_span_ok(base, chunk_off + data, c->nbytes);
+}
+/* Is the descriptor blob of item reference `ref` 64-aligned inside the arena, with every
+ * column's slices inside the blob? (Its slices' chunks are checked by rs_chunk_rows_ok where they are read.) */
+static inline int rs_desc_in_arena(void *base, uint64_t ref) {
+  uint64_t off = ref & ((1ull << RS_REF_OFF_BITS) - 1);
+  if (off % RS_ALIGN || !rs_arena_span_ok(base, off, sizeof(rs_desc_hdr))) return 0;
+  const rs_desc_hdr *d = (const rs_desc_hdr *)rs_at(base, off);
+  uint64_t len = sizeof *d + (uint64_t)d->ncols * sizeof(rs_desc_col) + (uint64_t)d->nslices * sizeof(rs_desc_slice);
+  if (!rs_arena_span_ok(base, off, len)) return 0;
+  const rs_desc_col *cols = (const rs_desc_col *)(d + 1);
+  for (uint32_t c = 0; c < d->ncols; c++)
+    if ((uint64_t)cols[c].first_slice + cols[c].nslices > d->nslices) return 0;
+  return 1;
+}
+/* rs_desc_in_arena, and every slice's rows (shifted by the reference's row shift) inside its
+ * chunk's capacity and the arena. */
+static inline int rs_item_in_arena(void *base, uint64_t ref) {
+  if (!rs_desc_in_arena(base, ref)) return 0;
+  const rs_desc_hdr *d = (const rs_desc_hdr *)rs_at(base, ref & ((1ull << RS_REF_OFF_BITS) - 1));
+  const rs_desc_slice *s = (const rs_desc_slice *)((const char *)(d + 1) + (uint64_t)d->ncols * sizeof(rs_desc_col));
+  uint64_t shift = ref >> RS_REF_OFF_BITS;
+  for (uint32_t k = 0; k < d->nslices; k++)
+    if (!rs_chunk_rows_ok(base, s[k].chunk_off, s[k].row_offset + shift, s[k].nrows)) return 0;
+  return 1;
+}
+/* Is table t's header consistent with the layout its own configuration implies (every array
+ * where rs_table_region_init put it, inside the segment before the arena)? RS_ECORRUPT naming
+ * the first difference otherwise. */
+int rs_table_layout_check(void *base, uint32_t t);
 
 /* ------------------------------------------------------------------ util.c: streaming copy */
 #define RS_STREAM_MIN_BYTES (16u << 10)

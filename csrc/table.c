@@ -102,6 +102,55 @@ uint64_t rs_table_region_size(const rs_table_config *cfg) {
   return p.total;
 }
 
+int rs_table_layout_check(void *base, uint32_t t) {
+  const rs_seg_hdr *h = rs_seg(base);
+  uint64_t off = ((const uint64_t *)rs_at(base, h->tables_off))[t];
+  const rs_table_hdr *th = (const rs_table_hdr *)rs_at(base, off);
+  rs_table_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  memcpy(cfg.name, th->name, sizeof cfg.name);
+  cfg.max_size = th->max_size;
+  cfg.max_times_sampled = th->max_times_sampled;
+  cfg.sampler_kind = th->sel[0].kind;
+  cfg.sampler_exponent = th->sel[0].exponent;
+  cfg.remover_kind = th->sel[1].kind;
+  cfg.remover_exponent = th->sel[1].exponent;
+  cfg.samples_per_insert = th->samples_per_insert;
+  cfg.min_size_to_sample = th->min_size_to_sample;
+  cfg.min_diff = th->min_diff;
+  cfg.max_diff = th->max_diff;
+  cfg.blob = (const uint8_t *)th;   /* not read: only its length matters to the plan */
+  cfg.blob_len = th->blob_len;
+  if (config_check(&cfg)) {
+    char why[512];
+    snprintf(why, sizeof why, "%s", rs_last_error());
+    return rs_set_error(RS_ECORRUPT, "table %u header holds an invalid configuration: %s", t, why);
+  }
+  region_plan p;
+  plan_region(&cfg, &p);
+  int heaps = rs_sel_is_heap(cfg.sampler_kind) || rs_sel_is_heap(cfg.remover_kind);
+  int bad = th->cap != p.cap || th->index_cap != p.index_cap || th->episodes_cap != p.episodes_cap ||
+            th->tree_leaves != p.tree_leaves || th->recs_off != off + p.recs ||
+            th->index_off != off + p.index || th->dense_off != off + p.dense ||
+            th->episodes_off != off + p.episodes || th->blob_off != off + p.blob ||
+            th->aux_off != (heaps ? off + p.aux : 0) || off + p.total > h->arena_off ||
+            th->sel[0].heap_len > p.cap || th->sel[1].heap_len > p.cap ||
+            (th->free_rec_head != RS_NONE && th->free_rec_head >= p.cap) ||
+            (th->order_head != RS_NONE && th->order_head >= p.cap) ||
+            (th->order_tail != RS_NONE && th->order_tail >= p.cap) || th->size < 0 ||
+            (uint64_t)th->size > th->max_size + 1;
+  for (int si = 0; si < 2; si++) {
+    int32_t kind = si ? cfg.remover_kind : cfg.sampler_kind;
+    bad |= th->sel[si].heap_off != (rs_sel_is_heap(kind) ? off + p.heap[si] : 0);
+    bad |= th->sel[si].tree_off != (kind == RS_SEL_PRIORITIZED ? off + p.tree[si] : 0);
+  }
+  if (bad)
+    return rs_set_error(RS_ECORRUPT, "table %u ('%.63s') header: capacities, array offsets or list "
+                        "heads differ from the layout of its configuration (max_size %llu): the "
+                        "segment is damaged", t, th->name, (unsigned long long)th->max_size);
+  return RS_OK;
+}
+
 static void free_list_rebuild(rs_rec *recs, rs_table_hdr *th) {
   th->free_rec_head = RS_NONE;
   for (uint32_t r = th->cap; r-- > 0;) {
@@ -353,9 +402,24 @@ typedef struct ep_ctx {
   uint32_t count;
 } ep_ctx;
 
+#define EP_NEW_SEEN 64   /* distinct new episodes of one item told apart exactly */
+
+typedef struct ep_new_ctx {
+  ep_ctx c;
+  uint32_t nseen;
+  uint64_t seen[EP_NEW_SEEN];   /* the new episodes counted so far */
+} ep_new_ctx;
+
+/* Counts the episodes of an item that the map does not hold yet, each once: the chunks of one
+ * episode (one per column) need one new entry, not one each. Past EP_NEW_SEEN distinct new
+ * episodes the rest are counted per chunk (an overestimate: the capacity check stays safe). */
 static void ep_count_new(void *c, uint64_t ep) {
-  ep_ctx *x = c;
-  if (!rs_epmap_find(x->em, x->th->episodes_cap, ep)) x->count++;
+  ep_new_ctx *x = c;
+  if (rs_epmap_find(x->c.em, x->c.th->episodes_cap, ep)) return;
+  for (uint32_t i = 0; i < x->nseen; i++)
+    if (x->seen[i] == ep) return;
+  if (x->nseen < EP_NEW_SEEN) x->seen[x->nseen++] = ep;
+  x->c.count++;
 }
 
 static void ep_add(void *c, uint64_t ep) {
@@ -436,9 +500,11 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
     update_priority(base, th, r, priority);
     return RS_OK;
   }
-  ep_ctx ctx = {th, rs_tepisodes(base, th), 0};
+  ep_new_ctx ctx;
+  ctx.c = (ep_ctx){th, rs_tepisodes(base, th), 0};
+  ctx.nseen = 0;
   rs_desc_each_episode(base, (const rs_desc_hdr *)blob, 0, ep_count_new, &ctx);
-  if ((uint64_t)th->num_episodes + ctx.count >= th->episodes_cap)
+  if ((uint64_t)th->num_episodes + ctx.c.count >= th->episodes_cap)
     return rs_set_error(RS_EFULL, "table '%s': episode map full (%lld episodes, capacity %u)",
                         th->name, (long long)th->num_episodes, th->episodes_cap - 1);
   if (th->free_rec_head == RS_NONE) /* cannot happen: size <= max_size < cap */
@@ -573,8 +639,10 @@ static inline sample_hint *hint_of(uint64_t key) {
   return &sample_hints[(key * 0x9E3779B97F4A7C15ull) >> (64 - HINT_BITS)];
 }
 
-/* Does the item at desc_off have exactly the columns `cols` describe (bytes and dtype)? */
+/* Does the item at desc_off have exactly the columns `cols` describe (bytes and dtype)? -1 when
+ * its descriptor or chunks lie outside the arena (a damaged segment; rs_item_in_arena). */
 static int layout_ok(void *base, uint64_t desc_off, uint32_t ncols, const rs_gather_col *cols) {
+  if (!rs_item_in_arena(base, desc_off)) return -1;
   const rs_desc_hdr *d = rs_desc_blob(base, desc_off);
   if (d->ncols != ncols) return 0;
   const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
@@ -611,6 +679,7 @@ typedef struct gather_memo {
   uint64_t blob[MEMO_WAYS];                   /* rs_ref_off of the item reference; 0 = empty */
   const char *row0[MEMO_WAYS][GATHER_COLS];   /* NULL: the column has several slices */
   uint64_t row_bytes[MEMO_WAYS][GATHER_COLS];
+  uint64_t max_shift[MEMO_WAYS];              /* largest row shift whose rows lie in the chunks */
   uint32_t npins;
   uint64_t pin_descs[SAMPLE_ROUND];
   uint32_t pins[SAMPLE_ROUND];
@@ -624,16 +693,25 @@ static inline const char *slice_src(void *base, const rs_desc_slice *sl, uint64_
                                     uint64_t *nb);
 
 /* Is the blob of item reference `ref` known to have cols' layout? Checks and remembers it (and
- * lists it for pinning) if not. 0: it has another layout. */
+ * lists it for pinning) if not. 0: it has another layout; -1: its rows (at the reference's
+ * row shift) or its descriptor lie outside the arena (rs_item_in_arena). */
 static int memo_layout_ok(void *base, gather_memo *m, uint64_t ref, uint32_t ncols,
                           const rs_gather_col *cols) {
   uint64_t blob = rs_ref_off(ref);
   uint32_t w = memo_way(blob);
-  if (m->blob[w] == blob) return 1;
-  if (!layout_ok(base, blob, ncols, cols)) return 0;
+  if (m->blob[w] == blob) return rs_ref_shift(ref) <= m->max_shift[w] ? 1 : -1;
+  int ok = layout_ok(base, blob, ncols, cols);
+  if (ok <= 0) return ok;
   const rs_desc_hdr *d = rs_desc_blob(base, blob);
   const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
   const rs_desc_slice *sl = rs_desc_slices(d);
+  uint64_t max_shift = UINT64_MAX;   /* rows stay within every chunk's capacity */
+  for (uint32_t k = 0; k < d->nslices; k++) {
+    uint64_t room = rs_chunk(base, sl[k].chunk_off)->capacity - ((uint64_t)sl[k].row_offset + sl[k].nrows);
+    if (room < max_shift) max_shift = room;   /* (layout_ok checked row_offset + nrows <= capacity) */
+  }
+  if (rs_ref_shift(ref) > max_shift) return -1;
+  m->max_shift[w] = max_shift;
   for (uint32_t c = 0; c < ncols; c++) {
     const rs_desc_slice *first = &sl[dc[c].first_slice];
     uint64_t nb;
@@ -702,14 +780,20 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
     int other_layout = 0;
     if (cols) {
       uint32_t good = 0;
+      int lok = 1;
       if (memo)
-        while (good < m && memo_layout_ok(base, memo, recs[picks[k + good]].desc_off, ncols, cols))
+        while (good < m && (lok = memo_layout_ok(base, memo, recs[picks[k + good]].desc_off, ncols, cols)) > 0)
           good++;
       else
-        while (good < m && layout_ok(base, recs[picks[k + good]].desc_off, ncols, cols)) good++;
+        while (good < m && (lok = layout_ok(base, recs[picks[k + good]].desc_off, ncols, cols)) > 0) good++;
       if (good < m) {
         other_layout = 1;
         m = good;
+        if (k + m == 0 && lok < 0)
+          return rs_set_error(RS_ECORRUPT, "table '%s': sampled item %llu has a descriptor or chunk "
+                              "outside the shared-memory arena: the segment is damaged (reverb-shm "
+                              "check names what); it was left unsampled", th->name,
+                              (unsigned long long)recs[picks[k]].key);
         if (k + m == 0)
           return rs_set_error(RS_EINVAL, "table '%s': sampled item %llu does not have the expected "
                               "column layout (%u columns of the given dtypes and sizes); it was "
@@ -823,6 +907,10 @@ int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col, u
   if (n == 0) return RS_OK;
   if (!base || !desc_offs || !out) return rs_set_error(RS_EINVAL, "rs_gather: NULL argument");
   for (uint32_t i = 0; i < n; i++) {
+    if (!rs_item_in_arena(base, desc_offs[i]))
+      return rs_set_error(RS_ECORRUPT, "rs_gather: item %u (reference %llu) has a descriptor or chunk "
+                          "outside the shared-memory arena: the segment is damaged", i,
+                          (unsigned long long)desc_offs[i]);
     const rs_desc_hdr *d = rs_desc_blob(base, desc_offs[i]);
     if (col >= d->ncols)
       return rs_set_error(RS_EINVAL, "rs_gather: item %u has %u columns, column %u requested", i,

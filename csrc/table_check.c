@@ -57,6 +57,11 @@ static void check_records(void *base, rs_table_hdr *th, report_t *rep) {
       fail(rep, "index does not map key %llu to its record %u", (unsigned long long)recs[r].key, r);
     if (recs[r].dense_pos >= th->size || dense[recs[r].dense_pos] != r)
       fail(rep, "record %u has dense_pos %u but dense[] disagrees", r, recs[r].dense_pos);
+    if (!rs_item_ref_valid(base, recs[r].desc_off)) {
+      fail(rep, "record %u (key %llu): item reference %llu is not a live descriptor whose slices lie in "
+           "live chunks", r, (unsigned long long)recs[r].key, (unsigned long long)recs[r].desc_off);
+      continue;
+    }
     const rs_desc_hdr *d = rs_desc_blob(base, recs[r].desc_off);
     const rs_desc_slice *sl = rs_desc_slices(d);
     uint64_t shift = rs_ref_shift(recs[r].desc_off);
@@ -127,7 +132,7 @@ static void check_selector(void *base, rs_table_hdr *th, int si, report_t *rep) 
         fail(rep, "selector %d: heap[%u] = %u has a wrong back-pointer or is not live", si, i, r);
         continue;
       }
-      if (i > 0 && rs_heap_before(s->kind, recs, aux, r, heap[(i - 1) / 2]))
+      if (i > 0 && heap[(i - 1) / 2] < th->cap && rs_heap_before(s->kind, recs, aux, r, heap[(i - 1) / 2]))
         fail(rep, "selector %d: heap property violated at position %u", si, i);
     }
   } else if (s->kind == RS_SEL_PRIORITIZED) {
@@ -168,7 +173,8 @@ static void check_episodes(void *base, rs_table_hdr *th, report_t *rep) {
     return;
   }
   for (uint32_t r = 0; r < th->cap; r++)
-    if (recs[r].valid == 1) rs_item_each_episode(base, recs[r].desc_off, recount_add, &rc);
+    if (recs[r].valid == 1 && rs_item_ref_valid(base, recs[r].desc_off))
+      rs_item_each_episode(base, recs[r].desc_off, recount_add, &rc);
   rs_episode_entry *em = rs_tepisodes(base, th);
   int64_t used = 0;
   for (uint32_t i = 0; i < th->episodes_cap; i++) {

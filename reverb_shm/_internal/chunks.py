@@ -140,6 +140,12 @@ def _pinned_view(seg, pins: Pins, address: int, shape: tuple, dtype: np.dtype) -
 
 # ---------------------------------------------------------------- chunk headers
 _DTYPES = {}  # rs_chunk_hdr.dtype code -> np.dtype
+_CHUNK_HDR_SIZE = ffi.sizeof("rs_chunk_hdr")
+
+
+def _damaged(seg, what: str) -> errors.CorruptError:
+  return errors.CorruptError(f"segment {seg.name!r} is damaged: {what} (reverb-shm check "
+                             f"{seg.name} lists what is wrong)")
 
 
 class _ChunkMeta:
@@ -147,11 +153,24 @@ class _ChunkMeta:
                "episode_id", "start_step")
 
   def __init__(self, seg, off: int):
+    # Offsets come from descriptors in shared memory: checked against the segment before they
+    # are dereferenced, so that a damaged segment raises instead of crashing the process.
+    if off % 64 or not _CHUNK_HDR_SIZE <= off <= seg.size - _CHUNK_HDR_SIZE:
+      raise _damaged(seg, f"chunk offset {off} is not a 64-aligned offset inside the "
+                     f"{seg.size}-byte segment")
     h = ffi.cast("rs_chunk_hdr *", seg.address + off)
+    payload = max(h.capacity * h.row_bytes, h.nbytes)
+    if h.ndim > 8 or h.data_offset > seg.size - off or payload > seg.size - off - h.data_offset:
+      raise _damaged(seg, f"the chunk at {off} has {h.ndim} dims and {payload} payload bytes at "
+                     f"{h.data_offset}, beyond the {seg.size}-byte segment")
     code = ffi.string(h.dtype)
     dtype = _DTYPES.get(code)
     if dtype is None:
-      dtype = _DTYPES[code] = _OBJECT if code == b"O" else np.dtype(code.decode("ascii"))
+      try:
+        dtype = _OBJECT if code == b"O" else np.dtype(code.decode("ascii"))
+      except (TypeError, ValueError, UnicodeDecodeError):
+        raise _damaged(seg, f"the chunk at {off} has dtype {code!r}") from None
+      _DTYPES[code] = dtype
     self.off = off
     self.dtype = dtype
     self.shape = tuple(ffi.unpack(h.shape, h.ndim))
