@@ -55,6 +55,7 @@
 #define RS_MAX_NDIM 8
 #define RS_MAX_BLOB (1u << 20)
 #define RS_NBINS 48
+#define RS_PIN_START 1024u      /* pins of each slot's log reserved when a growable segment starts */
 #define RS_RECENT_TEMPLATES 8   /* rs_table_hdr.recent_recs */
 
 static inline uint64_t rs_align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }

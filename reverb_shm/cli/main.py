@@ -4,7 +4,7 @@ Sub-commands:
   reverb-shm list            servers whose segments exist in /dev/shm, with owner state
   reverb-shm info NAME       segment and per-table statistics of server NAME
   reverb-shm check NAME      run the C invariant checker over every table of NAME (exit 1 on violation)
-  reverb-shm gc [NAME ...] [--dry-run]
+  reverb-shm gc [NAME ...] [--dry-run] [--storage DIR]
                              remove segments and port aliases whose owner process is dead
                              (of servers NAME only, if given); a segment still being created
                              counts as live
@@ -80,10 +80,10 @@ def _cmd_check(args) -> int:
 
 def _cmd_gc(args) -> int:
   if args.dry_run:
-    removed = shm.remove_stale(dry_run=True, names=args.names or None)
+    removed = shm.remove_stale(dry_run=True, names=args.names or None, storage=args.storage)
     freed = sum(shm.allocated_bytes(path) for path in removed)
   else:
-    removed, freed = shm.reclaim_dead(names=args.names or None)
+    removed, freed = shm.reclaim_dead(names=args.names or None, storage=args.storage)
   verb = "would remove" if args.dry_run else "removed"
   for path in removed:
     print(f"{verb} {path}")
@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("names", nargs="*", metavar="NAME",
                  help="only consider the segments of these servers (default: all)")
   p.add_argument("--dry-run", action="store_true")
+  p.add_argument("--storage", metavar="DIR", default=None,
+                 help="a disk-tier directory (Server storage=): also remove its arena files "
+                      "whose server is gone (e.g. after /dev/shm was cleared by a reboot)")
   p.set_defaults(func=_cmd_gc)
   p = sub.add_parser("serve", help="serve tables from a ReverbServerConfig text file")
   p.add_argument("--config", required=True, help="file holding a text-format ReverbServerConfig")
