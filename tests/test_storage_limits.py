@@ -200,15 +200,19 @@ def test_live_server_in_another_pid_namespace_is_not_reclaimed():
       print("up", flush=True)
       time.sleep(60)
       '''
-      p = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", SRV],
+      p = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable,
+                            "-c", SRV],
                            stdout=subprocess.PIPE, text=True)
       assert p.stdout.readline().strip() == "up"
       rows = shm.list_segments(["pidns"])
       removed = shm.remove_stale()
       left = os.path.exists("/dev/shm/rvshm.pidns")
       p.kill(); p.wait()
-      time.sleep(0.5)
-      removed_after = shm.remove_stale()
+      for _ in range(100):        # the server (pid 1 of its namespace) dies with unshare
+        removed_after = shm.remove_stale()
+        if removed_after:
+          break
+        time.sleep(0.1)
       print("RESULT " + json.dumps(dict(rows=rows, removed=removed, left=left,
                                         after=removed_after)))
   """)

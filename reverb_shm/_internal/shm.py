@@ -1076,6 +1076,7 @@ def reclaim_dead(names: Optional[Iterable[str]] = None,
   """
   sizes = _reverb_files()
   if storage is not None:
+    storage = _storage_dir(storage)
     try:
       for entry in os.listdir(storage):
         if _ARENA_FILE_RE.fullmatch(entry):
