@@ -86,7 +86,8 @@ int rs_reserve(void *base, uint64_t off, uint64_t len, const char *what) {
   int err = errno;
   /* The pages populated before the failure hold memory nobody will use: give them back (the
    * range lies beyond everything published, so no process reads it). */
-  if (err != EINVAL) madvise(rs_at(base, start), end - start, MADV_REMOVE);
+  uint64_t first = rs_align_up(off, PAGE);   /* whole pages of the range only: never a live byte */
+  if (err != EINVAL && first < end) madvise(rs_at(base, first), end - first, MADV_REMOVE);
   return rs_set_error(RS_ENOSPC,
                       "cannot grow %s by %.1f MiB: %s; give /dev/shm more room (docker run --shm-size),"
                       " stop other servers, or pre-size the server (arena_bytes) so that it does not need"
