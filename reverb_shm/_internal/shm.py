@@ -1017,18 +1017,25 @@ def _prune_orphan_arena_files(storage: str, dry_run: bool, names, doomed, done) 
   """Arena files of `storage` (regular files of this user, named as arena files are) whose
   server has no segment (or a stale one, in `doomed`). A server creates its segment before its
   arena file and removes the file first, so a file without a segment is an orphan."""
-  removed = []
+  orphans = []
   try:
     entries = sorted(os.listdir(storage))
   except OSError:
-    return removed
+    return orphans
   for entry in entries:
     m = _ARENA_FILE_RE.fullmatch(entry)
     path = os.path.join(storage, entry)
-    if (m is None or path in done or (names is not None and m.group(1) not in names)
-        or not (m.group(1) in doomed or not os.path.exists(segment_path(m.group(1))))
-        or not _owned_regular_file(path)):
-      continue
+    if (m is not None and path not in done and (names is None or m.group(1) in names)
+        and (m.group(1) in doomed or not os.path.exists(segment_path(m.group(1))))
+        and _owned_regular_file(path)):
+      orphans.append(path)
+  return _unlink_paths(orphans, dry_run)
+
+
+def _unlink_paths(paths: Iterable[str], dry_run: bool) -> List[str]:
+  """Unlinks (unless dry_run) each of `paths`; those it removed (or would remove)."""
+  removed = []
+  for path in paths:
     if not dry_run:
       try:
         os.unlink(path)
@@ -1119,11 +1126,4 @@ def _prune_orphan_sidecars(dry_run: bool, names, doomed: Iterable[str] = ()) -> 
     return stale
 
   removed = _unlink_stale_files(is_stale, dry_run)
-  for path in files:
-    if not dry_run:
-      try:
-        os.unlink(path)
-      except OSError:
-        continue
-    removed.append(path)
-  return removed
+  return removed + _unlink_paths(files, dry_run)
