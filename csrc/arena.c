@@ -155,10 +155,11 @@ static uint64_t largest_free(void *base) {
 #define GROW_MAX (256ull << 20)   /* largest extent beyond the need (bounds the reservation time) */
 #define GROW_ALIGN (2ull << 20)
 
-/* Bytes the budget (max_bytes) still allows the arena to add; UINT64_MAX without a budget. */
+/* Bytes the budget (max_bytes) still allows the arena to add; UINT64_MAX without a budget.
+ * The disk tier's max_bytes bounds its arena file: the pin logs (in /dev/shm) are not charged. */
 static uint64_t budget_left(const rs_seg_hdr *h) {
   if (!h->max_bytes) return UINT64_MAX;
-  uint64_t used = arena_end(h) + h->pins_reserved;
+  uint64_t used = arena_end(h) + (h->arena_file ? 0 : h->pins_reserved);
   return used >= h->max_bytes ? 0 : h->max_bytes - used;
 }
 
@@ -179,6 +180,11 @@ static int arena_grow(void *base, uint64_t need) {
   step = rs_align_up(step, GROW_ALIGN);
   if (step > room) step = room;
   int rc = rs_reserve(base, end, step, "the arena");
+  if (rc && step > want) {   /* no room for a whole extent: just what is needed, if that fits */
+    step = rs_align_up(want, GROW_ALIGN) < step ? rs_align_up(want, GROW_ALIGN) : step;
+    rc = rs_reserve(base, end, step, "the arena");
+    if (rc && step > want) rc = rs_reserve(base, end, step = want, "the arena");
+  }
   if (rc) return rc;
   write_header(base, end, step, RS_BLOCK_FREE, tail);                  /* beyond the end: unseen */
   __atomic_store_n(&h->arena_size, h->arena_size + step, __ATOMIC_RELEASE);   /* commit */
@@ -566,7 +572,7 @@ static int pins_full(void *base, uint32_t slot, uint32_t n) {
                       slot, s->npins, rs_seg(base)->pins_per_proc, n);
 }
 
-#define PIN_GROW_MIN 1024u   /* pins added at least per growth step (12 KiB of pages) */
+#define PIN_GROW_MIN RS_PIN_START   /* pins added at least per growth step (12 KiB of pages) */
 
 int rs_pins_grow(void *base, uint32_t slot, uint32_t n) {
   rs_seg_hdr *h = rs_seg(base);
@@ -579,7 +585,7 @@ int rs_pins_grow(void *base, uint32_t slot, uint32_t n) {
   newcap = rs_align_up(newcap < PIN_GROW_MIN ? PIN_GROW_MIN : newcap, PIN_GROW_MIN);
   if (newcap > ppp) newcap = ppp;
   uint64_t add = (newcap - cap) * (sizeof(uint64_t) + sizeof(uint32_t));
-  if (h->max_bytes && arena_end(h) + h->pins_reserved + add > h->max_bytes)
+  if (h->max_bytes && !h->arena_file && arena_end(h) + h->pins_reserved + add > h->max_bytes)
     return rs_set_error(RS_ENOSPC,
                         "cannot grow the pin log of process slot %u to %llu pins: the server's max_bytes"
                         " (%.1f MiB) is reserved (arena %.1f MiB + pin logs %.1f MiB); create the server"

@@ -84,12 +84,19 @@ int rs_reserve(void *base, uint64_t off, uint64_t len, const char *what) {
   if (end > h->total_size) end = h->total_size;
   if (madvise(rs_at(base, start), end - start, MADV_POPULATE_WRITE) == 0) return RS_OK;
   int err = errno;
+  /* The pages populated before the failure hold memory nobody will use: give them back (the
+   * range lies beyond everything published, so no process reads it). */
+  uint64_t first = rs_align_up(off, PAGE);   /* whole pages of the range only: never a live byte */
+  if (err != EINVAL && first < end) madvise(rs_at(base, first), end - first, MADV_REMOVE);
   return rs_set_error(RS_ENOSPC,
-                      "cannot grow %s by %.1f MiB: %s (/dev/shm is full, or the memory limit is reached);"
-                      " give /dev/shm more room (docker run --shm-size), stop other servers, or pre-size the"
-                      " server (arena_bytes) so that it does not need to grow",
+                      "cannot grow %s by %.1f MiB: %s; give /dev/shm more room (docker run --shm-size),"
+                      " stop other servers, or pre-size the server (arena_bytes) so that it does not need"
+                      " to grow",
                       what, (double)len / (1 << 20),
-                      err == EINVAL ? "this kernel lacks MADV_POPULATE_WRITE (Linux >= 5.14)" : strerror(err));
+                      err == EINVAL ? "this kernel lacks MADV_POPULATE_WRITE (Linux >= 5.14)"
+                      : err == EFAULT || err == ENOSPC || err == ENOMEM
+                          ? "/dev/shm is full, or the memory limit is reached"
+                          : strerror(err));
 }
 
 void rs_prefetch_file_rows(const void *p, uint64_t len) {

@@ -105,6 +105,21 @@ static int make_plan(const rs_table_config *cfgs, uint32_t ntables, uint32_t max
   return RS_OK;
 }
 
+/* A growable segment starts with the first RS_PIN_START pins of every slot's pin log reserved
+ * (about 12 KiB a slot), so that any process can attach, sample and insert even once the arena
+ * has taken all of max_bytes or /dev/shm is full. */
+static uint32_t start_pins(uint32_t pins_per_proc) {
+  return pins_per_proc < RS_PIN_START ? pins_per_proc : RS_PIN_START;
+}
+
+static uint64_t start_pins_bytes(uint32_t pins_per_proc, uint32_t max_procs) {
+  return (uint64_t)start_pins(pins_per_proc) * (sizeof(uint64_t) + sizeof(uint32_t)) * max_procs;
+}
+
+uint64_t rs_segment_start_pin_bytes(uint32_t max_procs, uint32_t pins_per_proc) {
+  return start_pins_bytes(pins_per_proc, max_procs);
+}
+
 uint64_t rs_segment_size(const rs_table_config *cfgs, uint32_t ntables, uint32_t max_procs,
                          uint32_t pins_per_proc, uint64_t arena_bytes) {
   plan p;
@@ -127,9 +142,10 @@ static int segment_init(void *base, uint64_t size, const rs_table_config *cfgs, 
   plan p;
   int rc = make_plan(cfgs, ntables, max_procs, pins_per_proc, arena_bytes, arena_max, &p, NULL);
   if (rc) return rc;
-  if (growable && max_bytes && max_bytes < p.arena_off + p.arena_size)
+  uint64_t start = p.arena_off + p.arena_size + start_pins_bytes(pins_per_proc, max_procs);
+  if (growable && max_bytes && max_bytes < start)
     return rs_set_error(RS_EINVAL, "max_bytes %llu is below the %llu bytes the segment needs to start",
-                        (unsigned long long)max_bytes, (unsigned long long)(p.arena_off + p.arena_size));
+                        (unsigned long long)max_bytes, (unsigned long long)start);
   if (!base || size < p.total)
     return rs_set_error(RS_EINVAL, "segment of %llu bytes, expected at least %llu for this configuration",
                         (unsigned long long)size, (unsigned long long)p.total);
@@ -164,18 +180,26 @@ static int segment_init(void *base, uint64_t size, const rs_table_config *cfgs, 
     if ((rc = rs_table_region_init(base, toffs[i], &cfgs[i]))) return rc;
 
   rs_slot *slots = rs_slots(base);
+  /* Growable: the first pins of each log are reserved now, the rest grow on demand (rs_pins_grow). */
+  uint32_t cap = growable ? start_pins(pins_per_proc) : pins_per_proc;
   for (uint32_t s = 0; s < max_procs; s++) {
     slots[s] = (rs_slot){0};
-    if (growable) continue;   /* pin logs grow on demand (rs_pins_grow): nothing reserved yet */
+    uint64_t log_off = p.pins_off + (uint64_t)s * p.pin_stride;
+    if (growable &&
+        ((rc = rs_reserve(base, log_off, (uint64_t)cap * sizeof(uint64_t), "the pin logs")) ||
+         (rc = rs_reserve(base, log_off + (uint64_t)pins_per_proc * sizeof(uint64_t),
+                          (uint64_t)cap * sizeof(uint32_t), "the pin logs"))))
+      return rc;
     uint64_t *e = rs_pin_entries(base, s);
     uint32_t *stack = rs_pin_free_stack(base, s);
-    for (uint32_t i = 0; i < pins_per_proc; i++) {
+    for (uint32_t i = 0; i < cap; i++) {
       e[i] = 0;
-      stack[i] = pins_per_proc - 1 - i;   /* pops hand out pin 0 first */
+      stack[i] = cap - 1 - i;   /* pops hand out pin 0 first */
     }
-    slots[s].free_top = pins_per_proc;
-    slots[s].pin_cap = pins_per_proc;
+    slots[s].free_top = cap;
+    slots[s].pin_cap = cap;
   }
+  if (growable) h->pins_reserved = start_pins_bytes(pins_per_proc, max_procs);
   rs_arena_init(base);
   __atomic_store_n(&h->ready, 1u, __ATOMIC_RELEASE);
   return RS_OK;

@@ -177,13 +177,16 @@ int rs_segment_init(void *base, uint64_t size, const rs_table_config *cfgs, uint
                     uint32_t max_procs, uint32_t pins_per_proc, uint64_t arena_bytes,
                     int32_t owner_pid, uint64_t owner_start_time, uint64_t generation);
 /* A growable segment: the arena starts at arena_bytes and may grow to arena_max bytes, and pin
- * logs start empty and grow to pins_per_proc, while arena end + pin logs stay within max_bytes
+ * logs start with their first pins reserved and grow to pins_per_proc, while arena end + pin logs stay within max_bytes
  * (0 = no budget). Returns the layout's (virtual) size; *initial_out = the bytes from offset 0
  * the creator must reserve before rs_segment_init_ex (header, tables, first arena). The mapping
  * must be shared and file-backed (pages beyond the reservation are reserved as they are used). */
 uint64_t rs_segment_size_ex(const rs_table_config *cfgs, uint32_t ntables, uint32_t max_procs,
                             uint32_t pins_per_proc, uint64_t arena_bytes, uint64_t arena_max,
                             uint64_t *initial_out);
+/* Bytes of /dev/shm the pin logs of a growable segment reserve when it starts (the first pins of
+ * every slot's log, so that any process can always attach and sample), beyond *initial_out. */
+uint64_t rs_segment_start_pin_bytes(uint32_t max_procs, uint32_t pins_per_proc);
 int rs_segment_init_ex(void *base, uint64_t size, const rs_table_config *cfgs, uint32_t ntables,
                        uint32_t max_procs, uint32_t pins_per_proc, uint64_t arena_bytes,
                        uint64_t arena_max, uint64_t max_bytes, int32_t owner_pid,

@@ -58,6 +58,7 @@
 #define RS_MAX_NDIM 8
 #define RS_MAX_BLOB (1u << 20)
 #define RS_NBINS 48
+#define RS_PIN_START 1024u      /* pins of each slot's log reserved when a growable segment starts */
 #define RS_RECENT_TEMPLATES 8   /* rs_table_hdr.recent_recs */
 #define RS_HOLD_BUCKETS 24      /* lock-hold histogram buckets (counters.h) */
 

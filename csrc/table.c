@@ -738,12 +738,13 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
   uint32_t avail = __atomic_load_n(&rs_slots(base)[slot].free_top, __ATOMIC_ACQUIRE);
   uint32_t wanted = want < SAMPLE_ROUND ? want : SAMPLE_ROUND;
   if (avail < wanted && h->growable && rs_slots(base)[slot].pin_cap < h->pins_per_proc) {
-    rs_pins_ensure(base, slot, wanted);   /* grows the pin log; on failure take what there is */
+    int grc = rs_pins_ensure(base, slot, wanted);   /* grows the pin log; on failure take what there is */
     avail = __atomic_load_n(&rs_slots(base)[slot].free_top, __ATOMIC_ACQUIRE);
+    if (avail == 0 && grc) return grc;   /* its message says why the log could not grow */
   }
   if (avail == 0)
     return rs_set_error(RS_EFULL, "process slot %u holds all of its %u pins; release samples "
-                        "before sampling more", slot, h->pins_per_proc);
+                        "before sampling more", slot, rs_slots(base)[slot].pin_cap);
   uint32_t limit = want < SAMPLE_ROUND ? want : SAMPLE_ROUND;
   if (limit > avail) limit = avail;
 

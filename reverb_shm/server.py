@@ -129,6 +129,9 @@ class Server:
     if name is not None:
       shm.validate_server_name(name)
     shm.validate_mode(mode)
+    if on_config_mismatch not in checkpointers.ON_CONFIG_MISMATCH:
+      raise ValueError(f"on_config_mismatch must be one of {checkpointers.ON_CONFIG_MISMATCH}, "
+                       f"got {on_config_mismatch!r}")
     if checkpointer is None:
       checkpointer = checkpointers.default_checkpointer()
     # Table configs are fixed when the segment is created: read the checkpoint first.
@@ -139,7 +142,7 @@ class Server:
                                                                        on_config_mismatch)
     # What servers killed without stop() left behind goes back to the system first (logged).
     try:
-      shm.reclaim_dead()
+      shm.reclaim_dead(storage=storage)
     except OSError as e:   # e.g. a file of another user in /dev/shm: not this server's business
       shm.log.warning("could not reclaim what dead servers left in %s: %s", shm.SHM_DIR, e)
     self._socket = self._bind_port(port)

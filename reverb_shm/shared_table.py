@@ -687,12 +687,12 @@ class SharedTable:
       DeadlineExceededError: no item could be sampled before the deadline.
       TableClosedError: the server stopped.
     """
-    layout = self._gather_layout
-    if layout is None:
-      return self._sample_batch_first(n, timeout_ms, out)
     if type(n) is not int and (isinstance(n, bool) or not isinstance(n, (int, np.integer))) or \
         not 1 <= n < 2**31:
       raise ValueError(f"number of samples must be an int >= 1, got {n!r}")
+    layout = self._gather_layout
+    if layout is None:
+      return self._sample_batch_first(n, timeout_ms, out)
     if out is None:
       targets = [np.empty((n,) + shape, dtype) for dtype, shape, _ in layout]
       cols = _gather_cols(layout, targets)

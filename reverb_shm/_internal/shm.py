@@ -16,6 +16,10 @@ about to unlink a segment it judges stale (``reverb-shm gc``, a creator reclaimi
 first takes that lock without waiting: a segment whose lock is held is being created and counts
 as live. A gc may still take the lock in the instant between the creator's O_EXCL open and its
 flock; the creator then finds the name no longer refers to its file and creates it afresh.
+For the rest of its life the owner holds a shared flock on the segment's file (its own open
+file, closed in forked children): a segment whose lock is held after initialisation is live
+even when its owner's pid means nothing here (a server in another pid namespace sharing
+/dev/shm), and the lock goes with the owner process, however it ends.
 
 Disk tier (``storage=DIR``): the arena (chunk payloads and item descriptors) is the file
 ``DIR/rvshm.<name>.<generation>.arena`` (mode as the segment's), mapped by every process over
@@ -27,6 +31,7 @@ and whoever reclaims a dead server's segment (gc, a starting server) unlinks the
 Port aliases (``Client('localhost:PORT')``) are small files ``/dev/shm/rvshm.port.<PORT>``,
 mode 0600, holding the server name and owner pid.
 """
+import errno
 import fcntl
 import ipaddress
 import logging
@@ -35,6 +40,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import threading
 import weakref
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -137,8 +143,9 @@ def _examine(name: str, reclaim: bool = False) -> Optional[dict]:
   try:
     try:
       fcntl.flock(mem.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      return {"pid": _header_owner(mem)[0], "state": "starting", "removed": False}
+    except BlockingIOError:   # being created, or its owner holds its life lock
+      pid = _header_owner(mem)[0]
+      return {"pid": pid, "state": "live" if pid else "starting", "removed": False}
     if not _names_file(mem.fd, name):
       return None                   # unlinked (and maybe re-created) since we opened it
     pid, start_time = _header_owner(mem)
@@ -181,14 +188,14 @@ def _table_configs(tables):
 
 def start_bytes(tables, arena_bytes: int, max_procs: int = 128, pins_per_proc: int = 65536) -> int:
   """Bytes a server of `tables` reserves in /dev/shm when it starts with `arena_bytes` (its
-  header, the tables' metadata and the first arena extent). Raises ValueError on a bad
+  header, the tables' metadata, the first arena extent and the first pins of every pin log). Raises ValueError on a bad
   configuration."""
   cfgs, keep = _table_configs(tables)  # pylint: disable=unused-variable
   initial = ffi.new("uint64_t *")
   if lib.rs_segment_size_ex(cfgs, len(tables), max_procs, pins_per_proc, arena_bytes, arena_bytes,
                             initial) == 0:
     raise ValueError(f"invalid segment configuration: {last_error()}")
-  return initial[0]
+  return initial[0] + lib.rs_segment_start_pin_bytes(max_procs, pins_per_proc)
 
 
 class Segment:
@@ -210,7 +217,16 @@ class Segment:
     self.name = name
     self.size = size
     self.owner = owner
-    self._mm = mmap.mmap(mem_fd, size)
+    try:
+      self._mm = mmap.mmap(mem_fd, size)
+    except OSError as e:
+      if e.errno != errno.ENOMEM:
+        raise
+      raise errors.ResourceExhaustedError(
+          f"cannot map the segment of server {name!r}: it spans {size / _MiB:.1f} MiB of address "
+          f"space (its tables plus room for the arena up to the server's max_bytes) and this "
+          f"process may not map that much ({e.strerror}; `ulimit -v`?): raise the address-space "
+          f"limit, or create the server with a smaller max_bytes") from None
     self.buf = memoryview(self._mm)
     self._base_buf = ffi.from_buffer(self._mm)
     self.base = ffi.cast("void *", self._base_buf)
@@ -233,6 +249,7 @@ class Segment:
     # staging segments name theirs).
     self.arena_hint = ""
     self.arena_path = None      # disk tier: the arena's file
+    self._life_fd = None        # owner: the fd of its life lock
 
   # ---- creation / attachment
   @classmethod
@@ -270,20 +287,25 @@ class Segment:
                            (("max_bytes", max_bytes),) if max_bytes is not None else ()):
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{arg} must be a positive int, got {value!r}")
+      limit = 1 << (63 if arg.endswith("bytes") else 32)
+      if value >= limit:
+        raise ValueError(f"{arg}={value} is too large: expected below 2**{limit.bit_length() - 1}")
     cfgs, keep = _table_configs(tables)  # pylint: disable=unused-variable  (keeps blobs alive)
     initial = ffi.new("uint64_t *")
     if lib.rs_segment_size_ex(cfgs, len(tables), max_procs, pins_per_proc, arena_bytes,
                               arena_bytes, initial) == 0:
       raise ValueError(f"invalid segment configuration: {last_error()}")
-    start = initial[0]
-    arena_off = start - ((arena_bytes + 63) & ~63)
+    initial_bytes = initial[0]     # header, tables and the first arena extent
+    pin_bytes = lib.rs_segment_start_pin_bytes(max_procs, pins_per_proc)
+    start = initial_bytes + pin_bytes
+    arena_off = initial_bytes - ((arena_bytes + 63) & ~63)
     free = _free_bytes()
     if storage is not None:
       storage = _storage_dir(storage)
       if max_bytes is None:
         st = os.statvfs(storage)
         max_bytes = max(start, int(st.f_bavail * st.f_frsize * (max_share or 0.5)))
-      shm_start = arena_off + (1 << 20)     # header + tables, and a first pin log or so
+      shm_start = arena_off + pin_bytes     # header + tables, and the first pins of the pin logs
       if shm_start > free:
         raise errors.ResourceExhaustedError(_no_room(name, shm_start, free))
       free = max(free, start)               # the arena's bytes go to the file
@@ -309,7 +331,7 @@ class Segment:
       os.fchmod(mem.fd, mode)
       os.ftruncate(mem.fd, size)      # sparse: only what is reserved holds memory
       try:
-        os.posix_fallocate(mem.fd, 0, arena_off if storage is not None else start)
+        os.posix_fallocate(mem.fd, 0, arena_off if storage is not None else initial_bytes)
       except OSError as e:
         raise errors.ResourceExhaustedError(
             _no_room(name, start, _free_bytes(), f" ({e.strerror})")) from None
@@ -317,7 +339,7 @@ class Segment:
       try:
         if storage is not None:
           arena_path = os.path.join(storage, f"{_PREFIX}{name}.{generation:016x}.arena")
-          seg._map_arena_file(arena_path, arena_off, arena_max, create=(mode, start - arena_off))
+          seg._map_arena_file(arena_path, arena_off, arena_max, create=(mode, initial_bytes - arena_off))
         pid = os.getpid()
         check(lib.rs_segment_init_ex(seg.base, size, cfgs, len(tables), max_procs, pins_per_proc,
                                      arena_bytes, arena_max, max_bytes or 0, pid,
@@ -338,9 +360,31 @@ class Segment:
       # to forked children) after close_fd.
       fcntl.flock(mem.fd, fcntl.LOCK_UN)
       mem.close_fd()
+    seg._hold_life_lock()
     with cls._cache_lock:
       cls._cache[(name, os.getpid())] = seg
     return seg
+
+  def _hold_life_lock(self) -> None:
+    """The owner's shared flock on its segment file, held while it lives (liveness that does
+    not depend on pids: see the module docstring). Best effort: without it, pids decide."""
+    try:
+      fd = os.open(segment_path(self.name), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+      return
+    try:
+      fcntl.flock(fd, fcntl.LOCK_SH)   # waits out a gc that is judging it right now
+    except OSError:
+      os.close(fd)
+      return
+    self._life_fd = fd
+    _life_fds[id(self)] = fd
+
+  def _drop_life_lock(self) -> None:
+    fd, self._life_fd = self._life_fd, None
+    _life_fds.pop(id(self), None)
+    if fd is not None:
+      os.close(fd)
 
   def _map_arena_file(self, path: str, arena_off: int, arena_max: int, create=None) -> None:
     """Maps the disk tier's arena file over the arena's range of this mapping.
@@ -353,7 +397,12 @@ class Segment:
       fd = os.open(sidecar, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
       with os.fdopen(fd, "w") as f:
         f.write(path)
-      fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, create[0])
+      try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, create[0])
+      except OSError as e:
+        raise errors.ResourceExhaustedError(
+            f"cannot create the arena file {path} of server {self.name!r} (storage=): "
+            f"{e.strerror}; pass a writable directory on a disk file system") from None
       try:
         os.fchmod(fd, create[0])
         os.ftruncate(fd, arena_max)
@@ -630,12 +679,15 @@ class Segment:
       posix_ipc.unlink_shared_memory(_shm_name(self.name))
     except posix_ipc.ExistentialError:
       pass
+    self._drop_life_lock()
 
   def __repr__(self):
     return f"Segment(name={self.name!r}, size={self.size}, owner={self.owner})"
 
 
 _segments = weakref.WeakSet()
+_life_fds: Dict[int, int] = {}   # id(Segment) -> fd of the owner's life lock
+
 
 
 def _forget_arena_file(address: int, fd: int) -> None:
@@ -644,24 +696,53 @@ def _forget_arena_file(address: int, fd: int) -> None:
 
 
 def _storage_dir(path) -> str:
+  if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes) or \
+      not os.fspath(path):
+    raise ValueError(f"storage must be a directory path (str or os.PathLike), got {path!r}")
   path = os.path.abspath(os.fspath(path))
   if not os.path.isdir(path):
     raise ValueError(f"storage={path!r} is not a directory (the disk tier keeps each server's "
                      "arena in a file there)")
   if os.path.realpath(path).startswith(os.path.realpath(SHM_DIR)):
     raise ValueError(f"storage={path!r} is inside {SHM_DIR}: it should be a disk directory")
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise ValueError(f"storage={path!r} is not writable by this user (or is on a read-only "
+                     "file system): the disk tier creates each server's arena file there")
   return path
 
 
-def _arena_file_of_sidecar(sidecar: str) -> Optional[str]:
-  """The arena file a storage sidecar names, if it looks like one of ours."""
+def _owned_regular_file(path: str, follow: bool = False) -> bool:
+  """Whether `path` is a regular file owned by this process's effective user."""
   try:
-    with open(sidecar, encoding="utf-8") as f:
-      path = f.read()
+    st = os.stat(path) if follow else os.lstat(path)
+  except OSError:
+    return False
+  return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _arena_file_of_sidecar(sidecar: str) -> Optional[str]:
+  """The arena file a storage sidecar names, if both are ours: the sidecar and the file are
+  regular files owned by this user (not links), and the file is named as the server of the
+  sidecar names its arena files (rvshm.<name>.<16 hex digits>.arena). Anything else (a sidecar
+  another user wrote in the shared /dev/shm, a path to some other file) names nothing."""
+  name = os.path.basename(sidecar).split(".", 1)[-1]
+  try:
+    fd = os.open(sidecar, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
   except OSError:
     return None
-  base = os.path.basename(path)
-  return path if base.startswith(_PREFIX) and base.endswith(".arena") else None
+  try:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+      return None
+    path = os.read(fd, 8192).decode("utf-8", "replace")
+  except OSError:
+    return None
+  finally:
+    os.close(fd)
+  pattern = re.escape(_PREFIX + name) + r"\.[0-9a-f]{16}\.arena"
+  if not os.path.isabs(path) or not re.fullmatch(pattern, os.path.basename(path)):
+    return None
+  return path if _owned_regular_file(path) else None
 
 
 def _unlink_arena_file(name: str) -> None:
@@ -687,7 +768,16 @@ def _reset_locks_in_child() -> None:
   # A thread of the parent may have held the cache lock at fork time: it would never be
   # released in the child, whose only thread is the forking one.
   Segment._cache_lock = threading.Lock()  # pylint: disable=protected-access
+  # Nor may it keep its parent's segments alive: its copies of the life-lock fds go (the
+  # parent's locks stay).
+  for fd in _life_fds.values():
+    try:
+      os.close(fd)
+    except OSError:
+      pass
+  _life_fds.clear()
   for seg in list(_segments):
+    seg._life_fd = None  # pylint: disable=protected-access
     seg._after_fork_in_child()  # pylint: disable=protected-access
 
 
@@ -742,9 +832,26 @@ def prune_stale_aliases(dry_run: bool = False, names: Optional[Iterable[str]] = 
       return False
     alias = _read_alias(os.path.join(SHM_DIR, entry))
     return (alias is not None and (names is None or alias[0] in names)
-            and not _owner_alive(alias[1], alias[2]))
+            and not _owner_alive(alias[1], alias[2]) and not _life_locked(alias[0]))
 
   return _unlink_stale_files(is_stale, dry_run)
+
+
+def _life_locked(name: str) -> bool:
+  """Whether the segment of server `name` is locked by its owner (or its creator): live."""
+  try:
+    fd = os.open(segment_path(validate_server_name(name)), os.O_RDONLY | os.O_CLOEXEC)
+  except (OSError, ValueError):
+    return False
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return False
+  except BlockingIOError:
+    return True
+  except OSError:
+    return False
+  finally:
+    os.close(fd)
 
 
 def register_port(port: int, name: str, mode: int = 0o600) -> None:
@@ -898,7 +1005,8 @@ def list_segments(names: Optional[Iterable[str]] = None) -> List[dict]:
   return _scan(names, reclaim=False)
 
 
-def remove_stale(dry_run: bool = False, names: Optional[Iterable[str]] = None) -> List[str]:
+def remove_stale(dry_run: bool = False, names: Optional[Iterable[str]] = None,
+                 storage: Optional[str] = None) -> List[str]:
   """Unlinks segments and port aliases whose owner process is dead; returns their paths.
 
   A segment still being created counts as live (see the module docstring).
@@ -906,16 +1014,56 @@ def remove_stale(dry_run: bool = False, names: Optional[Iterable[str]] = None) -
   Args:
     dry_run: only report what would be removed.
     names: if given, only the segments and port aliases of these servers are considered.
+    storage: a disk-tier directory: also its arena files (this user's) whose server has no
+      segment any more (e.g. after /dev/shm was cleared by a reboot).
 
   Raises:
-    ValueError: a name in `names` is not a valid server name.
+    ValueError: a name in `names` is not a valid server name, or `storage` is not a directory.
   """
   if names is not None:
     names = _segment_names(names)
   stale = [row for row in _scan(names, reclaim=not dry_run) if not row["alive"]]
   doomed = {row["name"] for row in stale}   # a dry run leaves them, yet reports their sidecars
-  return ([row["path"] for row in stale] + prune_stale_aliases(dry_run, names) +
-          _prune_orphan_sidecars(dry_run, names, doomed))
+  removed = ([row["path"] for row in stale] + prune_stale_aliases(dry_run, names) +
+             _prune_orphan_sidecars(dry_run, names, doomed))
+  if storage is not None:
+    removed += _prune_orphan_arena_files(_storage_dir(storage), dry_run, names, doomed, removed)
+  return removed
+
+
+_ARENA_FILE_RE = re.compile(re.escape(_PREFIX) + r"([A-Za-z0-9_.\-]{1,64})\.[0-9a-f]{16}\.arena")
+
+
+def _prune_orphan_arena_files(storage: str, dry_run: bool, names, doomed, done) -> List[str]:
+  """Arena files of `storage` (regular files of this user, named as arena files are) whose
+  server has no segment (or a stale one, in `doomed`). A server creates its segment before its
+  arena file and removes the file first, so a file without a segment is an orphan."""
+  orphans = []
+  try:
+    entries = sorted(os.listdir(storage))
+  except OSError:
+    return orphans
+  for entry in entries:
+    m = _ARENA_FILE_RE.fullmatch(entry)
+    path = os.path.join(storage, entry)
+    if (m is not None and path not in done and (names is None or m.group(1) in names)
+        and (m.group(1) in doomed or not os.path.exists(segment_path(m.group(1))))
+        and _owned_regular_file(path)):
+      orphans.append(path)
+  return _unlink_paths(orphans, dry_run)
+
+
+def _unlink_paths(paths: Iterable[str], dry_run: bool) -> List[str]:
+  """Unlinks (unless dry_run) each of `paths`; those it removed (or would remove)."""
+  removed = []
+  for path in paths:
+    if not dry_run:
+      try:
+        os.unlink(path)
+      except OSError:
+        continue
+    removed.append(path)
+  return removed
 
 
 def allocated_bytes(path: str) -> int:
@@ -939,7 +1087,8 @@ def _reverb_files() -> Dict[str, int]:
           for e in entries if e.startswith(_PREFIX[:-1])}
 
 
-def reclaim_dead(names: Optional[Iterable[str]] = None) -> Tuple[List[str], int]:
+def reclaim_dead(names: Optional[Iterable[str]] = None,
+                 storage: Optional[str] = None) -> Tuple[List[str], int]:
   """Removes what servers whose owner process is dead left on this host; logs what it freed.
 
   Segments of live servers, and segments still being created (their creation lock is held),
@@ -948,12 +1097,21 @@ def reclaim_dead(names: Optional[Iterable[str]] = None) -> Tuple[List[str], int]
 
   Args:
     names: if given, only the files of these servers are considered.
+    storage: a disk-tier directory whose orphaned arena files go too (see remove_stale).
 
   Returns:
-    (removed paths, bytes of /dev/shm they held).
+    (removed paths, bytes of /dev/shm and of `storage` they held).
   """
   sizes = _reverb_files()
-  removed = remove_stale(names=names)
+  if storage is not None:
+    storage = _storage_dir(storage)
+    try:
+      for entry in os.listdir(storage):
+        if _ARENA_FILE_RE.fullmatch(entry):
+          sizes[os.path.join(storage, entry)] = allocated_bytes(os.path.join(storage, entry))
+    except OSError:
+      pass
+  removed = remove_stale(names=names, storage=storage)
   freed = sum(sizes.get(path, 0) for path in removed)
   if removed:
     log.info("reclaimed %.1f MiB of %s held by %d file(s) of dead reverb_shm servers: %s",
@@ -980,7 +1138,8 @@ def _prune_orphan_sidecars(dry_run: bool, names, doomed: Iterable[str] = ()) -> 
       return False
     name = entry.split(".", 1)[1]
     stale = (bool(_NAME_RE.fullmatch(name)) and (names is None or name in names)
-             and (name in doomed or not os.path.exists(segment_path(name))))
+             and (name in doomed or not os.path.exists(segment_path(name)))
+             and _owned_regular_file(os.path.join(SHM_DIR, entry)))   # another user's: left alone
     if stale and entry.startswith(_PREFIX[:-1] + "-storage."):
       arena = _arena_file_of_sidecar(os.path.join(SHM_DIR, entry))
       if arena is not None and os.path.exists(arena):
@@ -988,11 +1147,4 @@ def _prune_orphan_sidecars(dry_run: bool, names, doomed: Iterable[str] = ()) -> 
     return stale
 
   removed = _unlink_stale_files(is_stale, dry_run)
-  for path in files:
-    if not dry_run:
-      try:
-        os.unlink(path)
-      except OSError:
-        continue
-    removed.append(path)
-  return removed
+  return removed + _unlink_paths(files, dry_run)

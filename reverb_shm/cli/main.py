@@ -6,8 +6,9 @@ also take HOST:PORT of a gRPC bridge):
   reverb-shm info SERVER [--json]   segment, counters and rate-limiter state of each table
   reverb-shm top SERVER             live view of the tables: rates per second, blocked, full
   reverb-shm check SERVER [--json]  run the invariant checker over every table (exit 1 on violation)
-  reverb-shm gc [SERVER ...] [--dry-run]
+  reverb-shm gc [SERVER ...] [--dry-run] [--storage DIR]
                                     remove segments and port aliases whose owner process is dead
+                                    (and disk-tier arena files in DIR whose server is gone)
   reverb-shm serve --config FILE [--checkpoint-dir DIR ...] [--metrics-port P]
                                     run a server from a ReverbServerConfig text file until Ctrl-C
   reverb-shm bridge SERVER --port P serve a server's tables over gRPC (extra `bridge`)
@@ -193,10 +194,10 @@ def _gc_name(target: str) -> str:
 def _cmd_gc(args) -> int:
   names = [_gc_name(t) for t in args.servers] or None
   if args.dry_run:
-    removed = shm.remove_stale(dry_run=True, names=names)
+    removed = shm.remove_stale(dry_run=True, names=names, storage=args.storage)
     freed = sum(shm.allocated_bytes(path) for path in removed)
   else:
-    removed, freed = shm.reclaim_dead(names=names)
+    removed, freed = shm.reclaim_dead(names=names, storage=args.storage)
   verb = "would remove" if args.dry_run else "removed"
   for path in removed:
     print(f"{verb} {path}")
@@ -329,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="only consider these servers (names, shm://NAME or localhost:PORT; "
                  "default: all)")
   p.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+  p.add_argument("--storage", metavar="DIR", default=None,
+                 help="a disk-tier directory (Server storage=): also remove its arena files "
+                      "whose server is gone (e.g. after /dev/shm was cleared by a reboot)")
   p.set_defaults(func=_cmd_gc)
 
   p = sub.add_parser("serve", help="serve tables from a ReverbServerConfig text file")
