@@ -308,9 +308,6 @@ class BatchIterator:
       self._raise_update_error()
       if self._stop:
         raise RuntimeError("the iterator is closed")
-      # The consumer is done with the batch taken `keep` batches ago: its buffer may be reused.
-      while len(self._held) >= self._keep:
-        self._release(self._held.popleft())
       while not self._ready:
         if self._error is not None:
           raise self._error
@@ -329,6 +326,10 @@ class BatchIterator:
       if self._copy:
         self._release(None)
       else:
+        # A batch was taken: the consumer is done with the one taken `keep` batches ago, whose
+        # buffer may now be reused (not before: a next() that raises takes no batch).
+        while len(self._held) >= self._keep:
+          self._release(self._held.popleft())
         self._held.append(slot)
       return batch
 

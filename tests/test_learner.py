@@ -420,3 +420,20 @@ def test_close_applies_queued_updates_and_ends_the_thread(server_factory):
   assert st.items()["priority"].tolist() == [2.5] * 4
   with pytest.raises(RuntimeError, match="closed"):
     next(it)
+
+
+def test_a_next_that_raises_leaves_the_held_batch_intact(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 100, signature=STEP_SIGNATURE)])
+  st = server.shared_table("q")
+  _fill(st, np.arange(8))   # batch A = items 0..3, batch B = items 4..7
+  with BatchIterator(st, batch_size=4, prefetch=1, keep=1, timeout_ms=300) as it:
+    next(it)
+    b = next(it)
+    saved = b.data["action"].copy()
+    assert saved.tolist() == [4, 5, 6, 7]
+    with pytest.raises(errors.DeadlineExceededError):
+      next(it)   # took no batch: B stays the consumer's
+    _fill(st, np.arange(100, 106))   # enough for one batch (into the free buffer) and more
+    time.sleep(0.5)
+    np.testing.assert_array_equal(b.data["action"], saved)
+    assert next(it).data["action"].tolist() == [100, 101, 102, 103]
