@@ -593,7 +593,18 @@ class BatchIterator:
     try:
       per_table = collections.defaultdict(lambda: ([], []))
       for u in updates:
-        keys, priorities = u.ready() if u.ready is not None else (u.keys, u.priorities)
+        if u.ready is None:
+          keys, priorities = u.keys, u.priorities
+        else:
+          try:   # each update on its own: a bad one is skipped, the others still applied
+            keys, priorities = u.ready()
+          except errors.TableClosedError:
+            raise
+          except Exception as e:   # pylint: disable=broad-except
+            # (a bad value found after an asynchronous copy: raised by the caller's next call)
+            if self._update_error is None:
+              self._update_error = e
+            continue
         if isinstance(u.table, np.ndarray):
           for t in np.unique(u.table):
             rows = u.table == t

@@ -437,3 +437,25 @@ def test_a_next_that_raises_leaves_the_held_batch_intact(server_factory):
     time.sleep(0.5)
     np.testing.assert_array_equal(b.data["action"], saved)
     assert next(it).data["action"].tolist() == [100, 101, 102, 103]
+
+
+def test_a_bad_asynchronous_update_does_not_drop_the_others_of_its_round(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  keys = _fill(st, np.arange(3))
+  gate = threading.Event()
+
+  def slow():   # round 1: the updater waits on this "device copy" while the others queue
+    assert gate.wait(10)
+    return np.array([5.0])
+  with BatchIterator(st, batch_size=3, timeout_ms=5000) as it:
+    it._queue_async_update(keys[:1], 1, None, slow)
+    time.sleep(0.1)
+    it._queue_async_update(keys[1:2], 1, None, lambda: np.array([np.nan]))   # round 2: bad
+    it.update_priorities(keys[2:], np.array([9.0]))                          # round 2: valid
+    gate.set()
+    with pytest.raises(ValueError, match="finite"):
+      it.flush(timeout_ms=5000)
+    it.flush(timeout_ms=5000)   # raised once
+    assert it.stats["updates_pending"] == 0
+  assert st.items()["priority"].tolist() == [5.0, 1.0, 9.0]
