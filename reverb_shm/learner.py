@@ -662,6 +662,10 @@ class BatchIterator:
             slice_ms = min(slice_ms, left)
         info = self._gather(t, slot, row + got, count - got, slice_ms)
         if info is None:
+          # (the slices are shorter than the C core's dead-owner check: ask the owner watch)
+          segment = self._tables[t].segment
+          if segment.owner_dead:
+            raise segment.dead_owner_error()
           continue
         infos.append(info)
         rows_of.append((t, len(info.key)))

@@ -2,6 +2,10 @@
 sequences, bad input, and a server that stops under it (numpy only; torch/JAX in their own
 test modules)."""
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -10,6 +14,7 @@ import pytest
 
 import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import shm
 from reverb_shm.learner import Batch, BatchIterator, importance_weights
 
 
@@ -459,3 +464,37 @@ def test_a_bad_asynchronous_update_does_not_drop_the_others_of_its_round(server_
     it.flush(timeout_ms=5000)   # raised once
     assert it.stats["updates_pending"] == 0
   assert st.items()["priority"].tolist() == [5.0, 1.0, 9.0]
+
+
+_SERVE_EMPTY = """
+import sys, time, reverb_shm
+from reverb_shm import rate_limiters, selectors
+t = reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100, rate_limiters.MinSize(1))
+s = reverb_shm.Server([t], name=sys.argv[1], arena_bytes=4 << 20)
+print(s.port, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_iterator_waiting_on_an_empty_table_notices_a_killed_server(server_name):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.Popen([sys.executable, "-c", _SERVE_EMPTY, server_name],
+                          stdout=subprocess.PIPE, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})
+  try:
+    assert proc.stdout.readline()
+    st = reverb_shm.SharedTable.attach(f"{server_name}/t")   # empty: the thread waits
+    with BatchIterator(st, batch_size=4, timeout_ms=10_000) as it:
+      time.sleep(0.3)
+      proc.send_signal(signal.SIGKILL)
+      proc.wait(10)
+      start = time.monotonic()
+      with pytest.raises(errors.DeadOwnerError, match="is dead"):
+        next(it)
+      assert time.monotonic() - start < 1.0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait(10)
+    shm.remove_stale(names=[server_name])
