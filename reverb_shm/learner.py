@@ -43,6 +43,7 @@ any thread.
 """
 import collections
 import math
+import os
 import threading
 import time
 from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Sequence
@@ -227,8 +228,9 @@ class BatchIterator:
 
   ``next()`` raises DeadlineExceededError (no full batch within timeout_ms), TableClosedError
   (the server stopped; the background threads have ended), ValueError (items whose columns cannot
-  be batched, or that differ between the mixed tables) and whatever error an asynchronous priority
-  update met, once, at the next call.
+  be batched, or that differ between the mixed tables), DeadOwnerError (the server process died),
+  RuntimeError (closed; or used in a forked child: re-create it there) and whatever error an
+  asynchronous priority update met, once, at the next call.
   """
 
   def __init__(self, source, table=None, batch_size: int = 256, *, prefetch: int = 2,
@@ -277,6 +279,7 @@ class BatchIterator:
     self._stop = False
     self._counts = {"batches": 0, "items": 0, "priority_updates": 0, "keys_updated": 0,
                     "keys_skipped": 0}
+    self._pid = os.getpid()   # (the threads exist only in this process, not in a fork child)
     self._thread = threading.Thread(target=self._run, name="reverb_shm-batch-prefetch",
                                     daemon=True)
     self._updater = threading.Thread(target=self._run_updates, name="reverb_shm-priorities",
@@ -303,6 +306,7 @@ class BatchIterator:
     return self
 
   def __next__(self):
+    self._check_process()
     deadline = None if self._timeout_ms is None else time.monotonic() + self._timeout_ms / 1000.0
     with self._cv:
       self._raise_update_error()
@@ -350,7 +354,8 @@ class BatchIterator:
     Raises:
       TypeError: keys or priorities not of an integer / floating dtype.
       ValueError: shapes differ, a priority not finite or negative, a bad table.
-      RuntimeError: the iterator is closed; or the error an earlier update met.
+      RuntimeError: the iterator is closed or was made in the parent of this forked process; or
+        the error an earlier update met.
     """
     keys, priorities = self._check_update(keys, priorities)
     self._check_negative(priorities)
@@ -384,6 +389,7 @@ class BatchIterator:
       DeadlineExceededError: not all applied within timeout_ms.
       the error an update met (e.g. TableClosedError), or the background thread's error.
     """
+    self._check_process()
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
     with self._ucv:
       while self._updates or self._applying:
@@ -399,7 +405,11 @@ class BatchIterator:
   def close(self, timeout_s: float = 10.0) -> None:
     """Applies the queued priority updates (unless the server stopped), stops and joins the
     background threads. Idempotent. Batches already taken stay valid (their buffers are no
-    longer reused)."""
+    longer reused). In a forked child it only marks the iterator closed (its threads are the
+    parent's)."""
+    if os.getpid() != self._pid:
+      self._stop = True
+      return
     with self._cv:
       self._stop = True
       self._cv.notify_all()
@@ -483,7 +493,14 @@ class BatchIterator:
                        f"[0, {count}) (Batch.table), got {table!r}")
     return np.array(t, np.uint8)
 
+  def _check_process(self) -> None:
+    if os.getpid() != self._pid:
+      raise RuntimeError(f"this iterator was made in process {self._pid}; its background threads "
+                         f"do not exist in this forked child (pid {os.getpid()}): re-create the "
+                         "iterator after fork")
+
   def _queue_update(self, update: _Update) -> None:
+    self._check_process()
     self._raise_update_error()
     with self._ucv:
       if self._stop_updates or self._error is not None:

@@ -17,6 +17,8 @@ from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm._internal import shm
 from reverb_shm.learner import Batch, BatchIterator, importance_weights
 
+from conftest import run_in_fork
+
 
 STEP_SIGNATURE = {"obs": reverb_shm.TensorSpec([4], np.float32),
                   "action": reverb_shm.TensorSpec([], np.int64),
@@ -498,3 +500,26 @@ def test_iterator_waiting_on_an_empty_table_notices_a_killed_server(server_name)
       proc.kill()
       proc.wait(10)
     shm.remove_stale(names=[server_name])
+
+
+def test_an_iterator_used_in_a_forked_child_says_to_re_create_it(server_factory):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  keys = _fill(st, np.arange(20))
+  with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=5000) as it:
+    next(it)
+    time.sleep(0.2)   # (batches prefetched: the child must not hand them out either)
+
+    def child():
+      out = []
+      for call in (lambda: next(it), lambda: it.update_priorities(keys[:1], np.ones(1)),
+                   lambda: it.flush(1000)):
+        try:
+          call()
+          out.append("ok")
+        except RuntimeError as e:
+          out.append("re-create the iterator after fork" in str(e))
+      it.close()
+      return out
+    assert run_in_fork(child, timeout=20) == "OK [True, True, True]"
+    assert len(next(it).info.key) == 4   # the parent's iterator is untouched
