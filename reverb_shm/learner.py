@@ -22,7 +22,8 @@ gathered into again. Pass ``copy=True`` for batches of their own (a fresh buffer
 Shapes. Every batch holds exactly ``batch_size`` items (fixed shape, what a compiled learner
 needs); ``next()`` waits up to ``timeout_ms`` for one and raises DeadlineExceededError after
 that (the items gathered so far stay for the next call). ``partial=True`` instead delivers what
-was sampled when ``timeout_ms`` has passed since the gather began (at least one item). A column
+was sampled when ``timeout_ms`` has passed since the gather began (at least one item); a
+``next()`` whose own timeout_ms passes while a gather holds items waits for that batch. A column
 of items that are windows of T steps comes out as (B, T, ...).
 
 Mixing. Several tables with weights ({'a': 0.7, 'b': 0.3}) mix item by item: the rows of each
@@ -277,6 +278,7 @@ class BatchIterator:
     self._error: Optional[BaseException] = None       # ends the thread: raised by next()
     self._update_error: Optional[BaseException] = None   # raised once by the next call
     self._stop = False
+    self._filling = 0                     # items the thread has gathered into the next batch
     self._counts = {"batches": 0, "items": 0, "priority_updates": 0, "keys_updated": 0,
                     "keys_skipped": 0}
     self._pid = os.getpid()   # (the threads exist only in this process, not in a fork child)
@@ -321,6 +323,11 @@ class BatchIterator:
           self._cv.wait()
         else:
           left = deadline - time.monotonic()
+          if left <= 0 and self._partial and self._filling:
+            # The gather holds items and delivers them at its own deadline (which began up to
+            # timeout_ms before or after this call): wait for that partial batch.
+            self._cv.wait(_SLICE_MS / 1000.0)
+            continue
           if left <= 0:
             raise errors.DeadlineExceededError(
                 f"no batch of {self.batch_size} items within {self._timeout_ms} ms (tables "
@@ -577,6 +584,7 @@ class BatchIterator:
           batch = self._transform(batch, slot)
         with self._cv:
           self._ready.append((slot, batch))
+          self._filling = 0
           self._cv.notify()
     except BaseException as e:   # handed to the consumer; the thread ends
       self._fail(e)
@@ -687,6 +695,7 @@ class BatchIterator:
         infos.append(info)
         rows_of.append((t, len(info.key)))
         got += len(info.key)
+        self._filling = row + got
       row += got
       if deadline is not None and time.monotonic() >= deadline and row > 0:
         break

@@ -523,3 +523,18 @@ def test_an_iterator_used_in_a_forked_child_says_to_re_create_it(server_factory)
       return out
     assert run_in_fork(child, timeout=20) == "OK [True, True, True]"
     assert len(next(it).info.key) == 4   # the parent's iterator is untouched
+
+
+def test_partial_next_returns_the_items_gathered_by_its_deadline(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 100, signature=STEP_SIGNATURE)])
+  st = server.shared_table("q")
+  for trial in range(3):
+    _fill(st, np.arange(3))   # 3 items, batches of 8: the two deadlines race
+
+    def slow(batch, slot):   # delivered a while after the gather's deadline
+      time.sleep(0.2)
+      return batch
+    with BatchIterator(st, batch_size=8, timeout_ms=300, partial=True, transform=slow) as it:
+      start = time.monotonic()
+      assert next(it).data["action"].tolist() == [0, 1, 2], trial
+      assert time.monotonic() - start < 5
