@@ -175,13 +175,12 @@ def resolve_tables(source, table=None):
 
 class _Slot:
   """One ring buffer: the column arrays (n, ...) the background thread gathers into."""
-  __slots__ = ("columns", "weights", "cols", "nest", "fence", "owner", "cache")
+  __slots__ = ("columns", "weights", "cols", "fence", "owner", "cache")
 
   def __init__(self, columns, weights, owner=None):
     self.columns = columns      # list of arrays (n, ...), one per column
     self.weights = weights      # float32[n]
     self.cols = {}              # table index -> (rs_gather_col[], its address) at row 0
-    self.nest = None            # the data nest of the full columns (built once)
     self.fence = None           # callable waiting until the buffer may be overwritten, or None
     self.owner = owner          # what keeps the memory alive (e.g. pinned tensors)
     self.cache = {}             # for the transform: e.g. tensor views of the columns
@@ -772,13 +771,9 @@ class BatchIterator:
     info = infos[0] if len(infos) == 1 else SampleInfo(
         *[np.concatenate(field) for field in zip(*infos)])
     n = self.batch_size
-    if b == n:
-      if slot.nest is None:
-        slot.nest = self._structure_table._structure(list(slot.columns))  # pylint: disable=protected-access
-      data = slot.nest
-    else:
-      data = self._structure_table._structure(  # pylint: disable=protected-access
-          [c[:b] for c in slot.columns])
+    # (a nest of its own per batch, of views of the ring buffer: the consumer may edit it)
+    data = self._structure_table._structure(  # pylint: disable=protected-access
+        list(slot.columns) if b == n else [c[:b] for c in slot.columns])
     weights = None
     beta = self.importance_beta
     if beta is not None:

@@ -538,3 +538,19 @@ def test_partial_next_returns_the_items_gathered_by_its_deadline(server_factory)
       start = time.monotonic()
       assert next(it).data["action"].tolist() == [0, 1, 2], trial
       assert time.monotonic() - start < 5
+
+
+def test_every_batch_has_a_data_dict_of_its_own(server_factory):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  _fill(st, np.arange(20))
+  with BatchIterator(st, batch_size=4, prefetch=1, mask_key="action", timeout_ms=5000) as it:
+    first = next(it)
+    first.data.pop("action")   # the consumer edits its batch's dict
+    later = [next(it) for _ in range(4)]   # (gathered into the first batch's buffer again)
+    for batch in later:
+      assert sorted(batch.data) == ["action", "obs", "reward"]
+      assert batch.data is not first.data
+      _assert_rows_consistent(batch)
+    pointers = {b.data["obs"].__array_interface__["data"][0] for b in later}
+    assert len(pointers) <= 2   # still views of the ring buffers
