@@ -254,7 +254,7 @@ class BatchIterator:
     if mask_key is not None and not isinstance(mask_key, str):
       raise ValueError(f"mask_key must be None or a column name (str), got {mask_key!r}")
     self.batch_size = int(batch_size)
-    self.importance_beta = _check_beta(importance_beta)
+    self.importance_beta = importance_beta   # (validated by the setter)
     self._prefetch, self._keep = int(prefetch), int(keep)
     self._timeout_ms, self._partial, self._copy = timeout_ms, bool(partial), bool(copy)
     self._seed = None if seed is None else int(seed) & _SEED_MASK
@@ -289,6 +289,20 @@ class BatchIterator:
     self._updater.start()
 
   # ---- public
+  @property
+  def importance_beta(self) -> Optional[float]:
+    """None, or the exponent beta in [0, 1] of the importance weights (Batch.weights); batches
+    gathered after an assignment use the new value (e.g. annealed towards 1).
+
+    Raises (on assignment):
+      ValueError: not None and not a number in [0, 1] (the old value stays).
+    """
+    return self._importance_beta
+
+  @importance_beta.setter
+  def importance_beta(self, beta) -> None:
+    self._importance_beta = _check_beta(beta)
+
   @property
   def tables(self) -> list:
     """The SharedTables sampled (Batch.table indexes this list)."""

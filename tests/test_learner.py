@@ -554,3 +554,22 @@ def test_every_batch_has_a_data_dict_of_its_own(server_factory):
       _assert_rows_consistent(batch)
     pointers = {b.data["obs"].__array_interface__["data"][0] for b in later}
     assert len(pointers) <= 2   # still views of the ring buffers
+
+
+def test_assigning_importance_beta_is_validated(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  _fill(st, np.arange(10), priorities=np.arange(1.0, 11.0))
+  with BatchIterator(st, batch_size=8, prefetch=1, importance_beta=0.4, timeout_ms=5000) as it:
+    for bad in (-1.0, 2.0, float("nan"), "half", True, [0.5]):
+      with pytest.raises(ValueError, match=r"importance_beta must be None or a number in \[0, 1\]"):
+        it.importance_beta = bad
+      assert it.importance_beta == 0.4   # unchanged
+    it.importance_beta = 1
+    assert it.importance_beta == 1.0 and isinstance(it.importance_beta, float)
+    for _ in range(3):   # (the batches gathered before the change may use 0.4)
+      batch = next(it)
+    np.testing.assert_allclose(batch.weights, importance_weights(
+        batch.info.probability, batch.info.table_size, 1.0), rtol=1e-6)
+    assert not it.closed
+    it.importance_beta = None
