@@ -41,12 +41,17 @@ versions of reverb_shm.
 
 Thread-safety: one consumer thread calls ``next()``; ``update_priorities`` may be called from
 any thread.
+
+Lifetime: call ``close()`` (or use ``with``). The threads hold only a weak reference to the
+iterator, so one dropped without close() is still collected (within one wait slice of its
+threads) and its threads then end; priority updates still queued then are dropped.
 """
 import collections
 import math
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -281,10 +286,14 @@ class BatchIterator:
     self._counts = {"batches": 0, "items": 0, "priority_updates": 0, "keys_updated": 0,
                     "keys_skipped": 0}
     self._pid = os.getpid()   # (the threads exist only in this process, not in a fork child)
-    self._thread = threading.Thread(target=self._run, name="reverb_shm-batch-prefetch",
-                                    daemon=True)
-    self._updater = threading.Thread(target=self._run_updates, name="reverb_shm-priorities",
-                                     daemon=True)
+    # The threads hold only a weak reference to the iterator (dropped while they wait), so an
+    # iterator dropped without close() is collected; the finalizer then wakes them to end.
+    ref = weakref.ref(self)
+    self._thread = threading.Thread(target=_prefetch_thread, args=(ref, self._cv),
+                                    name="reverb_shm-batch-prefetch", daemon=True)
+    self._updater = threading.Thread(target=_updater_thread, args=(ref, self._ucv),
+                                     name="reverb_shm-priorities", daemon=True)
+    weakref.finalize(self, _wake, self._cv, self._ucv)
     self._thread.start()
     self._updater.start()
 
@@ -575,33 +584,7 @@ class BatchIterator:
       self._slots.append(slot)
     return slot
 
-  # ---- background thread
-  def _run(self) -> None:
-    try:
-      if self._seed is not None:
-        lib.rs_rand_seed_thread(self._seed)
-      while True:
-        with self._cv:
-          while not (self._stop or self._credits > 0):
-            self._cv.wait()
-          if self._stop:
-            break
-          slot = self._take_slot()
-        if slot.fence is not None:
-          fence, slot.fence = slot.fence, None
-          fence()
-        batch = self._fill(slot)
-        if batch is None:   # closed while gathering
-          break
-        if self._transform is not None:
-          batch = self._transform(batch, slot)
-        with self._cv:
-          self._ready.append((slot, batch))
-          self._filling = 0
-          self._cv.notify()
-    except BaseException as e:   # handed to the consumer; the thread ends
-      self._fail(e)
-
+  # ---- background threads (_prefetch_thread, _updater_thread)
   def _fail(self, e: BaseException) -> None:
     """Ends the iterator on error `e` (raised by the consumer's next call)."""
     if isinstance(e, errors.TableClosedError):
@@ -611,21 +594,6 @@ class BatchIterator:
         self._error = e
       self._cv.notify_all()
     self._stop_updater()
-
-  def _run_updates(self) -> None:
-    """The updater thread: applies queued priority updates, all of a round in one C call per
-    table, until stopped (then the last ones)."""
-    while True:
-      with self._ucv:
-        while not (self._updates or self._stop_updates):
-          self._ucv.wait()
-        final = self._stop_updates
-        updates, self._updates = self._updates, []
-        self._applying = len(updates)
-      if updates:
-        self._apply_updates(updates, final)
-      if final:
-        return
 
   def _apply_updates(self, updates: List[_Update], final: bool) -> None:
     try:
@@ -675,21 +643,28 @@ class BatchIterator:
         self._applying = 0
         self._ucv.notify_all()
 
-  def _fill(self, slot: _Slot) -> Optional[Batch]:
-    """Gathers one batch into `slot`; None when closed meanwhile."""
-    n = self.batch_size
-    if self._weights is None:
+  @staticmethod
+  def _fill(ref, slot: _Slot) -> Optional[Batch]:
+    """Gathers one batch into `slot`; None when closed or collected meanwhile. `ref` is a weak
+    reference to the iterator, held only during each wait slice."""
+    it = ref()
+    if it is None:
+      return None
+    n = it.batch_size
+    if it._weights is None:
       plan = [(0, n)]
     else:
-      counts = self._mix_rng.multinomial(n, self._weights)
+      counts = it._mix_rng.multinomial(n, it._weights)
       plan = [(t, int(c)) for t, c in enumerate(counts) if c]
-    deadline = None if not self._partial else time.monotonic() + self._timeout_ms / 1000.0
+    deadline = None if not it._partial else time.monotonic() + it._timeout_ms / 1000.0
+    it = None
     infos, rows_of = [], []
     row = 0
     for t, count in plan:
       got = 0
       while got < count:
-        if self._stop:
+        it = ref()
+        if it is None or it._stop:
           return None
         slice_ms = _SLICE_MS
         if deadline is not None:
@@ -698,21 +673,26 @@ class BatchIterator:
             break
           if left > 0:
             slice_ms = min(slice_ms, left)
-        info = self._gather(t, slot, row + got, count - got, slice_ms)
+        info = it._gather(t, slot, row + got, count - got, slice_ms)
         if info is None:
           # (the slices are shorter than the C core's dead-owner check: ask the owner watch)
-          segment = self._tables[t].segment
+          segment = it._tables[t].segment
           if segment.owner_dead:
             raise segment.dead_owner_error()
+          it = None
           continue
         infos.append(info)
         rows_of.append((t, len(info.key)))
         got += len(info.key)
-        self._filling = row + got
+        it._filling = row + got
+        it = None
       row += got
       if deadline is not None and time.monotonic() >= deadline and row > 0:
         break
-    return self._make_batch(slot, row, infos, rows_of)
+    it = ref()
+    if it is None:
+      return None
+    return it._make_batch(slot, row, infos, rows_of)
 
   def _gather(self, t: int, slot: _Slot, row: int, count: int, slice_ms: float):
     """Gathers up to `count` items of table t into rows [row, row + count) of slot, waiting at
@@ -813,6 +793,80 @@ class BatchIterator:
       return "; ".join(t.limiter_message("sample", self._timeout_ms) for t in self._tables)
     except errors.ReverbError as e:
       return str(e)
+
+
+def _wake(cv: threading.Condition, ucv: threading.Condition) -> None:
+  """The finalizer of a BatchIterator: wakes its threads, which find it gone and end."""
+  for c in (cv, ucv):
+    with c:
+      c.notify_all()
+
+
+def _prefetch_thread(ref, cv: threading.Condition) -> None:
+  """The sampling thread: gathers batches ahead into free ring buffers until the iterator is
+  closed, fails or is collected. `ref` is a weak reference to it, held only while working."""
+  it = None
+  try:
+    it = ref()
+    if it is None:
+      return
+    if it._seed is not None:
+      lib.rs_rand_seed_thread(it._seed)
+    while True:
+      with cv:
+        while True:
+          it = ref()
+          if it is None or it._stop:
+            return
+          if it._credits > 0:
+            break
+          it = None
+          cv.wait()
+        slot = it._take_slot()
+      if slot.fence is not None:
+        fence, slot.fence = slot.fence, None
+        fence()
+      it = None
+      batch = BatchIterator._fill(ref, slot)   # pylint: disable=protected-access
+      if batch is None:   # closed or collected while gathering
+        return
+      it = ref()
+      if it is None:
+        return
+      if it._transform is not None:
+        batch = it._transform(batch, slot)
+      with cv:
+        it._ready.append((slot, batch))
+        it._filling = 0
+        cv.notify()
+      it = batch = None
+  except BaseException as e:   # handed to the consumer; the thread ends
+    it = ref()
+    if it is not None:
+      it._fail(e)
+
+
+def _updater_thread(ref, ucv: threading.Condition) -> None:
+  """The updater thread: applies queued priority updates, all of a round in one C call per
+  table, until stopped (then the last ones) or the iterator is collected."""
+  while True:
+    with ucv:
+      while True:
+        it = ref()
+        if it is None:
+          return
+        if it._updates or it._stop_updates:
+          break
+        it = None
+        ucv.wait()
+      final = it._stop_updates
+      updates, it._updates = it._updates, []
+      it._applying = len(updates)
+    if updates:
+      it._apply_updates(updates, final)
+    if final:
+      return
+    it = updates = None
 
 
 def _leaves(data) -> list:

@@ -1,6 +1,7 @@
 """reverb_shm.learner.BatchIterator: fixed shapes, prefetch ring, mixing, priorities back, seeds,
 sequences, bad input, and a server that stops under it (numpy only; torch/JAX in their own
 test modules)."""
+import gc
 import multiprocessing
 import os
 import signal
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -573,3 +575,27 @@ def test_assigning_importance_beta_is_validated(server_factory):
         batch.info.probability, batch.info.table_size, 1.0), rtol=1e-6)
     assert not it.closed
     it.importance_beta = None
+
+
+@pytest.mark.parametrize("items", [20, 0])   # threads waiting on full ring / on an empty table
+def test_an_iterator_dropped_without_close_is_collected_and_its_threads_end(server_factory,
+                                                                             items):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  if items:
+    _fill(st, np.arange(items))
+  it = BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=5000)
+  if items:
+    next(it)
+    it.update_priorities(np.zeros(1, np.uint64), np.ones(1))
+  time.sleep(0.2)
+  ref, threads = weakref.ref(it), (it._thread, it._updater)
+  del it
+  deadline = time.monotonic() + 5
+  while ref() is not None and time.monotonic() < deadline:   # (a thread holds it for one slice)
+    gc.collect()
+    time.sleep(0.01)
+  assert ref() is None
+  for thread in threads:
+    thread.join(5)
+    assert not thread.is_alive()
