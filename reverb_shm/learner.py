@@ -598,6 +598,7 @@ class BatchIterator:
   def _apply_updates(self, updates: List[_Update], final: bool) -> None:
     try:
       per_table = collections.defaultdict(lambda: ([], []))
+      rejected = 0
       for u in updates:
         if u.ready is None:
           keys, priorities = u.keys, u.priorities
@@ -610,6 +611,7 @@ class BatchIterator:
             # (a bad value found after an asynchronous copy: raised by the caller's next call)
             if self._update_error is None:
               self._update_error = e
+            rejected += 1
             continue
         if isinstance(u.table, np.ndarray):
           for t in np.unique(u.table):
@@ -629,7 +631,7 @@ class BatchIterator:
         updated += found
         skipped += len(keys) - found
       with self._ucv:
-        self._counts["priority_updates"] += len(updates)
+        self._counts["priority_updates"] += len(updates) - rejected
         self._counts["keys_updated"] += updated
         self._counts["keys_skipped"] += skipped
     except errors.TableClosedError as e:
