@@ -13,14 +13,12 @@ import weakref
 
 import numpy as np
 import pytest
+from conftest import run_in_fork
 
 import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm._internal import shm
 from reverb_shm.learner import Batch, BatchIterator, importance_weights
-
-from conftest import run_in_fork
-
 
 STEP_SIGNATURE = {"obs": reverb_shm.TensorSpec([4], np.float32),
                   "action": reverb_shm.TensorSpec([], np.int64),
