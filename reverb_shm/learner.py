@@ -293,7 +293,7 @@ class BatchIterator:
                                     name="reverb_shm-batch-prefetch", daemon=True)
     self._updater = threading.Thread(target=_updater_thread, args=(ref, self._ucv),
                                      name="reverb_shm-priorities", daemon=True)
-    weakref.finalize(self, _wake, self._cv, self._ucv)
+    weakref.finalize(self, _wake, self._cv, self._ucv).atexit = False   # (daemon threads)
     self._thread.start()
     self._updater.start()
 
