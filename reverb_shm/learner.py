@@ -22,7 +22,8 @@ gathered into again. Pass ``copy=True`` for batches of their own (a fresh buffer
 Shapes. Every batch holds exactly ``batch_size`` items (fixed shape, what a compiled learner
 needs); ``next()`` waits up to ``timeout_ms`` for one and raises DeadlineExceededError after
 that (the items gathered so far stay for the next call). ``partial=True`` instead delivers what
-was sampled when ``timeout_ms`` has passed since the gather began (at least one item). A column
+was sampled when ``timeout_ms`` has passed since the gather began (at least one item); a
+``next()`` whose own timeout_ms passes while a gather holds items waits for that batch. A column
 of items that are windows of T steps comes out as (B, T, ...).
 
 Mixing. Several tables with weights ({'a': 0.7, 'b': 0.3}) mix item by item: the rows of each
@@ -40,11 +41,17 @@ versions of reverb_shm.
 
 Thread-safety: one consumer thread calls ``next()``; ``update_priorities`` may be called from
 any thread.
+
+Lifetime: call ``close()`` (or use ``with``). The threads hold only a weak reference to the
+iterator, so one dropped without close() is still collected (within one wait slice of its
+threads) and its threads then end; priority updates still queued then are dropped.
 """
 import collections
 import math
+import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -173,13 +180,12 @@ def resolve_tables(source, table=None):
 
 class _Slot:
   """One ring buffer: the column arrays (n, ...) the background thread gathers into."""
-  __slots__ = ("columns", "weights", "cols", "nest", "fence", "owner", "cache")
+  __slots__ = ("columns", "weights", "cols", "fence", "owner", "cache")
 
   def __init__(self, columns, weights, owner=None):
     self.columns = columns      # list of arrays (n, ...), one per column
     self.weights = weights      # float32[n]
     self.cols = {}              # table index -> (rs_gather_col[], its address) at row 0
-    self.nest = None            # the data nest of the full columns (built once)
     self.fence = None           # callable waiting until the buffer may be overwritten, or None
     self.owner = owner          # what keeps the memory alive (e.g. pinned tensors)
     self.cache = {}             # for the transform: e.g. tensor views of the columns
@@ -227,8 +233,9 @@ class BatchIterator:
 
   ``next()`` raises DeadlineExceededError (no full batch within timeout_ms), TableClosedError
   (the server stopped; the background threads have ended), ValueError (items whose columns cannot
-  be batched, or that differ between the mixed tables) and whatever error an asynchronous priority
-  update met, once, at the next call.
+  be batched, or that differ between the mixed tables), DeadOwnerError (the server process died),
+  RuntimeError (closed; or used in a forked child: re-create it there) and whatever error an
+  asynchronous priority update met, once, at the next call.
   """
 
   def __init__(self, source, table=None, batch_size: int = 256, *, prefetch: int = 2,
@@ -252,7 +259,7 @@ class BatchIterator:
     if mask_key is not None and not isinstance(mask_key, str):
       raise ValueError(f"mask_key must be None or a column name (str), got {mask_key!r}")
     self.batch_size = int(batch_size)
-    self.importance_beta = _check_beta(importance_beta)
+    self.importance_beta = importance_beta   # (validated by the setter)
     self._prefetch, self._keep = int(prefetch), int(keep)
     self._timeout_ms, self._partial, self._copy = timeout_ms, bool(partial), bool(copy)
     self._seed = None if seed is None else int(seed) & _SEED_MASK
@@ -275,16 +282,36 @@ class BatchIterator:
     self._error: Optional[BaseException] = None       # ends the thread: raised by next()
     self._update_error: Optional[BaseException] = None   # raised once by the next call
     self._stop = False
+    self._filling = 0                     # items the thread has gathered into the next batch
     self._counts = {"batches": 0, "items": 0, "priority_updates": 0, "keys_updated": 0,
                     "keys_skipped": 0}
-    self._thread = threading.Thread(target=self._run, name="reverb_shm-batch-prefetch",
-                                    daemon=True)
-    self._updater = threading.Thread(target=self._run_updates, name="reverb_shm-priorities",
-                                     daemon=True)
+    self._pid = os.getpid()   # (the threads exist only in this process, not in a fork child)
+    # The threads hold only a weak reference to the iterator (dropped while they wait), so an
+    # iterator dropped without close() is collected; the finalizer then wakes them to end.
+    ref = weakref.ref(self)
+    self._thread = threading.Thread(target=_prefetch_thread, args=(ref, self._cv),
+                                    name="reverb_shm-batch-prefetch", daemon=True)
+    self._updater = threading.Thread(target=_updater_thread, args=(ref, self._ucv),
+                                     name="reverb_shm-priorities", daemon=True)
+    weakref.finalize(self, _wake, self._cv, self._ucv).atexit = False   # (daemon threads)
     self._thread.start()
     self._updater.start()
 
   # ---- public
+  @property
+  def importance_beta(self) -> Optional[float]:
+    """None, or the exponent beta in [0, 1] of the importance weights (Batch.weights); batches
+    gathered after an assignment use the new value (e.g. annealed towards 1).
+
+    Raises (on assignment):
+      ValueError: not None and not a number in [0, 1] (the old value stays).
+    """
+    return self._importance_beta
+
+  @importance_beta.setter
+  def importance_beta(self, beta) -> None:
+    self._importance_beta = _check_beta(beta)
+
   @property
   def tables(self) -> list:
     """The SharedTables sampled (Batch.table indexes this list)."""
@@ -303,14 +330,12 @@ class BatchIterator:
     return self
 
   def __next__(self):
+    self._check_process()
     deadline = None if self._timeout_ms is None else time.monotonic() + self._timeout_ms / 1000.0
     with self._cv:
       self._raise_update_error()
       if self._stop:
         raise RuntimeError("the iterator is closed")
-      # The consumer is done with the batch taken `keep` batches ago: its buffer may be reused.
-      while len(self._held) >= self._keep:
-        self._release(self._held.popleft())
       while not self._ready:
         if self._error is not None:
           raise self._error
@@ -320,6 +345,11 @@ class BatchIterator:
           self._cv.wait()
         else:
           left = deadline - time.monotonic()
+          if left <= 0 and self._partial and self._filling:
+            # The gather holds items and delivers them at its own deadline (which began up to
+            # timeout_ms before or after this call): wait for that partial batch.
+            self._cv.wait(_SLICE_MS / 1000.0)
+            continue
           if left <= 0:
             raise errors.DeadlineExceededError(
                 f"no batch of {self.batch_size} items within {self._timeout_ms} ms (tables "
@@ -329,6 +359,10 @@ class BatchIterator:
       if self._copy:
         self._release(None)
       else:
+        # A batch was taken: the consumer is done with the one taken `keep` batches ago, whose
+        # buffer may now be reused (not before: a next() that raises takes no batch).
+        while len(self._held) >= self._keep:
+          self._release(self._held.popleft())
         self._held.append(slot)
       return batch
 
@@ -349,7 +383,8 @@ class BatchIterator:
     Raises:
       TypeError: keys or priorities not of an integer / floating dtype.
       ValueError: shapes differ, a priority not finite or negative, a bad table.
-      RuntimeError: the iterator is closed; or the error an earlier update met.
+      RuntimeError: the iterator is closed or was made in the parent of this forked process; or
+        the error an earlier update met.
     """
     keys, priorities = self._check_update(keys, priorities)
     self._check_negative(priorities)
@@ -383,6 +418,7 @@ class BatchIterator:
       DeadlineExceededError: not all applied within timeout_ms.
       the error an update met (e.g. TableClosedError), or the background thread's error.
     """
+    self._check_process()
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
     with self._ucv:
       while self._updates or self._applying:
@@ -398,7 +434,11 @@ class BatchIterator:
   def close(self, timeout_s: float = 10.0) -> None:
     """Applies the queued priority updates (unless the server stopped), stops and joins the
     background threads. Idempotent. Batches already taken stay valid (their buffers are no
-    longer reused)."""
+    longer reused). In a forked child it only marks the iterator closed (its threads are the
+    parent's)."""
+    if os.getpid() != self._pid:
+      self._stop = True
+      return
     with self._cv:
       self._stop = True
       self._cv.notify_all()
@@ -482,7 +522,14 @@ class BatchIterator:
                        f"[0, {count}) (Batch.table), got {table!r}")
     return np.array(t, np.uint8)
 
+  def _check_process(self) -> None:
+    if os.getpid() != self._pid:
+      raise RuntimeError(f"this iterator was made in process {self._pid}; its background threads "
+                         f"do not exist in this forked child (pid {os.getpid()}): re-create the "
+                         "iterator after fork")
+
   def _queue_update(self, update: _Update) -> None:
+    self._check_process()
     self._raise_update_error()
     with self._ucv:
       if self._stop_updates or self._error is not None:
@@ -537,32 +584,7 @@ class BatchIterator:
       self._slots.append(slot)
     return slot
 
-  # ---- background thread
-  def _run(self) -> None:
-    try:
-      if self._seed is not None:
-        lib.rs_rand_seed_thread(self._seed)
-      while True:
-        with self._cv:
-          while not (self._stop or self._credits > 0):
-            self._cv.wait()
-          if self._stop:
-            break
-          slot = self._take_slot()
-        if slot.fence is not None:
-          fence, slot.fence = slot.fence, None
-          fence()
-        batch = self._fill(slot)
-        if batch is None:   # closed while gathering
-          break
-        if self._transform is not None:
-          batch = self._transform(batch, slot)
-        with self._cv:
-          self._ready.append((slot, batch))
-          self._cv.notify()
-    except BaseException as e:   # handed to the consumer; the thread ends
-      self._fail(e)
-
+  # ---- background threads (_prefetch_thread, _updater_thread)
   def _fail(self, e: BaseException) -> None:
     """Ends the iterator on error `e` (raised by the consumer's next call)."""
     if isinstance(e, errors.TableClosedError):
@@ -573,26 +595,24 @@ class BatchIterator:
       self._cv.notify_all()
     self._stop_updater()
 
-  def _run_updates(self) -> None:
-    """The updater thread: applies queued priority updates, all of a round in one C call per
-    table, until stopped (then the last ones)."""
-    while True:
-      with self._ucv:
-        while not (self._updates or self._stop_updates):
-          self._ucv.wait()
-        final = self._stop_updates
-        updates, self._updates = self._updates, []
-        self._applying = len(updates)
-      if updates:
-        self._apply_updates(updates, final)
-      if final:
-        return
-
   def _apply_updates(self, updates: List[_Update], final: bool) -> None:
     try:
       per_table = collections.defaultdict(lambda: ([], []))
+      rejected = 0
       for u in updates:
-        keys, priorities = u.ready() if u.ready is not None else (u.keys, u.priorities)
+        if u.ready is None:
+          keys, priorities = u.keys, u.priorities
+        else:
+          try:   # each update on its own: a bad one is skipped, the others still applied
+            keys, priorities = u.ready()
+          except errors.TableClosedError:
+            raise
+          except Exception as e:   # pylint: disable=broad-except
+            # (a bad value found after an asynchronous copy: raised by the caller's next call)
+            if self._update_error is None:
+              self._update_error = e
+            rejected += 1
+            continue
         if isinstance(u.table, np.ndarray):
           for t in np.unique(u.table):
             rows = u.table == t
@@ -611,7 +631,7 @@ class BatchIterator:
         updated += found
         skipped += len(keys) - found
       with self._ucv:
-        self._counts["priority_updates"] += len(updates)
+        self._counts["priority_updates"] += len(updates) - rejected
         self._counts["keys_updated"] += updated
         self._counts["keys_skipped"] += skipped
     except errors.TableClosedError as e:
@@ -625,21 +645,28 @@ class BatchIterator:
         self._applying = 0
         self._ucv.notify_all()
 
-  def _fill(self, slot: _Slot) -> Optional[Batch]:
-    """Gathers one batch into `slot`; None when closed meanwhile."""
-    n = self.batch_size
-    if self._weights is None:
+  @staticmethod
+  def _fill(ref, slot: _Slot) -> Optional[Batch]:
+    """Gathers one batch into `slot`; None when closed or collected meanwhile. `ref` is a weak
+    reference to the iterator, held only during each wait slice."""
+    it = ref()
+    if it is None:
+      return None
+    n = it.batch_size
+    if it._weights is None:
       plan = [(0, n)]
     else:
-      counts = self._mix_rng.multinomial(n, self._weights)
+      counts = it._mix_rng.multinomial(n, it._weights)
       plan = [(t, int(c)) for t, c in enumerate(counts) if c]
-    deadline = None if not self._partial else time.monotonic() + self._timeout_ms / 1000.0
+    deadline = None if not it._partial else time.monotonic() + it._timeout_ms / 1000.0
+    it = None
     infos, rows_of = [], []
     row = 0
     for t, count in plan:
       got = 0
       while got < count:
-        if self._stop:
+        it = ref()
+        if it is None or it._stop:
           return None
         slice_ms = _SLICE_MS
         if deadline is not None:
@@ -648,16 +675,26 @@ class BatchIterator:
             break
           if left > 0:
             slice_ms = min(slice_ms, left)
-        info = self._gather(t, slot, row + got, count - got, slice_ms)
+        info = it._gather(t, slot, row + got, count - got, slice_ms)
         if info is None:
+          # (the slices are shorter than the C core's dead-owner check: ask the owner watch)
+          segment = it._tables[t].segment
+          if segment.owner_dead:
+            raise segment.dead_owner_error()
+          it = None
           continue
         infos.append(info)
         rows_of.append((t, len(info.key)))
         got += len(info.key)
+        it._filling = row + got
+        it = None
       row += got
       if deadline is not None and time.monotonic() >= deadline and row > 0:
         break
-    return self._make_batch(slot, row, infos, rows_of)
+    it = ref()
+    if it is None:
+      return None
+    return it._make_batch(slot, row, infos, rows_of)
 
   def _gather(self, t: int, slot: _Slot, row: int, count: int, slice_ms: float):
     """Gathers up to `count` items of table t into rows [row, row + count) of slot, waiting at
@@ -730,13 +767,9 @@ class BatchIterator:
     info = infos[0] if len(infos) == 1 else SampleInfo(
         *[np.concatenate(field) for field in zip(*infos)])
     n = self.batch_size
-    if b == n:
-      if slot.nest is None:
-        slot.nest = self._structure_table._structure(list(slot.columns))  # pylint: disable=protected-access
-      data = slot.nest
-    else:
-      data = self._structure_table._structure(  # pylint: disable=protected-access
-          [c[:b] for c in slot.columns])
+    # (a nest of its own per batch, of views of the ring buffer: the consumer may edit it)
+    data = self._structure_table._structure(  # pylint: disable=protected-access
+        list(slot.columns) if b == n else [c[:b] for c in slot.columns])
     weights = None
     beta = self.importance_beta
     if beta is not None:
@@ -762,6 +795,80 @@ class BatchIterator:
       return "; ".join(t.limiter_message("sample", self._timeout_ms) for t in self._tables)
     except errors.ReverbError as e:
       return str(e)
+
+
+def _wake(cv: threading.Condition, ucv: threading.Condition) -> None:
+  """The finalizer of a BatchIterator: wakes its threads, which find it gone and end."""
+  for c in (cv, ucv):
+    with c:
+      c.notify_all()
+
+
+def _prefetch_thread(ref, cv: threading.Condition) -> None:
+  """The sampling thread: gathers batches ahead into free ring buffers until the iterator is
+  closed, fails or is collected. `ref` is a weak reference to it, held only while working."""
+  it = None
+  try:
+    it = ref()
+    if it is None:
+      return
+    if it._seed is not None:
+      lib.rs_rand_seed_thread(it._seed)
+    while True:
+      with cv:
+        while True:
+          it = ref()
+          if it is None or it._stop:
+            return
+          if it._credits > 0:
+            break
+          it = None
+          cv.wait()
+        slot = it._take_slot()
+      if slot.fence is not None:
+        fence, slot.fence = slot.fence, None
+        fence()
+      it = None
+      batch = BatchIterator._fill(ref, slot)   # pylint: disable=protected-access
+      if batch is None:   # closed or collected while gathering
+        return
+      it = ref()
+      if it is None:
+        return
+      if it._transform is not None:
+        batch = it._transform(batch, slot)
+      with cv:
+        it._ready.append((slot, batch))
+        it._filling = 0
+        cv.notify()
+      it = batch = None
+  except BaseException as e:   # handed to the consumer; the thread ends
+    it = ref()
+    if it is not None:
+      it._fail(e)
+
+
+def _updater_thread(ref, ucv: threading.Condition) -> None:
+  """The updater thread: applies queued priority updates, all of a round in one C call per
+  table, until stopped (then the last ones) or the iterator is collected."""
+  while True:
+    with ucv:
+      while True:
+        it = ref()
+        if it is None:
+          return
+        if it._updates or it._stop_updates:
+          break
+        it = None
+        ucv.wait()
+      final = it._stop_updates
+      updates, it._updates = it._updates, []
+      it._applying = len(updates)
+    if updates:
+      it._apply_updates(updates, final)
+    if final:
+      return
+    it = updates = None
 
 
 def _leaves(data) -> list:

@@ -207,6 +207,20 @@ def test_dead_bridge_gives_a_clear_error_without_hanging(server_factory):
   assert server.localhost_client().server_info()["dist"].current_size == 1
 
 
+@pytest.mark.timeout(30)
+def test_server_info_after_the_bridge_stopped_raises_within_reconnect_timeout(server_factory):
+  server = server_factory([_uniform("dist")])
+  bridge = Bridge(server.name)
+  client = RemoteClient(bridge.address, reconnect_timeout_s=1.0)
+  assert client.server_info()["dist"].current_size == 0
+  bridge.stop()
+  start = time.monotonic()
+  with pytest.raises(errors.ServerUnavailableError, match="reconnect_timeout_s"):
+    client.server_info()   # no timeout of its own: it waited for the bridge forever
+  assert 0.9 < time.monotonic() - start < 10
+  client.close()
+
+
 def test_sharding_spreads_inserts_and_samples_every_shard(server_factory):
   servers = [server_factory([_uniform("dist")], bridge=BridgeConfig()) for _ in range(2)]
   client = reverb_shm.Client([s.bridge_address for s in servers])

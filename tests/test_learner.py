@@ -1,17 +1,24 @@
 """reverb_shm.learner.BatchIterator: fixed shapes, prefetch ring, mixing, priorities back, seeds,
 sequences, bad input, and a server that stops under it (numpy only; torch/JAX in their own
 test modules)."""
+import gc
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
+from conftest import run_in_fork
 
 import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
+from reverb_shm._internal import shm
 from reverb_shm.learner import Batch, BatchIterator, importance_weights
-
 
 STEP_SIGNATURE = {"obs": reverb_shm.TensorSpec([4], np.float32),
                   "action": reverb_shm.TensorSpec([], np.int64),
@@ -420,3 +427,173 @@ def test_close_applies_queued_updates_and_ends_the_thread(server_factory):
   assert st.items()["priority"].tolist() == [2.5] * 4
   with pytest.raises(RuntimeError, match="closed"):
     next(it)
+
+
+def test_a_next_that_raises_leaves_the_held_batch_intact(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 100, signature=STEP_SIGNATURE)])
+  st = server.shared_table("q")
+  _fill(st, np.arange(8))   # batch A = items 0..3, batch B = items 4..7
+  with BatchIterator(st, batch_size=4, prefetch=1, keep=1, timeout_ms=300) as it:
+    next(it)
+    b = next(it)
+    saved = b.data["action"].copy()
+    assert saved.tolist() == [4, 5, 6, 7]
+    with pytest.raises(errors.DeadlineExceededError):
+      next(it)   # took no batch: B stays the consumer's
+    _fill(st, np.arange(100, 106))   # enough for one batch (into the free buffer) and more
+    time.sleep(0.5)
+    np.testing.assert_array_equal(b.data["action"], saved)
+    assert next(it).data["action"].tolist() == [100, 101, 102, 103]
+
+
+def test_a_bad_asynchronous_update_does_not_drop_the_others_of_its_round(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  keys = _fill(st, np.arange(3))
+  gate = threading.Event()
+
+  def slow():   # round 1: the updater waits on this "device copy" while the others queue
+    assert gate.wait(10)
+    return np.array([5.0])
+  with BatchIterator(st, batch_size=3, timeout_ms=5000) as it:
+    it._queue_async_update(keys[:1], 1, None, slow)
+    time.sleep(0.1)
+    it._queue_async_update(keys[1:2], 1, None, lambda: np.array([np.nan]))   # round 2: bad
+    it.update_priorities(keys[2:], np.array([9.0]))                          # round 2: valid
+    gate.set()
+    with pytest.raises(ValueError, match="finite"):
+      it.flush(timeout_ms=5000)
+    it.flush(timeout_ms=5000)   # raised once
+    assert it.stats["updates_pending"] == 0 and it.stats["priority_updates"] == 2
+  assert st.items()["priority"].tolist() == [5.0, 1.0, 9.0]
+
+
+_SERVE_EMPTY = """
+import sys, time, reverb_shm
+from reverb_shm import rate_limiters, selectors
+t = reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100, rate_limiters.MinSize(1))
+s = reverb_shm.Server([t], name=sys.argv[1], arena_bytes=4 << 20)
+print(s.port, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_iterator_waiting_on_an_empty_table_notices_a_killed_server(server_name):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.Popen([sys.executable, "-c", _SERVE_EMPTY, server_name],
+                          stdout=subprocess.PIPE, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})
+  try:
+    assert proc.stdout.readline()
+    st = reverb_shm.SharedTable.attach(f"{server_name}/t")   # empty: the thread waits
+    with BatchIterator(st, batch_size=4, timeout_ms=10_000) as it:
+      time.sleep(0.3)
+      proc.send_signal(signal.SIGKILL)
+      proc.wait(10)
+      start = time.monotonic()
+      with pytest.raises(errors.DeadOwnerError, match="is dead"):
+        next(it)
+      assert time.monotonic() - start < 1.0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait(10)
+    shm.remove_stale(names=[server_name])
+
+
+def test_an_iterator_used_in_a_forked_child_says_to_re_create_it(server_factory):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  keys = _fill(st, np.arange(20))
+  with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=5000) as it:
+    next(it)
+    time.sleep(0.2)   # (batches prefetched: the child must not hand them out either)
+
+    def child():
+      out = []
+      for call in (lambda: next(it), lambda: it.update_priorities(keys[:1], np.ones(1)),
+                   lambda: it.flush(1000)):
+        try:
+          call()
+          out.append("ok")
+        except RuntimeError as e:
+          out.append("re-create the iterator after fork" in str(e))
+      it.close()
+      return out
+    assert run_in_fork(child, timeout=20) == "OK [True, True, True]"
+    assert len(next(it).info.key) == 4   # the parent's iterator is untouched
+
+
+def test_partial_next_returns_the_items_gathered_by_its_deadline(server_factory):
+  server = server_factory([reverb_shm.Table.queue("q", 100, signature=STEP_SIGNATURE)])
+  st = server.shared_table("q")
+  for trial in range(3):
+    _fill(st, np.arange(3))   # 3 items, batches of 8: the two deadlines race
+
+    def slow(batch, slot):   # delivered a while after the gather's deadline
+      time.sleep(0.2)
+      return batch
+    with BatchIterator(st, batch_size=8, timeout_ms=300, partial=True, transform=slow) as it:
+      start = time.monotonic()
+      assert next(it).data["action"].tolist() == [0, 1, 2], trial
+      assert time.monotonic() - start < 5
+
+
+def test_every_batch_has_a_data_dict_of_its_own(server_factory):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  _fill(st, np.arange(20))
+  with BatchIterator(st, batch_size=4, prefetch=1, mask_key="action", timeout_ms=5000) as it:
+    first = next(it)
+    first.data.pop("action")   # the consumer edits its batch's dict
+    later = [next(it) for _ in range(4)]   # (gathered into the first batch's buffer again)
+    for batch in later:
+      assert sorted(batch.data) == ["action", "obs", "reward"]
+      assert batch.data is not first.data
+      _assert_rows_consistent(batch)
+    pointers = {b.data["obs"].__array_interface__["data"][0] for b in later}
+    assert len(pointers) <= 2   # still views of the ring buffers
+
+
+def test_assigning_importance_beta_is_validated(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  _fill(st, np.arange(10), priorities=np.arange(1.0, 11.0))
+  with BatchIterator(st, batch_size=8, prefetch=1, importance_beta=0.4, timeout_ms=5000) as it:
+    for bad in (-1.0, 2.0, float("nan"), "half", True, [0.5]):
+      with pytest.raises(ValueError, match=r"importance_beta must be None or a number in \[0, 1\]"):
+        it.importance_beta = bad
+      assert it.importance_beta == 0.4   # unchanged
+    it.importance_beta = 1
+    assert it.importance_beta == 1.0 and isinstance(it.importance_beta, float)
+    for _ in range(3):   # (the batches gathered before the change may use 0.4)
+      batch = next(it)
+    np.testing.assert_allclose(batch.weights, importance_weights(
+        batch.info.probability, batch.info.table_size, 1.0), rtol=1e-6)
+    assert not it.closed
+    it.importance_beta = None
+
+
+@pytest.mark.parametrize("items", [20, 0])   # threads waiting on full ring / on an empty table
+def test_an_iterator_dropped_without_close_is_collected_and_its_threads_end(server_factory,
+                                                                             items):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  if items:
+    _fill(st, np.arange(items))
+  it = BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=5000)
+  if items:
+    next(it)
+    it.update_priorities(np.zeros(1, np.uint64), np.ones(1))
+  time.sleep(0.2)
+  ref, threads = weakref.ref(it), (it._thread, it._updater)
+  del it
+  deadline = time.monotonic() + 5
+  while ref() is not None and time.monotonic() < deadline:   # (a thread holds it for one slice)
+    gc.collect()
+    time.sleep(0.01)
+  assert ref() is None
+  for thread in threads:
+    thread.join(5)
+    assert not thread.is_alive()

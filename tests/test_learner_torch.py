@@ -205,3 +205,14 @@ class _Recorder:
   def __exit__(self, *exc):
     if self.stream is not None:
       _Recorder.active = None
+
+
+def test_every_cpu_batch_has_a_data_dict_of_its_own(server_factory):
+  server, _, _ = _server(server_factory)
+  with TorchIterator(server, "t", 8, prefetch=1, timeout_ms=5000) as it:
+    first = next(it)
+    first.data.pop("action")
+    for _ in range(4):
+      batch = next(it)
+      assert sorted(batch.data) == ["action", "obs", "reward"] and batch.data is not first.data
+      torch.testing.assert_close(batch.data["obs"][:, 0], (batch.data["action"] * 10).float())

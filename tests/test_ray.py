@@ -323,6 +323,12 @@ def test_node_failure_checkpoint_and_restore(filled):
   local, handle = filled
   a, b = _shard(handle, local, "nodeA"), _shard(handle, local, "nodeB")
   paths = handle.checkpoint(timeout_s=CALL_S)
+  # Replacing a live shard is refused and changes nothing (it would lose what follows the
+  # checkpoint).
+  entry_a = handle.entries[a]
+  with pytest.raises(ValueError, match=f"shard {a}'s server .* is still alive"):
+    handle.replace(a, local.node_id("head"), timeout_s=CALL_S)
+  assert handle.entries[a] == entry_a and handle.alive(timeout_s=CALL_S)[a]
   assert len(paths) == 3 and all(p and os.path.isdir(p) for p in paths)
   assert all(p.startswith(os.path.join(handle.checkpoint_root, f"shard-{i}"))
              for i, p in enumerate(paths))

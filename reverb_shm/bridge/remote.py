@@ -123,14 +123,24 @@ class _Connection:
   # ---- unary calls (retried while the bridge is unreachable)
   def unary(self, name: str, msg: dict, timeout: Optional[float] = None,
             wait_for_ready: bool = False) -> dict:
-    deadline = time.monotonic() + self.client.reconnect_timeout_s
+    """One unary call, retried while the bridge is unreachable, for at most the client's
+    reconnect_timeout_s (a call waiting for the channel to become ready, with no `timeout` of its
+    own, waits that long too), then ServerUnavailableError."""
+    reconnect_s = self.client.reconnect_timeout_s
+    deadline = time.monotonic() + reconnect_s
     backoff = writes.BACKOFF_START_S
     while True:
+      bounded = wait_for_ready and timeout is None
+      attempt = max(0.001, deadline - time.monotonic()) if bounded else timeout
       try:
-        reply = self.method(name)(wire.pack(msg), timeout=timeout, metadata=self.metadata,
+        reply = self.method(name)(wire.pack(msg), timeout=attempt, metadata=self.metadata,
                                   wait_for_ready=wait_for_ready)
         return wire.unpack(reply)
       except grpc.RpcError as e:
+        if bounded and e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+          raise errors.ServerUnavailableError(
+              f"bridge {self.address} unavailable: no answer to {name} within "
+              f"reconnect_timeout_s={reconnect_s} s") from None
         if e.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
           raise rpc_error(e, self.address) from None
       time.sleep(backoff)
@@ -486,11 +496,14 @@ class RemoteClient(client_lib.Client):
 
   # ---- Client API that differs from the local one
   def server_info(self, timeout: Optional[float] = None) -> Dict[str, table_lib.TableInfo]:
-    """TableInfo of every table, waiting up to `timeout` s (None/0: forever) for the bridge.
+    """TableInfo of every table, waiting up to `timeout` s for the bridge (None/0: up to the
+    client's reconnect_timeout_s).
 
     Raises:
       ValueError: negative timeout.
-      DeadlineExceededError: the bridge did not answer in time.
+      DeadlineExceededError: the bridge did not answer within `timeout`.
+      ServerUnavailableError: no `timeout` and the bridge did not answer within
+        reconnect_timeout_s.
     """
     if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
       raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")

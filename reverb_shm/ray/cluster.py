@@ -213,8 +213,12 @@ class ClusterHandle:
     checkpoint; updates this handle (pass the new handle to tasks that need the shard) and
     returns the new entry.
 
+    The old actor counts as alive when it answers within min(10, timeout_s) seconds; one that
+    does not (its node died or stalls) is killed first.
+
     Raises:
-      ValueError: the shard's old actor is still alive (stop it first) or a bad shard index.
+      ValueError: the shard's old actor is still alive (stop it first) or a bad shard index;
+        nothing is changed then.
       GetTimeoutError: the new server did not start within `timeout_s`.
     """
     if not 0 <= shard < self.num_shards:
@@ -222,9 +226,17 @@ class ClusterHandle:
     old = self.entries[shard]
     try:
       actor = ray.get_actor(old.actor_name, namespace=NAMESPACE)
+    except ValueError:   # no such actor any more
+      actor = None
+    if actor is not None:
+      try:
+        alive = bool(ray.get(actor.info.remote(), timeout=min(10.0, timeout_s)))
+      except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+        alive = False
+      if alive:
+        raise ValueError(f"shard {shard}'s server (actor {old.actor_name!r} on node "
+                         f"{old.node_id}) is still alive: stop it before replacing it")
       ray.kill(actor, no_restart=True)   # a dead node's actor may still be registered
-    except ValueError:
-      pass
     entry = _start_shard(self, shard, node_id, timeout_s)
     self.entries[shard] = entry
     return entry

@@ -127,9 +127,11 @@ class TorchIterator(learner.BatchIterator):
     if len(batch.info.key) == self.batch_size:   # views of the whole buffer: made once
       views = slot.cache.get("views")
       if views is None:
-        views = slot.cache["views"] = (_map(batch.data, torch.from_numpy),
+        leaves, treedef = structure.flatten(batch.data)
+        views = slot.cache["views"] = ([torch.from_numpy(a) for a in leaves], treedef,
                                        torch.from_numpy(slot.weights))
-      data, slot_weights = views
+      leaves, treedef, slot_weights = views
+      data = structure.unflatten(treedef, list(leaves))   # (a nest of its own per batch)
       weights = None if weights is None else slot_weights
     else:
       data = _map(batch.data, torch.from_numpy)
