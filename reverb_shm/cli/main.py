@@ -328,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("servers", nargs="*", metavar="SERVER",
                  help="only consider these servers (names, shm://NAME or localhost:PORT; "
                  "default: all)")
-  p.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+  p.add_argument("--dry-run", action="store_true",
+                 help="print what would be removed; remove nothing")
   p.set_defaults(func=_cmd_gc)
 
   p = sub.add_parser("serve", help="serve tables from a ReverbServerConfig text file")
