@@ -130,7 +130,8 @@ class DefaultCheckpointer(CheckpointerBase):
     tmp = os.path.join(self._path, f".reverb_shm-tmp-{os.getpid()}-{uuid.uuid4().hex}")
     started = time.monotonic()
     try:
-      body = checkpoint_io.write(segment, tmp, progress=progress or checkpoint_io.default_progress())
+      body = checkpoint_io.write(segment, tmp,
+                                 progress=progress or checkpoint_io.default_progress())
       final = self._rename_into_place(tmp, body["created_at_ns"])
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)

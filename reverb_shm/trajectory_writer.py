@@ -656,9 +656,10 @@ class TrajectoryWriter(hot.WriterBase):
     pos = np.where(starts < 0, starts + col.n, starts)
     bad = np.flatnonzero((pos < 0) | (pos + length > col.n))
     if len(bad):
-      raise errors.HistoryIndexError(f"create_window_items: item {bad[0]}'s window [{starts[bad[0]]}, "
-                       f"+{length}) is out of range for column {col.path}, which has {col.n} "
-                       "steps since its buffers were last cleared")
+      raise errors.HistoryIndexError(f"create_window_items: item {bad[0]}'s window "
+                                     f"[{starts[bad[0]]}, +{length}) is out of range for column "
+                                     f"{col.path}, which has {col.n} steps since its buffers "
+                                     "were last cleared")
     bad = np.flatnonzero(pos < col.alive_from())
     if len(bad):
       raise ValueError(f"create_window_items: item {bad[0]}'s window starting at "

@@ -152,8 +152,9 @@ def window_starts(starts) -> np.ndarray:
   (an unsigned 2**64 - 1 must not wrap to -1, the last step)."""
   starts = np.asarray(starts)
   if starts.dtype.kind == "u" and starts.size and int(starts.max()) > np.iinfo(np.int64).max:
-    raise errors.HistoryIndexError(f"window start {int(starts.max())} is out of range (starts are step "
-                     f"positions in the history, negative counting from the end)")
+    raise errors.HistoryIndexError(f"window start {int(starts.max())} is out of range (starts are "
+                                   "step positions in the history, negative counting from the "
+                                   "end)")
   return np.ascontiguousarray(starts, np.int64)
 
 

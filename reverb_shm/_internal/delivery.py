@@ -142,10 +142,10 @@ class _Delivery:
       warnings.warn(f"{dropped} items of TrajectoryWriters were still held back by their rate "
                     f"limiters at interpreter exit after waiting {_EXIT_WAIT_S} s; they were "
                     "dropped (flush() the writers before exiting to wait for them)",
-                    RuntimeWarning)
+                    RuntimeWarning, stacklevel=1)
 
   def reset_in_child(self) -> None:
-    self.__init__()
+    type(self).__init__(self)
 
 
 _DELIVERY = _Delivery()

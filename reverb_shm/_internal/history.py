@@ -335,8 +335,9 @@ class _ColumnHistory(hot.HistoryBase):
       raise TypeError(f"History positions must be ints, got {i!r} of type {type(i).__name__}")
     p = int(i) + n if i < 0 else int(i)
     if not 0 <= p < n:
-      raise errors.HistoryIndexError(f"Position {i} is out of range for column {self._column.path}, which has "
-                       f"{n} steps since its buffers were last cleared")
+      raise errors.HistoryIndexError(f"Position {i} is out of range for column "
+                                     f"{self._column.path}, which has {n} steps since its "
+                                     "buffers were last cleared")
     return p
 
   def _positions(self, s: slice) -> range:
@@ -351,8 +352,9 @@ class _ColumnHistory(hot.HistoryBase):
       if bound is not None:
         b = int(bound) + n if bound < 0 else int(bound)
         if not 0 <= b <= n:
-          raise errors.HistoryIndexError(f"Slice {s} is out of range for column {self._column.path}, which "
-                           f"has {n} steps since its buffers were last cleared")
+          raise errors.HistoryIndexError(f"Slice {s} is out of range for column "
+                                         f"{self._column.path}, which has {n} steps since its "
+                                         "buffers were last cleared")
     return range(*s.indices(n))
 
   def _getitem(self, index) -> "TrajectoryColumn":

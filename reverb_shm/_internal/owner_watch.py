@@ -109,7 +109,7 @@ class _Watcher:
     for fd in (self.wake_r, self.wake_w):
       if fd is not None:
         os.close(fd)
-    self.__init__()
+    type(self).__init__(self)
 
 
 _WATCHER = _Watcher()

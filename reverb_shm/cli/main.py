@@ -329,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("servers", nargs="*", metavar="SERVER",
                  help="only consider these servers (names, shm://NAME or localhost:PORT; "
                  "default: all)")
-  p.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+  p.add_argument("--dry-run", action="store_true",
+                 help="print what would be removed; remove nothing")
   p.add_argument("--storage", metavar="DIR", default=None,
                  help="a disk-tier directory (Server storage=): also remove its arena files "
                       "whose server is gone (e.g. after /dev/shm was cleared by a reboot)")

@@ -7,7 +7,7 @@ Raises:
   ImportError: TensorFlow is not installed (`pip install reverb_shm[tf]`).
 """
 try:
-  import tensorflow as _tf  # pylint: disable=unused-import
+  import tensorflow as _tf  # noqa: F401  # pylint: disable=unused-import
 except ImportError as e:
   raise ImportError("reverb_shm's TensorFlow datasets and TFClient need TensorFlow: "
                     "pip install reverb_shm[tf]") from e

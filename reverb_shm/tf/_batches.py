@@ -82,8 +82,9 @@ def sample_batches(server_address, table, max_in_flight: int, rate_limiter_timeo
       deadline = timeouts.deadline_from_ms(
           None if rate_limiter_timeout_ms < 0 else int(rate_limiter_timeout_ms))
     wait_ms = WAIT_SLICE_MS
-    if deadline != -1:
-      wait_ms = min(wait_ms, timeouts.remaining_ms(deadline))
+    left_ms = timeouts.remaining_ms(deadline)   # None when deadline is -1 (no deadline)
+    if left_ms is not None:
+      wait_ms = min(wait_ms, left_ms)
     try:
       batch = None
       if local and st._gather_layout is not None:   # pylint: disable=protected-access

@@ -30,7 +30,8 @@ def lists_to_tuples(structure: Any) -> Any:
   if isinstance(structure, tuple):
     return tuple(lists_to_tuples(x) for x in structure)
   if isinstance(structure, collections.abc.Mapping):
-    return type(structure)((k, lists_to_tuples(v)) for k, v in structure.items())
+    mapping_type: Any = type(structure)
+    return mapping_type((k, lists_to_tuples(v)) for k, v in structure.items())
   return structure
 
 

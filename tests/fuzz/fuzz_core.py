@@ -543,8 +543,9 @@ class CorruptTarget:
     ]
     # The server only fills the segment: its bytes are copied and it is stopped, so that no
     # thread of this process (the server's reaper) ever reads the corrupted copy.
+    # max_bytes: the segment file is as large as the server may grow; keep the copy small.
     server = reverb_shm.Server(tables, name=f"fuzzsrc_{os.getpid()}", max_procs=8,
-                               pins_per_proc=256, arena_bytes=1 << 20)
+                               pins_per_proc=256, arena_bytes=1 << 20, max_bytes=4 << 20)
     try:
       client = server.localhost_client()
       with client.trajectory_writer(num_keep_alive_refs=3) as writer:
