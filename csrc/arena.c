@@ -117,10 +117,15 @@ static void list_remove(void *base, uint64_t off) {
   b->next_free = b->prev_free = 0;
 }
 
+/* Caller holds the arena lock. The stores are relaxed atomics (plain moves on x86) because
+ * rs_segment_get_info reads these figures without the lock. */
 static void account(rs_seg_hdr *h, uint32_t type, uint64_t size, int sign) {
-  if (sign > 0) h->arena_used += size; else h->arena_used -= size;
-  if (type == RS_BLOCK_CHUNK) h->num_chunks += (uint64_t)(int64_t)sign;
-  if (type == RS_BLOCK_DESC) h->num_descs += (uint64_t)(int64_t)sign;
+  __atomic_store_n(&h->arena_used, sign > 0 ? h->arena_used + size : h->arena_used - size,
+                   __ATOMIC_RELAXED);
+  if (type == RS_BLOCK_CHUNK)
+    __atomic_store_n(&h->num_chunks, h->num_chunks + (uint64_t)(int64_t)sign, __ATOMIC_RELAXED);
+  if (type == RS_BLOCK_DESC)
+    __atomic_store_n(&h->num_descs, h->num_descs + (uint64_t)(int64_t)sign, __ATOMIC_RELAXED);
 }
 
 /* A free block of at least `need` bytes: first fit among a few of the exact class, then the head
@@ -601,7 +606,7 @@ int rs_pins_grow(void *base, uint32_t slot, uint32_t n) {
   if (rc) return rc;
   /* Entries cap..newcap-1 are zero (never written: ids >= pin_cap are never handed out). */
   __atomic_store_n(&s->pin_cap, (uint32_t)newcap, __ATOMIC_RELEASE);   /* commit */
-  h->pins_reserved += add;
+  __atomic_store_n(&h->pins_reserved, h->pins_reserved + add, __ATOMIC_RELAXED);   /* read unlocked by info */
   uint32_t *stack = rs_pin_free_stack(base, slot);
   for (uint32_t i = (uint32_t)newcap; i-- > cap;) stack[s->free_top++] = i;   /* pops hand out cap first */
   return RS_OK;

@@ -174,6 +174,7 @@ class Table:
       cols[c].out = ffi.cast("uint8_t *", ffi.from_buffer(arr))
       cols[c].stride = cols[c].col_bytes = arr.strides[0]
       cols[c].dtype = dt
+      cols[c].ndim, cols[c].shape[0] = 1, 2   # a: the squeezed row's shape (2,); b: 2 rows of ()
     info = np.zeros(36 * n // 8 + 1, np.uint64)
     got = ffi.new("uint32_t *")
     rc = lib.rs_sample_gather(self.base, self.slot, 0, n, wait_n, lib.rs_now_ns(), 0, 2, cols,
