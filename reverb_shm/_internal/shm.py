@@ -188,8 +188,8 @@ def _table_configs(tables):
 
 def start_bytes(tables, arena_bytes: int, max_procs: int = 128, pins_per_proc: int = 65536) -> int:
   """Bytes a server of `tables` reserves in /dev/shm when it starts with `arena_bytes` (its
-  header, the tables' metadata, the first arena extent and the first pins of every pin log). Raises ValueError on a bad
-  configuration."""
+  header, the tables' metadata, the first arena extent and the first pins of every pin log).
+  Raises ValueError on a bad configuration."""
   cfgs, keep = _table_configs(tables)  # pylint: disable=unused-variable
   initial = ffi.new("uint64_t *")
   if lib.rs_segment_size_ex(cfgs, len(tables), max_procs, pins_per_proc, arena_bytes, arena_bytes,
@@ -339,7 +339,8 @@ class Segment:
       try:
         if storage is not None:
           arena_path = os.path.join(storage, f"{_PREFIX}{name}.{generation:016x}.arena")
-          seg._map_arena_file(arena_path, arena_off, arena_max, create=(mode, initial_bytes - arena_off))
+          seg._map_arena_file(arena_path, arena_off, arena_max,
+                              create=(mode, initial_bytes - arena_off))
         pid = os.getpid()
         check(lib.rs_segment_init_ex(seg.base, size, cfgs, len(tables), max_procs, pins_per_proc,
                                      arena_bytes, arena_max, max_bytes or 0, pid,
