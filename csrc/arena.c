@@ -791,8 +791,8 @@ int rs_chunk_shrink(void *base, uint64_t chunk_off, uint32_t rows) {
   uint64_t size = bsize(b);
   uint64_t nbytes = c->row_bytes ? c->row_bytes * rows : c->nbytes;   /* object chunks keep bytes */
   uint64_t keep = rs_align_up(RS_ALIGN + c->data_offset + nbytes, RS_ALIGN);
-  c->capacity = rows;
-  c->nbytes = nbytes;
+  __atomic_store_n(&c->capacity, rows, __ATOMIC_RELAXED);   /* read unlocked by rs_chunk_rows_ok */
+  __atomic_store_n(&c->nbytes, nbytes, __ATOMIC_RELAXED);
   if (keep < size && size - keep >= RS_ALIGN) {
     uint64_t tail = off + keep, tail_size = size - keep, next = off + size, absorbed = 0;
     if (next < arena_end(h) && btype(blk(base, next)) == RS_BLOCK_FREE) {

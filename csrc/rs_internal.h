@@ -362,11 +362,15 @@ static inline int rs_arena_span_ok(void *base, uint64_t off, uint64_t len) {
 static inline int rs_chunk_rows_ok(void *base, uint64_t chunk_off, uint64_t first, uint64_t n) {
   if (chunk_off % RS_ALIGN || !rs_arena_span_ok(base, chunk_off, sizeof(rs_chunk_hdr))) return 0;
   const rs_chunk_hdr *c = (const rs_chunk_hdr *)rs_at(base, chunk_off);
+  /* capacity and nbytes may shrink concurrently (rs_chunk_shrink, arena lock), never below the
+   * published rows an item references: relaxed atomic loads, either value is safe here. */
+  uint64_t cap = __atomic_load_n(&c->capacity, __ATOMIC_RELAXED);
+  uint64_t nbytes = __atomic_load_n(&c->nbytes, __ATOMIC_RELAXED);
   uint64_t data = c->data_offset, bytes;
-  if (first + n < first || first + n > c->capacity) return 0;
-  if (__builtin_mul_overflow((uint64_t)c->capacity, c->row_bytes, &bytes)) return 0;
+  if (first + n < first || first + n > cap) return 0;
+  if (__builtin_mul_overflow(cap, c->row_bytes, &bytes)) return 0;
   if (!rs_arena_span_ok(base, chunk_off, data)) return 0;
-  return rs_arena_span_ok(base, chunk_off + data, bytes) && rs_arena_span_ok(base, chunk_off + data, c->nbytes);
+  return rs_arena_span_ok(base, chunk_off + data, bytes) && rs_arena_span_ok(base, chunk_off + data, nbytes);
 }
 /* Is the descriptor blob of item reference `ref` 64-aligned inside the arena, with every
  * column's slices inside the blob? (Its slices' chunks are checked by rs_chunk_rows_ok where they are read.) */

@@ -78,6 +78,7 @@ def test_core_files_under_asan_and_ubsan():
 
 
 @needs_tsan
+@pytest.mark.slow   # a race is reported only when the scheduler interleaves it: run it in campaigns
 @pytest.mark.timeout(600)
 def test_threads_under_tsan():
   _run(["tsan", "--quick"], 580)
