@@ -8,8 +8,10 @@ Rows (one RESULTS line):
                          transition per Client.insert into its own node's server (shared memory)
   R1_sample reverb_shm   items/s of the learner (driver, head node) drawing 256 per call with
                          ClusterClient.sample_batch across the 3 nodes' servers (global uniform
-                         split; masses read before each draw); variant reverb_shm_mass_cache
-                         splits by the masses of the previous answers (max_mass_age_s=0.1)
+                         split by the masses of earlier answers, max_mass_age_s=0.1; the
+                         bridges' parts of the next 2 batches requested ahead, prefetch=2);
+                         variants reverb_shm_mass_cache (no prefetch) and reverb_shm_sync
+                         (masses read before each draw, no prefetch)
   R1_cross  same_node / cross_node   items/s of batches of 256 drawn from the driver on the
                          head node's server (shared memory) and on a worker node's (bridge)
 """
@@ -67,16 +69,19 @@ def r1(args):
       head_client.insert(common.transition(i), {TABLE: 1.0})
 
     cc = handle.global_client(timeout_s=10)
-    rate, _, _ = timed(lambda: len(cc.sample_batch(TABLE, common.SAMPLE_BATCH).info.key),
-                       args.duration, args.warmup)
-    rows.append(row("R1_sample", "reverb_shm", "ClusterClient.sample_batch(256) across 3 nodes "
-                    "(masses read before each draw)", rate))
-    cached = handle.global_client(timeout_s=10, max_mass_age_s=0.1)
-    rate, _, _ = timed(lambda: len(cached.sample_batch(TABLE, common.SAMPLE_BATCH).info.key),
-                       args.duration, args.warmup)
-    rows.append(row("R1_sample", "reverb_shm_mass_cache", "ClusterClient.sample_batch(256) "
-                    "across 3 nodes, max_mass_age_s=0.1", rate))
-    cached.close()
+    variants = (
+        ("reverb_shm", {"max_mass_age_s": 0.1, "prefetch": 2},
+         "ClusterClient.sample_batch(256) across 3 nodes, prefetch=2, max_mass_age_s=0.1"),
+        ("reverb_shm_mass_cache", {"max_mass_age_s": 0.1},
+         "ClusterClient.sample_batch(256) across 3 nodes, max_mass_age_s=0.1, no prefetch"),
+        ("reverb_shm_sync", {},
+         "ClusterClient.sample_batch(256) across 3 nodes (masses read before each draw)"))
+    for variant, kwargs, api in variants:
+      sampler = handle.global_client(timeout_s=10, **kwargs)
+      rate, _, _ = timed(lambda s=sampler: len(s.sample_batch(TABLE, common.SAMPLE_BATCH).info.key),
+                         args.duration, args.warmup)
+      rows.append(row("R1_sample", variant, api, rate))
+      sampler.close()
 
     same = handle.client(shard=0).shared_table(TABLE)
     cross = handle.client(shard=1)

@@ -60,3 +60,34 @@ def test_errors(served):
   for bad in (-1, 1 << 17, 2.0, True):
     with pytest.raises(ValueError, match="n must be an int"):
       remote.sample_batch_with_stats("prio", bad)
+
+
+def test_requests_in_flight_are_answered_in_order_on_one_stream(served):
+  _, remote = served
+  calls = [remote.sample_batch_async("prio", n, timeout_ms=1000) for n in (5, 0, 7)]
+  failing = remote.sample_batch_async("nope", 3, timeout_ms=50)
+  dropped = remote.sample_batch_async("prio", 9, timeout_ms=1000)
+  last = remote.sample_batch_async("prio", 11, timeout_ms=1000)
+  dropped.cancel()
+  # Read out of order: each call gets its own reply.
+  batch, stats = calls[2]()
+  assert len(batch.info.key) == 7 and stats["size"] == 20
+  assert calls[1]()[0] is None
+  assert len(calls[0]()[0].info.key) == 5
+  with pytest.raises(errors.UnknownTableError):   # an error answers that request only
+    failing()
+  assert len(last()[0].info.key) == 11
+  stream = remote._connection().batch_stream  # pylint: disable=protected-access
+  assert stream.error is None and not stream._replies  # pylint: disable=protected-access
+  assert stats["samples"] >= 1
+
+
+def test_a_reply_that_does_not_come_in_time_ends_the_stream_and_the_next_call_reopens(served):
+  _, remote = served
+  import time  # pylint: disable=g-import-not-at-top
+  t0 = time.monotonic()
+  with pytest.raises(errors.DeadlineExceededError, match="did not answer"):
+    remote.sample_batch_with_stats("empty", 1, rpc_timeout=0.3)   # waits for the limiter
+  assert time.monotonic() - t0 < 5
+  batch, _ = remote.sample_batch_with_stats("prio", 3, timeout_ms=1000, rpc_timeout=30)
+  assert len(batch.info.key) == 3

@@ -235,6 +235,25 @@ def test_global_prioritized_sampling_matches_one_table(filled):
                              [prio_of[v] ** EXPONENT / total for v in values], rtol=1e-12)
   assert (batch.info.table_size == len(prio_of)).all()
   assert cc.failures == 0
+  # Prefetching (the bridges' parts of the next batches requested ahead, split by the masses
+  # of earlier answers): the same distribution and exact probabilities.
+  pf = handle.global_client(seed=6, timeout_s=10, prefetch=2, max_mass_age_s=60)
+  counts = dict.fromkeys(prio_of, 0)
+  for _ in range(40):
+    batch = pf.sample_batch("prio", 250, rate_limiter_timeout_ms=10_000)
+    values = np.asarray(batch.data[0]).reshape(-1)
+    assert len(values) == 250 and (batch.info.table_size == len(prio_of)).all()
+    np.testing.assert_allclose(batch.info.probability,
+                               [prio_of[v] ** EXPONENT / total for v in values], rtol=1e-12)
+    for v in values.tolist():
+      counts[v] += 1
+  assert len(pf._pending) == 2   # pylint: disable=protected-access
+  for value, p in prio_of.items():
+    q = p ** EXPONENT / total
+    assert abs(counts[value] - 10_000 * q) <= 5 * np.sqrt(10_000 * q * (1 - q)) + 1, counts
+  assert len(pf.sample_batch("prio", 7, rate_limiter_timeout_ms=10_000).info.key) == 7
+  pf.close()
+  assert not pf._pending   # pylint: disable=protected-access
   assert cc.is_local(_shard(handle, local, "head"))
   assert not cc.is_local(_shard(handle, local, "nodeA"))
   info = cc.server_info()

@@ -111,6 +111,7 @@ class _Connection:
     self.channel = self.creds.channel(self.address, _CHANNEL_OPTIONS)
     self.metadata = self.creds.metadata()
     self.insert_streams = []   # idle persistent Insert streams (writes.InsertStream)
+    self.batch_stream: Optional[_BatchStream] = None   # the SampleBatches stream, once opened
 
   def method(self, name: str, kind: str = "unary_unary"):
     return getattr(self.channel, kind)(f"/{wire.SERVICE}/{name}")
@@ -118,7 +119,16 @@ class _Connection:
   def close(self) -> None:
     while self.insert_streams:
       self.insert_streams.pop().close()
+    if self.batch_stream is not None:
+      self.batch_stream.close()
     self.channel.close()
+
+  def batches(self) -> "_BatchStream":
+    """The connection's SampleBatches stream (a new one if the last one ended)."""
+    stream = self.batch_stream
+    if stream is None or stream.error is not None:
+      stream = self.batch_stream = _BatchStream(self)
+    return stream
 
   # ---- unary calls (retried while the bridge is unreachable)
   def unary(self, name: str, msg: dict, timeout: Optional[float] = None,
@@ -547,9 +557,9 @@ class RemoteClient(client_lib.Client):
   def sample_batch_async(self, table: str, n: int, timeout_ms: Optional[int] = None,
                          rpc_timeout: Optional[float] = None):
     """Sends sample_batch_with_stats's request without waiting for the answer; returns a
-    function that waits for it and returns (batch, stats) or raises as
-    sample_batch_with_stats does. Unlike other unary calls, an unreachable bridge is not
-    retried: the error is raised at once (the caller decides what to do).
+    callable that waits for it and returns (batch, stats) or raises as
+    sample_batch_with_stats does (its cancel() cancels the call). Unlike other unary calls, an
+    unreachable bridge is not retried: the error is raised at once (the caller decides).
 
     Raises (at once):
       ValueError: bad n.
@@ -559,20 +569,8 @@ class RemoteClient(client_lib.Client):
     msg = {"table": table, "n": n}
     if timeout_ms is not None:
       msg["timeout_ms"] = int(timeout_ms)
-    conn = self._connection()
-    future = conn.method("SampleBatch").future(wire.pack(msg), timeout=rpc_timeout,
-                                               metadata=conn.metadata)
-
-    def result():
-      try:
-        reply = wire.unpack(future.result())
-      except grpc.RpcError as e:
-        raise rpc_error(e, self.server_address) from None
-      stats = reply.get("stats")
-      if not isinstance(stats, dict):
-        raise errors.ReverbError(f"bridge {self.server_address} sent a malformed SampleBatch")
-      return (None if not n else _decode_batch(reply["sample"])), stats
-    return result
+    stream = self._connection().batches()
+    return _BatchCall(stream, stream.send(msg), n, rpc_timeout)
 
   def _sample_gen(self, handle, n, emit_timesteps, treedef, timeout_ms):
     """Client.sample's generator over a Sample stream (Client.sample validated the arguments).
@@ -646,6 +644,118 @@ class RemoteClient(client_lib.Client):
     finally:
       requests.put(None)
       call.cancel()
+
+
+class _BatchStream:
+  """A connection's persistent SampleBatches stream: requests go out as they are made (several
+  may be in flight), replies come back in request order. Thread-safe.
+
+  A reply not read within its caller's timeout cancels the stream (the watchdog): that read
+  and every later one raise, and the connection opens a new stream for the next request.
+  """
+
+  def __init__(self, conn: _Connection):
+    self._address = conn.address
+    self._out: queue.SimpleQueue = queue.SimpleQueue()
+    self._asm = wire.Reassembler()
+    self._lock = threading.Lock()        # requests' numbering
+    self._read_lock = threading.Lock()   # one reader of the replies at a time
+    self._sent = 0
+    self._read = 0                       # replies read
+    self._replies: Dict[int, dict] = {}  # replies read ahead of their caller
+    self._abandoned: set = set()
+    self.error: Optional[Exception] = None   # set once the call ended
+    self._call = conn.method("SampleBatches", "stream_stream")(self._requests(),
+                                                               metadata=conn.metadata)
+
+  def _requests(self):
+    while True:
+      frame = self._out.get()
+      if frame is None:
+        return
+      yield frame
+
+  def send(self, msg: dict) -> int:
+    """Sends one request; returns its number (for reply())."""
+    with self._lock:
+      if self.error is not None:
+        raise self.error
+      index, self._sent = self._sent, self._sent + 1
+      for frame in wire.frames(wire.pack(msg)):
+        self._out.put(frame)
+    return index
+
+  def abandon(self, index: int) -> None:
+    """Request `index`'s reply is not wanted: it is dropped when read."""
+    with self._read_lock:
+      if self._replies.pop(index, None) is None and index >= self._read:
+        self._abandoned.add(index)
+
+  def reply(self, index: int, timeout: Optional[float]) -> dict:
+    """Request `index`'s reply, waiting at most `timeout` seconds (None: forever).
+
+    Raises:
+      ServerUnavailableError: the stream ended (the bridge went away, or a timeout ended it).
+      DeadlineExceededError: no reply within `timeout` (the stream is cancelled).
+    """
+    with self._read_lock:
+      while index not in self._replies:
+        if self.error is not None:
+          raise self.error
+        token = None if timeout is None else watchdog.WATCHDOG.watch(
+            time.monotonic() + timeout, self._call.cancel)
+        try:
+          frame = next(self._call)
+        except grpc.RpcError as e:
+          timed_out = token is not None and not watchdog.WATCHDOG.unwatch(token)
+          token = None
+          self.error = (errors.DeadlineExceededError(
+              f"bridge {self._address} did not answer a SampleBatch within {timeout} s")
+              if timed_out else rpc_error(e, self._address))
+          continue
+        except StopIteration:
+          self.error = errors.ServerUnavailableError(
+              f"bridge {self._address} ended the SampleBatches stream")
+          continue
+        finally:
+          if token is not None:
+            watchdog.WATCHDOG.unwatch(token)
+        msg = self._asm.feed(frame)
+        if msg is None:
+          continue
+        if self._read in self._abandoned:
+          self._abandoned.discard(self._read)
+        else:
+          self._replies[self._read] = msg
+        self._read += 1
+      return self._replies.pop(index)
+
+  def close(self) -> None:
+    self._out.put(None)
+    self._call.cancel()
+    if self.error is None:
+      self.error = errors.ServerUnavailableError(f"bridge {self._address}: stream closed")
+
+
+class _BatchCall:
+  """A SampleBatch request in flight: calling it waits for (batch, stats); cancel() drops it."""
+
+  def __init__(self, stream: _BatchStream, index: int, n: int, timeout: Optional[float]):
+    self._stream, self._index, self._n, self._timeout = stream, index, n, timeout
+
+  def cancel(self) -> None:
+    self._stream.abandon(self._index)
+
+  def __call__(self):
+    reply = self._stream.reply(self._index, self._timeout)
+    err = reply.get("err")
+    if err is not None:
+      raise wire.make_error(*err) if isinstance(err, list) and len(err) == 2 else \
+          errors.ReverbError(f"bridge {self._stream._address} sent a malformed error")  # pylint: disable=protected-access
+    stats = reply.get("stats")
+    if not isinstance(stats, dict):
+      raise errors.ReverbError(f"bridge {self._stream._address} sent a malformed SampleBatch")  # pylint: disable=protected-access
+    return (None if not self._n else _decode_batch(reply["sample"])), stats
 
 
 def _frames_in_time(call, timeout_ms, address: str):

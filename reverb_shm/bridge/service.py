@@ -200,6 +200,7 @@ class Bridge:
         "Insert": grpc.stream_stream_rpc_method_handler(self._insert),
         "Sample": grpc.stream_stream_rpc_method_handler(self._sample),
         "SampleBatch": grpc.unary_unary_rpc_method_handler(self._sample_batch),
+        "SampleBatches": grpc.stream_stream_rpc_method_handler(self._sample_batches),
         "Write": grpc.stream_stream_rpc_method_handler(self._write),
     }
     self._grpc.add_generic_rpc_handlers(
@@ -545,6 +546,34 @@ class Bridge:
       return wire.pack(reply)
     except Exception as e:  # pylint: disable=broad-except  (mapped to a status)
       await self._fail(context, e)
+
+  async def _sample_batches(self, request_iterator, context):
+    """Stream SampleBatches: every request message {table, n (0 .. 65536), timeout_ms} gets one
+    reply, in order: SampleBatch's reply, or {"err": [error class name, message]} when that
+    request failed (the stream goes on). A client keeps one such stream per bridge, so a batch
+    costs one message each way (no call setup), and it may send requests ahead of replies."""
+    asm = wire.Reassembler(1 << 16)
+    async with self._streaming(context) as ended:
+      while True:
+        frame = await context.read()
+        if frame is grpc.aio.EOF:
+          return
+        msg = asm.feed(frame)
+        if msg is None:
+          continue
+        try:
+          st = self._table(wire.get_str(msg, "table"))
+          n = wire.get_int(msg, "n", 0, 1 << 16)
+          timeout_ms = wire.timeout_field(msg)
+          reply = {}
+          if n:
+            reply["sample"] = await self._sample_or_wait(st, n, timeout_ms, context, ended, n)
+            if reply["sample"] is None:
+              return   # the call was cancelled
+          reply["stats"] = st.stats()
+        except (errors.ReverbError, ValueError) as e:
+          reply = {"err": [wire.error_name(e), str(e) or type(e).__name__]}
+        await self._write_msg(context, reply)
 
   async def _sample_or_wait(self, st: SharedTable, k: int, timeout_ms: Optional[int], context,
                             cancelled: threading.Event, wait_k: int) -> Optional[dict]:

@@ -31,7 +31,9 @@ shards. A dropped shard is probed again at most every `revive_after_s` seconds a
 (with a warning) if its server answers again; `refresh()` adopts shards restarted elsewhere
 (ClusterHandle.replace).
 """
+import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import threading
 import time
@@ -76,6 +78,17 @@ def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator) -> np
   return rng.multinomial(n, m / total).astype(np.int64)
 
 
+@dataclasses.dataclass
+class _Request:
+  """A global draw whose split is fixed and whose bridges' calls are (being) sent."""
+  args: tuple                     # (table, n, rate_limiter_timeout_ms)
+  scale: Dict[int, float]         # shard -> W_s / W of the split
+  k_of: Dict[int, int]            # shard -> items drawn there
+  total_size: int                 # global table_size reported
+  pending: Dict[int, Any] = dataclasses.field(default_factory=dict)   # remote calls
+  failed: Dict[int, BaseException] = dataclasses.field(default_factory=dict)
+
+
 class ClusterClient:
   """Learner-side client over every shard of a ClusterHandle.
 
@@ -88,6 +101,8 @@ class ClusterClient:
       draws when they are at most this old (0: reads them before every draw; see
       sample_batch).
     key_memory: how many sampled keys to remember for routing priority updates.
+    prefetch: how many further batches sample_batch requests from the bridges ahead of the
+      one it returns (0: none; see sample_batch).
     seed: seed of the multinomial split (None: fresh entropy).
 
   Thread-safe for one sampling thread plus other threads updating priorities.
@@ -95,8 +110,12 @@ class ClusterClient:
 
   def __init__(self, handle, timeout_s: float = 10.0, key_memory: int = 1 << 20,
                seed: Optional[int] = None, revive_after_s: float = 10.0,
-               max_mass_age_s: float = 0.0):
+               max_mass_age_s: float = 0.0, prefetch: int = 0):
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= 64:
+      raise ValueError(f"prefetch must be an int in [0, 64], got {prefetch!r}")
     self._handle = handle
+    self._prefetch = prefetch
+    self._pending: collections.deque[_Request] = collections.deque()
     self._timeout_s = float(timeout_s)
     self._key_memory = int(key_memory)
     self._rng = np.random.default_rng(seed)
@@ -284,6 +303,13 @@ class ClusterClient:
     shard's own w_i / W_s at the draw, which is w_i / W whenever the masses did not change in
     between (always, for a table nobody writes to meanwhile).
 
+    With `prefetch` > 0 the bridges' parts of the next `prefetch` batches (same table, size and
+    timeout) are requested before this one is gathered, split by the masses known then; their
+    items are drawn on the remote shards before this call returns (as Reverb's in-flight
+    samples), so a priority update sent meanwhile reaches them only from the batch after. The
+    local shard's part is drawn when its batch is returned. A call with other arguments, or
+    close(), drops the requests in flight (their items count as sampled on their shards).
+
     Raises:
       ValueError: num_samples < 1, or items of different column layouts.
       ServerUnavailableError: no live shard left.
@@ -291,36 +317,68 @@ class ClusterClient:
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
       raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    args = (table, num_samples, rate_limiter_timeout_ms)
+    if self._pending and self._pending[0].args != args:
+      self._drop_pending()
     parts = []
     got = 0
     while got < num_samples:
-      masses = self._cached_masses(table)
-      if not masses:
-        raise errors.ServerUnavailableError(
-            f"no live shard left to sample {table!r} from (dropped: {self.dead})")
-      shards, weights, total_size = self._weights(table, masses)
-      counts = split_batch(num_samples - got, weights, self._rng)
-      total_w = float(sum(weights))
-      scale = {s: w / total_w for s, w in zip(shards, weights)}
-      k_of = dict(zip(shards, counts.tolist()))
-      answers = self._draw_all(shards, table, k_of, rate_limiter_timeout_ms)
-      now = time.monotonic()
-      cache = self._mass_cache.setdefault(table, {})
-      for s, (batch, stats) in sorted(answers.items()):
-        cache[s] = (_mass_of(stats), now)
-        if batch is None:
-          continue
-        i = batch.info
-        parts.append(ReplaySample(SampleInfo(
-            i.key, i.probability * scale[s], np.full(len(i.key), total_size, np.int64),
-            i.priority, i.times_sampled), batch.data))
-        self._remember(zip(i.key.tolist(), [s] * len(i.key)))
-        got += len(i.key)
+      if got == 0 and self._pending:
+        request = self._pending.popleft()
+      else:
+        request = self._issue(table, num_samples - got, rate_limiter_timeout_ms)
+      if got == 0:
+        while len(self._pending) < self._prefetch:
+          self._pending.append(self._issue(table, num_samples, rate_limiter_timeout_ms))
+      for part in self._collect(request):
+        parts.append(part)
+        got += len(part.info.key)
     info = SampleInfo(*[np.concatenate([p.info[f] for p in parts]).astype(dtype, copy=False)
                         for f, dtype in enumerate(_INFO_DTYPES)])
     cols = [np.concatenate(c) for c in zip(*[p.data for p in parts])]
     treedef = self._treedef(table)
     return ReplaySample(info, cols if treedef is None else structure.unflatten(treedef, cols))
+
+  def _issue(self, table: str, n: int, timeout_ms: Optional[int]) -> "_Request":
+    """Splits n draws by the current (or cached) masses and sends the bridges' requests."""
+    masses = self._cached_masses(table)
+    if not masses:
+      raise errors.ServerUnavailableError(
+          f"no live shard left to sample {table!r} from (dropped: {self.dead})")
+    shards, weights, total_size = self._weights(table, masses)
+    counts = split_batch(n, weights, self._rng)
+    total_w = float(sum(weights))
+    request = _Request((table, n, timeout_ms), {s: w / total_w for s, w in zip(shards, weights)},
+                       dict(zip(shards, counts.tolist())), total_size)
+    request.pending, request.failed = self._send_remote(shards, table, request.k_of, timeout_ms)
+    return request
+
+  def _collect(self, request: "_Request") -> List[ReplaySample]:
+    """The parts of an issued request (local shard drawn now), with global probabilities."""
+    table, _, timeout_ms = request.args
+    shards = sorted(request.k_of)
+    answers = self._finish_draws(shards, table, request.k_of, timeout_ms, request.pending,
+                                 request.failed)
+    now = time.monotonic()
+    cache = self._mass_cache.setdefault(table, {})
+    parts = []
+    for s, (batch, stats) in sorted(answers.items()):
+      cache[s] = (_mass_of(stats), now)
+      if batch is None:
+        continue
+      i = batch.info
+      parts.append(ReplaySample(SampleInfo(
+          i.key, i.probability * request.scale[s],
+          np.full(len(i.key), request.total_size, np.int64), i.priority, i.times_sampled),
+          batch.data))
+      self._remember(zip(i.key.tolist(), [s] * len(i.key)))
+    return parts
+
+  def _drop_pending(self) -> None:
+    """Forgets the prefetched requests (their bridge calls are cancelled)."""
+    while self._pending:
+      for cancel in self._pending.popleft().pending.values():
+        cancel.cancel()
 
   def _cached_masses(self, table: str) -> Dict[int, Tuple[float, int, int]]:
     """{shard: (mass, size, kind)}: from the shards' last answers when fresh enough, else
@@ -352,11 +410,16 @@ class ClusterClient:
     """{shard: (batch of k_of[shard] items with flat columns, or None for 0; the table's stats
     after the draw)}: the bridges' requests go out first, then this node's shard draws in C
     while they run. Shards failing with a node error are probed and dropped if dead."""
+    pending, failed = self._send_remote(shards, table, k_of, timeout_ms)
+    return self._finish_draws(shards, table, k_of, timeout_ms, pending, failed)
+
+  def _send_remote(self, shards, table: str, k_of: Dict[int, int], timeout_ms: Optional[int]):
+    """({shard: SampleBatch call in flight}, {shard: error}) of the remote shards."""
     if timeout_ms is None:
       rpc_timeout = None if any(k_of[s] for s in shards) else self._timeout_s
     else:
       rpc_timeout = timeout_ms / 1000 + self._timeout_s
-    pending, failed, out = {}, {}, {}
+    pending, failed = {}, {}
     for s in shards:
       if not self.is_local(s):
         try:
@@ -364,8 +427,16 @@ class ClusterClient:
                                                            rpc_timeout)
         except _NODE_ERRORS as e:
           failed[s] = e
+    return pending, failed
+
+  def _finish_draws(self, shards, table: str, k_of: Dict[int, int], timeout_ms: Optional[int],
+                    pending, failed):
+    """Draws on the local shards, then waits for the remote calls `pending`; shards failing
+    with a node error are probed and dropped if dead (else the error is raised)."""
+    out = {}
+    failed = dict(failed)
     for s in shards:
-      if self.is_local(s):
+      if s in self._clients and self.is_local(s):
         try:
           out[s] = self._draw_local(s, table, int(k_of[s]), timeout_ms)
         except _NODE_ERRORS as e:
@@ -458,6 +529,7 @@ class ClusterClient:
     return merged
 
   def close(self) -> None:
+    self._drop_pending()
     self._pool.shutdown(wait=False)
     for c in self._clients.values():
       close = getattr(c, "close", None)
