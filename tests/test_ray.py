@@ -2,8 +2,8 @@
 
 One cluster for the module (reverb_shm.ray.local_cluster): a head node in this process's mount
 namespace and worker nodes each with a private tmpfs on /dev/shm (`unshare --mount`), so no
-node sees another's segments. Servers run on the head and on nodes A and B; node C has none;
-node D joins only to replace a killed node. The failure test runs last (it kills node A).
+node sees another's segments. Servers run on the head and on nodes A and B; node C has none
+until the failure test (which runs last) kills node A and restores its shard on node C.
 """
 import os
 import signal
@@ -382,12 +382,11 @@ def test_node_failure_checkpoint_and_restore(filled):
     paths2 = handle.checkpoint(timeout_s=20)
   assert paths2[a] is None and paths2[b] is not None
 
-  # A replacement node restores node A's shard from its last checkpoint.
-  local.add_node("nodeD")
-  local.wait_for_nodes()
-  entry = handle.replace(a, local.node_id("nodeD"), timeout_s=CALL_S * 2)
+  # A replacement node (node C, which had no server) restores node A's shard from its last
+  # checkpoint.
+  entry = handle.replace(a, local.node_id("nodeC"), timeout_s=CALL_S * 2)
   assert entry.restored_from == paths[a]
-  assert entry.node_id == local.node_id("nodeD")
+  assert entry.node_id == local.node_id("nodeC")
   assert cc.refresh(handle) == [0, 1, 2]
   info = cc.shard_infos()[a]
   assert info["prio"].current_size == len(PRIOS["nodeA"])
@@ -398,7 +397,7 @@ def test_node_failure_checkpoint_and_restore(filled):
     assert s.info.probability == pytest.approx(s.info.priority ** EXPONENT / full, rel=1e-12)
     seen_a += cc.shard_of(s.info.key) == a
   assert seen_a > 0
-  probe = ray.get(_probe.options(**_on("nodeD")).remote(handle), timeout=CALL_S)
+  probe = ray.get(_probe.options(**_on("nodeC")).remote(handle), timeout=CALL_S)
   assert probe["local_shard"] == a and probe["client"] == "Client"
   ray.kill(writer_b)
   cc.close()

@@ -76,12 +76,16 @@ class LocalRayCluster:
       cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
     log = open(os.path.join(self.temp_dir, f"{label}.log"), "wb")
     self._logs.append(log)
-    # A loaded machine registers a node slowly: give it minutes rather than Ray's default.
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="300")
+    # A loaded machine registers a node slowly, and a busy node answers health checks late:
+    # give it minutes rather than Ray's defaults (which declare a node dead after ~15 s
+    # without an answer, taking its actors with it).
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="300",
+               RAY_health_check_timeout_ms="20000", RAY_health_check_failure_threshold="12",
+               RAY_worker_register_timeout_seconds="180")
     self.nodes[label] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
 
-  def start(self, timeout_s: float = 120.0) -> "LocalRayCluster":
+  def start(self, timeout_s: float = 300.0) -> "LocalRayCluster":
     """Starts the head node (in this namespace) and waits until it accepts drivers."""
     cmd = [_ray_bin(), "start", "--head", f"--port={self.port}", "--include-dashboard=false",
            f"--temp-dir={self.temp_dir}", "--resources=" + json.dumps({"head": 1})]
@@ -120,7 +124,7 @@ class LocalRayCluster:
         raise TimeoutError(f"ray node {label} did not start within {timeout_s} s")
       time.sleep(0.3)
 
-  def wait_for_nodes(self, timeout_s: float = 120.0) -> None:
+  def wait_for_nodes(self, timeout_s: float = 300.0) -> None:
     """Waits until every started node is alive in the cluster (needs ray.init)."""
     import ray  # pylint: disable=g-import-not-at-top
     deadline = time.monotonic() + timeout_s
