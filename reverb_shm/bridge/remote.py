@@ -5,8 +5,10 @@ TrajectoryWriter a private *staging* segment in this process (unlinked at once, 
 outlives the process) and `_RemoteTable` handles whose `insert_descriptors` forward items over
 a pipelined Write stream (writes.py): each TrajectoryWriter has a stream of its own, whose items
 are confirmed asynchronously (flush / end_episode / close wait for them); Client.insert sends
-everything of one call as one message on a persistent Insert stream (a "step" op for numeric
-data) and waits for its confirmation (the calling thread drives the stream: direct.py).
+everything of one call as one message (a "step" op for numeric data) and waits for its
+confirmation: on a raw TCP connection to the bridge's insert port when the bridge offers one
+(writes.InsertSocket: one send and one receive in the calling thread), else on a persistent
+Insert stream (grpcio's public API).
 
 Sampling streams grant the bridge credits for `max_in_flight_samples` samples, refilled when
 half of them were consumed; the bridge sends samples in batches and never samples further
@@ -112,13 +114,30 @@ class _Connection:
     self.metadata = self.creds.metadata()
     self.insert_streams = []   # idle persistent Insert streams (writes.InsertStream)
     self.batch_stream: Optional[_BatchStream] = None   # the SampleBatches stream, once opened
+    # The bridge's raw TCP insert port (None: not offered, not known yet, or not to be used)
+    # and the idle connections to it (writes.InsertSocket).
+    self.insert_port: Optional[int] = None
+    self.port_asked = False
+    self.insert_sockets: list = []
 
   def method(self, name: str, kind: str = "unary_unary"):
     return getattr(self.channel, kind)(f"/{wire.SERVICE}/{name}")
 
+  def learn_insert_port(self, port) -> None:
+    """Records the insert port a ServerInfo reply offered (see writes.InsertSocket)."""
+    usable = (writes.SOCKET_ENABLED and not self.creds.tls and type(port) is int
+              and 0 < port < 65536)
+    self.port_asked = True
+    if (port if usable else None) != self.insert_port:
+      while self.insert_sockets:
+        self.insert_sockets.pop().close()
+      self.insert_port = port if usable else None
+
   def close(self) -> None:
     while self.insert_streams:
       self.insert_streams.pop().close()
+    while self.insert_sockets:
+      self.insert_sockets.pop().close()
     if self.batch_stream is not None:
       self.batch_stream.close()
     self.channel.close()
@@ -494,7 +513,9 @@ class RemoteClient(client_lib.Client):
     return handle
 
   def _fetch_tables(self, timeout: Optional[float] = None, wait: bool = False) -> list:
-    reply = self._connection().unary("ServerInfo", {}, timeout=timeout, wait_for_ready=wait)
+    conn = self._connection()
+    reply = conn.unary("ServerInfo", {}, timeout=timeout, wait_for_ready=wait)
+    conn.learn_insert_port(reply.get("insert_port"))
     tables = reply.get("tables")
     if not isinstance(tables, list):
       raise errors.ReverbError(f"bridge {self.server_address} sent a malformed ServerInfo")

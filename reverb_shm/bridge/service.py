@@ -217,8 +217,17 @@ class Bridge:
     if not port:
       raise ValueError(f"Failed to bind bridge to {target}")
     await self._grpc.start()
+    self._data_server = None
+    self._data_writers = set()
+    if config.tls is None:   # the raw TCP insert path carries no TLS: offered without it only
+      self._data_server = await asyncio.start_server(self._data_conn, config.host, 0)
+      self._data_port = self._data_server.sockets[0].getsockname()[1]
     started.set_result(port)
     grace = await self._stop_request.get()
+    if self._data_server is not None:
+      self._data_server.close()
+      for writer in list(self._data_writers):   # (their handlers end on the closed transport)
+        writer.close()
     await self._grpc.stop(grace)
 
   @property
@@ -367,7 +376,10 @@ class Bridge:
         st = self._table(name)
         tables.append({"name": name, "stats": self._seg.stats(index),
                        "signature": specs.encode_signature(st.signature)})
-      return {"tables": tables}
+      out = {"tables": tables}
+      if self._data_server is not None:
+        out["insert_port"] = self._data_port
+      return out
     return await self._unary(request, context, body)
 
   async def _mutate(self, request, context):
@@ -422,6 +434,60 @@ class Bridge:
         finally:
           stream.close()
         await self._write_msg(context, ack)
+
+  async def _data_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    """A raw TCP insert connection (wire.py's socket framing): a hello {"token"}, answered
+    {"ok": true} or {"err": ...} (then closed); then messages of the Insert stream, each answered
+    by its ack, in order. What Client.insert of a RemoteClient uses when the bridge offers it
+    (no TLS): one send and one receive per insert, no gRPC call or thread handoff."""
+    self._data_writers.add(writer)
+    try:
+      hello = await wire.read_socket_message(reader, 4096)
+      token = hello.get("token")
+      metadata = () if not isinstance(token, str) else (
+          (security.TOKEN_METADATA, f"Bearer {token}"),)
+      if not security.token_ok(self._config.token, metadata):
+        writer.write(wire.socket_frame(wire.pack(
+            {"err": ["PermissionError", "missing or wrong auth token"]})))
+        await writer.drain()
+        return
+      writer.write(wire.socket_frame(wire.pack({"ok": True})))
+      while True:
+        msg = await wire.read_socket_message(reader, self._config.max_message_bytes)
+        seq = self._step_at_once(msg)
+        if seq is not None:
+          writer.write(wire.socket_frame(self._ack_frame(seq)[1:]))
+          continue
+        # The client sends nothing before this message's ack: data or EOF meanwhile means it
+        # gave up (interrupted, closed): the waits of the general path end then.
+        cancelled = threading.Event()
+        watch = asyncio.ensure_future(reader.read(1))
+        watch.add_done_callback(lambda _, ev=cancelled: ev.set())
+        stream = _WriteStream(self, cancelled, lambda: False)
+        try:
+          await self._drive(stream.handle_message(msg))
+          ack = stream.ack() or {"upto": 0, "errs": []}
+        except Exception as e:  # pylint: disable=broad-except  (reported, then the end)
+          writer.write(wire.socket_frame(wire.pack(
+              {"fatal": [wire.error_name(e), str(e) or type(e).__name__]})))
+          await writer.drain()
+          return
+        finally:
+          stream.close()
+          gone = watch.done()
+          if not gone:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+              await watch   # (the reader is free again once the watch ended)
+        if gone:
+          return   # the client went away
+        writer.write(wire.socket_frame(wire.pack(ack)))
+        await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError, wire.BadMessage, asyncio.CancelledError):
+      pass
+    finally:
+      self._data_writers.discard(writer)
+      writer.close()
 
   def _step_at_once(self, msg: dict) -> Optional[int]:
     """Client.insert's common message inserted with one C call: {"ops": [a "step" op]} with one

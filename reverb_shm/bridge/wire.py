@@ -10,6 +10,7 @@ Every decoder here validates types, sizes and shapes and raises BadMessage (an
 InvalidArgumentError) naming the field; nothing is allocated from an unchecked size.
 """
 import math
+import struct
 from typing import Any, Iterator, List, Optional
 
 import msgpack
@@ -167,6 +168,48 @@ def frames(payload: bytes, frame_bytes: int = FRAME_BYTES) -> Iterator[bytes]:
   for start in range(0, n, frame_bytes):
     end = min(n, start + frame_bytes)
     yield (_FINAL if end == n else _MORE) + view[start:end].tobytes()
+
+
+# ---------------------------------------------------------------- raw TCP framing
+# The bridge's raw TCP insert path: each message is a 4-byte little-endian length, then that
+# many bytes of msgpack.
+_LEN = struct.Struct("<I")
+
+
+def socket_frame(payload: bytes) -> bytes:
+  """One message of the raw TCP path: its length, then `payload`."""
+  return _LEN.pack(len(payload)) + payload
+
+
+async def read_socket_message(reader, max_bytes: int) -> dict:
+  """The next message from an asyncio StreamReader (BadMessage beyond `max_bytes`;
+  asyncio.IncompleteReadError when the peer closed)."""
+  (n,) = _LEN.unpack(await reader.readexactly(4))
+  if n > max_bytes:
+    raise BadMessage(f"message of {n} bytes exceeds max_message_bytes={max_bytes}")
+  return unpack(await reader.readexactly(n), max_bytes)
+
+
+def recv_socket_message(sock, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict:
+  """The next message from a blocking socket (ConnectionError when the peer closed)."""
+  (n,) = _LEN.unpack(_recv_exactly(sock, 4))
+  if n > max_bytes:
+    raise BadMessage(f"message of {n} bytes exceeds max_message_bytes={max_bytes}")
+  return unpack(_recv_exactly(sock, n), max_bytes)
+
+
+def _recv_exactly(sock, n: int) -> bytes:
+  data = sock.recv(n)
+  if len(data) == n:
+    return data
+  parts, got = [data], len(data)
+  while got < n:
+    if not data:
+      raise ConnectionError("the bridge closed the connection")
+    data = sock.recv(n - got)
+    parts.append(data)
+    got += len(data)
+  return b"".join(parts)
 
 
 class Reassembler:

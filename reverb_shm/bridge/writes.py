@@ -17,7 +17,9 @@ with its chunks and original keys (re-inserting a key only updates that item's p
 """
 import collections
 import itertools
+import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -29,9 +31,13 @@ import numpy as np
 
 from reverb_shm import errors
 from reverb_shm._internal import chunks
-from reverb_shm.bridge import direct, watchdog, wire
+from reverb_shm.bridge import watchdog, wire
 
 __all__ = ["WriteSession"]
+
+# Client.insert of a RemoteClient uses the bridge's raw TCP insert port when the bridge offers
+# one (no TLS); REVERB_SHM_BRIDGE_SOCKET=0 (or SOCKET_ENABLED = False) keeps it on gRPC.
+SOCKET_ENABLED = os.environ.get("REVERB_SHM_BRIDGE_SOCKET", "1") != "0"
 
 BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -126,7 +132,7 @@ class _Stream:
     except grpc.RpcError as e:
       error = e
     except wire.BadMessage as e:   # a bridge speaking another protocol
-      error = direct.StreamError(grpc.StatusCode.INTERNAL, str(e))
+      error = StreamError(grpc.StatusCode.INTERNAL, str(e))
     self._on_end(self, error)
 
 
@@ -512,26 +518,33 @@ def _new_chunk(staging, off: int, header, identity: tuple) -> _SentChunk:
   return chunk
 
 
-class InsertStream:
-  """One persistent Insert call of a connection: one request message per Client.insert, one
-  reply (its ack) per request. Used by one caller at a time (see OneMessageInserter).
+class StreamError(grpc.RpcError):
+  """A stream that ended for a reason of the client's, with the accessors of grpc's errors."""
 
-  The calling thread drives the call itself (direct.DirectStream) where this grpcio allows it;
-  else the public API's request iterator and reply iterator carry the messages.
+  def __init__(self, code: grpc.StatusCode, details: str):
+    super().__init__(details)
+    self._code, self._details = code, details
+
+  def code(self) -> grpc.StatusCode:
+    return self._code
+
+  def details(self) -> str:
+    return self._details
+
+  def trailing_metadata(self) -> tuple:
+    return ()
+
+
+class InsertStream:
+  """One persistent Insert call of a connection (grpcio's public stream API): one request
+  message per Client.insert, one reply (its ack) per request. Used by one caller at a time
+  (see OneMessageInserter); Client.insert takes it when the bridge offers no insert port.
   """
 
   def __init__(self, conn):
     self._asm = wire.Reassembler()
-    method = conn.method("Insert", "stream_stream")
-    self._direct = direct.open_stream(method, conn.metadata)
-    if self._direct is None:
-      self._out = queue.SimpleQueue()
-      self._call = method(self._requests(), metadata=conn.metadata)
-
-  @property
-  def is_direct(self) -> bool:
-    """Whether the calling thread drives the call (direct.DirectStream)."""
-    return self._direct is not None
+    self._out: queue.SimpleQueue = queue.SimpleQueue()
+    self._call = conn.method("Insert", "stream_stream")(self._requests(), metadata=conn.metadata)
 
   def _requests(self):
     while True:
@@ -542,32 +555,77 @@ class InsertStream:
 
   def round_trip(self, payload: bytes) -> dict:
     """Sends one encoded message; returns the bridge's reply (raises grpc.RpcError)."""
-    if self._direct is not None:
-      reply = self._asm.feed(self._direct.round_trip(list(wire.frames(payload))))
-      while reply is None:   # a reply of several frames
-        reply = self._asm.feed(self._direct.receive())
-      return reply
     for frame in wire.frames(payload):
       self._out.put(frame)
     for frame in self._call:
       reply = self._asm.feed(frame)
       if reply is not None:
         return reply
-    raise direct.StreamError(grpc.StatusCode.UNAVAILABLE, "the bridge ended the insert stream")
+    raise StreamError(grpc.StatusCode.UNAVAILABLE, "the bridge ended the insert stream")
 
   def close(self) -> None:
-    if self._direct is not None:
-      self._direct.close()
-      return
     self._out.put(None)
     self._call.cancel()
 
   def cancel(self) -> None:
     """Ends a waiting round trip with CANCELLED (from another thread: the watchdog)."""
-    if self._direct is not None:
-      self._direct.cancel()
-    else:
-      self._call.cancel()
+    self._call.cancel()
+
+
+class InsertSocket:
+  """A raw TCP connection to the bridge's insert port (wire.py's socket framing): a hello with
+  the token, then one message each way per Client.insert (the Insert stream's message and its
+  ack). One send and one receive in the calling thread: no gRPC call, no thread handoff.
+  Used by one caller at a time.
+
+  Raises (constructor):
+    OSError: the port is unreachable. PermissionError: the bridge refused the token.
+  """
+
+  def __init__(self, host: str, port: int, token: Optional[str], timeout_s: float):
+    self._sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+      self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      self._sock.sendall(wire.socket_frame(wire.pack({"token": token})))
+      hello = wire.recv_socket_message(self._sock, 1 << 16)
+    except BaseException:
+      self._sock.close()
+      raise
+    if hello.get("ok") is not True:
+      self._sock.close()
+      raise PermissionError(f"bridge {host}:{port} refused the connection: "
+                            f"{hello.get('err')}")
+    self._timeout = timeout_s
+
+  def round_trip(self, payload: bytes, timeout_s: Optional[float]) -> dict:
+    """Sends one encoded message; returns the reply. socket.timeout (an OSError) when no reply
+    came within `timeout_s` (None: wait as long as the connection lives); ConnectionError
+    when the bridge closed the connection."""
+    if timeout_s != self._timeout:
+      self._sock.settimeout(timeout_s)
+      self._timeout = timeout_s
+    self._sock.sendall(wire.socket_frame(payload))
+    return wire.recv_socket_message(self._sock)
+
+  def fatal(self, reply: dict) -> Optional[Exception]:
+    """The error of a reply that ended the connection (the bridge could not handle the
+    message), else None."""
+    fatal = reply.get("fatal")
+    if fatal is None:
+      return None
+    self.close()
+    if isinstance(fatal, list) and len(fatal) == 2:
+      return wire.make_error(*fatal)
+    return errors.ReverbError(f"the bridge sent a malformed error {fatal!r}")
+
+  def close(self) -> None:
+    self._sock.close()
+
+
+def _split_host(address: str) -> str:
+  """The host of "host:port" or "[v6]:port"."""
+  host = address.rsplit(":", 1)[0]
+  return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 class OneMessageInserter:
@@ -604,6 +662,13 @@ class OneMessageInserter:
     backoff = BACKOFF_START_S
     while True:
       conn = self._connection()
+      if not conn.port_asked:
+        conn.learn_insert_port(conn.unary("ServerInfo", {}).get("insert_port"))
+      if conn.insert_port is not None:
+        ack = self._send_socket(conn, payload, timeout_ms, answer_s, give_up)
+        if ack is not None:
+          break
+        continue   # the insert port went away: over gRPC (which learns the new port)
       idle = conn.insert_streams
       stream, token = None, None
       try:
@@ -645,6 +710,61 @@ class OneMessageInserter:
     for err in ack.get("errs") or ():
       if isinstance(err, list) and len(err) == 4:
         raise wire.make_error(err[2], err[3], inserted=err[1])
+
+  def _send_socket(self, conn, payload: bytes, timeout_ms: Optional[int],
+                   answer_s: Optional[float], give_up: float) -> Optional[dict]:
+    """One message over an insert socket of `conn` (idle, or new); its ack. A bridge that is
+    unreachable is tried again with backoff until `give_up`; None once the insert port is
+    gone (the caller goes on over gRPC, whose ServerInfo tells the new port)."""
+    backoff = BACKOFF_START_S
+    while True:
+      sock = None
+      try:
+        try:
+          sock = conn.insert_sockets.pop()
+        except IndexError:
+          sock = InsertSocket(_split_host(conn.address), conn.insert_port,
+                              conn.creds.token, max(0.1, give_up - time.monotonic()))
+        ack = sock.round_trip(payload, answer_s)
+      except socket.timeout:
+        if sock is not None:
+          sock.close()
+        if sock is None or answer_s is None:   # (connecting timed out)
+          raise errors.ServerUnavailableError(
+              f"could not connect to bridge {self._address}'s insert port within "
+              f"reconnect_timeout_s={self._reconnect_s}") from None
+        raise errors.DeadlineExceededError(
+            f"bridge {self._address} did not answer an insert within timeout_ms={timeout_ms} "
+            f"+ {answer_s - timeout_ms / 1000:g} s (stopped or unreachable without closing "
+            f"its connection?); the items may or may not have been inserted") from None
+      except PermissionError as e:
+        raise PermissionError(f"bridge {self._address} refused the call: {e}") from None
+      except OSError:   # refused, reset, closed (ConnectionError): the bridge went away
+        if sock is not None:
+          sock.close()
+        now = time.monotonic()
+        if now >= give_up:
+          raise errors.ServerUnavailableError(
+              f"could not insert into bridge {self._address} within reconnect_timeout_s="
+              f"{self._reconnect_s}") from None
+        try:   # a bridge that restarted listens on another insert port
+          conn.learn_insert_port(conn.unary("ServerInfo", {}).get("insert_port"))
+        except errors.ServerUnavailableError:
+          pass
+        if conn.insert_port is None:
+          return None
+        time.sleep(min(backoff, max(0.0, give_up - now)))
+        backoff = min(2 * backoff, BACKOFF_MAX_S)
+      except BaseException:   # interrupted (Ctrl-C) before the reply: the socket is unusable
+        if sock is not None:
+          sock.close()
+        raise
+      else:
+        error = sock.fatal(ack)
+        if error is not None:
+          raise error
+        conn.insert_sockets.append(sock)
+        return ack
 
 
 def _items_op(batch: _Batch) -> dict:

@@ -1,7 +1,8 @@
-"""Remote Client.insert's Insert stream on both transports: driven by the calling thread
-(bridge/direct.py, grpcio internals) and through grpcio's public API (its fallback); each
-scenario runs on both and must give the same results and errors. Also the bridge's end of it:
-its one-call insert path (remembered step layout, open chunks) against the general path.
+"""Remote Client.insert on both transports: the bridge's raw TCP insert port
+(writes.InsertSocket) and the Insert stream through grpcio's public API (without the port:
+TLS, or REVERB_SHM_BRIDGE_SOCKET=0); each scenario runs on both and must give the same results
+and errors. Also the bridge's end of it: its one-call insert path (remembered step layout, open
+chunks) against the general path.
 """
 import os
 import re
@@ -17,28 +18,29 @@ grpc = pytest.importorskip("grpc")
 import reverb_shm  # pylint: disable=g-bad-import-order
 from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteClient,
-                               ServerTLS, direct, service, wire, writes)
+                               ServerTLS, service, wire, writes)
 from reverb_shm.specs import TensorSpec
 
 from conftest import bridge_process
 
 pytestmark = pytest.mark.timeout(120)
 
-TRANSPORTS = ("direct", "public")
+TRANSPORTS = ("socket", "grpc")
 
 
 @pytest.fixture
 def use_transport(monkeypatch):
-  """use(name): later Insert streams take that transport."""
+  """use(name): later remote clients insert over that transport."""
   def use(name):
-    monkeypatch.setattr(direct, "ENABLED", name == "direct")
-    monkeypatch.setattr(direct, "_failed_once", False)
+    monkeypatch.setattr(writes, "SOCKET_ENABLED", name == "socket")
   return use
 
 
 def _stream_kinds(client: RemoteClient) -> set:
-  """Whether the client's idle Insert streams are direct ({True}, {False} or both)."""
-  return {s.is_direct for s in client._connection().insert_streams}  # pylint: disable=protected-access
+  """The transports of the client's idle insert connections ({"socket"}, {"grpc"} or both)."""
+  conn = client._connection()  # pylint: disable=protected-access
+  return ({"socket"} if conn.insert_sockets else set()) | (
+      {"grpc"} if conn.insert_streams else set())
 
 
 def _outcome(fn, address: str = ""):
@@ -96,7 +98,7 @@ def test_inserts_give_the_same_results_and_errors_on_both_transports(server_fact
     use_transport(transport)
     results[transport] = _scenario(server_factory)
   (outcomes, contents, kinds), (outcomes2, contents2, kinds2) = results.values()
-  assert kinds == {True} and kinds2 == {False}   # each took the transport it was given
+  assert kinds == {"socket"} and kinds2 == {"grpc"}   # each took the transport it was given
   assert outcomes == outcomes2
   assert outcomes[:2] == ["ok", "ok"] and outcomes[5] == "ok" and outcomes[9] == "ok"
   assert [o[0] for o in outcomes[2:5]] == ["ValueError", "ValueError",   # checked locally
@@ -124,7 +126,7 @@ def test_refused_token_and_restarted_bridge(server_factory, use_transport, trans
   good.insert(np.int32(0), {"queue": 1.0})
   with pytest.raises(PermissionError, match="token"):
     wrong.insert(np.int32(1), {"queue": 1.0})
-  assert _stream_kinds(good) == {transport == "direct"}
+  assert _stream_kinds(good) == {transport}
   bridge.stop()
   restart = threading.Timer(0.5, lambda: restarted.append(
       Bridge(server.name, BridgeConfig(port=port, token="s3cret"))))
@@ -170,56 +172,38 @@ def test_an_interrupted_insert_cancels_its_stream(server_factory, use_transport,
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, previous)
   assert time.monotonic() - start < 5
-  assert not client._connection().insert_streams   # pylint: disable=protected-access
+  assert not _stream_kinds(client)
   time.sleep(0.5)   # the bridge notices the cancellation within its wait slice
   local = server.localhost_client()
   assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 0
   client.insert(np.int32(2), {"queue": 1.0}, timeout_ms=5000)
   assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 2
-  assert _stream_kinds(client) == {transport == "direct"}
+  assert _stream_kinds(client) == {transport}
 
 
-def test_direct_streams_fall_back_to_the_public_api_when_grpc_internals_differ(
-    server_factory, use_transport, monkeypatch):
-  use_transport("direct")
-  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
-
-  def other_grpcio(self, multicallable, metadata):
-    raise AttributeError("'_StreamStreamMultiCallable' object has no attribute '_channel'")
-  monkeypatch.setattr(direct.DirectStream, "__init__", other_grpcio)
-  client = RemoteClient(server.bridge_address)
-  for i in range(3):
-    client.insert(np.int32(i), {"queue": 1.0})
-  assert _stream_kinds(client) == {False} and direct._failed_once  # pylint: disable=protected-access
-  local = server.localhost_client()
-  assert [int(s.data[0][0]) for s in local.sample("queue", 3, emit_timesteps=False)] == [0, 1, 2]
-
-
-def test_a_direct_stream_reports_the_servers_status_and_stays_ended(server_factory,
-                                                                   use_transport):
-  use_transport("direct")
-  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
-  with grpc.insecure_channel(server.bridge_address) as channel:
-    stream = direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Insert"), ())
+def test_the_insert_port_refuses_a_wrong_token_and_reports_fatal_errors(server_factory):
+  server = server_factory([reverb_shm.Table.queue("queue", 10)])
+  bridge = Bridge(server.name, BridgeConfig(token="s3cret"))
+  try:
+    client = RemoteClient(bridge.address, ClientCredentials(token="s3cret"))
+    client.insert(np.int32(0), {"queue": 1.0})
+    port = client._connection().insert_port  # pylint: disable=protected-access
+    assert port and port != bridge.port
+    with pytest.raises(PermissionError, match="token"):
+      writes.InsertSocket("127.0.0.1", port, "nope", 5.0)
+    sock = writes.InsertSocket("127.0.0.1", port, "s3cret", 5.0)
+    bad = {"ops": [{"op": "bogus"}]}
+    error = sock.fatal(sock.round_trip(wire.pack(bad), 5.0))
+    assert isinstance(error, errors.InvalidArgumentError), error
     ok = {"ops": [{"op": "step", "cols": [["<i4", []]], "ep": 7, "timeout_ms": None,
                    "b": np.int32(5).tobytes(), "items": [[1, "queue", 42, 1.0]]}]}
-    reply = stream.round_trip(list(wire.frames(wire.pack(ok))))
-    assert wire.unpack(reply[1:]) == {"upto": 1, "errs": []}
-    with pytest.raises(grpc.RpcError) as e:
-      stream.round_trip([b"\x00garbage"])
-    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert ("rs-error", "InvalidArgumentError") in e.value.trailing_metadata()
-    assert stream.ended
-    with pytest.raises(grpc.RpcError) as again:
-      stream.round_trip(list(wire.frames(wire.pack(ok))))
-    assert again.value is e.value
-    stream.close()
-    stream.close()
-    # A stream of a closed channel is refused with CANCELLED (the client then reconnects).
-  with pytest.raises(grpc.RpcError) as closed:
-    direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Insert"), ())
-  assert closed.value.code() is grpc.StatusCode.CANCELLED
-  assert server.localhost_client().server_info()["queue"].current_size == 1
+    sock = writes.InsertSocket("127.0.0.1", port, "s3cret", 5.0)
+    assert sock.round_trip(wire.pack(ok), 5.0) == {"upto": 1, "errs": []}
+    sock.close()
+    client.close()
+  finally:
+    bridge.stop()
+  assert server.localhost_client().server_info()["queue"].current_size == 2
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -232,7 +216,7 @@ def test_a_closed_client_inserts_again_over_a_new_connection(server_factory, use
   old = client._connection()  # pylint: disable=protected-access
   client.close()
   client.insert(np.int32(1), {"queue": 1.0})
-  assert client._connection() is not old and _stream_kinds(client) == {transport == "direct"}  # pylint: disable=protected-access
+  assert client._connection() is not old and _stream_kinds(client) == {transport}  # pylint: disable=protected-access
   local = server.localhost_client()
   assert [int(s.data[0][0]) for s in local.sample("queue", 2, emit_timesteps=False)] == [0, 1]
 
@@ -254,13 +238,12 @@ def test_the_bridges_one_call_path_follows_the_step_layout_of_each_message(serve
   # The first step of each layout is checked by the general path, the rest take one call.
   assert [s is not None for s in taken] == [False, False, True, True, True, True]
   with grpc.insecure_channel(server.bridge_address) as channel:
-    stream = direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Insert"), ())
-    if stream is None:
-      pytest.skip("grpcio internals unavailable")
     bad = {"op": "step", "cols": [["<i2", [3]]], "ep": 1, "timeout_ms": None, "b": b"\0" * 5,
            "items": [[1, "a", 77, 1.0]]}
+    call = channel.stream_stream(f"/{wire.SERVICE}/Insert")(
+        iter(list(wire.frames(wire.pack({"ops": [bad]})))))
     with pytest.raises(grpc.RpcError) as e:
-      stream.round_trip(list(wire.frames(wire.pack({"ops": [bad]}))))
+      list(call)
     assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "step data holds 5 bytes, its columns need 6" in e.value.details()
   assert taken[-1] is None
@@ -282,7 +265,7 @@ def test_inserts_over_tls_with_a_client_certificate(server_factory, use_transpor
       root_certificates=cert, certificate_chain=cert, private_key=key))
   for i in range(3):
     client.insert({"x": np.full(2, i, np.int64)}, {"queue": 1.0})
-  assert _stream_kinds(client) == {transport == "direct"}
+  assert _stream_kinds(client) == {"grpc"}   # no insert port without TLS
   local = server.localhost_client()
   assert [s.data[0].tolist() for s in local.sample("queue", 3, emit_timesteps=False)] == [
       [[i, i]] for i in range(3)]
@@ -358,25 +341,6 @@ def test_the_bridge_holds_open_chunks_for_a_bounded_number_of_step_layouts(serve
   st.reset()
   assert seg.info()["num_chunks"] == 2   # the open sets of the last 2 layouts, one column each
   seg.check()
-
-
-def test_a_direct_stream_receives_a_reply_of_several_frames(server_factory, use_transport):
-  use_transport("direct")
-  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
-  big = np.arange(wire.FRAME_BYTES // 8 + 1000, dtype=np.float64)   # a reply of two frames
-  server.localhost_client().insert(big, {"queue": 1.0})
-  with grpc.insecure_channel(server.bridge_address) as channel:
-    stream = direct.open_stream(channel.stream_stream(f"/{wire.SERVICE}/Sample"), ())
-    first = {"table": "queue", "n": 1, "timeout_ms": 1000, "credit": 1, "batch": 1}
-    asm = wire.Reassembler()
-    frames = [stream.round_trip(list(wire.frames(wire.pack(first))))]
-    reply = asm.feed(frames[-1])
-    while reply is None:
-      frames.append(stream.receive())
-      reply = asm.feed(frames[-1])
-    stream.close()
-  assert len(frames) == 2 and reply["n"] == 1
-  assert np.frombuffer(reply["cols"][0]["b"], np.float64).tolist() == big.tolist()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
