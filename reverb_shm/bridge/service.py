@@ -453,7 +453,12 @@ class Bridge:
         return
       writer.write(wire.socket_frame(wire.pack({"ok": True})))
       while True:
-        msg = await wire.read_socket_message(reader, self._config.max_message_bytes)
+        try:
+          msg = await wire.read_socket_message(reader, self._config.max_message_bytes)
+        except wire.BadMessage as e:
+          writer.write(wire.socket_frame(wire.pack({"fatal": [wire.error_name(e), str(e)]})))
+          await writer.drain()
+          return
         seq = self._step_at_once(msg)
         if seq is not None:
           writer.write(wire.socket_frame(self._ack_frame(seq)[1:]))

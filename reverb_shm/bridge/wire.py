@@ -182,11 +182,15 @@ def socket_frame(payload: bytes) -> bytes:
 
 
 async def read_socket_message(reader, max_bytes: int) -> dict:
-  """The next message from an asyncio StreamReader (BadMessage beyond `max_bytes`;
-  asyncio.IncompleteReadError when the peer closed)."""
+  """The next message from an asyncio StreamReader (BadMessage beyond `max_bytes`, once its
+  bytes were read and dropped; asyncio.IncompleteReadError when the peer closed)."""
   (n,) = _LEN.unpack(await reader.readexactly(4))
   if n > max_bytes:
-    raise BadMessage(f"message of {n} bytes exceeds max_message_bytes={max_bytes}")
+    left = n
+    while left:
+      left -= len(await reader.readexactly(min(left, 1 << 20)))
+    raise BadMessage(f"message of {n} bytes exceeds max_message_bytes={max_bytes} (raise it "
+                     "with the bridge's --max-message-mb / BridgeConfig.max_message_bytes)")
   return unpack(await reader.readexactly(n), max_bytes)
 
 
