@@ -10,8 +10,9 @@ Workloads (steps are {'obs': float32[8], 'action': int64, 'reward': float32}):
 Each runs through (a) reverb_shm's local shared memory, (b) reverb_shm's gRPC bridge on
 127.0.0.1 in the benchmark's process (like dm-reverb's in-process server, but sharing the
 client's GIL), (c) the bridge as its own process (`reverb-shm bridge NAME`, the deployed
-form) and (d) dm-reverb's own gRPC path in a subprocess of /tmp/refvenv/bin/python (skipped
-when absent). Rates are items/s.
+form) and (d) dm-reverb's own gRPC path in a subprocess of the reverb peer venv's python
+(skipped when absent). Rates are items/s. Remote Client.insert takes the bridge's raw TCP
+insert port; REVERB_SHM_BRIDGE_SOCKET=0 measures it on gRPC instead.
 """
 import argparse
 import json
@@ -25,8 +26,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-REF_PYTHON = "/tmp/refvenv/bin/python"
+from run_all import peer_python  # noqa: E402
+
+# dm-reverb's python: $REVERB_PYTHON, else the reverb peer venv (tests/peers/venv.sh reverb).
+REF_PYTHON = os.environ.get("REVERB_PYTHON") or peer_python("reverb") or "/tmp/refvenv/bin/python"
 
 # Run by both interpreters: `reverb` is reverb_shm or dm-reverb.
 _WORKLOADS = textwrap.dedent("""
