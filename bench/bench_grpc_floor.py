@@ -8,13 +8,11 @@ Measures, interleaved in rounds (medians; CPU per round trip of this process and
                iterator (the bridge client's Insert stream pattern)
   aio/call     grpc.aio stream driven from sync code: loop.run_until_complete per round trip
   aio/loop     grpc.aio stream inside one coroutine (no sync caller; the aio floor)
-  direct       stream driven by the calling thread (reverb_shm.bridge.direct, the bridge
-               client's Insert stream where grpcio allows it)
 against echo servers in their own processes (grpc.aio, as the bridge, and the sync thread-pool
 server), with 150-byte messages; then `RemoteClient.insert` of the bench_bridge step through a
-`reverb-shm bridge` process (its Insert stream driven directly, and through grpcio's public API,
-direct.py's fallback), and dm-reverb's Client.insert in /tmp/refvenv (if present), in the
-same rounds. Rates are round trips (or inserts) per second.
+`reverb-shm bridge` process (over its raw TCP insert port, and over its Insert stream through
+grpcio's public API, the fallback), and dm-reverb's Client.insert in /tmp/refvenv (if present),
+in the same rounds. Rates are round trips (or inserts) per second.
 """
 import argparse
 import asyncio
@@ -31,8 +29,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-from reverb_shm.bridge import direct  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _SERVICE = "floor.Echo"
 _PAYLOAD = b"x" * 150
@@ -155,9 +151,6 @@ def _echo_patterns(port: int, loop: asyncio.AbstractEventLoop) -> dict:
       requests.put(_PAYLOAD)
       next(call)
   cases = {"unary": lambda k: [unary(_PAYLOAD) for _ in range(k)], "stream": stream}
-  direct_call = direct.open_stream(channel.stream_stream(f"/{_SERVICE}/S"), ())
-  if direct_call is not None:
-    cases["direct"] = lambda k: [direct_call.round_trip((_PAYLOAD,)) for _ in range(k)]
   return {**cases,
           "aio/call": lambda k: [loop.run_until_complete(aio_once()) for _ in range(k)],
           "aio/loop": lambda k: loop.run_until_complete(aio_many(k))}
@@ -187,7 +180,7 @@ def main() -> None:
       port = _free_port()
       procs.append(_start([sys.executable, __file__, "--serve", kind, str(port)], "ready"))
       for name, fn in _echo_patterns(port, loop).items():
-        if kind == "aio" or name in ("unary", "stream", "direct"):
+        if kind == "aio" or name in ("unary", "stream"):
           cases[f"echo {kind} server, {name}"] = (fn, procs[-1].pid)
     port = _free_port()
     procs.append(_start([sys.executable, "-m", "reverb_shm.cli", "bridge", server.name,
@@ -196,13 +189,13 @@ def main() -> None:
     step = {"obs": np.zeros(8, np.float32), "action": np.int64(0), "reward": np.float32(0)}
     cases["bridge RemoteClient.insert"] = (
         lambda k: [client.insert(step, {"bench": 1.0}) for _ in range(k)], procs[-1].pid)
-    if direct.ENABLED:   # the same through grpcio's public stream API (direct.py's fallback)
-      public = RemoteClient(f"127.0.0.1:{port}")
-      direct.ENABLED = False
-      public.insert(step, {"bench": 1.0})   # (its Insert stream is made now)
-      direct.ENABLED = True
-      cases["bridge RemoteClient.insert, public"] = (
-          lambda k: [public.insert(step, {"bench": 1.0}) for _ in range(k)], procs[-1].pid)
+    from reverb_shm.bridge import writes  # pylint: disable=g-import-not-at-top
+    public = RemoteClient(f"127.0.0.1:{port}")
+    writes.SOCKET_ENABLED = False
+    public.insert(step, {"bench": 1.0})   # (learns no insert port: its Insert stream is made)
+    writes.SOCKET_ENABLED = True
+    cases["bridge RemoteClient.insert, gRPC"] = (
+        lambda k: [public.insert(step, {"bench": 1.0}) for _ in range(k)], procs[-1].pid)
     if os.path.exists(_REF_PYTHON):
       ref = subprocess.Popen([_REF_PYTHON, "-c", _REF_SCRIPT], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True,
