@@ -172,7 +172,6 @@ def test_an_interrupted_insert_cancels_its_stream(server_factory, use_transport,
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, previous)
   assert time.monotonic() - start < 5
-  assert not _stream_kinds(client)
   time.sleep(0.5)   # the bridge notices the cancellation within its wait slice
   local = server.localhost_client()
   assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 0

@@ -22,6 +22,7 @@ import queue
 import secrets
 import threading
 import time
+import weakref
 from typing import Any, Dict, Optional
 
 import grpc
@@ -119,9 +120,34 @@ class _Connection:
     self.insert_port: Optional[int] = None
     self.port_asked = False
     self.insert_sockets: list = []
+    self.socket_calls: weakref.WeakSet = weakref.WeakSet()   # stream calls on the insert port
+    self.closed = False
 
   def method(self, name: str, kind: str = "unary_unary"):
     return getattr(self.channel, kind)(f"/{wire.SERVICE}/{name}")
+
+  def stream(self, name: str, requests):
+    """A stream call of the bridge's: on a raw TCP connection to its insert port when it
+    offers one (writes.SocketCall), else on gRPC. A call whose port is unreachable fails with
+    UNAVAILABLE, and the next call asks the bridge for its port again."""
+    if not self.port_asked and not self.closed:
+      try:
+        self.learn_insert_port(self.unary("ServerInfo", {}).get("insert_port"))
+      except (errors.ReverbError, PermissionError, ValueError):
+        pass   # (the gRPC call reports the bridge's state)
+    if self.insert_port is not None and not self.closed:
+      call = writes.SocketCall(writes.split_host(self.address), self.insert_port,
+                               self.creds.token, name, requests,
+                               timeout_s=self.client.reconnect_timeout_s,
+                               on_unavailable=self._forget_port)
+      self.socket_calls.add(call)   # (cancelled by close(), as the channel's calls are)
+      if self.closed:
+        call.cancel()
+      return call
+    return self.method(name, "stream_stream")(requests, metadata=self.metadata)
+
+  def _forget_port(self) -> None:
+    self.port_asked = False
 
   def learn_insert_port(self, port) -> None:
     """Records the insert port a ServerInfo reply offered (see writes.InsertSocket)."""
@@ -134,10 +160,13 @@ class _Connection:
       self.insert_port = port if usable else None
 
   def close(self) -> None:
+    self.closed = True
     while self.insert_streams:
       self.insert_streams.pop().close()
     while self.insert_sockets:
       self.insert_sockets.pop().close()
+    for call in list(self.socket_calls):
+      call.cancel()
     if self.batch_stream is not None:
       self.batch_stream.close()
     self.channel.close()
@@ -644,7 +673,7 @@ class RemoteClient(client_lib.Client):
         if item is None:
           return
         yield from wire.frames(wire.pack(item))
-    call = conn.method("Sample", "stream_stream")(frames(), metadata=conn.metadata)
+    call = conn.stream("Sample", frames())
     asm = wire.Reassembler()
     got = 0
     try:
@@ -686,8 +715,7 @@ class _BatchStream:
     self._replies: Dict[int, dict] = {}  # replies read ahead of their caller
     self._abandoned: set = set()
     self.error: Optional[Exception] = None   # set once the call ended
-    self._call = conn.method("SampleBatches", "stream_stream")(self._requests(),
-                                                               metadata=conn.metadata)
+    self._call = conn.stream("SampleBatches", self._requests())
 
   def _requests(self):
     while True:

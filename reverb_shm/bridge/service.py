@@ -452,6 +452,10 @@ class Bridge:
         await writer.drain()
         return
       writer.write(wire.socket_frame(wire.pack({"ok": True})))
+      method = hello.get("stream")
+      if method is not None:
+        await self._socket_stream(method, reader, writer, metadata)
+        return
       while True:
         try:
           msg = await wire.read_socket_message(reader, self._config.max_message_bytes)
@@ -467,7 +471,7 @@ class Bridge:
         # gave up (interrupted, closed): the waits of the general path end then.
         cancelled = threading.Event()
         watch = asyncio.ensure_future(reader.read(1))
-        watch.add_done_callback(lambda _, ev=cancelled: ev.set())
+        watch.add_done_callback(functools.partial(_set_when_done, cancelled))
         stream = _WriteStream(self, cancelled, lambda: False)
         try:
           await self._drive(stream.handle_message(msg))
@@ -493,6 +497,33 @@ class Bridge:
     finally:
       self._data_writers.discard(writer)
       writer.close()
+
+  async def _socket_stream(self, method, reader, writer, metadata) -> None:
+    """Serves stream `method` (Write, Sample, SampleBatches or Insert) on a raw TCP connection:
+    the handler of the gRPC stream runs with a _SocketContext; its end goes out as a status
+    message (wire.SOCKET_STATUS)."""
+    handlers = {"Write": self._write, "Sample": self._sample,
+                "SampleBatches": self._sample_batches, "Insert": self._insert}
+    context = _SocketContext(reader, writer, metadata)
+    code, details, trailing = grpc.StatusCode.OK, "", ()
+    handler = handlers.get(method) if isinstance(method, str) else None
+    if handler is None:
+      code, details = grpc.StatusCode.UNIMPLEMENTED, f"no stream {method!r}"
+    else:
+      task = asyncio.ensure_future(handler(None, context))
+      context.start(task)
+      try:
+        await task
+      except _SocketAbort:
+        code, details, trailing = context.status
+      except asyncio.CancelledError:
+        code, details = grpc.StatusCode.CANCELLED, "cancelled by the client"
+      finally:
+        context.end()
+    if code is not grpc.StatusCode.CANCELLED and not context.cancelled:
+      writer.write(wire.socket_frame(wire.SOCKET_STATUS + wire.pack(
+          {"code": code.name, "details": details, "md": [list(kv) for kv in trailing]})))
+      await writer.drain()
 
   def _step_at_once(self, msg: dict) -> Optional[int]:
     """Client.insert's common message inserted with one C call: {"ops": [a "step" op]} with one
@@ -784,6 +815,85 @@ def _encode_column(col: np.ndarray) -> dict:
     flat = [x.item() if isinstance(x, np.generic) else x for x in col.reshape(-1)]
     return {"o": flat, "s": list(col.shape)}
   return wire.encode_array(col)
+
+
+def _set_when_done(event: threading.Event, _future) -> None:
+  event.set()
+
+
+class _SocketAbort(Exception):
+  """A handler on a raw TCP connection ended with a status (_SocketContext.abort)."""
+
+
+class _SocketContext:
+  """What the bridge's stream handlers use of grpc.aio's ServicerContext, over a raw TCP
+  connection whose messages are the stream's gRPC messages (frames) one for one. A task of its
+  own reads them ahead; the client's cancel message (wire.SOCKET_CANCEL) or a broken connection
+  cancels the handler (as gRPC cancels a cancelled call's), EOF is the client's half-close."""
+
+  def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, metadata):
+    self._reader, self._writer, self._metadata = reader, writer, metadata
+    self._queue: asyncio.Queue = asyncio.Queue()
+    self._callbacks = []
+    self._task = None
+    self._pump = None
+    self.cancelled = False   # by the client (or its connection broke): no status to send
+    self.status = (grpc.StatusCode.OK, "", ())
+
+  def start(self, task) -> None:
+    self._task = task
+    self._pump = asyncio.ensure_future(self._read_all())
+
+  async def _read_all(self) -> None:
+    limit = wire.FRAME_BYTES + 1
+    try:
+      while True:
+        try:
+          (n,) = wire.SOCKET_LEN.unpack(await self._reader.readexactly(4))
+        except asyncio.IncompleteReadError as e:
+          if e.partial:
+            raise
+          await self._queue.put(grpc.aio.EOF)   # half-closed
+          return
+        if n > limit:
+          raise wire.BadMessage(f"frame of {n} bytes exceeds {limit}")
+        frame = await self._reader.readexactly(n)
+        if frame == wire.SOCKET_CANCEL:
+          raise ConnectionError("cancelled")
+        await self._queue.put(frame)
+    except asyncio.CancelledError:
+      pass
+    except (ConnectionError, asyncio.IncompleteReadError, wire.BadMessage):
+      self.cancelled = True
+      if self._task is not None and not self._task.done():
+        self._task.cancel()
+
+  async def read(self):
+    return await self._queue.get()
+
+  async def write(self, frame: bytes) -> None:
+    self._writer.write(wire.socket_frame(frame))
+    await self._writer.drain()
+
+  def invocation_metadata(self):
+    return self._metadata
+
+  @staticmethod
+  def time_remaining():
+    return None
+
+  def add_done_callback(self, fn) -> None:
+    self._callbacks.append(fn)
+
+  async def abort(self, code, details: str = "", trailing_metadata=()):
+    self.status = (code, details, tuple(trailing_metadata or ()))
+    raise _SocketAbort(details)
+
+  def end(self) -> None:
+    if self._pump is not None:
+      self._pump.cancel()
+    for fn in self._callbacks:
+      fn(self)
 
 
 class _Inbox:

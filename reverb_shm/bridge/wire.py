@@ -173,7 +173,12 @@ def frames(payload: bytes, frame_bytes: int = FRAME_BYTES) -> Iterator[bytes]:
 # ---------------------------------------------------------------- raw TCP framing
 # The bridge's raw TCP insert path: each message is a 4-byte little-endian length, then that
 # many bytes of msgpack.
-_LEN = struct.Struct("<I")
+_LEN = SOCKET_LEN = struct.Struct("<I")
+# A stream on the raw TCP path carries the gRPC stream's messages (frames, first byte 0x00 or
+# 0x01) one for one; the bridge ends it with a status message (SOCKET_STATUS + msgpack
+# {"code", "details", "md"}), the client may cancel it with the message SOCKET_CANCEL.
+SOCKET_STATUS = b"\x02"
+SOCKET_CANCEL = b"\x03"
 
 
 def socket_frame(payload: bytes) -> bytes:
@@ -200,6 +205,14 @@ def recv_socket_message(sock, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> dic
   if n > max_bytes:
     raise BadMessage(f"message of {n} bytes exceeds max_message_bytes={max_bytes}")
   return unpack(_recv_exactly(sock, n), max_bytes)
+
+
+def recv_socket_bytes(sock, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
+  """The next message's bytes from a blocking socket (ConnectionError when the peer closed)."""
+  (n,) = _LEN.unpack(_recv_exactly(sock, 4))
+  if n > max_bytes:
+    raise BadMessage(f"message of {n} bytes exceeds max_message_bytes={max_bytes}")
+  return _recv_exactly(sock, n)
 
 
 def _recv_exactly(sock, n: int) -> bytes:

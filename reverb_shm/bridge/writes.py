@@ -88,7 +88,7 @@ class _Stream:
     self._out = []
     self._closing = False
     self._urgent = False
-    self.call = conn.method("Write", "stream_stream")(self._requests(), metadata=conn.metadata)
+    self.call = conn.stream("Write", self._requests())
     self._on_ack, self._on_end = on_ack, on_end
     threading.Thread(target=self._read, daemon=True, name="reverb_shm-remote-acks").start()
 
@@ -519,11 +519,12 @@ def _new_chunk(staging, off: int, header, identity: tuple) -> _SentChunk:
 
 
 class StreamError(grpc.RpcError):
-  """A stream that ended for a reason of the client's, with the accessors of grpc's errors."""
+  """A stream that ended (not on gRPC, or for a reason of the client's), with the accessors of
+  grpc's errors."""
 
-  def __init__(self, code: grpc.StatusCode, details: str):
+  def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata=()):
     super().__init__(details)
-    self._code, self._details = code, details
+    self._code, self._details, self._trailing = code, details, tuple(trailing_metadata)
 
   def code(self) -> grpc.StatusCode:
     return self._code
@@ -532,7 +533,116 @@ class StreamError(grpc.RpcError):
     return self._details
 
   def trailing_metadata(self) -> tuple:
-    return ()
+    return self._trailing
+
+
+class SocketCall:
+  """A stream of the bridge (Write, Sample, SampleBatches) on a raw TCP connection to its
+  insert port, with the surface of a grpc stream-stream call that the clients use: iterate for
+  the reply messages (the calling thread receives them itself), cancel() to end it. The
+  request messages of `requests` go out from a thread of their own; the iterator's end is a
+  half-close. The bridge's status ends the iteration (OK) or raises StreamError.
+
+  As with gRPC, making the call does not fail: an unreachable port (UNAVAILABLE; then
+  `on_unavailable()` is called) or a refused token (UNAUTHENTICATED) is raised by the first
+  read.
+  """
+
+  def __init__(self, host: str, port: int, token: Optional[str], method: str, requests,
+               timeout_s: float = 10.0, on_unavailable: Optional[Callable[[], None]] = None):
+    self._send_lock = threading.Lock()
+    self._cancelled = False
+    self._done = False
+    self._greeted = False   # the bridge's answer to the hello is the first message read
+    self._error: Optional[StreamError] = None
+    self._sock: Optional[socket.socket] = None
+    try:
+      sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as e:
+      self._error = StreamError(grpc.StatusCode.UNAVAILABLE, f"insert port {port}: {e}")
+      if on_unavailable is not None:
+        on_unavailable()
+      return
+    try:
+      sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      sock.sendall(wire.socket_frame(wire.pack({"token": token, "stream": method})))
+      sock.settimeout(None)
+    except OSError as e:
+      sock.close()
+      self._error = StreamError(grpc.StatusCode.UNAVAILABLE, f"insert port {port}: {e}")
+      return
+    self._sock = sock
+    threading.Thread(target=self._send_all, args=(requests,), daemon=True,
+                     name="reverb_shm-socket-requests").start()
+
+  def _send_all(self, requests) -> None:
+    try:
+      for frame in requests:
+        with self._send_lock:
+          if self._cancelled:
+            return
+          self._sock.sendall(wire.socket_frame(frame))
+      with self._send_lock:
+        if not self._cancelled:
+          self._sock.shutdown(socket.SHUT_WR)
+    except OSError:
+      pass   # the call broke: its reader reports why
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> bytes:
+    if self._error is not None:
+      self._done = True
+      error, self._error = self._error, None
+      raise error
+    if self._done:
+      raise StopIteration
+    try:
+      if not self._greeted:
+        hello = wire.recv_socket_message(self._sock, 1 << 16)
+        self._greeted = True
+        if hello.get("ok") is not True:
+          self._done = True
+          raise StreamError(grpc.StatusCode.UNAUTHENTICATED, f"{hello.get('err')}")
+      data = wire.recv_socket_bytes(self._sock, wire.FRAME_BYTES + (1 << 16))
+    except OSError as e:
+      self._done = True
+      code = grpc.StatusCode.CANCELLED if self._cancelled else grpc.StatusCode.UNAVAILABLE
+      raise StreamError(code, f"the stream ended: {e}") from None
+    if data[:1] != wire.SOCKET_STATUS:
+      return data
+    self._done = True
+    if self._cancelled:
+      raise StreamError(grpc.StatusCode.CANCELLED, "cancelled by the client")
+    status = wire.unpack(data[1:])
+    code = getattr(grpc.StatusCode, str(status.get("code")), grpc.StatusCode.UNKNOWN)
+    if code is grpc.StatusCode.OK:
+      raise StopIteration
+    md = tuple(tuple(kv) for kv in status.get("md") or () if isinstance(kv, list) and len(kv) == 2)
+    raise StreamError(code, str(status.get("details")), md)
+
+  def cancel(self) -> None:
+    """Ends the call (also from another thread): a waiting or later read raises CANCELLED."""
+    with self._send_lock:
+      if self._cancelled:
+        return
+      self._cancelled = True
+      if self._sock is None:
+        return
+      try:
+        self._sock.sendall(wire.socket_frame(wire.SOCKET_CANCEL))
+      except OSError:
+        pass
+    try:
+      self._sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
+
+  def __del__(self):
+    sock = getattr(self, "_sock", None)
+    if sock is not None:
+      sock.close()
 
 
 class InsertStream:
@@ -622,7 +732,7 @@ class InsertSocket:
     self._sock.close()
 
 
-def _split_host(address: str) -> str:
+def split_host(address: str) -> str:
   """The host of "host:port" or "[v6]:port"."""
   host = address.rsplit(":", 1)[0]
   return host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -723,7 +833,7 @@ class OneMessageInserter:
         try:
           sock = conn.insert_sockets.pop()
         except IndexError:
-          sock = InsertSocket(_split_host(conn.address), conn.insert_port,
+          sock = InsertSocket(split_host(conn.address), conn.insert_port,
                               conn.creds.token, max(0.1, give_up - time.monotonic()))
         ack = sock.round_trip(payload, answer_s)
       except socket.timeout:
