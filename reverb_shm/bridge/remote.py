@@ -715,14 +715,7 @@ class _BatchStream:
     self._replies: Dict[int, dict] = {}  # replies read ahead of their caller
     self._abandoned: set = set()
     self.error: Optional[Exception] = None   # set once the call ended
-    self._call = conn.stream("SampleBatches", self._requests())
-
-  def _requests(self):
-    while True:
-      frame = self._out.get()
-      if frame is None:
-        return
-      yield frame
+    self._call = conn.stream("SampleBatches", writes.queued(self._out))
 
   def send(self, msg: dict) -> int:
     """Sends one request; returns its number (for reply())."""

@@ -414,15 +414,8 @@ class Bridge:
   async def _insert(self, request_iterator, context):
     """A remote client's insert stream: each logical message holds the ops of one
     Client.insert (ids and seqs local to it) and gets one ack once they were handled."""
-    asm = wire.Reassembler(self._config.max_message_bytes)
     async with self._streaming(context) as cancelled:
-      while True:
-        frame = await context.read()
-        if frame is grpc.aio.EOF:
-          return
-        msg = asm.feed(frame)
-        if msg is None:
-          continue
+      async for msg in _messages(context, self._config.max_message_bytes):
         seq = self._step_at_once(msg)
         if seq is not None:
           await context.write(self._ack_frame(seq))
@@ -654,15 +647,8 @@ class Bridge:
     reply, in order: SampleBatch's reply, or {"err": [error class name, message]} when that
     request failed (the stream goes on). A client keeps one such stream per bridge, so a batch
     costs one message each way (no call setup), and it may send requests ahead of replies."""
-    asm = wire.Reassembler(1 << 16)
     async with self._streaming(context) as ended:
-      while True:
-        frame = await context.read()
-        if frame is grpc.aio.EOF:
-          return
-        msg = asm.feed(frame)
-        if msg is None:
-          continue
+      async for msg in _messages(context, 1 << 16):
         try:
           st = self._table(wire.get_str(msg, "table"))
           n = wire.get_int(msg, "n", 0, 1 << 16)
@@ -815,6 +801,18 @@ def _encode_column(col: np.ndarray) -> dict:
     flat = [x.item() if isinstance(x, np.generic) else x for x in col.reshape(-1)]
     return {"o": flat, "s": list(col.shape)}
   return wire.encode_array(col)
+
+
+async def _messages(context, max_bytes: int):
+  """The logical messages of a client stream, until the client half-closes it."""
+  asm = wire.Reassembler(max_bytes)
+  while True:
+    frame = await context.read()
+    if frame is grpc.aio.EOF:
+      return
+    msg = asm.feed(frame)
+    if msg is not None:
+      yield msg
 
 
 def _set_when_done(event: threading.Event, _future) -> None:

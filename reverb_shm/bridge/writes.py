@@ -645,6 +645,15 @@ class SocketCall:
       sock.close()
 
 
+def queued(q: queue.SimpleQueue):
+  """The request iterator of a stream call: what `q` holds, in order, until None."""
+  while True:
+    frame = q.get()
+    if frame is None:
+      return
+    yield frame
+
+
 class InsertStream:
   """One persistent Insert call of a connection (grpcio's public stream API): one request
   message per Client.insert, one reply (its ack) per request. Used by one caller at a time
@@ -654,14 +663,8 @@ class InsertStream:
   def __init__(self, conn):
     self._asm = wire.Reassembler()
     self._out: queue.SimpleQueue = queue.SimpleQueue()
-    self._call = conn.method("Insert", "stream_stream")(self._requests(), metadata=conn.metadata)
-
-  def _requests(self):
-    while True:
-      frame = self._out.get()
-      if frame is None:
-        return
-      yield frame
+    self._call = conn.method("Insert", "stream_stream")(queued(self._out),
+                                                        metadata=conn.metadata)
 
   def round_trip(self, payload: bytes) -> dict:
     """Sends one encoded message; returns the bridge's reply (raises grpc.RpcError)."""
