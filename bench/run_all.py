@@ -46,7 +46,11 @@ RATIOS = [
     ("W5 sample vs numpy copy bandwidth", ("shm", "W5_sample", "fastest"),
      ("shm", "W5_copy", "numpy"), 0.6),
     ("W6 cross-process vs in-process", ("shm", "W6", "cross_process"),
-     ("shm", "W6", "in_process"), 0.8),
+     ("shm", "W6", "in_process"), 1.2),
+    ("W6 4 writers cross-process vs in-process", ("shm", "W6", "cross_process_4w"),
+     ("shm", "W6", "in_process"), None),
+    ("W6 sampler on learner.BatchIterator vs in-process", ("shm", "W6", "cross_process_learner"),
+     ("shm", "W6", "in_process"), None),
     # G1: the same workloads on servers that start at 8 MiB and grow (growth costs ~nothing)
     *[(f"G1 {w} {v}: grown arena vs pre-sized", ("shm_grown", w, v), ("shm", w, v), 0.97)
       for w, v in (("W1", "fastest"), ("W1", "reverb_api"), ("W3", "fastest"),

@@ -224,27 +224,35 @@ def _w6_writer(name, batches, start):
     table.insert(data, 1.0)
 
 
-def _w6_sampler(name, samples, start):
+def _w6_sampler(name, samples, start, learner=False):
   table = reverb.SharedTable.attach(name)
   out = [np.empty(W6_BATCH, np.int64), np.empty((W6_BATCH, 8), np.float32),
          np.empty(W6_BATCH, np.float32)]
   start.wait()
   got = 0
+  if learner:   # the learner's iterator (a background thread gathers batches ahead)
+    from reverb_shm import learner as learner_lib  # pylint: disable=import-outside-toplevel
+    it = learner_lib.BatchIterator(table, batch_size=W6_BATCH)
+    while got < samples:
+      got += len(next(it).info.key)
+    it.close()
+    return
   while got < samples:
     got += len(table.sample_batch(min(W6_BATCH, samples - got), out=out).info.key)
 
 
-def w6(args):
-  batches = max(50, int(args.duration * 2000))  # per writer
-  total = 2 * batches * W6_BATCH
+def _w6_cross(args, writers, learner=False):
+  """Items/s of `writers` writer processes + 1 sampler process (W6's pipeline)."""
+  batches = max(50, int(args.duration * 4000 / writers))  # per writer
+  total = writers * batches * W6_BATCH
   limiter = reverb.rate_limiters.SampleToInsertRatio(1.0, 1, 4096)
-  rows = []
   with server(reverb.selectors.Uniform(), 100_000, limiter=limiter) as srv:
     name = srv.shared_table_name(TABLE)
     ctx = multiprocessing.get_context("spawn")
-    start = ctx.Barrier(4)
-    procs = [ctx.Process(target=_w6_writer, args=(name, batches, start)) for _ in range(2)]
-    procs.append(ctx.Process(target=_w6_sampler, args=(name, total, start)))
+    start = ctx.Barrier(writers + 2)
+    procs = [ctx.Process(target=_w6_writer, args=(name, batches, start)) for _ in range(writers)]
+    procs.append(ctx.Process(target=_w6_sampler, args=(name, total - total % W6_BATCH, start,
+                                                       learner)))
     for p in procs:
       p.start()
     start.wait(timeout=120)
@@ -254,8 +262,19 @@ def w6(args):
     seconds = time.perf_counter() - t0
     if any(p.exitcode != 0 for p in procs):
       raise RuntimeError(f"W6 process failed: exit codes {[p.exitcode for p in procs]}")
-    rows.append(row("W6", "cross_process", "2 writer + 1 sampler processes, insert(64) / "
-                    "sample_batch(64), SampleToInsertRatio(1)", total / seconds))
+  return total / seconds
+
+
+def w6(args):
+  batches = max(50, int(args.duration * 2000))  # per writer of the 2-writer pipeline
+  total = 2 * batches * W6_BATCH
+  limiter = reverb.rate_limiters.SampleToInsertRatio(1.0, 1, 4096)
+  rows = [row("W6", "cross_process", "2 writer + 1 sampler processes, insert(64) / "
+              "sample_batch(64), SampleToInsertRatio(1)", _w6_cross(args, 2)),
+          row("W6", "cross_process_4w", "4 writer + 1 sampler processes (as cross_process)",
+              _w6_cross(args, 4)),
+          row("W6", "cross_process_learner", "2 writer processes + 1 sampler process using "
+              "learner.BatchIterator(batch_size=64)", _w6_cross(args, 2, learner=True))]
   with server(reverb.selectors.Uniform(), 100_000, limiter=limiter) as srv:
     table = srv.shared_table(TABLE)
     data = steps(W6_BATCH)
