@@ -200,12 +200,23 @@ def l1(args):
   return rows
 
 
+def w8(args):
+  """W8 (bench/api_workloads.py): Reverb client calls with default arguments."""
+  import api_workloads as api  # pylint: disable=import-outside-toplevel
+  srv = reverb.Server(api.tables(reverb, api.signature(tf), api.frame_signature(tf),
+                                 api.W8_ITEMS, api.W8_FRAMES))
+  try:
+    return api.w8(args, reverb.Client(f"localhost:{srv.port}"))
+  finally:
+    srv.stop()
+
+
 WORKLOADS = {
     "L1": l1,
     "W1": w1, "W2": w2,
     "W3": lambda a: sampling(a, "W3", reverb.selectors.Uniform(), False),
     "W4": lambda a: sampling(a, "W4", reverb.selectors.Prioritized(0.6), True),
-    "W5": w5, "T1": t1,
+    "W5": w5, "T1": t1, "W8": w8,
 }
 
 

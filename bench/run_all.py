@@ -46,7 +46,11 @@ RATIOS = [
     ("W5 sample vs numpy copy bandwidth", ("shm", "W5_sample", "fastest"),
      ("shm", "W5_copy", "numpy"), 0.6),
     ("W6 cross-process vs in-process", ("shm", "W6", "cross_process"),
-     ("shm", "W6", "in_process"), 0.8),
+     ("shm", "W6", "in_process"), 1.2),
+    ("W6 4 writers cross-process vs in-process", ("shm", "W6", "cross_process_4w"),
+     ("shm", "W6", "in_process"), None),
+    ("W6 sampler on learner.BatchIterator vs in-process", ("shm", "W6", "cross_process_learner"),
+     ("shm", "W6", "in_process"), None),
     # G1: the same workloads on servers that start at 8 MiB and grow (growth costs ~nothing)
     *[(f"G1 {w} {v}: grown arena vs pre-sized", ("shm_grown", w, v), ("shm", w, v), 0.97)
       for w, v in (("W1", "fastest"), ("W1", "reverb_api"), ("W3", "fastest"),
@@ -66,6 +70,10 @@ RATIOS = [
      ("shm_ray", "R1_cross", "same_node"), ("shm_ray", "R1_cross", "cross_node"), None),
     *[(f"T1 TrajectoryDataset.batch(256) vs dm-reverb, {v}", ("shm", "T1", v),
        ("reverb", "T1", v), 10.0) for v in ("uniform", "prioritized")],
+    # W8: Reverb client calls with default arguments, the same code on both (api_workloads.py)
+    *[(f"W8 {v} vs dm-reverb", ("shm", "W8", v), ("reverb", "W8", v), 30.0)
+      for v in ("sample_timesteps", "sample_flat", "sample_signature", "insert_one_table",
+                "insert_two_tables", "mutate_dict", "writer_two_tables", "frames_sample")],
 ]
 G1_WORKLOADS = ["W1", "W3", "W5"]
 # Workloads of a Ray cluster: run by bench/ray_r1.py and the TorchRL peer, not by the others.
@@ -91,6 +99,29 @@ def cpu_model():
   except OSError:
     pass
   return platform.processor() or None
+
+
+def memory_bandwidth(seconds=1.0):
+  """Copy bandwidth of this machine (GB/s of bytes read, best of repeated np.copyto of 64 MiB
+  to 64 MiB, far beyond any last-level cache) and a STREAM-like triad a = b + 3 * c on float64
+  arrays of 32 MiB each (GB/s of 3 arrays' bytes moved, best of repeats)."""
+  import time  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  src, dst = np.ones(64 << 20, np.uint8), np.zeros(64 << 20, np.uint8)
+  b, c = np.ones(4 << 20), np.ones(4 << 20)
+  a = np.empty_like(b)
+  best = {"copy": 0.0, "triad": 0.0}
+  end = time.perf_counter() + seconds
+  while time.perf_counter() < end:
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    t1 = time.perf_counter()
+    np.multiply(c, 3.0, out=a)
+    np.add(a, b, out=a)
+    t2 = time.perf_counter()
+    best["copy"] = max(best["copy"], src.nbytes / (t1 - t0) / 1e9)
+    best["triad"] = max(best["triad"], 3 * a.nbytes / (t2 - t1) / 1e9)
+  return {"numpy_copy_gb_s": round(best["copy"], 2), "triad_gb_s": round(best["triad"], 2)}
 
 
 def run_runner(python, script, args, workloads, timeout, extra_env=None):
@@ -215,6 +246,13 @@ def ratios(results):
     v = sc[max(sc)] / sc[10_000]
     out.append({"ratio": f"W4 cost at {max(sc):.0e} items / cost at 1e4 (lower is better)",
                 "value": v, "target": 3.0, "met": v <= 3.0})
+  wake = {r["variant"]: r for r in results.get("shm", []) if r["workload"] == "W7"}
+  if "table_wake" in wake and "futex_floor" in wake:
+    for p in ("p50", "p99"):
+      v = wake["table_wake"][f"{p}_us"] / wake["futex_floor"][f"{p}_us"]
+      target = 1.5 if p == "p50" else None
+      out.append({"ratio": f"W7 wake latency {p} / futex ping-pong floor (lower is better)",
+                  "value": v, "target": target, "met": None if target is None else v <= target})
   for r in results.get("shm", []):
     if r["workload"] == "metadata":
       out.append({"ratio": f"metadata bytes per item beyond payload, {r['api']} (lower is better)",
@@ -235,6 +273,8 @@ def print_table(results, ratio_rows, notes):
       extra = f"  [{r['table_items']:,} items]" if "table_items" in r else ""
       if "us_per_iter" in r:
         extra += f" [{r['us_per_iter']:.0f} us per iteration]"
+      if "p50_us" in r:
+        extra += f" [p50 {r['p50_us']:.1f} us, p99 {r['p99_us']:.1f} us]"
       print(f"{runner:<9} {r['workload']:<12} {r['variant']:<26} {r['items_per_s']:13,.0f} {mb}"
             f"  {r['api']}{extra}")
   print(f"\n{'ratio':<62} {'value':>9} {'target':>8}  met")
@@ -275,7 +315,7 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true")
   p.add_argument("--repeat", type=int, default=1)
   p.add_argument("--only", nargs="+",
-                 help="workloads (W1..W6, T1, scaling, metadata, G1, D1, L1, L2, R1)")
+                 help="workloads (W1..W8, T1, scaling, metadata, G1, D1, L1, L2, R1)")
   p.add_argument("--torchrl-python", default=os.environ.get("TORCHRL_PYTHON",
                                                             peer_python("torchrl")))
   p.add_argument("--d1-dir", default=os.environ.get("REVERB_SHM_D1_DIR", "/var/tmp"),
@@ -295,8 +335,8 @@ def main(argv=None):
   args.items = 20_000 if args.quick else 1_000_000
   args.frames = 500 if args.quick else 4_000
   args.scales = SCALES[:3] if args.quick else SCALES
-  workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "T1", "scaling", "metadata",
-                            "G1", "D1", "L1", "L2", "R1"]
+  workloads = args.only or ["W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "T1", "scaling",
+                            "metadata", "G1", "D1", "L1", "L2", "R1"]
   grown, disk = "G1" in workloads, "D1" in workloads
   ray_workloads = [w for w in workloads if w in RAY_WORKLOADS]
   workloads = [w for w in workloads if w not in ("G1", "D1") and w not in RAY_WORKLOADS]
@@ -304,7 +344,7 @@ def main(argv=None):
     workloads += [w for w in G1_WORKLOADS if w not in workloads]
   if not os.path.exists(args.reverb_python) and peer_python("reverb"):
     args.reverb_python = peer_python("reverb")
-  shm = {"W1", "W2", "W3", "W4", "W5", "W6", "T1", "scaling", "metadata"}
+  shm = {"W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "T1", "scaling", "metadata"}
   learner = {"L1", "L2"}
   runners = [("shm", sys.executable, "shm_workloads.py", None, shm),
              ("learner", sys.executable, "learner_workloads.py", "torch", learner),
@@ -358,6 +398,9 @@ def main(argv=None):
     except (OSError, subprocess.TimeoutExpired, StopIteration) as e:
       notes.append(f"D1 failed: {e}")
   results = {name: median_rows(r) for name, r in runs.items()}
+  bandwidth = memory_bandwidth()
+  print(f"cpu: {cpu_model()}; memory: numpy copy {bandwidth['numpy_copy_gb_s']} GB/s, triad "
+        f"{bandwidth['triad_gb_s']} GB/s")
   # (rows of workloads not run are left out)
   ran = set(workloads) | set(ray_workloads) | ({"G1"} if grown else set()) | (
       {"D1"} if disk else set())
@@ -374,7 +417,8 @@ def main(argv=None):
   path.write_text(json.dumps({
       "time": stamp, "quick": args.quick, "repeat": args.repeat, "duration_s": args.duration,
       "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                  "cpu_model": cpu_model(), "cpus": os.cpu_count(), "load": os.getloadavg()},
+                  "cpu_model": cpu_model(), "cpus": os.cpu_count(), "load": os.getloadavg(),
+                  **bandwidth},
       "results": results, "ratios": ratio_rows, "notes": notes}, indent=2))
   print(f"\nwrote {path}")
   return 0

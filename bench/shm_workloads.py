@@ -226,27 +226,35 @@ def _w6_writer(name, batches, start):
     table.insert(data, 1.0)
 
 
-def _w6_sampler(name, samples, start):
+def _w6_sampler(name, samples, start, learner=False):
   table = reverb.SharedTable.attach(name)
   out = [np.empty(W6_BATCH, np.int64), np.empty((W6_BATCH, 8), np.float32),
          np.empty(W6_BATCH, np.float32)]
   start.wait()
   got = 0
+  if learner:   # the learner's iterator (a background thread gathers batches ahead)
+    from reverb_shm import learner as learner_lib  # pylint: disable=import-outside-toplevel
+    it = learner_lib.BatchIterator(table, batch_size=W6_BATCH)
+    while got < samples:
+      got += len(next(it).info.key)
+    it.close()
+    return
   while got < samples:
     got += len(table.sample_batch(min(W6_BATCH, samples - got), out=out).info.key)
 
 
-def w6(args):
-  batches = max(50, int(args.duration * 2000))  # per writer
-  total = 2 * batches * W6_BATCH
+def _w6_cross(args, writers, learner=False):
+  """Items/s of `writers` writer processes + 1 sampler process (W6's pipeline)."""
+  batches = max(50, int(args.duration * 4000 / writers))  # per writer
+  total = writers * batches * W6_BATCH
   limiter = reverb.rate_limiters.SampleToInsertRatio(1.0, 1, 4096)
-  rows = []
   with server(reverb.selectors.Uniform(), 100_000, limiter=limiter) as srv:
     name = srv.shared_table_name(TABLE)
     ctx = multiprocessing.get_context("spawn")
-    start = ctx.Barrier(4)
-    procs = [ctx.Process(target=_w6_writer, args=(name, batches, start)) for _ in range(2)]
-    procs.append(ctx.Process(target=_w6_sampler, args=(name, total, start)))
+    start = ctx.Barrier(writers + 2)
+    procs = [ctx.Process(target=_w6_writer, args=(name, batches, start)) for _ in range(writers)]
+    procs.append(ctx.Process(target=_w6_sampler, args=(name, total - total % W6_BATCH, start,
+                                                       learner)))
     for p in procs:
       p.start()
     start.wait(timeout=120)
@@ -256,8 +264,19 @@ def w6(args):
     seconds = time.perf_counter() - t0
     if any(p.exitcode != 0 for p in procs):
       raise RuntimeError(f"W6 process failed: exit codes {[p.exitcode for p in procs]}")
-    rows.append(row("W6", "cross_process", "2 writer + 1 sampler processes, insert(64) / "
-                    "sample_batch(64), SampleToInsertRatio(1)", total / seconds))
+  return total / seconds
+
+
+def w6(args):
+  batches = max(50, int(args.duration * 2000))  # per writer of the 2-writer pipeline
+  total = 2 * batches * W6_BATCH
+  limiter = reverb.rate_limiters.SampleToInsertRatio(1.0, 1, 4096)
+  rows = [row("W6", "cross_process", "2 writer + 1 sampler processes, insert(64) / "
+              "sample_batch(64), SampleToInsertRatio(1)", _w6_cross(args, 2)),
+          row("W6", "cross_process_4w", "4 writer + 1 sampler processes (as cross_process)",
+              _w6_cross(args, 4)),
+          row("W6", "cross_process_learner", "2 writer processes + 1 sampler process using "
+              "learner.BatchIterator(batch_size=64)", _w6_cross(args, 2, learner=True))]
   with server(reverb.selectors.Uniform(), 100_000, limiter=limiter) as srv:
     table = srv.shared_table(TABLE)
     data = steps(W6_BATCH)
@@ -272,6 +291,132 @@ def w6(args):
     rows.append(row("W6", "in_process", "the same inserts and samples in one process",
                     total / (time.perf_counter() - t0)))
   return rows
+
+
+# ---- W7: wake-up latency of a sampler blocked on a table, against a futex ping-pong floor
+W7_WAKES = 10_000
+W7_SETTLE_S = 200e-6   # the waiter has slept this long (past any spin) before each wake-up
+
+
+def _futex_syscall():
+  """(syscall, FUTEX_WAIT, FUTEX_WAKE, SYS_futex) through ctypes: the floor uses the system
+  call directly, as the core does, with nothing else on either side."""
+  import ctypes  # pylint: disable=import-outside-toplevel
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.syscall.restype = ctypes.c_long
+  return libc.syscall, 0, 1, 202   # x86-64 SYS_futex
+
+
+def _w7_sampler(name, stamps, ready, n):
+  table = reverb.SharedTable.attach(name)
+  out = [np.empty(1, np.int64)]
+  stamps = np.frombuffer(stamps, np.int64).reshape(2, n)
+  ready = np.frombuffer(ready, np.int64)
+  table.sample_batch(1, out=out)   # learns the layout (item 0 is inserted before the start)
+  for i in range(n):
+    ready[0] = i + 1               # the writer inserts item i once this sampler sleeps
+    table.sample_batch(1, out=out)
+    stamps[1, i] = time.perf_counter_ns()
+
+
+def _w7_futex_waiter(word, stamps, n):
+  import ctypes  # pylint: disable=import-outside-toplevel
+  syscall, wait, _, nr = _futex_syscall()
+  words = np.frombuffer(word, np.int64)
+  addr = ctypes.c_void_p(words.ctypes.data)
+  stamps = np.frombuffer(stamps, np.int64).reshape(2, n)
+  for i in range(n):
+    words[1] = i + 1                          # announce: about to wait for round i
+    while words[0] == 2 * i:                  # the word is 2i until the waker makes it 2i + 1
+      syscall(nr, addr, wait, ctypes.c_int(2 * i), None, None, 0)
+    stamps[1, i] = time.perf_counter_ns()
+    words[0] = 2 * i + 2
+
+
+def _settled(flag, i):
+  while flag[0] != i + 1:
+    pass
+  end = time.perf_counter() + W7_SETTLE_S
+  while time.perf_counter() < end:
+    pass
+
+
+def _latencies(stamps, n):
+  us = (stamps[1] - stamps[0]) / 1e3
+  return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
+          "mean_us": float(us.mean()), "wakes": n}
+
+
+def w7(args):
+  """Wake-up latency (p50/p99 over W7_WAKES): a writer's insert call -> a sampler process
+  blocked in sample_batch(1) on that (queue) table returning with the item; and the floor, a
+  futex ping-pong between two processes (the word's store and FUTEX_WAKE -> the waiter's
+  FUTEX_WAIT returning to Python), measured the same way in the same run. Both clocks start
+  before the call that wakes: the waker's call returns after the woken side has often already
+  run (the wake-up is done inside it), so its return is no start line. The waiter has slept
+  W7_SETTLE_S (past the core's spin) before every wake-up; items_per_s is 1e6 / p50_us."""
+  import ctypes  # pylint: disable=import-outside-toplevel
+  n = W7_WAKES if args.duration >= 1 else 2_000
+  ctx = multiprocessing.get_context("spawn")
+  rows = []
+  table = reverb.Table.queue(TABLE, 1000)
+  with reverb.Server([table], arena_bytes=64 << 20) as srv:
+    shared = srv.shared_table(TABLE)
+    stamps, ready = ctx.RawArray("q", 2 * n), ctx.RawArray("q", 1)
+    st, flag = np.frombuffer(stamps, np.int64).reshape(2, n), np.frombuffer(ready, np.int64)
+    item = {"x": np.zeros(1, np.int64)}
+    shared.insert(item, 1.0)
+    proc = ctx.Process(target=_w7_sampler, args=(srv.shared_table_name(TABLE), stamps, ready, n))
+    proc.start()
+    try:
+      for i in range(n):
+        _settled(flag, i)
+        st[0, i] = time.perf_counter_ns()
+        shared.insert(item, 1.0)
+      proc.join(timeout=120)
+    finally:
+      if proc.is_alive():
+        proc.kill()
+    if proc.exitcode != 0:
+      raise RuntimeError(f"W7 sampler failed: exit code {proc.exitcode}")
+    lat = _latencies(st, n)
+  rows.append(row("W7", "table_wake", "insert(1) called -> blocked sample_batch(1) returns "
+                  "(other process)", 1e6 / lat["p50_us"], **lat))
+  word, stamps = ctx.RawArray("q", 2), ctx.RawArray("q", 2 * n)
+  words, st = np.frombuffer(word, np.int64), np.frombuffer(stamps, np.int64).reshape(2, n)
+  syscall, _, wake, nr = _futex_syscall()
+  addr = ctypes.c_void_p(words.ctypes.data)
+  proc = ctx.Process(target=_w7_futex_waiter, args=(word, stamps, n))
+  proc.start()
+  try:
+    for i in range(n):
+      _settled(words[1:], i)
+      st[0, i] = time.perf_counter_ns()
+      words[0] = 2 * i + 1
+      syscall(nr, addr, wake, 1, None, None, 0)
+      while words[0] != 2 * i + 2:
+        pass
+    proc.join(timeout=120)
+  finally:
+    if proc.is_alive():
+      proc.kill()
+  lat = _latencies(st, n)
+  rows.append(row("W7", "futex_floor", "store + FUTEX_WAKE called -> FUTEX_WAIT returns (two "
+                  "processes, ctypes syscall)", 1e6 / lat["p50_us"], **lat))
+  return rows
+
+
+def w8(args):
+  """W8 (bench/api_workloads.py): Reverb client calls with default arguments."""
+  import types  # pylint: disable=import-outside-toplevel
+  import api_workloads as api  # pylint: disable=import-outside-toplevel
+  tf = types.SimpleNamespace(TensorSpec=reverb.TensorSpec, float32=np.float32, int64=np.int64,
+                             uint8=np.uint8)
+  tables = api.tables(reverb, api.signature(tf), api.frame_signature(tf), api.W8_ITEMS,
+                      api.W8_FRAMES)
+  arena = 2 * api.W8_FRAMES * FRAME_BYTES + (512 << 20)
+  with reverb.Server(tables, arena_bytes=arena, max_bytes=arena + (256 << 20)) as srv:
+    return api.w8(args, reverb.Client(f"localhost:{srv.port}"))
 
 
 SCALING_TURNS = 10
@@ -403,7 +548,7 @@ WORKLOADS = {
     "W1": w1, "W2": w2,
     "W3": lambda a: sampling(a, "W3", reverb.selectors.Uniform(), False),
     "W4": lambda a: sampling(a, "W4", reverb.selectors.Prioritized(0.6), True),
-    "W5": w5, "W6": w6, "scaling": scaling, "metadata": metadata, "T1": t1,
+    "W5": w5, "W6": w6, "W7": w7, "W8": w8, "scaling": scaling, "metadata": metadata, "T1": t1,
 }
 
 

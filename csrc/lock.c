@@ -56,13 +56,17 @@ void rs_mutex_consistent(pthread_mutex_t *m) { pthread_mutex_consistent(m); }
 void rs_mutex_unlock(pthread_mutex_t *m) { pthread_mutex_unlock(m); }
 
 int rs_futex_wait(uint32_t *word, uint32_t expected, int64_t deadline_ns) {
+  return rs_futex_wait_bits(word, expected, deadline_ns, FUTEX_BITSET_MATCH_ANY);
+}
+
+int rs_futex_wait_bits(uint32_t *word, uint32_t expected, int64_t deadline_ns, uint32_t bits) {
   struct timespec ts, *tsp = NULL;
   if (deadline_ns >= 0) {
     ts.tv_sec = (time_t)(deadline_ns / 1000000000LL);
     ts.tv_nsec = (long)(deadline_ns % 1000000000LL);
     tsp = &ts;
   }
-  long rc = syscall(SYS_futex, word, FUTEX_WAIT_BITSET, expected, tsp, NULL, FUTEX_BITSET_MATCH_ANY);
+  long rc = syscall(SYS_futex, word, FUTEX_WAIT_BITSET, expected, tsp, NULL, bits);
   if (rc == 0) return RS_OK;
   switch (errno) {
     case EAGAIN: return RS_OK; /* the word had already changed */
@@ -73,6 +77,10 @@ int rs_futex_wait(uint32_t *word, uint32_t expected, int64_t deadline_ns) {
 }
 
 void rs_futex_wake_all(uint32_t *word) { syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); }
+
+void rs_futex_wake_bits(uint32_t *word, uint32_t bits) {
+  syscall(SYS_futex, word, FUTEX_WAKE_BITSET, INT_MAX, NULL, NULL, bits);
+}
 
 int rs_tlock(void *base, uint32_t t) {
   rs_table_hdr *th = rs_table(base, t);

@@ -194,7 +194,8 @@ typedef struct rs_table_hdr {
   int32_t closed;
   pthread_mutex_t lock;            /* robust, process-shared */
   uint32_t seq;                    /* futex word: bumped by anything that may unblock waiters */
-  uint32_t waiters;                /* processes/threads inside a futex wait on seq */
+  uint32_t waiters;                /* threads inside a futex wait on seq: blocked inserters in
+                                      the low 16 bits, blocked samplers from bit 16 (table.c) */
   /* arrays */
   uint64_t recs_off;               /* rs_rec[cap] */
   uint64_t index_off;              /* rs_index_entry[index_cap] */
@@ -259,7 +260,12 @@ void rs_mutex_unlock(pthread_mutex_t *m);
 /* Sleep while *word == expected, until woken or deadline (monotonic ns, <0 = none).
  * Returns RS_OK (woken or value changed), RS_ETIMEDOUT, or RS_EAGAIN (EINTR). */
 int rs_futex_wait(uint32_t *word, uint32_t expected, int64_t deadline_ns);
+/* rs_futex_wait as a waiter of kind `bits` (non-zero): only wakes naming one of them (and
+ * rs_futex_wake_all) reach it. */
+int rs_futex_wait_bits(uint32_t *word, uint32_t expected, int64_t deadline_ns, uint32_t bits);
 void rs_futex_wake_all(uint32_t *word);
+/* Wakes every waiter on word whose kind shares a bit with `bits`. */
+void rs_futex_wake_bits(uint32_t *word, uint32_t bits);
 /* The repairs rs_tlock / rs_alock run after a dead lock owner. lock.c is below table.c and
  * arena.c: they reach it only through this registration, made once by layout.c at load time. */
 typedef void (*rs_table_repair_fn)(void *base, uint32_t t);

@@ -11,8 +11,9 @@
  *
  * Blocking (DESIGN.md "Concurrency and speed rules"): a caller that cannot progress reads the
  * table's `seq` word under the mutex, registers in `waiters`, unlocks, spins briefly re-reading
- * `seq`, then futex-waits on it until its deadline or slice ends. Anything that may unblock
- * others bumps `seq` and wakes the futex, skipping the system call when nobody waits. */
+ * `seq`, then futex-waits on it (as an inserter or a sampler: a futex bitset) until its deadline
+ * or slice ends. Anything that may unblock others bumps `seq` and wakes only the kind of waiter
+ * whose limiter condition now holds, skipping the system call when none of them waits. */
 #define _GNU_SOURCE
 #include <math.h>
 #include <stdio.h>
@@ -314,20 +315,36 @@ static int op_lock(op_t *op) {
   return RS_OK;
 }
 
-/* Bump seq if something changed; returns 1 when a wake-up is due (someone waits). */
-static int op_publish(op_t *op) {
+/* Kinds of waiters on a table's seq word (futex bitset bits) and their shares of `waiters`. */
+#define WAIT_INSERT 1u
+#define WAIT_SAMPLE 2u
+#define WAITER_ONE(kind) ((kind) == WAIT_INSERT ? 1u : 1u << 16)
+
+/* Bump seq if something changed; returns the kinds of waiters to wake (0: none). A kind is woken
+ * only when some of its waiters sleep and its limiter condition now holds (an inserter can add
+ * one item; a sampler can take one), so a sample never wakes a sampler, an insert never wakes
+ * an inserter, and nobody is woken only to find the limiter still closed. Waiters register under
+ * the lock, so the counts read here include everyone who may sleep on the old seq. */
+static uint32_t op_publish(op_t *op) {
   if (!op->dirty) return 0;
   op->dirty = 0;
-  __atomic_add_fetch(&op->th->seq, 1, __ATOMIC_RELEASE);
-  return __atomic_load_n(&op->th->waiters, __ATOMIC_ACQUIRE) > 0;
+  rs_table_hdr *th = op->th;
+  __atomic_add_fetch(&th->seq, 1, __ATOMIC_RELEASE);
+  uint32_t w = __atomic_load_n(&th->waiters, __ATOMIC_ACQUIRE);
+  if (w == 0) return 0;
+  if (is_closed(op->base, th)) return WAIT_INSERT | WAIT_SAMPLE;
+  uint32_t kinds = 0;
+  if ((w & 0xffffu) && rs_limiter_can_insert(th, 1)) kinds |= WAIT_INSERT;
+  if ((w >> 16) && th->size > 0 && rs_limiter_can_sample(th, 1)) kinds |= WAIT_SAMPLE;
+  return kinds;
 }
 
-static void op_release(op_t *op, int wake) {
+static void op_release(op_t *op, uint32_t wake) {
   int64_t held = rs_now_ns() - op->locked_at;
   if (op->held_ns) *op->held_ns += held;
   rs_counters_hold(op->c, held);
   rs_tunlock(op->base, op->t);
-  if (wake) rs_futex_wake_all(&op->th->seq);
+  if (wake) rs_futex_wake_bits(&op->th->seq, wake);
 }
 
 static void op_unlock(op_t *op) { op_release(op, op_publish(op)); }
@@ -370,21 +387,23 @@ static int op_wait(op_t *op) {
   }
   int64_t until = op->deadline;
   if (op->slice_end >= 0 && (until < 0 || op->slice_end < until)) until = op->slice_end;
-  int wake = op_publish(op);
-  uint32_t seen = __atomic_load_n(&th->seq, __ATOMIC_ACQUIRE);
-  __atomic_add_fetch(&th->waiters, 1, __ATOMIC_ACQ_REL);
-  op_release(op, wake);
   /* Only inserts and samples wait; an insert charges its lock time to inserting_ns. */
-  uint32_t *blocked = op->held_ns == &th->inserting_ns ? &op->c->blocked_inserters
-                                                       : &op->c->blocked_samplers;
+  int inserter = op->held_ns == &th->inserting_ns;
+  uint32_t kind = inserter ? WAIT_INSERT : WAIT_SAMPLE;
+  uint32_t wake = op_publish(op);
+  uint32_t seen = __atomic_load_n(&th->seq, __ATOMIC_ACQUIRE);
+  __atomic_add_fetch(&th->waiters, WAITER_ONE(kind), __ATOMIC_ACQ_REL);
+  op_release(op, wake);
+  uint32_t *blocked = inserter ? &op->c->blocked_inserters : &op->c->blocked_samplers;
   __atomic_add_fetch(blocked, 1, __ATOMIC_RELAXED);
 
   int rc = RS_OK;
   int64_t t0 = rs_now_ns();
   while (__atomic_load_n(&th->seq, __ATOMIC_ACQUIRE) == seen && rs_now_ns() - t0 < SPIN_NS)
     cpu_relax();
-  if (__atomic_load_n(&th->seq, __ATOMIC_ACQUIRE) == seen) rc = rs_futex_wait(&th->seq, seen, until);
-  __atomic_sub_fetch(&th->waiters, 1, __ATOMIC_ACQ_REL);
+  if (__atomic_load_n(&th->seq, __ATOMIC_ACQUIRE) == seen)
+    rc = rs_futex_wait_bits(&th->seq, seen, until, kind);
+  __atomic_sub_fetch(&th->waiters, WAITER_ONE(kind), __ATOMIC_ACQ_REL);
   __atomic_sub_fetch(blocked, 1, __ATOMIC_RELAXED);
   int64_t waited = rs_now_ns() - t0;
   if (rc == RS_ESYS) return rc;

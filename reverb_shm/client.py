@@ -200,7 +200,8 @@ class Client:
     if result is not None:   # the core call failed or waited past a slice: finish or raise
       hot_plans.finish(result, None, next(iter(priorities.values())), timeout_ms)
       return
-    if self._insert_fast(data, priorities, timeout_ms):
+    if self._insert_fast(data, priorities, timeout_ms) or self._insert_fast_multi(
+        data, priorities, timeout_ms):
       return
     handles, prios, arrays = checked_insert(self, data, priorities)
     deadline = timeouts.deadline_from_ms(timeout_ms)
@@ -244,6 +245,34 @@ class Client:
         writer, 1, ffi.new("uint64_t *"), ffi.new("double *", prio),
         chunks.row_buffers(arrays), 0, _RANDOM_KEY_AND_EPISODE,
         timeouts.deadline_from_ms(timeout_ms), timeout_ms)
+    return True
+
+  def _insert_fast_multi(self, data, priorities, timeout_ms) -> bool:
+    """Client.insert of one numeric step into several known tables: each table's layout check
+    is its handle's cached plan (as _insert_fast's), the step is written once and each table
+    gets one rs_insert_slices. Returns False, having done nothing, for anything else."""
+    if type(priorities) is not dict or len(priorities) < 2:
+      return False
+    seg = self._segment()   # (drops stale handles first, as one_step's refresh)
+    handles, prios = [], []
+    for name, prio in priorities.items():
+      handle = self._handles.get(name)
+      if type(prio) is int and -_MAX_EXACT < prio < _MAX_EXACT:
+        prio = float(prio)
+      if (handle is None or type(prio) is not float or not -_INF < prio < _INF
+          or (prio < 0 and handle.prioritized)):
+        return False
+      handles.append(handle)
+      prios.append(prio)
+    try:
+      arrays = columns_lib.step_arrays(data)
+    except ValueError:
+      return False
+    columns = tuple([(a.dtype, a.shape) for a in arrays])
+    if any(h.insert_plan(columns) is None for h in handles):
+      return False
+    self._insert_numeric(seg, handles, np.array(prios, np.float64), arrays, random_u64.one(),
+                         timeouts.deadline_from_ms(timeout_ms), timeout_ms)
     return True
 
   def _insert_numeric(self, seg, handles, prios, arrays, episode_id, deadline, timeout_ms) -> None:

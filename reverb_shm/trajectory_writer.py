@@ -22,7 +22,7 @@ import collections
 import functools
 import math
 import warnings
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -746,6 +746,8 @@ class TrajectoryWriter(hot.WriterBase):
       if insert:
         raise
     self._batch = []
+    if insert and not self._pending and len(batch) > 2:
+      batch = self._grouped(batch)
     i = 0
     try:
       while i < len(batch):
@@ -758,6 +760,30 @@ class TrajectoryWriter(hot.WriterBase):
       self._batch = batch[i:] + self._batch
       raise
     self._collect()     # runs kept for the batch (queued items hold their chunks)
+
+  @staticmethod
+  def _grouped(batch: list) -> list:
+    """The batch with each kind's entries together, each kind's order kept, when its runs
+    alternate between kinds (items created in turn in several tables) and every table's rate
+    limiter admits all of its items now: one encode and one insert per kind instead of one per
+    run. Otherwise the batch unchanged, whose creation order then decides what is held back."""
+    groups: Dict[int, list] = {}
+    runs, prev = 0, None
+    for entry in batch:
+      kind = entry[0]
+      if kind is not prev:
+        runs += 1
+        prev = kind
+      groups.setdefault(id(kind), []).append(entry)
+    if runs == len(groups):
+      return batch
+    counts: Dict[int, list] = {}
+    for group in groups.values():
+      table = group[0][0][0].table
+      counts.setdefault(id(table), [table, 0])[1] += len(group)
+    if not all(table.can_insert(n) for table, n in counts.values()):
+      return batch
+    return [entry for group in groups.values() for entry in group]
 
   def _insert_encoded(self, handle, priorities, blob: np.ndarray, offs: np.ndarray, sig: tuple,
                       positions: np.ndarray, insert: bool = True) -> None:

@@ -195,6 +195,31 @@ def test_client_insert_into_several_tables_shares_one_write(server_factory):
   server.segment.check()
 
 
+def test_client_insert_into_several_tables_after_the_first_call_checks_every_table(
+    server_factory):
+  """Later multi-table inserts take the cached-plan path: still one write shared by every
+  table, and a step a table's signature rejects raises with nothing inserted anywhere."""
+  sig = {"x": reverb_shm.TensorSpec([1, 2], np.float32)}
+  server = server_factory([_table("a", signature=sig), _table("b", signature=sig),
+                           _table("c", sampler=selectors.Prioritized(1.0))])
+  client = server.localhost_client()
+  for i in range(5):
+    client.insert({"x": np.full(2, i, np.float32)}, {"a": 1.0, "b": 2})
+  sizes = {n: server.shared_table(n).size for n in "ab"}
+  assert sizes == {"a": 5, "b": 5}
+  for name in "ab":
+    got = sorted(float(s.data[0][0, 0]) for s in client.sample(name, 50, emit_timesteps=False))
+    assert set(got) == {0.0, 1.0, 2.0, 3.0, 4.0}
+  info = server.segment.info()
+  assert info["num_descs"] == 10 and info["num_chunks"] == 5, info   # a chunk per step, shared
+  with pytest.raises(ValueError):
+    client.insert({"x": np.zeros(3, np.float32)}, {"a": 1.0, "b": 1.0})   # wrong shape
+  with pytest.raises(ValueError):
+    client.insert({"x": np.zeros(2, np.float32)}, {"a": 1.0, "c": -1.0})  # negative priority
+  assert [server.shared_table(n).size for n in "abc"] == [5, 5, 0]
+  server.segment.check()
+
+
 def test_client_sample_yields_exactly_num_samples_and_counts_only_them(server_factory):
   server = server_factory([_table()])
   client = server.localhost_client()

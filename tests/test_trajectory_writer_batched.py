@@ -281,3 +281,31 @@ def test_window_priorities_are_checked_before_anything_is_inserted(client):
   writer.create_window_items("a", [0.0, -0.5], [0, 1], 2)     # Uniform: negative is fine
   assert client.shared_table("a").size == 2 and client.shared_table("p").size == 0
   writer.close()
+
+
+def test_items_created_in_turn_in_two_tables_keep_each_tables_order(client):
+  """A batch alternating between tables is inserted one kind at a time when every limiter has
+  room, and in creation order when one has not (what it holds back stays queued in order)."""
+  writer = client.trajectory_writer(1)
+  for t in range(6):
+    writer.append({"x": np.int64(t)})
+    writer.create_item("a", 1.0, writer.history["x"][-1:])
+    writer.create_item("b", 2.0, writer.history["x"][-1:])
+  writer.flush()
+  for name, prio in (("a", 1.0), ("b", 2.0)):
+    items = client.shared_table(name).items()
+    assert len(items) == 6 and set(items["priority"].tolist()) == {prio}
+    assert {int(s.data[0][0]) for s in client.shared_table(name).sample(100)} == set(range(6))
+  writer.close()
+  writer = client.trajectory_writer(1)
+  for t in range(4):   # Queue(2) admits two: the rest stays queued in order behind it
+    writer.append({"x": np.int64(10 + t)})
+    writer.create_item("queue", 1.0, writer.history["x"][-1:])
+    writer.create_item("a", 1.0, writer.history["x"][-1:])
+  queue = client.shared_table("queue")
+  assert writer.num_pending_items >= 2
+  assert [int(s.data[0][0]) for s in queue.sample(2)] == [10, 11]
+  writer.flush(timeout_ms=5000)
+  assert [int(s.data[0][0]) for s in queue.sample(2)] == [12, 13]
+  assert client.shared_table("a").size == 10
+  writer.close()
