@@ -51,6 +51,9 @@ RATIOS = [
     *[(f"G1 {w} {v}: grown arena vs pre-sized", ("shm_grown", w, v), ("shm", w, v), 0.97)
       for w, v in (("W1", "fastest"), ("W1", "reverb_api"), ("W3", "fastest"),
                    ("W5_insert", "fastest"), ("W5_sample", "fastest"))],
+    # the same numpy copy in both runners: how far two runs of identical work differ (noise)
+    ("G1 noise floor: numpy copy in the grown runner vs the pre-sized one",
+     ("shm_grown", "W5_copy", "numpy"), ("shm", "W5_copy", "numpy"), None),
     # D1: disk tier, 84x84x4 frames worth 4x a memory cgroup's limit, batch-64 samples (MB/s)
     ("D1 disk tier vs TorchRL LazyMemmapStorage", ("disk", "D1", "shm"), ("disk", "D1", "torchrl"),
      1.0),
@@ -300,6 +303,7 @@ def main(argv=None):
   grown, disk = "G1" in workloads, "D1" in workloads
   ray_workloads = [w for w in workloads if w in RAY_WORKLOADS]
   workloads = [w for w in workloads if w not in ("G1", "D1") and w not in RAY_WORKLOADS]
+  peer_workloads = set(workloads)   # G1's own additions run on reverb_shm only
   if grown:   # G1 compares W1, W3, W5 on grown and on pre-sized arenas
     workloads += [w for w in G1_WORKLOADS if w not in workloads]
   if not os.path.exists(args.reverb_python) and peer_python("reverb"):
@@ -312,7 +316,7 @@ def main(argv=None):
              ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb", shm),
              ("torchrl", args.torchrl_python or "", "peer_torchrl.py", "torchrl", learner)]
   runners = [(name, python, script, module) for name, python, script, module, known in runners
-             if known & set(workloads)]
+             if known & (set(workloads) if name == "shm" else peer_workloads)]
   if ray_workloads:
     runners += [("shm_ray", sys.executable, "ray_r1.py", "ray"),
                 ("torchrl_ray", args.torchrl_ray_python or torchrl_ray_python(),
