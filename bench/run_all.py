@@ -47,13 +47,14 @@ RATIOS = [
      ("shm", "W5_copy", "numpy"), 0.6),
     ("W6 cross-process vs in-process", ("shm", "W6", "cross_process"),
      ("shm", "W6", "in_process"), 0.8),
-    # G1: the same workloads on servers that start at 8 MiB and grow (growth costs ~nothing)
-    *[(f"G1 {w} {v}: grown arena vs pre-sized", ("shm_grown", w, v), ("shm", w, v), 0.97)
+    # G1: the same workloads on servers that start at 8 MiB and grow (growth costs ~nothing),
+    # both servers timed in alternating rounds in one process (bench/growth_g1.py)
+    *[(f"G1 {w} {v}: grown arena vs pre-sized", ("g1_grown", w, v), ("g1_presized", w, v), 0.97)
       for w, v in (("W1", "fastest"), ("W1", "reverb_api"), ("W3", "fastest"),
                    ("W5_insert", "fastest"), ("W5_sample", "fastest"))],
-    # the same numpy copy in both runners: how far two runs of identical work differ (noise)
-    ("G1 noise floor: numpy copy in the grown runner vs the pre-sized one",
-     ("shm_grown", "W5_copy", "numpy"), ("shm", "W5_copy", "numpy"), None),
+    # the same numpy copy timed as both: how far two timings of identical work differ (noise)
+    ("G1 noise floor: the same numpy copy timed as grown vs as pre-sized",
+     ("g1_grown", "W5_copy", "numpy"), ("g1_presized", "W5_copy", "numpy"), None),
     # D1: disk tier, 84x84x4 frames worth 4x a memory cgroup's limit, batch-64 samples (MB/s)
     ("D1 disk tier vs TorchRL LazyMemmapStorage", ("disk", "D1", "shm"), ("disk", "D1", "torchrl"),
      1.0),
@@ -70,7 +71,6 @@ RATIOS = [
     *[(f"T1 TrajectoryDataset.batch(256) vs dm-reverb, {v}", ("shm", "T1", v),
        ("reverb", "T1", v), 10.0) for v in ("uniform", "prioritized")],
 ]
-G1_WORKLOADS = ["W1", "W3", "W5"]
 # Workloads of a Ray cluster: run by bench/ray_r1.py and the TorchRL peer, not by the others.
 RAY_WORKLOADS = ("R1",)
 
@@ -96,11 +96,12 @@ def cpu_model():
   return platform.processor() or None
 
 
-def run_runner(python, script, args, workloads, timeout, extra_env=None):
-  """Runs one runner script; returns (rows, note)."""
-  cmd = [python, str(HERE / script), "--workloads", *workloads, "--duration", str(args.duration),
-         "--warmup", str(args.warmup), "--items", str(args.items), "--frames", str(args.frames),
-         "--scales", *map(str, args.scales)]
+def run_runner(python, script, args, workloads, timeout, extra_env=None, argv=None):
+  """Runs one runner script (with `argv` instead of the workload options, if given); returns
+  (rows, note)."""
+  cmd = [python, str(HERE / script)] + (argv if argv is not None else [
+      "--workloads", *workloads, "--duration", str(args.duration), "--warmup", str(args.warmup),
+      "--items", str(args.items), "--frames", str(args.frames), "--scales", *map(str, args.scales)])
   env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
              **(extra_env or {}))
   # No idle BLAS worker threads spinning beside the measured loop (every runner alike): numpy's
@@ -303,9 +304,6 @@ def main(argv=None):
   grown, disk = "G1" in workloads, "D1" in workloads
   ray_workloads = [w for w in workloads if w in RAY_WORKLOADS]
   workloads = [w for w in workloads if w not in ("G1", "D1") and w not in RAY_WORKLOADS]
-  peer_workloads = set(workloads)   # G1's own additions run on reverb_shm only
-  if grown:   # G1 compares W1, W3, W5 on grown and on pre-sized arenas
-    workloads += [w for w in G1_WORKLOADS if w not in workloads]
   if not os.path.exists(args.reverb_python) and peer_python("reverb"):
     args.reverb_python = peer_python("reverb")
   shm = {"W1", "W2", "W3", "W4", "W5", "W6", "T1", "scaling", "metadata"}
@@ -316,7 +314,7 @@ def main(argv=None):
              ("cpprb", args.cpprb_python, "peer_cpprb.py", "cpprb", shm),
              ("torchrl", args.torchrl_python or "", "peer_torchrl.py", "torchrl", learner)]
   runners = [(name, python, script, module) for name, python, script, module, known in runners
-             if known & (set(workloads) if name == "shm" else peer_workloads)]
+             if known & set(workloads)]
   if ray_workloads:
     runners += [("shm_ray", sys.executable, "ray_r1.py", "ray"),
                 ("torchrl_ray", args.torchrl_ray_python or torchrl_ray_python(),
@@ -332,14 +330,15 @@ def main(argv=None):
   # Repeats go round the runners (shm, peers, shm, peers, ...) so that a noisy spell on a shared
   # machine hits every runner's median alike instead of one runner's three runs.
   if grown:
-    available.append(("shm_grown", sys.executable, "shm_workloads.py"))
+    available.append(("g1", sys.executable, "growth_g1.py"))
   runs = {name: [] for name, _, _ in available}
   for i in range(args.repeat):
     for name, python, script in available:
       print(f"running {name} ({i + 1}/{args.repeat}) ...", flush=True)
-      if name == "shm_grown":
-        rows, note = run_runner(python, script, args, G1_WORKLOADS, timeout=3600,
-                                extra_env={"REVERB_SHM_BENCH_ARENA": "grown"})
+      if name == "g1":   # both servers in one process, alternating (bench/growth_g1.py)
+        rows, note = run_runner(python, script, args, [], timeout=3600, argv=[
+            "--items", str(args.items), "--frames", str(args.frames),
+            "--round", "0.1" if args.quick else "0.25", "--rounds", "6" if args.quick else "12"])
       else:
         rows, note = run_runner(python, script, args,
                                 ray_workloads if script in RAY_SCRIPTS else workloads,
@@ -361,6 +360,11 @@ def main(argv=None):
       notes.extend(out["notes"])
     except (OSError, subprocess.TimeoutExpired, StopIteration) as e:
       notes.append(f"D1 failed: {e}")
+  if grown:   # growth_g1.py tags each row with the server it timed
+    g1 = runs.pop("g1")
+    for kind in ("presized", "grown"):
+      runs[f"g1_{kind}"] = [[r for r in rows if r.get("runner") == ("shm_grown" if kind == "grown"
+                                                                      else "shm")] for rows in g1]
   results = {name: median_rows(r) for name, r in runs.items()}
   # (rows of workloads not run are left out)
   ran = set(workloads) | set(ray_workloads) | ({"G1"} if grown else set()) | (
