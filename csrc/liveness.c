@@ -27,6 +27,14 @@
 static struct { void *base; int fd; } live_fds[MAX_LIVE_FDS];
 static pthread_mutex_t live_fds_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* A thread of the parent may hold the lock at fork time; the child (whose only thread is the
+ * forking one, and which replaces its fds through rs_forget / rs_set_liveness_fd) starts with
+ * it unlocked. */
+static void live_fds_after_fork_in_child(void) { pthread_mutex_init(&live_fds_lock, NULL); }
+__attribute__((constructor)) static void live_fds_register_atfork(void) {
+  pthread_atfork(NULL, NULL, live_fds_after_fork_in_child);
+}
+
 void rs_forget_liveness_fd(void *base, int fd) {
   pthread_mutex_lock(&live_fds_lock);
   for (int i = 0; i < MAX_LIVE_FDS; i++)
