@@ -51,10 +51,14 @@ RATIOS = [
      ("shm", "W6", "in_process"), None),
     ("W6 sampler on learner.BatchIterator vs in-process", ("shm", "W6", "cross_process_learner"),
      ("shm", "W6", "in_process"), None),
-    # G1: the same workloads on servers that start at 8 MiB and grow (growth costs ~nothing)
-    *[(f"G1 {w} {v}: grown arena vs pre-sized", ("shm_grown", w, v), ("shm", w, v), 0.97)
+    # G1: the same workloads on servers that start at 8 MiB and grow (growth costs ~nothing),
+    # both servers timed in alternating rounds in one process (bench/growth_g1.py)
+    *[(f"G1 {w} {v}: grown arena vs pre-sized", ("g1_grown", w, v), ("g1_presized", w, v), 0.97)
       for w, v in (("W1", "fastest"), ("W1", "reverb_api"), ("W3", "fastest"),
                    ("W5_insert", "fastest"), ("W5_sample", "fastest"))],
+    # the same numpy copy timed as both: how far two timings of identical work differ (noise)
+    ("G1 noise floor: the same numpy copy timed as grown vs as pre-sized",
+     ("g1_grown", "W5_copy", "numpy"), ("g1_presized", "W5_copy", "numpy"), None),
     # D1: disk tier, 84x84x4 frames worth 4x a memory cgroup's limit, batch-64 samples (MB/s)
     ("D1 disk tier vs TorchRL LazyMemmapStorage", ("disk", "D1", "shm"), ("disk", "D1", "torchrl"),
      1.0),
@@ -75,7 +79,6 @@ RATIOS = [
       for v in ("sample_timesteps", "sample_flat", "sample_signature", "insert_one_table",
                 "insert_two_tables", "mutate_dict", "writer_two_tables", "frames_sample")],
 ]
-G1_WORKLOADS = ["W1", "W3", "W5"]
 # Workloads of a Ray cluster: run by bench/ray_r1.py and the TorchRL peer, not by the others.
 RAY_WORKLOADS = ("R1",)
 
@@ -124,11 +127,12 @@ def memory_bandwidth(seconds=1.0):
   return {"numpy_copy_gb_s": round(best["copy"], 2), "triad_gb_s": round(best["triad"], 2)}
 
 
-def run_runner(python, script, args, workloads, timeout, extra_env=None):
-  """Runs one runner script; returns (rows, note)."""
-  cmd = [python, str(HERE / script), "--workloads", *workloads, "--duration", str(args.duration),
-         "--warmup", str(args.warmup), "--items", str(args.items), "--frames", str(args.frames),
-         "--scales", *map(str, args.scales)]
+def run_runner(python, script, args, workloads, timeout, extra_env=None, argv=None):
+  """Runs one runner script (with `argv` instead of the workload options, if given); returns
+  (rows, note)."""
+  cmd = [python, str(HERE / script)] + (argv if argv is not None else [
+      "--workloads", *workloads, "--duration", str(args.duration), "--warmup", str(args.warmup),
+      "--items", str(args.items), "--frames", str(args.frames), "--scales", *map(str, args.scales)])
   env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
              **(extra_env or {}))
   # No idle BLAS worker threads spinning beside the measured loop (every runner alike): numpy's
@@ -340,8 +344,6 @@ def main(argv=None):
   grown, disk = "G1" in workloads, "D1" in workloads
   ray_workloads = [w for w in workloads if w in RAY_WORKLOADS]
   workloads = [w for w in workloads if w not in ("G1", "D1") and w not in RAY_WORKLOADS]
-  if grown:   # G1 compares W1, W3, W5 on grown and on pre-sized arenas
-    workloads += [w for w in G1_WORKLOADS if w not in workloads]
   if not os.path.exists(args.reverb_python) and peer_python("reverb"):
     args.reverb_python = peer_python("reverb")
   shm = {"W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "T1", "scaling", "metadata"}
@@ -368,14 +370,15 @@ def main(argv=None):
   # Repeats go round the runners (shm, peers, shm, peers, ...) so that a noisy spell on a shared
   # machine hits every runner's median alike instead of one runner's three runs.
   if grown:
-    available.append(("shm_grown", sys.executable, "shm_workloads.py"))
+    available.append(("g1", sys.executable, "growth_g1.py"))
   runs = {name: [] for name, _, _ in available}
   for i in range(args.repeat):
     for name, python, script in available:
       print(f"running {name} ({i + 1}/{args.repeat}) ...", flush=True)
-      if name == "shm_grown":
-        rows, note = run_runner(python, script, args, G1_WORKLOADS, timeout=3600,
-                                extra_env={"REVERB_SHM_BENCH_ARENA": "grown"})
+      if name == "g1":   # both servers in one process, alternating (bench/growth_g1.py)
+        rows, note = run_runner(python, script, args, [], timeout=3600, argv=[
+            "--items", str(args.items), "--frames", str(args.frames),
+            "--round", "0.1" if args.quick else "0.25", "--rounds", "6" if args.quick else "12"])
       else:
         rows, note = run_runner(python, script, args,
                                 ray_workloads if script in RAY_SCRIPTS else workloads,
@@ -397,6 +400,11 @@ def main(argv=None):
       notes.extend(out["notes"])
     except (OSError, subprocess.TimeoutExpired, StopIteration) as e:
       notes.append(f"D1 failed: {e}")
+  if grown:   # growth_g1.py tags each row with the server it timed
+    g1 = runs.pop("g1")
+    for kind in ("presized", "grown"):
+      runs[f"g1_{kind}"] = [[r for r in rows if r.get("runner") == ("shm_grown" if kind == "grown"
+                                                                      else "shm")] for rows in g1]
   results = {name: median_rows(r) for name, r in runs.items()}
   bandwidth = memory_bandwidth()
   print(f"cpu: {cpu_model()}; memory: numpy copy {bandwidth['numpy_copy_gb_s']} GB/s, triad "

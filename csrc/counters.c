@@ -44,10 +44,11 @@ void rs_counters_claimed(void *base, uint32_t slot) {
   pthread_mutex_unlock(&self_mu);
 }
 
-static int slot_alive(const rs_slot *s) {
-  int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_ACQUIRE);
+static int slot_alive(void *base, uint32_t slot) {
+  int32_t pid = __atomic_load_n(&rs_slots(base)[slot].pid, __ATOMIC_ACQUIRE);
   if (pid <= 0) return 0;
-  return !(kill(pid, 0) == -1 && errno == ESRCH);
+  /* pid gone here: a process of another pid namespace still holds its liveness lock */
+  return !(kill(pid, 0) == -1 && errno == ESRCH) || rs_live_probe_base(base, 1 + (uint64_t)slot) == 1;
 }
 
 #define LOAD(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
@@ -59,7 +60,6 @@ int rs_counters_read(void *base, uint32_t table, rs_table_counts *out) {
     return rs_set_error(RS_EINVAL, "table index %u out of range (segment has %u tables)", table,
                         h->num_tables);
   memset(out, 0, sizeof *out);
-  rs_slot *slots = rs_slots(base);
   for (uint32_t s = 0; s <= h->max_procs; s++) {
     const rs_tcounters *c = rs_counters_row(base, s, table);
     out->inserts += LOAD(c->inserts);
@@ -73,7 +73,7 @@ int rs_counters_read(void *base, uint32_t table, rs_table_counts *out) {
     out->lock_hold_ns += LOAD(c->lock_hold_ns);
     for (uint32_t b = 0; b < RS_HOLD_BUCKETS; b++) out->hold_hist[b] += LOAD(c->hold_hist[b]);
     uint32_t bi = LOAD(c->blocked_inserters), bs = LOAD(c->blocked_samplers);
-    if ((bi || bs) && s < h->max_procs && slot_alive(&slots[s])) {
+    if ((bi || bs) && s < h->max_procs && slot_alive(base, s)) {
       out->blocked_inserters += bi;
       out->blocked_samplers += bs;
     }
@@ -109,7 +109,7 @@ int rs_proc_list(void *base, rs_proc_info *out, uint32_t cap, uint32_t *n_out) {
     int32_t pid = __atomic_load_n(&slots[s].pid, __ATOMIC_ACQUIRE);
     if (pid == 0) continue;
     out[n] = (rs_proc_info){.pid = pid, .slot = s, .pins = LOAD(slots[s].npins),
-                            .alive = (uint32_t)slot_alive(&slots[s]),
+                            .alive = (uint32_t)slot_alive(base, s),
                             .start_time = LOAD(slots[s].start_time)};
     n++;
   }

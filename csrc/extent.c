@@ -13,11 +13,13 @@
 #include <pthread.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "rs_internal.h"
 
 #define PAGE 4096ull
+#define DISK_SLACK (1ull << 20)   /* bytes the disk tier leaves free on its file system */
 
 /* Arena files of this process's mappings (disk tier): base -> fd. Growth and mapping only. */
 #define MAX_ARENA_FILES 256
@@ -74,7 +76,28 @@ int rs_reserve(void *base, uint64_t off, uint64_t len, const char *what) {
     /* Disk tier: allocate the file's blocks (no page is dirtied), so that a full disk is an
      * error here and never a SIGBUS when the new extent is written. */
     int fd = arena_file_fd(base), err = fd < 0 ? EBADF : posix_fallocate(fd, (off_t)(off - h->arena_off), (off_t)len);
-    if (err == 0) return RS_OK;
+    /* Leave DISK_SLACK free on the file system: writing into fallocated (unwritten) extents
+     * through the mapping still needs a few metadata blocks, and a disk with none left answers
+     * that write with a SIGBUS. */
+    struct statvfs vfs;
+    int no_slack = !err && fstatvfs(fd, &vfs) == 0 && (uint64_t)vfs.f_bavail * vfs.f_frsize < DISK_SLACK;
+    if (!err && !no_slack) return RS_OK;
+    if (fd >= 0) {
+      /* Give back what this step got (a failed posix_fallocate may keep the blocks it found
+       * before the disk filled up): the whole pages of the range, which lies beyond everything
+       * published, so nobody reads it (a page shared with published data stays). */
+      uint64_t first = rs_align_up(off - h->arena_off, PAGE), stop = off - h->arena_off + len;
+      uint64_t end = rs_align_up(stop, PAGE) <= h->arena_max ? rs_align_up(stop, PAGE) : stop & ~(PAGE - 1);
+      if (first < end)
+        fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)first, (off_t)(end - first));
+    }
+    if (no_slack)
+      return rs_set_error(RS_ENOSPC,
+                          "cannot grow %s by %.1f MiB in its file (storage=): that would leave the disk "
+                          "%.1f MiB free, below the %.0f MiB kept free for the file system; free disk "
+                          "space, or create the server with a smaller max_bytes",
+                          what, (double)len / (1 << 20), (double)vfs.f_bavail * vfs.f_frsize / (1 << 20),
+                          (double)DISK_SLACK / (1 << 20));
     return rs_set_error(RS_ENOSPC,
                         "cannot grow %s by %.1f MiB in its file (storage=): %s; free disk space, or"
                         " create the server with a smaller max_bytes",

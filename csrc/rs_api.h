@@ -205,6 +205,21 @@ int rs_segment_get_info(void *base, rs_segment_info *out);
 /* Close every table: blocked and future inserts/samples fail with RS_ECLOSED. Wakes all waiters. */
 int rs_segment_close(void *base);
 
+/* ---- liveness across pid namespaces (liveness.c) ---- */
+/* Each live process holds an open-file-description read lock on one byte of its segment's file:
+ * the owner byte 0, the process of slot s byte 1 + s. rs_live_lock takes (hold 1) or drops (0)
+ * one through `fd`; rs_live_probe tells whether another open file description holds a byte
+ * (1 held, 0 free, -1 error: e.g. a kernel without OFD locks). rs_set_liveness_fd registers this
+ * process's fd of the file of the segment mapped at `base`: rs_proc_register / unregister then
+ * take / drop the slot's byte through it (under the registry lock, so a reaper never sees a
+ * new slot without its lock), and rs_owner_check, rs_reap and rs_proc_list count a held byte
+ * as alive. rs_forget_liveness_fd forgets it if `fd` is the one registered (call it before
+ * closing fd). */
+int rs_set_liveness_fd(void *base, int fd);
+void rs_forget_liveness_fd(void *base, int fd);
+int rs_live_lock(int fd, uint64_t byte, int hold);
+int rs_live_probe(int fd, uint64_t byte);
+
 /* ---- process slots ---- */
 int rs_proc_register(void *base, int32_t pid, uint64_t start_time, uint32_t *slot_out);
 /* Release every pin still held by the slot, then free the slot. */

@@ -27,6 +27,7 @@
  *                  [min_diff, max_diff] window on inserts * samples_per_insert - samples
  *      writer_items.c  window item descriptors of a trajectory writer
  *      extent.c    reserving a growable segment's extents (pages, or disk-tier file blocks)
+ *      liveness.c  liveness locks: the owner's and each slot's process's, across pid namespaces
  *   2  selectors.c Uniform/Prioritized/Fifo/Lifo/MinHeap/MaxHeap
  *      arena.c     block allocator, chunks, descriptors, refcounts
  *      counters.c  per-slot operation counters (merged lock-free on read), process list
@@ -283,6 +284,11 @@ void rs_aunlock(void *base);
  * naming the dead pid and the way out. Cheap (kill(pid, 0) + /proc/<pid>/stat); blocked calls
  * run it once per wait slice so a waiter never sleeps forever on a dead server. */
 int rs_owner_check(void *base);
+/* liveness.c: whether byte `byte` of the file of the segment at `base` is held by another open
+ * file description (1), free (0), or unknown (-1: no fd registered, or the probe failed). */
+int rs_live_probe_base(void *base, uint64_t byte);
+/* liveness.c: take (hold 1) or drop (0) byte `byte` through the registered fd (RS_OK if none). */
+int rs_live_lock_base(void *base, uint64_t byte, int hold);
 
 /* ------------------------------------------------------------------ table.c (and friends) */
 uint64_t rs_table_region_size(const rs_table_config *cfg);

@@ -44,6 +44,8 @@ int rs_owner_check(void *base) {
   int32_t pid = h->owner_pid;
   int dead = pid <= 0 || (kill(pid, 0) == -1 && errno == ESRCH);
   if (!dead && h->owner_start_time != 0) dead = rs_proc_start_time(pid) != h->owner_start_time;
+  /* pid gone here: in another pid namespace, the owner's liveness lock tells (liveness.c) */
+  if (dead && rs_live_probe_base(base, 0) == 1) dead = 0;
   if (!dead) return RS_OK;
   return rs_set_error(RS_EDEADOWNER,
                       "the server process (pid %d) that owns this segment is dead; data already "
@@ -92,6 +94,9 @@ int rs_proc_register(void *base, int32_t pid, uint64_t start_time, uint32_t *slo
       pin_log_reset(base, s);
       rs_aunlock(base);
     }
+    /* The slot's liveness lock before its pid: a reaper (which holds the registry lock to
+     * judge) never sees the slot of a process of another pid namespace without it. */
+    if ((rc = rs_live_lock_base(base, 1 + (uint64_t)s, 1))) break;
     slots[s].start_time = start_time;
     rs_counters_claimed(base, s);
     __atomic_store_n(&slots[s].pid, pid, __ATOMIC_RELEASE);
@@ -134,14 +139,20 @@ int rs_proc_unregister(void *base, uint32_t slot) {
     rc = n ? rs_unpin(base, slot, n, pins) : RS_OK;
   }
   free(pins);
-  if (rc == RS_OK) __atomic_store_n(&rs_slots(base)[slot].pid, 0, __ATOMIC_RELEASE);
+  if (rc == RS_OK) {
+    __atomic_store_n(&rs_slots(base)[slot].pid, 0, __ATOMIC_RELEASE);
+    rs_live_lock_base(base, 1 + (uint64_t)slot, 0);
+  }
   registry_unlock(base);
   return rc;
 }
 
-static int slot_is_dead(const rs_slot *s) {
-  if (kill(s->pid, 0) == -1 && errno == ESRCH) return 1;
-  return s->start_time != 0 && rs_proc_start_time(s->pid) != s->start_time;   /* pid reused */
+static int slot_is_dead(void *base, uint32_t slot) {
+  const rs_slot *s = &rs_slots(base)[slot];
+  int dead = kill(s->pid, 0) == -1 && errno == ESRCH;
+  if (!dead) dead = s->start_time != 0 && rs_proc_start_time(s->pid) != s->start_time;   /* pid reused */
+  /* a process of another pid namespace: alive while it holds its slot's liveness lock */
+  return dead && rs_live_probe_base(base, 1 + (uint64_t)slot) != 1;
 }
 
 int rs_reap(void *base, uint32_t *reaped_out) {
@@ -157,7 +168,7 @@ int rs_reap(void *base, uint32_t *reaped_out) {
     return rs_set_error(RS_ESYS, "out of memory while reaping process slots");
   }
   for (uint32_t s = 0; s < h->max_procs; s++)
-    if (slots[s].pid != 0 && slot_is_dead(&slots[s])) dead[s] = 1, ndead++;
+    if (slots[s].pid != 0 && slot_is_dead(base, s)) dead[s] = 1, ndead++;
   if (ndead || __atomic_load_n(&h->refcounts_suspect, __ATOMIC_ACQUIRE)) {
     uint32_t locked = 0;
     for (; locked < h->num_tables; locked++)

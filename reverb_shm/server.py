@@ -4,6 +4,13 @@ The server does no per-request work: processes attach to the segment and operate
 tables directly. The Server object creates the segment, keeps a TCP port bound (so
 ``Client('localhost:PORT')`` resolves to it and no two servers share a port), reaps dead
 processes' resources, and closes and unlinks everything on :meth:`stop`. Thread-safe.
+
+After :meth:`stop` the Server holds nothing of its segment: the mapping (and, once every other
+process let go too, the memory) goes as soon as no object of this process uses it any more.
+Objects that do keep it mapped, so that nothing ever reads unmapped memory: zero-copy arrays
+sampled before the stop (they stay readable and intact) and Client / SharedTable handles taken
+before it, whose calls raise TableClosedError. ``server.segment`` and the Server's own table
+calls raise TableClosedError after the stop.
 """
 import atexit
 import collections
@@ -14,7 +21,7 @@ import threading
 import weakref
 from typing import Optional, Sequence
 
-from reverb_shm import checkpointers
+from reverb_shm import checkpointers, errors
 from reverb_shm import table as table_lib
 from reverb_shm._internal import shm
 from reverb_shm._internal._lib import check, ffi, lib
@@ -217,16 +224,32 @@ class Server:
 
   def _reap_loop(self) -> None:
     reaped = ffi.new("uint32_t *")
+    seg = self._segment    # stop() joins this thread before it lets the segment go
     while not self._stop_event.wait(_REAP_INTERVAL_S):
       try:
-        lib.rs_reap(self._segment.base, reaped)
+        lib.rs_reap(seg.base, reaped)
       except Exception:  # pylint: disable=broad-except  (keep reaping)
         pass
 
   # ---- properties
   port = property(lambda self: self._port)
   name = property(lambda self: self._name)
-  segment = property(lambda self: self._segment)
+  @property
+  def segment(self) -> shm.Segment:
+    """The server's Segment in this process.
+
+    Raises:
+      TableClosedError: the server was stopped (the Server no longer holds its segment).
+    """
+    return self._live_segment()
+
+  def _live_segment(self) -> shm.Segment:
+    seg = self._segment
+    if seg is None:
+      raise errors.TableClosedError(
+          f"server {self._name!r} was stopped: the Server no longer holds its segment (handles "
+          "taken before stop() raise TableClosedError; start a new Server to serve again)")
+    return seg
   checkpointer = property(lambda self: self._checkpointer)
 
   @property
@@ -242,19 +265,20 @@ class Server:
   def shared_table_name(self, table) -> str:
     """'SERVER/TABLE' name for SharedTable.attach (table: name or Table)."""
     table_name = table.name if isinstance(table, table_lib.Table) else table
-    self._segment.table_index(table_name)
+    self._live_segment().table_index(table_name)
     return f"{self._name}/{table_name}"
 
   def shared_table(self, table):
     """SharedTable handle of `table` (name or Table) in this process."""
     from reverb_shm.shared_table import SharedTable  # pylint: disable=g-import-not-at-top
     table_name = table.name if isinstance(table, table_lib.Table) else table
-    return SharedTable(self._segment, self._segment.table_index(table_name))
+    seg = self._live_segment()
+    return SharedTable(seg, seg.table_index(table_name))
 
   def checkpoint(self) -> str:
     """Writes a checkpoint with the server's checkpointer; returns its path (see
     Client.checkpoint)."""
-    return self._checkpointer.save(self._segment)
+    return self._checkpointer.save(self._live_segment())
 
   def reset_rate_limiter(self, table) -> None:
     """Forgets the rate-limiter history of `table` (name or Table) without dropping items.
@@ -267,8 +291,9 @@ class Server:
       UnknownTableError: no such table.
     """
     table_name = table.name if isinstance(table, table_lib.Table) else table
-    index = self._segment.table_index(table_name)
-    check(lib.rs_table_reset_limiter(self._segment.base, index),
+    seg = self._live_segment()
+    index = seg.table_index(table_name)
+    check(lib.rs_table_reset_limiter(seg.base, index),
           f"resetting the rate limiter of table {table_name!r}")
 
   # ---- lifecycle
@@ -295,6 +320,7 @@ class Server:
     checkpointers.unpublish(self._name)
     self._segment.unlink()
     self._segment.close()
+    self._segment = None     # unmapped once nothing else of this process uses it
     self._socket.close()
 
   @property

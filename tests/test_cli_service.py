@@ -308,3 +308,42 @@ def test_info_and_checkpoint_work_through_a_bridge_address(server_factory, capsy
     assert "is a gRPC bridge" in capsys.readouterr().err
   # bridge_process ended it with SIGTERM: a clean stop, with a line saying so
   assert proc.returncode == 0 and "stopped (SIGTERM)" in proc.stdout.read()
+
+
+@needs_protobuf
+def test_serve_takes_max_bytes_and_storage(procs, tmp_path, server_name):
+  from reverb_shm._internal import shm  # pylint: disable=import-outside-toplevel
+  port, disk = _free_port(), tmp_path / "disk"
+  disk.mkdir()
+  p = _serve(procs, tmp_path, server_name, port, "--max-bytes", "96M", "--storage", str(disk))
+  assert any("grows up to max_bytes 96.0 MiB" in line and str(disk) in line
+             for line in p.lines), p.lines
+  info = shm.Segment.attach(server_name).info()
+  assert info["max_bytes"] == 96 << 20 and info["arena_file"] == 1, info
+  files = os.listdir(disk)
+  assert len(files) == 1 and files[0].startswith(f"rvshm.{server_name}.") and \
+      files[0].endswith(".arena"), files
+  client = reverb_shm.Client(f"localhost:{port}")
+  for i in range(20):
+    client.insert(np.full(3, i, np.float32), {"t": 1.0})
+  first = next(client.sample("t", 1, emit_timesteps=False))   # Fifo: the oldest
+  assert first.data[0].tolist() == [[0.0, 0.0, 0.0]]
+  code, _, _ = p.finish(signal.SIGTERM)
+  assert code == 0 and os.listdir(disk) == []     # the arena file went with the server
+
+
+@needs_protobuf
+@pytest.mark.parametrize("option, message", [
+    (("--max-bytes", "12X"), "invalid size '12X'"),
+    (("--max-bytes", "0"), "expected a positive number of bytes"),
+    (("--max-bytes", "1K"), "is below the"),
+    (("--storage", "/nonexistent/reverb_shm"), "is not a directory"),
+])
+def test_serve_refuses_bad_sizing_options(tmp_path, server_name, option, message):
+  cfg = tmp_path / "cfg.txt"
+  cfg.write_text(CONFIG)
+  proc = subprocess.run([sys.executable, "-m", "reverb_shm.cli", "serve", "--config", str(cfg),
+                         "--name", server_name, *option], cwd=REPO, capture_output=True,
+                        text=True, timeout=60)
+  assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+  assert not os.path.exists(f"/dev/shm/rvshm.{server_name}")

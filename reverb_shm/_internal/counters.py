@@ -90,9 +90,11 @@ def processes(seg) -> List[dict]:
   out = ffi.new("rs_proc_info[]", cap)
   n = ffi.new("uint32_t *")
   check(lib.rs_proc_list(seg.base, out, cap, n), "listing attached processes")
-  # The core checks that each pid exists; its start time tells a reused pid from the process.
+  # The core checks that each pid exists; its start time tells a reused pid from the process,
+  # and the slot's liveness lock a process of another pid namespace.
   return [{"pid": int(p.pid), "slot": int(p.slot), "pins": int(p.pins),
-           "alive": bool(p.alive) and shm._owner_alive(p.pid, p.start_time)}  # pylint: disable=protected-access
+           "alive": bool(p.alive) and (shm._owner_alive(p.pid, p.start_time)  # pylint: disable=protected-access
+                                       or seg.slot_locked(int(p.slot)))}
           for p in out[0:n[0]]]
 
 

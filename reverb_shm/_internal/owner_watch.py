@@ -3,8 +3,10 @@
 One daemon thread per process waits, with the GIL released, in poll(2) on a pidfd of each
 watched server process (Linux >= 5.3), so a SIGKILLed server is noticed within milliseconds
 and nothing runs while every server lives. Where pidfds are unavailable it checks the
-servers' /proc entries every _FALLBACK_POLL_S instead. On a death it calls the callbacks given
-to `watch` for that server (with no lock held), once.
+servers' /proc entries every _FALLBACK_POLL_S instead. A server of another pid namespace
+(its pid means nothing here) is watched through its liveness lock (`locked`, see shm.py),
+probed every _FALLBACK_POLL_S. On a death it calls the callbacks given to `watch` for that
+server (with no lock held), once.
 
 Fork: the child starts with nothing watched (its clients attach anew and watch again); the
 parent's thread, pidfds and wake pipe are the parent's.
@@ -22,15 +24,24 @@ _FALLBACK_POLL_S = 0.1   # /proc checks without pidfds
 
 
 class _Watcher:
-  """The watched servers of this process: pid -> (start time, pidfd or None, callbacks)."""
+  """The watched servers of this process: pid (or ("lock", id of the probe) for a server of
+  another pid namespace) -> (start time, pidfd or None, callbacks, liveness probe or None)."""
 
   def __init__(self):
     self.lock = threading.Lock()
-    self.owners: Dict[int, Tuple[int, Optional[int], List[Callable[[], None]]]] = {}
+    self.owners: Dict[object, Tuple[int, Optional[int], List[Callable[[], None]],
+                                    Optional[Callable[[], bool]]]] = {}
     self.thread = None
     self.wake_r, self.wake_w = None, None
 
-  def watch(self, pid: int, start_time: int, callback: Callable[[], None]) -> None:
+  def watch(self, pid: int, start_time: int, callback: Callable[[], None],
+            locked: Optional[Callable[[], bool]] = None) -> None:
+    if locked is not None and lib.rs_proc_start_time(pid) != start_time and locked():
+      # not a process of this pid namespace, yet alive: its liveness lock tells
+      with self.lock:
+        self.owners[("lock", id(locked))] = (start_time, None, [callback], locked)
+        self._start()
+      return
     with self.lock:
       entry = self.owners.get(pid)
       if entry is not None and entry[0] == start_time:
@@ -40,18 +51,22 @@ class _Watcher:
         pidfd = os.pidfd_open(pid)
       except (AttributeError, OSError):   # no pidfds here, or the process is gone already
         pidfd = None
-      self.owners[pid] = (start_time, pidfd, [callback])
-      if self.thread is None:
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_w, False)
-        self.thread = threading.Thread(target=self._run, name="reverb_shm-owner-watch",
-                                       daemon=True)
-        self.thread.start()
-      else:
-        self._wake()
+      self.owners[pid] = (start_time, pidfd, [callback], None)
+      self._start()
     # A pid reused between reading the segment header and pidfd_open: its start time differs.
     if lib.rs_proc_start_time(pid) != start_time:
       self._dead(pid)
+
+  def _start(self) -> None:
+    """Starts the thread, or wakes it to look at the watched set again (lock held)."""
+    if self.thread is None:
+      self.wake_r, self.wake_w = os.pipe()
+      os.set_blocking(self.wake_w, False)
+      self.thread = threading.Thread(target=self._run, name="reverb_shm-owner-watch",
+                                     daemon=True)
+      self.thread.start()
+    else:
+      self._wake()
 
   def _wake(self) -> None:
     try:
@@ -62,8 +77,8 @@ class _Watcher:
   def _run(self) -> None:
     while True:
       with self.lock:
-        fds = {fd: pid for pid, (_, fd, _) in self.owners.items() if fd is not None}
-        polled = any(fd is None for _, fd, _ in self.owners.values())
+        fds = {fd: pid for pid, (_, fd, _, _) in self.owners.items() if fd is not None}
+        polled = any(fd is None for _, fd, _, _ in self.owners.values())
         wake_r = self.wake_r
       poller = select.poll()
       poller.register(wake_r, select.POLLIN)
@@ -83,12 +98,14 @@ class _Watcher:
           self._dead(fds[fd])
       if polled:
         with self.lock:
-          stale = [pid for pid, (start, fd, _) in self.owners.items()
-                   if fd is None and lib.rs_proc_start_time(pid) != start]
+          watched = [(key, start, locked) for key, (start, fd, _, locked) in self.owners.items()
+                     if fd is None]
+        stale = [key for key, start, locked in watched
+                 if (not locked() if locked is not None else lib.rs_proc_start_time(key) != start)]
         for pid in stale:
           self._dead(pid)
 
-  def _dead(self, pid: int) -> None:
+  def _dead(self, pid) -> None:
     with self.lock:
       entry = self.owners.pop(pid, None)
     if entry is None:
@@ -103,7 +120,7 @@ class _Watcher:
 
   def reset_in_child(self) -> None:
     # The parent's thread does not exist here; its fds are the parent's to close.
-    for _, fd, _ in self.owners.values():
+    for _, fd, _, _ in self.owners.values():
       if fd is not None:
         os.close(fd)
     for fd in (self.wake_r, self.wake_w):
@@ -115,10 +132,15 @@ class _Watcher:
 _WATCHER = _Watcher()
 
 
-def watch(pid: int, start_time: int, callback: Callable[[], None]) -> None:
+def watch(pid: int, start_time: int, callback: Callable[[], None],
+          locked: Optional[Callable[[], bool]] = None) -> None:
   """Calls `callback()` (from the watcher thread, once) when process `pid`, started at
-  `start_time` (rs_proc_start_time's clock ticks), has exited; at once if it already has."""
-  _WATCHER.watch(pid, start_time, callback)
+  `start_time` (rs_proc_start_time's clock ticks), has exited; at once if it already has.
+
+  `locked()`, if given, tells whether the process still holds its liveness lock: a process of
+  another pid namespace (no such pid here) is then watched through it instead.
+  """
+  _WATCHER.watch(pid, start_time, callback, locked)
 
 
 os.register_at_fork(after_in_child=_WATCHER.reset_in_child)

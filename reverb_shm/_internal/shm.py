@@ -21,6 +21,14 @@ file, closed in forked children): a segment whose lock is held after initialisat
 even when its owner's pid means nothing here (a server in another pid namespace sharing
 /dev/shm), and the lock goes with the owner process, however it ends.
 
+Liveness across pid namespaces: a pid names a process only in its own pid namespace, so every
+judgement of whether a server or an attached process lives (attaching, port resolution, the
+owner watch, blocked calls, the reaper, process lists) counts a process alive when its pid and
+start time match here OR it holds its liveness lock: an open-file-description read lock on one
+byte of the segment's file, byte 0 for the owner and byte 1 + slot for a registered process
+(csrc/liveness.c). Each process's Segment keeps its own open file of the segment for these
+locks and probes (reopened in a forked child, so that a child never holds its parent's locks).
+
 Disk tier (``storage=DIR``): the arena (chunk payloads and item descriptors) is the file
 ``DIR/rvshm.<name>.<generation>.arena`` (mode as the segment's), mapped by every process over
 the arena's range of its segment mapping, so offsets and addresses are the same as in memory; the
@@ -100,7 +108,15 @@ def _free_bytes() -> int:
 
 
 def _owner_alive(pid: int, start_time: int) -> bool:
+  """Whether process `pid` of this pid namespace, started at `start_time`, lives (pids only:
+  see _owner_live for a server that may live in another pid namespace)."""
   return pid > 0 and lib.rs_proc_start_time(pid) == start_time and start_time != 0
+
+
+def _owner_live(name: str, pid: int, start_time: int) -> bool:
+  """Whether the server `name` whose owner is (`pid`, `start_time`) lives: its pid here, or
+  its liveness lock (a server in another pid namespace sharing /dev/shm), or its creation lock."""
+  return _owner_alive(pid, start_time) or _life_locked(name)
 
 
 def _header_owner(mem) -> Tuple[int, int]:
@@ -149,7 +165,7 @@ def _examine(name: str, reclaim: bool = False) -> Optional[dict]:
     if not _names_file(mem.fd, name):
       return None                   # unlinked (and maybe re-created) since we opened it
     pid, start_time = _header_owner(mem)
-    if _owner_alive(pid, start_time):
+    if _owner_alive(pid, start_time) or lib.rs_live_probe(mem.fd, 0) == 1:
       return {"pid": pid, "state": "live", "removed": False}
     if reclaim:
       try:
@@ -249,7 +265,13 @@ class Segment:
     # staging segments name theirs).
     self.arena_hint = ""
     self.arena_path = None      # disk tier: the arena's file
-    self._life_fd = None        # owner: the fd of its life lock
+    # This process's own open file of the segment: its liveness locks (the owner's byte 0 and
+    # flock, its slot's byte) and the probes of others' (see the module docstring).
+    self._live_fd = _reopen(mem_fd, name)
+    self._live = [self._live_fd]      # shared with the finaliser (a fork child replaces it)
+    lib.rs_set_liveness_fd(self.base, self._live_fd)
+    weakref.finalize(self, _forget_live_fd, self.address, self._live)
+    self._life_locked = False   # owner: holds its flock and byte 0
 
   # ---- creation / attachment
   @classmethod
@@ -342,6 +364,8 @@ class Segment:
           seg._map_arena_file(arena_path, arena_off, arena_max,
                               create=(mode, initial_bytes - arena_off))
         pid = os.getpid()
+        # the owner's liveness lock first (OFD locks do not meet the creation flock)
+        check(lib.rs_live_lock(seg._live_fd, 0, 1), f"locking segment of server {name!r}")
         check(lib.rs_segment_init_ex(seg.base, size, cfgs, len(tables), max_procs, pins_per_proc,
                                      arena_bytes, arena_max, max_bytes or 0, pid,
                                      lib.rs_proc_start_time(pid), generation),
@@ -370,22 +394,30 @@ class Segment:
     """The owner's shared flock on its segment file, held while it lives (liveness that does
     not depend on pids: see the module docstring). Best effort: without it, pids decide."""
     try:
-      fd = os.open(segment_path(self.name), os.O_RDONLY | os.O_CLOEXEC)
+      fcntl.flock(self._live_fd, fcntl.LOCK_SH)   # waits out a gc that is judging it right now
+      self._life_locked = True
     except OSError:
-      return
-    try:
-      fcntl.flock(fd, fcntl.LOCK_SH)   # waits out a gc that is judging it right now
-    except OSError:
-      os.close(fd)
-      return
-    self._life_fd = fd
-    _life_fds[id(self)] = fd
+      pass
 
   def _drop_life_lock(self) -> None:
-    fd, self._life_fd = self._life_fd, None
-    _life_fds.pop(id(self), None)
-    if fd is not None:
-      os.close(fd)
+    """Drops the owner's flock and liveness byte (its slot's byte stays while registered)."""
+    if self._life_locked:
+      self._life_locked = False
+      fcntl.flock(self._live_fd, fcntl.LOCK_UN)
+    if self.owner:
+      lib.rs_live_lock(self._live_fd, 0, 0)
+
+  def owner_alive(self) -> bool:
+    """Whether the server owning this segment lives: its pid and start time here, or (a server
+    in another pid namespace) its liveness lock on the segment's file."""
+    info = self.info()
+    return (_owner_alive(info["owner_pid"], info["owner_start_time"])
+            or lib.rs_live_probe(self._live_fd, 0) == 1)
+
+  def slot_locked(self, slot: int) -> bool:
+    """Whether another open file of the segment holds the liveness lock of process slot `slot`
+    (its process lives, in this pid namespace or another)."""
+    return lib.rs_live_probe(self._live_fd, 1 + slot) == 1
 
   def _map_arena_file(self, path: str, arena_off: int, arena_max: int, create=None) -> None:
     """Maps the disk tier's arena file over the arena's range of this mapping.
@@ -502,13 +534,19 @@ class Segment:
               f"server {name!r} keeps its arena in a file, but its storage sidecar "
               f"{sidecar_path(name, 'storage')} is missing (server stopping or removed)") from None
         seg._map_arena_file(path, info["arena_off"], info["arena_max"])
-      if not _owner_alive(info["owner_pid"], info["owner_start_time"]):
+      if not seg.owner_alive():
         seg._closed = True
         raise seg.dead_owner_error()
       cls._cache[key] = seg
     ref = weakref.ref(seg)
+
+    def locked() -> bool:   # the owner's liveness lock (a server in another pid namespace)
+      live = ref()
+      return live is not None and not live.owner_dead and \
+          lib.rs_live_probe(live._live_fd, 0) == 1  # pylint: disable=protected-access
+
     owner_watch.watch(info["owner_pid"], info["owner_start_time"],
-                      lambda: ref() is not None and ref()._owner_died())
+                      lambda: ref() is not None and ref()._owner_died(), locked=locked)
     return seg
 
   def dead_owner_error(self) -> "errors.DeadOwnerError":
@@ -523,6 +561,8 @@ class Segment:
     self._death_listeners.add(listener)
 
   def _owner_died(self) -> None:
+    if not self._closed and self.info()["closed"]:
+      return      # stopped cleanly: calls raise TableClosedError, not DeadOwnerError
     self.owner_dead = True
     for listener in list(self._death_listeners):
       listener._on_server_death()  # pylint: disable=protected-access
@@ -589,6 +629,16 @@ class Segment:
     self._slot_lock = threading.RLock()
     self._registration = None
     self._generation += 1
+    # The parent's open file (and its liveness locks) stays the parent's: a file of our own.
+    old = self._live_fd
+    lib.rs_forget_liveness_fd(self.base, old)
+    self._life_locked = False
+    try:
+      self._live_fd = _reopen(old, self.name)
+    finally:
+      os.close(old)
+    self._live[0] = self._live_fd
+    lib.rs_set_liveness_fd(self.base, self._live_fd)
 
   # ---- tables
   def table_names(self) -> List[str]:
@@ -687,7 +737,28 @@ class Segment:
 
 
 _segments = weakref.WeakSet()
-_life_fds: Dict[int, int] = {}   # id(Segment) -> fd of the owner's life lock
+
+
+def _reopen(fd: int, name: str) -> int:
+  """A new open file (read-only, close-on-exec) of the file open as `fd` (segment `name`)."""
+  try:
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+  except OSError:   # no /proc: by name, if the name still refers to that file
+    new = os.open(segment_path(name), os.O_RDONLY | os.O_CLOEXEC)
+    a, b = os.fstat(fd), os.fstat(new)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+      os.close(new)
+      raise errors.ServerUnavailableError(
+          f"the segment of server {name!r} was removed while it was being mapped") from None
+    return new
+
+
+def _forget_live_fd(address: int, holder: List[int]) -> None:
+  lib.rs_forget_liveness_fd(ffi.cast("void *", address), holder[0])
+  try:
+    os.close(holder[0])
+  except OSError:
+    pass
 
 
 
@@ -769,16 +840,9 @@ def _reset_locks_in_child() -> None:
   # A thread of the parent may have held the cache lock at fork time: it would never be
   # released in the child, whose only thread is the forking one.
   Segment._cache_lock = threading.Lock()  # pylint: disable=protected-access
-  # Nor may it keep its parent's segments alive: its copies of the life-lock fds go (the
-  # parent's locks stay).
-  for fd in _life_fds.values():
-    try:
-      os.close(fd)
-    except OSError:
-      pass
-  _life_fds.clear()
+  # Nor may it keep its parent's segments alive: each segment's open file (holding the
+  # parent's liveness locks) is replaced by the child's own (the parent's locks stay).
   for seg in list(_segments):
-    seg._life_fd = None  # pylint: disable=protected-access
     seg._after_fork_in_child()  # pylint: disable=protected-access
 
 
@@ -833,18 +897,21 @@ def prune_stale_aliases(dry_run: bool = False, names: Optional[Iterable[str]] = 
       return False
     alias = _read_alias(os.path.join(SHM_DIR, entry))
     return (alias is not None and (names is None or alias[0] in names)
-            and not _owner_alive(alias[1], alias[2]) and not _life_locked(alias[0]))
+            and not _owner_live(*alias))
 
   return _unlink_stale_files(is_stale, dry_run)
 
 
 def _life_locked(name: str) -> bool:
-  """Whether the segment of server `name` is locked by its owner (or its creator): live."""
+  """Whether the segment of server `name` is locked by its owner (its liveness lock or flock)
+  or by its creator: live."""
   try:
     fd = os.open(segment_path(validate_server_name(name)), os.O_RDONLY | os.O_CLOEXEC)
   except (OSError, ValueError):
     return False
   try:
+    if lib.rs_live_probe(fd, 0) == 1:
+      return True
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return False
   except BlockingIOError:
@@ -869,7 +936,7 @@ def register_port(port: int, name: str, mode: int = 0o600) -> None:
       fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
       alias = _read_alias(path)
-      if alias is not None and _owner_alive(alias[1], alias[2]):
+      if alias is not None and _owner_live(*alias):
         raise errors.SegmentInUseError(f"port {port} is already registered by server "
                                        f"{alias[0]!r} (pid {alias[1]})") from None
       try:
@@ -912,7 +979,7 @@ def local_hosts() -> set:
 def port_is_registered(port: int) -> bool:
   """Whether a live reverb_shm server of this host is registered on `port`."""
   alias = _read_alias(_alias_path(port))
-  return alias is not None and _owner_alive(alias[1], alias[2])
+  return alias is not None and _owner_live(*alias)
 
 
 def _local_hosts():
@@ -964,7 +1031,7 @@ def resolve_address(address: str) -> str:
     raise ValueError(f"server address {address!r} is not on this host; reverb_shm serves "
                      "processes on one host (use the gRPC bridge for remote clients)")
   alias = _read_alias(_alias_path(int(port)))
-  if alias is None or not _owner_alive(alias[1], alias[2]):
+  if alias is None or not _owner_live(*alias):
     raise errors.ServerUnavailableError(f"no reverb_shm server is registered on port {port} "
                                         f"(address {address!r})")
   return alias[0]

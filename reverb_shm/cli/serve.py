@@ -5,8 +5,15 @@ With --checkpoint-dir the server restores the newest valid checkpoint found ther
 (the checkpointer API's rule: damaged ones are skipped with a warning), writes one every
 --checkpoint-every seconds and, with --checkpoint-on-exit, one more on SIGTERM / SIGINT before
 stopping, so a restarted service loses at most one interval of data (nothing on a clean stop).
+
+Sizing: --arena-mib is the arena's first extent; it grows by itself up to --max-bytes (default:
+half of what /dev/shm has free at start). --storage DIR keeps chunk data in a file in DIR (the
+disk tier: tables bigger than memory; --max-bytes then bounds that file, default half of the
+disk's free space). Reverb's ReverbServerConfig has no fields for these, so they are options only.
 """
+import argparse
 import logging
+import re
 import sys
 import threading
 import time
@@ -25,6 +32,13 @@ def add_arguments(parser) -> None:
   parser.add_argument("--arena-mib", type=int, default=None, metavar="MIB",
                       help="MiB of shared memory for chunk data and item descriptors "
                       "(default: the Server default)")
+  parser.add_argument("--max-bytes", type=_size_arg, default=None, metavar="SIZE",
+                      help="most bytes the server may hold (its arena grows up to it): bytes, or "
+                      "with a K/M/G/T suffix (powers of 1024), e.g. 8G (default: half of what "
+                      "/dev/shm, or the --storage disk, has free at start)")
+  parser.add_argument("--storage", default=None, metavar="DIR",
+                      help="keep chunk data in a file in DIR on a local disk (disk tier: tables "
+                      "bigger than memory); item metadata and sum trees stay in /dev/shm")
   parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                       help="keep checkpoints in DIR: the newest valid one is restored at start")
   parser.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
@@ -41,6 +55,31 @@ def add_arguments(parser) -> None:
   parser.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
                       help="interface of the metrics endpoint (default 127.0.0.1; 0.0.0.0 for "
                       "a Prometheus server on another host)")
+
+
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
+_SHIFTS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
+
+
+def parse_size(text: str) -> int:
+  """Bytes of a size such as '1073741824', '512M', '8G' or '1.5TiB' (K/M/G/T: powers of 1024).
+
+  Raises:
+    ValueError: not such a size, or below 1 byte (argparse prints the message).
+  """
+  m = _SIZE_RE.fullmatch(str(text))
+  size = int(float(m.group(1)) * (1 << _SHIFTS[m.group(2).upper()])) if m else 0
+  if size < 1:
+    raise ValueError(f"invalid size {text!r}: expected a positive number of bytes, optionally "
+                     "with a K, M, G or T suffix (powers of 1024), e.g. 512M or 8G")
+  return size
+
+
+def _size_arg(text: str) -> int:
+  try:
+    return parse_size(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _check_options(args) -> None:
@@ -103,6 +142,10 @@ def serve(config_text: str, args, prog: str) -> int:
     kwargs = {"name": args.name}
     if args.arena_mib is not None:
       kwargs["arena_bytes"] = int(args.arena_mib) << 20
+    if args.max_bytes is not None:
+      kwargs["max_bytes"] = args.max_bytes
+    if args.storage is not None:
+      kwargs["storage"] = args.storage
     if args.checkpoint_dir is not None:
       kwargs["checkpointer"] = checkpointers.DefaultCheckpointer(args.checkpoint_dir,
                                                                  keep_latest=args.checkpoint_keep)
@@ -127,8 +170,13 @@ def _run(server, args, prog: str, stop) -> int:
   try:
     tables = server.segment.table_names()
     sizes = ", ".join(f"{t} ({server.shared_table(t).size} items)" for t in tables)
+    info = server.segment.info()
     print(f"{prog}: serving tables {sizes} on localhost:{server.port} (server {server.name!r}, "
           f"segment /dev/shm/rvshm.{server.name})", flush=True)
+    print(f"{prog}: arena {info['arena_size'] / 2**20:.1f} MiB, grows up to max_bytes "
+          f"{info['max_bytes'] / 2**20:.1f} MiB"
+          + (f"; chunk data in {server.segment.arena_path}" if info["arena_file"] else ""),
+          flush=True)
     if exporter is not None:
       print(f"{prog}: Prometheus metrics on http://{args.metrics_addr}:{exporter.port}/metrics",
             flush=True)

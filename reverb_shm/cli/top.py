@@ -170,7 +170,7 @@ class _Keys:
 
 def _alive(seg: shm.Segment) -> bool:
   info = seg.info()
-  return not info["closed"] and shm._owner_alive(info["owner_pid"], info["owner_start_time"])  # pylint: disable=protected-access
+  return not info["closed"] and seg.owner_alive()
 
 
 def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,

@@ -102,7 +102,7 @@ class ServerCollector:
     seg = self._seg
     if seg is not None:
       info = seg.info()
-      if info["closed"] or not shm._owner_alive(info["owner_pid"], info["owner_start_time"]):  # pylint: disable=protected-access
+      if info["closed"] or not seg.owner_alive():
         seg = self._seg = None
     if seg is None:
       try:
