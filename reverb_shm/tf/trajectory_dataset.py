@@ -36,6 +36,7 @@ class TrajectoryDataset(_dataset.ReverbDataset):
       `dtypes` and `shapes` ("Received incompatible tensor at flattened index ...").
   """
 
+  @_dataset.NOT_CONVERTED
   def batch(self, batch_size, drop_remainder=False, num_parallel_calls=None,
             deterministic=None, name=None):
     """As tf.data.Dataset.batch; for a Python int `batch_size` the batches are gathered whole
