@@ -754,8 +754,14 @@ class TrajectoryWriter(hot.WriterBase):
         kind = batch[i][0]
         j, positions, priorities = hot.batch_run(batch, i)
         blob, offs = items.encode_windows(kind, positions)
+        queued = len(self._pending)
+        try:
+          self._insert_encoded(kind[0], priorities, blob, offs, kind[1], positions, insert)
+        except BaseException:
+          if len(self._pending) != queued:   # the run is queued (then the drain raised)
+            i = j
+          raise                              # else nothing of it went in: it stays batched
         i = j
-        self._insert_encoded(kind[0], priorities, blob, offs, kind[1], positions, insert)
     except BaseException:
       self._batch = batch[i:] + self._batch
       raise

@@ -424,6 +424,31 @@ def test_close_waits_a_bounded_time_then_delivers_in_the_background(server_facto
     writer.flush()
 
 
+def test_held_back_items_wait_for_a_table_change_not_a_poll(server_factory, monkeypatch):
+  """The delivery thread tries held-back items again only when their table changes (the
+  watcher sleeps on the table's change counter in the C core); the watcher's safety slice is
+  made longer than the test, so only a wake-up can deliver."""
+  from reverb_shm import trajectory_writer as tw  # pylint: disable=import-outside-toplevel
+  from reverb_shm._internal import delivery  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(delivery, "_WATCH_SLICE_S", 60.0)
+  tries = []
+  deliver_now = tw.TrajectoryWriter._deliver_now
+  monkeypatch.setattr(tw.TrajectoryWriter, "_deliver_now",
+                      lambda self, *a: (tries.append(time.monotonic()), deliver_now(self, *a)))
+  client, writer = _three_items(server_factory, 1)   # [0.] in the queue, [1.], [2.] held back
+  deadline = time.monotonic() + 5
+  while not tries and time.monotonic() < deadline:
+    time.sleep(0.01)
+  time.sleep(0.3)   # the first rounds (the batch, the queued items) are over
+  before = len(tries)
+  time.sleep(0.6)
+  assert len(tries) == before, tries   # asleep until the table changes: no polling
+  for want in ([0.0], [1.0], [2.0]):   # each sample wakes the watcher; the next item follows
+    assert _values(client, "q", 1, timeout_ms=5000) == [want]
+  assert len(tries) <= before + 6, tries   # (about one round of two tries per sample)
+  writer.close()
+
+
 def test_items_stay_whole_while_the_background_thread_delivers(server_factory):
   """The owner appends and creates items in bursts with pauses (the delivery thread inserts the
   batches in the pauses); every item holds its own two steps."""
