@@ -213,16 +213,23 @@ def batches_dataset(plan: GatherPlan, server_address, table, spec) -> tf.data.Da
 
 def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_size: int,
                           drop_remainder: bool) -> tf.data.Dataset:
-  """What `unbatch().batch(batch_size, drop_remainder)` of batches_dataset gives."""
+  """What `unbatch().batch(batch_size, drop_remainder)` of batches_dataset gives.
+
+  The generator yields each batch with a leading dim of 1 (and, while a sample waits for the
+  rate limiter, an element with a leading dim of 0), which `unbatch` turns into one batch (or
+  none): tf.data slices it in C++, where a `filter` of the empty elements would run a function
+  per batch. With drop_remainder every batch holds exactly batch_size items, so the batch dim
+  is static in the signature.
+  """
   def generator(address, table_name):
     pending: List[tuple] = []   # (info, columns) pieces, in order
     have = 0
     for info, columns in plan.batches(address, table_name, max(plan.max_in_flight, 1)):
       if not have and len(info[0]) == batch_size:   # (the common case: as gathered)
-        yield info + columns
+        yield [x[None] for x in info] + [c[None] for c in columns]
         continue
-      if not len(info[0]):
-        yield info + columns   # waiting for the rate limiter: an empty batch, filtered out
+      if not len(info[0]):   # waiting for the rate limiter: no batch, control to tf.data
+        yield [x[None][:0] for x in info] + [c[None][:0] for c in columns]
         continue
       pending.append((info, columns))
       have += len(info[0])
@@ -237,18 +244,12 @@ def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_s
         else:
           out, pending = _take(pending, batch_size)
         have -= batch_size
-        yield out[0] + out[1]
+        yield [x[None] for x in out[0]] + [c[None] for c in out[1]]
     if have and not drop_remainder:
       info, columns = _take(pending, have)[0]
-      yield info + columns
-  dataset = _generator_dataset(server_address, table, generator,
-                               _batch_signature(spec)).filter(
-      lambda sample: tf.size(sample.info.key) > 0)
-  if drop_remainder:   # a static batch dim, as batch(drop_remainder=True) gives
-    dataset = dataset.map(lambda sample: tf.nest.map_structure(
-        lambda t: tf.ensure_shape(t, tf.TensorShape([batch_size]).concatenate(t.shape[1:])),
-        sample))
-  return dataset
+      yield [x[None] for x in info] + [c[None] for c in columns]
+  signature = _batch_signature(_batch_signature(spec, batch_size if drop_remainder else None))
+  return _generator_dataset(server_address, table, generator, signature).unbatch()
 
 
 def _take(pending, n):
