@@ -86,7 +86,8 @@ class GatherPlan:
   """What a generator needs to turn gathered batches into elements (picklable, no TF state)."""
 
   def __init__(self, table_name: str, dtypes, flat_dtypes, flat_shapes, timesteps: bool,
-               max_in_flight: int, rate_limiter_timeout_ms: int, max_samples: int):
+               max_in_flight: int, rate_limiter_timeout_ms: int, max_samples: int,
+               num_workers: int = 1):
     self.dtypes = dtypes
     self.np_dtypes = [_np_dtype(d) for d in flat_dtypes]
     self.shapes = [_shape_tuple(s) for s in flat_shapes]
@@ -94,6 +95,7 @@ class GatherPlan:
     self.max_in_flight = max_in_flight
     self.rate_limiter_timeout_ms = rate_limiter_timeout_ms
     self.max_samples = max_samples
+    self.num_workers = num_workers
     self.table_name = table_name
 
   def empty(self):
@@ -106,9 +108,10 @@ class GatherPlan:
     """Yields (info list, columns list) of B checked elements (items, or timesteps); B is 0
     while a sample waits for the rate limiter (every _batches.WAIT_SLICE_MS)."""
     table_name = _batches._as_str(table)   # pylint: disable=protected-access
-    for batch in _batches.sample_batches(
-        server_address, table, max_in_flight or self.max_in_flight,
-        self.rate_limiter_timeout_ms, self.max_samples):
+    max_in_flight = max_in_flight or self.max_in_flight
+    for batch in _batches.worker_batches(
+        server_address, table, max_in_flight, self.rate_limiter_timeout_ms, self.max_samples,
+        _batches.num_workers(self.num_workers, max_in_flight, self.max_samples)):
       if batch is None:
         yield self.empty()
         continue
@@ -297,7 +300,7 @@ class ReverbDataset(tf.data.Dataset):
     self._plan = GatherPlan(
         table if isinstance(table, str) else "", dtypes, flat_dtypes, flat_shapes,
         self._TIMESTEPS, int(max_in_flight_samples_per_worker), int(rate_limiter_timeout_ms),
-        int(max_samples))
+        int(max_samples), int(num_workers_per_iterator))
     self._inner = batches_dataset(self._plan, server_address, table, self._spec).unbatch()
     super().__init__(self._inner._variant_tensor)   # pylint: disable=protected-access
 
