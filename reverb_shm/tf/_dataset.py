@@ -11,14 +11,15 @@ is what `unbatch().batch(n)` would give, several times faster.
 import collections.abc
 import functools
 import itertools
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Generator, List, Optional
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import nest as tf_nest  # flatten_up_to: not in tf.nest's API
 
 try:   # the source under Dataset.from_generator, in every TensorFlow from 2.9 to 2.21
-  from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset as _TFGeneratorDataset  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.data.ops import from_generator_op as _from_generator_op
+  _TFGeneratorDataset = _from_generator_op._GeneratorDataset  # pylint: disable=protected-access
 except ImportError:   # pragma: no cover
   _TFGeneratorDataset = None
 
@@ -142,7 +143,7 @@ def _split_timesteps(table, info, columns):
 
 
 # One Python generator per iterator of a dataset, by the id that the iterator's init function got.
-_GENERATORS: Dict[int, Iterator[list]] = {}
+_GENERATORS: Dict[int, Generator[list, None, None]] = {}
 _GENERATOR_IDS = itertools.count(1)
 
 
