@@ -552,3 +552,12 @@ typedef struct rs_proc_info {
 
 /* List up to cap registered slots in slot order; *n_out = number written. */
 int rs_proc_list(void *base, rs_proc_info *out, uint32_t cap, uint32_t *n_out);
+
+/* ---- waiting for a table to change (table_wait.c) ---- */
+/* *seq_out = the table's change counter: every insert, sample, delete, priority update,
+ * reset, restore and close moves it (and wakes rs_table_wait_change's waiters). */
+int rs_table_seq(void *base, uint32_t table, uint32_t *seq_out);
+/* Sleeps until the table's change counter differs from `seen` (RS_OK, also on a spurious
+ * wake-up: read it again) or until deadline_ns (CLOCK_MONOTONIC; -1: none): RS_ETIMEDOUT.
+ * Takes no lock and changes nothing; the caller keeps the segment mapped meanwhile. */
+int rs_table_wait_change(void *base, uint32_t table, uint32_t seen, int64_t deadline_ns);

@@ -38,6 +38,7 @@
  *   5  layout.c    segment size/init/validate/info/close, table directory; registers the repairs
  *      fastpath.c  fused small inserts (rs_insert_rows)
  *      snapshot.c  checkpoint snapshot and restore of a table
+ *      table_wait.c     sleeping until a table changes (background delivery of held-back items)
  *   6  check.c     rs_check: validates the segment header and table layouts (layout.c), then
  *                  takes every lock and runs the arena and table checks
  *   hot/ (a separate CPython extension, reverb_shm._hot) calls the core only through function

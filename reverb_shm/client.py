@@ -487,17 +487,22 @@ class Client:
 
   # ---- writers
   def trajectory_writer(self, num_keep_alive_refs: int, *,
+                        get_signature_timeout_ms: Optional[int] = None,
                         validate_items: bool = True) -> trajectory_writer_lib.TrajectoryWriter:
     """A TrajectoryWriter inserting into this server's tables.
 
     Args:
       num_keep_alive_refs: steps each column keeps referenceable (>= 1).
+      get_signature_timeout_ms: accepted for callers written for dm-reverb <= 0.7 (Acme 0.4
+        passes it), where the writer fetched the tables' signatures over gRPC within this
+        time; here they are read from the segment when needed, with no wait.
       validate_items: check items against their table's signature in create_item.
 
     Raises:
       ValueError: num_keep_alive_refs < 1.
       ServerUnavailableError: no server answers to the address.
     """
+    del get_signature_timeout_ms
     return trajectory_writer_lib.TrajectoryWriter(self, num_keep_alive_refs,
                                                   validate_items=validate_items)
 

@@ -239,10 +239,16 @@ class StructuredWriter:
         s.applied_at = -1
       self._newest = {}
 
-  def close(self) -> None:
-    """Closes the writer (see TrajectoryWriter.close). Idempotent."""
+  def close(self, timeout_ms: Optional[int] = trajectory_writer_lib.CLOSE_TIMEOUT_MS) -> None:
+    """Inserts the created items, waiting up to `timeout_ms` for those that their rate limiter
+    holds back (the rest go on in the background), and closes the writer: see
+    TrajectoryWriter.close. Idempotent.
+
+    Raises:
+      ValueError: `timeout_ms` is negative or not a number.
+    """
     if self._writer is not None:
-      self._writer.close()
+      self._writer.close(timeout_ms)
 
   def __enter__(self) -> "StructuredWriter":
     return self

@@ -60,6 +60,8 @@ __all__ = ["TrajectoryWriter", "TrajectoryColumn", "CellRef"]
 
 # Items queued behind the rate limiter before create_item blocks on the oldest one.
 _MAX_PENDING = 1024
+# close()'s default longest wait for the items that rate limiters hold back (milliseconds).
+CLOSE_TIMEOUT_MS = 5000
 # Window items batched by create_item before they are inserted with one C call.
 _BATCH_ITEMS = 256
 # Distinct validated item kinds (table, column windows) remembered per writer.
@@ -754,8 +756,14 @@ class TrajectoryWriter(hot.WriterBase):
         kind = batch[i][0]
         j, positions, priorities = hot.batch_run(batch, i)
         blob, offs = items.encode_windows(kind, positions)
+        queued = len(self._pending)
+        try:
+          self._insert_encoded(kind[0], priorities, blob, offs, kind[1], positions, insert)
+        except BaseException:
+          if len(self._pending) != queued:   # the run is queued (then the drain raised)
+            i = j
+          raise                              # else nothing of it went in: it stays batched
         i = j
-        self._insert_encoded(kind[0], priorities, blob, offs, kind[1], positions, insert)
     except BaseException:
       self._batch = batch[i:] + self._batch
       raise
@@ -1046,27 +1054,43 @@ class TrajectoryWriter(hot.WriterBase):
   # ---- lifetime
 
   @_exclusive
-  def close(self) -> None:
-    """Closes the writer without waiting: releases every chunk no item needs.
+  def close(self, timeout_ms: Optional[int] = CLOSE_TIMEOUT_MS) -> None:
+    """Inserts the created items, waiting up to `timeout_ms` for those that their rate limiter
+    holds back, then closes the writer: releases every chunk no item needs.
 
-    Queued items that their rate limiter admits right now are inserted; the others go on in
-    the background, inserted as soon as it admits them (the chunks they reference stay pinned
-    until then), as Reverb's stream does; at interpreter exit they get a bounded wait (5 s for
-    all writers) and are then dropped with a RuntimeWarning (`flush()` waits for them). Never
-    blocks, also after the server stopped. Idempotent; other methods raise RuntimeError after it.
+    Items still held back when the wait ends are not dropped: they go on in the background,
+    inserted as soon as their limiter admits them (the chunks they reference stay pinned
+    until then), with a RuntimeWarning that says how many. At interpreter exit those get one
+    more bounded wait (5 s for all writers) and are then dropped with a RuntimeWarning.
+    Returns at once after the server stopped (its items cannot be inserted any more; they are
+    dropped with a RuntimeWarning). Idempotent; other methods raise RuntimeError after it.
+
+    Args:
+      timeout_ms: the longest wait for held-back items (CLOSE_TIMEOUT_MS, 5000, by default);
+        0 does not wait; None waits until every item is in its table.
+
+    Raises:
+      ValueError: `timeout_ms` is negative or not a number (nothing is closed).
     """
-    self._close(hand_over=self._background)
+    deadline_ns = timeouts.deadline_from_ms(timeout_ms)
+    self._close(hand_over=self._background, deadline_ns=deadline_ns, timeout_ms=timeout_ms)
 
-  def _close(self, hand_over: bool) -> None:
+  def _close(self, hand_over: bool, deadline_ns: int = 0, timeout_ms=0) -> None:
+    """Closes after inserting what the limiters admit before `deadline_ns` (0: now); the rest
+    is handed to the delivery thread (`hand_over`) or dropped, each with a warning."""
     if self._closed:
       return
     try:
-      self._drain(0, 0)
+      self._drain(0, deadline_ns, timeout_ms)
     except errors.ReverbError:
       hand_over = False   # server stopped or an item was rejected: the queue is dropped below
     finally:
       if not (hand_over and self._pending):
         _close_inserts(self._client)
+      if hand_over and self._pending:
+        warnings.warn(f"TrajectoryWriter.close(timeout_ms={timeout_ms}): {len(self._pending)} "
+                      "items are still held back by their rate limiter; they are inserted in "
+                      "the background as soon as it admits them", RuntimeWarning, stacklevel=4)
       self._release_all(keep_pending=hand_over)
 
   def _release_all(self, keep_pending: bool = False) -> None:

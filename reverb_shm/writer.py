@@ -11,9 +11,10 @@ are zero-copy views.
 """
 from typing import Any, Optional
 
+from reverb_shm import errors
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 from reverb_shm._internal import columns as columns_lib
-from reverb_shm._internal import structure
+from reverb_shm._internal import structure, timeouts
 
 __all__ = ["Writer"]
 
@@ -175,20 +176,30 @@ class Writer:
     self._check_open()
     self._writer.flush()
 
-  def close(self, retry_on_unavailable: bool = True) -> None:
-    """Flushes and closes the writer.
+  def close(self, retry_on_unavailable: bool = True,
+            timeout_ms: Optional[int] = trajectory_writer_lib.CLOSE_TIMEOUT_MS) -> None:
+    """Flushes and closes the writer, as TrajectoryWriter.close: waits up to `timeout_ms` for
+    the items that their rate limiter holds back; those still held back then are inserted in
+    the background as soon as it admits them (with a RuntimeWarning), never dropped.
+
+    Args:
+      retry_on_unavailable: accepted for Reverb's signature (there is no connection to retry).
+      timeout_ms: the longest wait (5000 by default); 0 does not wait; None waits for all.
 
     Raises:
-      ValueError: close() was already called.
+      ValueError: close() was already called; `timeout_ms` is negative or not a number.
     """
     del retry_on_unavailable
     if self._closed:
       raise ValueError("close() has already been called on this Writer.")
+    timeouts.deadline_from_ms(timeout_ms)   # (checked before anything changes)
     self._closed = True
     try:
-      self._writer.flush()
+      self._writer.flush(0, timeout_ms)
+    except errors.DeadlineExceededError:
+      pass   # what is left goes on in the background (close warns how many)
     finally:
-      self._writer.close()
+      self._writer.close(timeout_ms=0)
 
   def _check_open(self) -> None:
     if self._closed:
@@ -206,7 +217,7 @@ class Writer:
     if not getattr(self, "_closed", True):
       try:
         self._closed = True
-        self._writer.close()
+        self._writer.close(timeout_ms=0)   # (a finaliser does not wait: the rest goes on)
       except Exception:  # pylint: disable=broad-except  (never raise from a finaliser)
         pass
 

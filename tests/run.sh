@@ -13,4 +13,6 @@ REVERB_REF_PYTHON="$(tests/peers/venv.sh reverb)"
 export REVERB_REF_PYTHON
 TFAGENTS_PYTHON="$(tests/peers/venv.sh tfagents)"   # TF-Agents 0.19's Reverb tests
 export TFAGENTS_PYTHON
+ACME_PYTHON="$(tests/peers/venv.sh acme)"           # Acme 0.4's adder tests, make_reverb_dataset
+export ACME_PYTHON
 exec .venv/bin/python -m pytest -q "$@"

@@ -269,7 +269,7 @@ C_LAYERS = {
     "selectors.c": 2, "arena.c": 2, "counters.c": 2,
     "slots.c": 3, "bridge_layout.c": 3,
     "table.c": 4, "table_check.c": 4,
-    "layout.c": 5, "fastpath.c": 5, "snapshot.c": 5,
+    "layout.c": 5, "fastpath.c": 5, "snapshot.c": 5, "table_wait.c": 5,
     "check.c": 6,
 }
 _C_DEF = re.compile(r"^(?!static)[a-zA-Z_][\w \*]*?\b(rs_\w+)\s*\([^;{]*\)\s*\{", re.M)

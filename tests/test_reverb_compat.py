@@ -354,16 +354,99 @@ def test_held_back_items_are_delivered_without_another_writer_call(server_factor
   writer.close()
 
 
-def test_close_hands_held_back_items_to_the_background(server_factory):
-  client, writer = _three_items(server_factory, 1)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    t0 = time.monotonic()
-    writer.close()      # never blocks
-    assert time.monotonic() - t0 < 0.5
-  assert _values(client, "q", 3) == [[0.0], [1.0], [2.0]]
-  with pytest.raises(RuntimeError, match="closed"):
+def _held_back_writer(client, kind):
+  """A writer of `kind` that created items [0.], [1.], [2.] in queue "q" of capacity 1 (two are
+  held back by its rate limiter)."""
+  if kind == "structured":
+    writer = client.structured_writer([sw.create_config(
+        [sw.create_reference_step({"x": None})["x"][-1]], "q")])
+    for i in range(3):
+      writer.append({"x": np.float32(i)})
+    return writer
+  if kind == "legacy":
+    writer = client.writer(1)
+    for i in range(3):
+      writer.append({"x": np.float32(i)})
+      writer.create_item("q", 1, 1.0)
+    return writer
+  writer = client.trajectory_writer(2)
+  for i in range(3):
+    writer.append({"x": np.float32(i)})
+    writer.create_item("q", 1.0, {"x": writer.history["x"][-1:]})
+  return writer
+
+
+_SAMPLER_SCRIPT = textwrap.dedent("""
+    import sys, time, numpy as np, reverb_shm
+    client = reverb_shm.Client(sys.argv[1])
+    print("ready", flush=True)
+    time.sleep(0.3)   # the writer's close() is waiting by now
+    got = [float(np.ravel(s.data[0])[0]) for s in client.sample(
+        "q", 3, emit_timesteps=False, rate_limiter_timeout_ms=10000)]
+    print(got, flush=True)
+""")
+
+
+@pytest.mark.parametrize("kind", ["trajectory", "legacy", "structured"])
+def test_close_waits_for_held_back_items_that_a_sampler_makes_room_for(server_factory, kind):
+  server = server_factory([reverb_shm.Table.queue("q", 1)])
+  writer = _held_back_writer(_client(server), kind)
+  sampler = subprocess.Popen([sys.executable, "-c", _SAMPLER_SCRIPT, f"shm://{server.name}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+  try:
+    assert sampler.stdout.readline() == "ready\n"
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")   # nothing is left over, so no warning
+      t0 = time.monotonic()
+      writer.close()
+      waited = time.monotonic() - t0
+    out, err = sampler.communicate(timeout=30)
+  finally:
+    sampler.kill()
+  assert sampler.returncode == 0, err
+  assert out.strip() == "[0.0, 1.0, 2.0]"
+  assert 0.2 < waited < 4.5   # until the other process's samples made room: not the bound
+
+
+@pytest.mark.parametrize("kind", ["trajectory", "legacy", "structured"])
+def test_close_waits_a_bounded_time_then_delivers_in_the_background(server_factory, kind):
+  client = _client(server_factory([reverb_shm.Table.queue("q", 1)]))
+  writer = _held_back_writer(client, kind)
+  with pytest.raises(ValueError, match="timeout_ms"):
+    writer.close(timeout_ms=-1)   # rejected: nothing closed
+  t0 = time.monotonic()
+  with pytest.warns(RuntimeWarning, match="2 items are still held back"):
+    writer.close(timeout_ms=300)
+  assert 0.25 < time.monotonic() - t0 < 3
+  assert _values(client, "q", 3) == [[0.0], [1.0], [2.0]]   # none was dropped
+  with pytest.raises((RuntimeError, ValueError), match="closed|already"):
     writer.flush()
+
+
+def test_held_back_items_wait_for_a_table_change_not_a_poll(server_factory, monkeypatch):
+  """The delivery thread tries held-back items again only when their table changes (the
+  watcher sleeps on the table's change counter in the C core); the watcher's safety slice is
+  made longer than the test, so only a wake-up can deliver."""
+  from reverb_shm import trajectory_writer as tw  # pylint: disable=import-outside-toplevel
+  from reverb_shm._internal import delivery  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(delivery, "_WATCH_SLICE_S", 60.0)
+  tries = []
+  deliver_now = tw.TrajectoryWriter._deliver_now
+  monkeypatch.setattr(tw.TrajectoryWriter, "_deliver_now",
+                      lambda self, *a: (tries.append(time.monotonic()), deliver_now(self, *a)))
+  client, writer = _three_items(server_factory, 1)   # [0.] in the queue, [1.], [2.] held back
+  deadline = time.monotonic() + 5
+  while not tries and time.monotonic() < deadline:
+    time.sleep(0.01)
+  time.sleep(0.3)   # the first rounds (the batch, the queued items) are over
+  before = len(tries)
+  time.sleep(0.6)
+  assert len(tries) == before, tries   # asleep until the table changes: no polling
+  for want in ([0.0], [1.0], [2.0]):   # each sample wakes the watcher; the next item follows
+    assert _values(client, "q", 1, timeout_ms=5000) == [want]
+  assert len(tries) <= before + 6, tries   # (about one round of two tries per sample)
+  writer.close()
 
 
 def test_items_stay_whole_while_the_background_thread_delivers(server_factory):

@@ -193,6 +193,78 @@ def test_fifo_queue_order_with_one_worker():
     server.stop()
 
 
+def _queue_of(n):
+  server = reverb.Server([reverb.Table.queue("q", 1000)])
+  client = reverb.Client(f"localhost:{server.port}")
+  for i in range(n):
+    client.insert(np.int64(i), {"q": 1.0})
+  return server, f"localhost:{server.port}"
+
+
+def _worker_threads():
+  return sum(t.name == "reverb_shm-dataset-worker" for t in threading.enumerate())
+
+
+def test_several_workers_feed_one_iterator_each_item_once():
+  """num_workers_per_iterator=3: three sampling threads per iterator (none with -1, Reverb's
+  one worker), whose batches together deliver each queued item exactly once."""
+  server, address = _queue_of(300)
+  try:
+    ds = reverb.TrajectoryDataset(address, "q", (tf.int64,), (tf.TensorShape([1]),),
+                                  max_in_flight_samples_per_worker=7,
+                                  num_workers_per_iterator=3, rate_limiter_timeout_ms=300)
+    it = iter(ds)
+    got = [int(next(it).data[0].numpy()[0])]
+    assert _worker_threads() == 3
+    got += [int(x.data[0].numpy()[0]) for x in it]
+    assert sorted(got) == list(range(300))   # each exactly once, in any interleaving
+    del it
+    deadline = time.monotonic() + 10
+    while _worker_threads() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert _worker_threads() == 0   # the iterator's end stops its workers
+    client = reverb.Client(address)
+    for i in range(5):
+      client.insert(np.int64(i), {"q": 1.0})
+    one = reverb.TrajectoryDataset(address, "q", (tf.int64,), (tf.TensorShape([1]),), 7,
+                                   num_workers_per_iterator=-1, rate_limiter_timeout_ms=100)
+    it = iter(one)
+    assert [int(next(it).data[0].numpy()[0]) for _ in range(5)] == [0, 1, 2, 3, 4]
+    assert _worker_threads() == 0   # "auto" is one worker: the iterator's own thread
+  finally:
+    server.stop()
+
+
+def test_workers_share_max_samples_and_reverb_caps_their_number():
+  from reverb_shm.tf import _batches  # pylint: disable=g-import-not-at-top
+  assert _batches.num_workers(-1, 10, -1) == 1
+  assert _batches.num_workers(4, 10, -1) == 4
+  assert _batches.num_workers(4, 10, 25) == 2    # max(1, 25 // 10)
+  assert _batches.num_workers(4, 10, 5) == 1
+  server, address = _queue_of(100)
+  try:
+    ds = reverb.TrajectoryDataset(address, "q", (tf.int64,), (tf.TensorShape([1]),), 4,
+                                  num_workers_per_iterator=3, max_samples=30)
+    got = [int(x.data[0].numpy()[0]) for x in ds]
+    assert len(got) == 30 and len(set(got)) == 30   # exactly max_samples, then the end
+    assert reverb.Client(address).server_info()["q"].current_size == 70   # none sampled more
+  finally:
+    server.stop()
+
+
+def test_one_worker_timing_out_ends_the_sequence_of_several():
+  server, address = _queue_of(10)
+  try:
+    ds = reverb.TrajectoryDataset(address, "q", (tf.int64,), (tf.TensorShape([1]),), 3,
+                                  num_workers_per_iterator=2, rate_limiter_timeout_ms=200)
+    start = time.monotonic()
+    got = [int(v) for x in ds.batch(4) for v in x.data[0].numpy()[:, 0]]   # (batch path too)
+    assert sorted(got) == list(range(10))   # whatever was queued, then the end
+    assert time.monotonic() - start < 20
+  finally:
+    server.stop()
+
+
 def test_timestep_dataset_yields_each_step_of_each_item(filled):
   _, address, _ = filled
   ds = reverb.TimestepDataset(address, "t", {"a": tf.float32, "b": tf.int64},

@@ -7,6 +7,8 @@ limiter allows them at once, as Reverb's sample stream delivers them: one C call
 whose layout is not known yet, or whose columns hold strings, come one at a time through
 `Client.sample`, which also teaches the table handle their layout.
 """
+import queue
+import threading
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -105,6 +107,108 @@ def sample_batches(server_address, table, max_in_flight: int, rate_limiter_timeo
     if left > 0:
       left -= len(batch[0][0])
     yield batch
+
+
+def num_workers(num_workers_per_iterator: int, max_in_flight: int, max_samples: int) -> int:
+  """Reverb's number of sampling workers of one iterator: 1 for -1 ("auto": more than one
+  would reorder a FIFO table's items), and never more than can take a first request each out
+  of `max_samples` (max(1, max_samples // max_in_flight))."""
+  n = 1 if num_workers_per_iterator == -1 else int(num_workers_per_iterator)
+  if max_samples >= 0:
+    n = min(n, max(1, max_samples // max_in_flight))
+  return n
+
+
+class _Budget:
+  """The items the workers of one iterator may still request (-1: no limit)."""
+
+  def __init__(self, max_samples: int):
+    self.left = max_samples
+    self.lock = threading.Lock()
+
+  def claim(self, n: int) -> int:
+    with self.lock:
+      if self.left < 0:
+        return n
+      n = min(n, self.left)
+      self.left -= n
+      return n
+
+
+def worker_batches(server_address, table, max_in_flight: int, rate_limiter_timeout_ms: int,
+                   max_samples: int, workers: int) -> Iterator[Optional[Batch]]:
+  """sample_batches with `workers` sampling threads (Reverb's workers of one iterator): each
+  requests up to `max_in_flight` items at a time and hands its batches to one queue of
+  `workers` batches, read in the order they arrive; together they request `max_samples`
+  items (-1: no limit). The first worker to time out on the rate limiter ends the sequence
+  (as Reverb's sampler does), and the first error is raised here. Yields None every
+  WAIT_SLICE_MS while no batch is ready. With one worker, sample_batches itself (no thread).
+
+  Raises:
+    the workers' errors (UnknownTableError, TableClosedError, ...).
+  """
+  if workers <= 1:
+    yield from sample_batches(server_address, table, max_in_flight, rate_limiter_timeout_ms,
+                              max_samples)
+    return
+  out: queue.Queue[tuple] = queue.Queue(maxsize=workers)
+  stop = threading.Event()
+  budget = _Budget(max_samples)
+
+  def put(message) -> bool:
+    while not stop.is_set():
+      try:
+        out.put(message, timeout=WAIT_SLICE_MS / 1000)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def work():
+    try:
+      timed_out = False
+      while not stop.is_set():
+        n = budget.claim(max_in_flight)
+        if n == 0:
+          break
+        got = 0
+        for batch in sample_batches(server_address, table, n, rate_limiter_timeout_ms,
+                                    -1 if max_samples < 0 else n):
+          if stop.is_set():
+            return
+          if batch is not None:
+            got += len(batch[0][0])
+            if not put(("batch", batch)):
+              return
+        if max_samples < 0 or got < n:   # sample_batches ended early: a rate limiter timeout
+          timed_out = True
+          break
+      put(("end", timed_out))
+    except BaseException as e:  # pylint: disable=broad-except  (handed to the reader)
+      put(("error", e))
+
+  threads = [threading.Thread(target=work, name="reverb_shm-dataset-worker", daemon=True)
+             for _ in range(workers)]
+  for t in threads:
+    t.start()
+  try:
+    running = workers
+    while running:
+      try:
+        kind, value = out.get(timeout=WAIT_SLICE_MS / 1000)
+      except queue.Empty:
+        yield None
+        continue
+      if kind == "batch":
+        yield value
+      elif kind == "error":
+        raise value
+      elif value:   # a worker timed out on the rate limiter: the end of the sequence
+        return
+      else:         # a worker requested its share of max_samples, all of it delivered
+        running -= 1
+  finally:
+    stop.set()
 
 
 def _flat(data) -> list:

@@ -1,21 +1,35 @@
 """The tf.data machinery shared by TrajectoryDataset and TimestepDataset.
 
-Each iterator of a dataset runs one Python generator (tf.data.Dataset.from_generator) that
-yields whole batches gathered in C (see _batches.sample_batches); `unbatch` turns them into the
-per-item (or per-timestep) elements Reverb's datasets produce. `dataset.batch(n)` on a
+Each iterator of a dataset runs one Python generator (on tf.data's generator source, called
+through tf.numpy_function: see _generator_dataset) that yields whole batches gathered in C (see
+_batches.sample_batches); `unbatch` turns them into the per-item (or per-timestep) elements
+Reverb's datasets produce. `dataset.batch(n)` on a
 TrajectoryDataset skips the unbatch/batch round trip: its generator yields batches of exactly n
 items (the last one smaller at the end of the sequence, or dropped with drop_remainder), which
 is what `unbatch().batch(n)` would give, several times faster.
 """
 import collections.abc
-from typing import Any, Callable, List, Optional
+import functools
+import itertools
+from typing import Any, Callable, Dict, Generator, List, Optional
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import nest as tf_nest  # flatten_up_to: not in tf.nest's API
 
+try:   # the source under Dataset.from_generator, in every TensorFlow from 2.9 to 2.21
+  from tensorflow.python.data.ops import from_generator_op as _from_generator_op
+  _TFGeneratorDataset = _from_generator_op._GeneratorDataset  # pylint: disable=protected-access
+except ImportError:   # pragma: no cover
+  _TFGeneratorDataset = None
+
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.tf import _batches
+
+# Datasets are often built inside functions that tf.data traces with AutoGraph (Acme's
+# make_reverb_dataset builds them in an interleave): their Python code runs as it is, without
+# AutoGraph's conversion attempts (and warnings about generators).
+NOT_CONVERTED = tf.autograph.experimental.do_not_convert
 
 _INFO_TF_DTYPES = SampleInfo(tf.uint64, tf.float64, tf.int64, tf.float64, tf.int32)
 
@@ -73,7 +87,8 @@ class GatherPlan:
   """What a generator needs to turn gathered batches into elements (picklable, no TF state)."""
 
   def __init__(self, table_name: str, dtypes, flat_dtypes, flat_shapes, timesteps: bool,
-               max_in_flight: int, rate_limiter_timeout_ms: int, max_samples: int):
+               max_in_flight: int, rate_limiter_timeout_ms: int, max_samples: int,
+               num_workers: int = 1):
     self.dtypes = dtypes
     self.np_dtypes = [_np_dtype(d) for d in flat_dtypes]
     self.shapes = [_shape_tuple(s) for s in flat_shapes]
@@ -81,6 +96,7 @@ class GatherPlan:
     self.max_in_flight = max_in_flight
     self.rate_limiter_timeout_ms = rate_limiter_timeout_ms
     self.max_samples = max_samples
+    self.num_workers = num_workers
     self.table_name = table_name
 
   def empty(self):
@@ -93,9 +109,10 @@ class GatherPlan:
     """Yields (info list, columns list) of B checked elements (items, or timesteps); B is 0
     while a sample waits for the rate limiter (every _batches.WAIT_SLICE_MS)."""
     table_name = _batches._as_str(table)   # pylint: disable=protected-access
-    for batch in _batches.sample_batches(
-        server_address, table, max_in_flight or self.max_in_flight,
-        self.rate_limiter_timeout_ms, self.max_samples):
+    max_in_flight = max_in_flight or self.max_in_flight
+    for batch in _batches.worker_batches(
+        server_address, table, max_in_flight, self.rate_limiter_timeout_ms, self.max_samples,
+        _batches.num_workers(self.num_workers, max_in_flight, self.max_samples)):
       if batch is None:
         yield self.empty()
         continue
@@ -105,8 +122,6 @@ class GatherPlan:
       _batches.check_batch(table_name, columns, self.np_dtypes, self.shapes)
       yield info, columns
 
-  def pack(self, info, columns) -> ReplaySample:
-    return ReplaySample(SampleInfo(*info), tf.nest.pack_sequence_as(self.dtypes, columns))
 
 
 def _split_timesteps(table, info, columns):
@@ -127,36 +142,104 @@ def _split_timesteps(table, info, columns):
           [c.reshape((b * t,) + c.shape[2:]) for c in columns])
 
 
+# One Python generator per iterator of a dataset, by the id that the iterator's init function got.
+_GENERATORS: Dict[int, Generator[list, None, None]] = {}
+_GENERATOR_IDS = itertools.count(1)
+
+
+def _start_generator(make_generator: Callable, address, table) -> np.int64:
+  key = next(_GENERATOR_IDS)
+  _GENERATORS[key] = make_generator(address, table)
+  return np.int64(key)
+
+
+def _next_flat(key) -> list:
+  """The next flat element of iterator `key`; StopIteration (the end of the sequence) reaches
+  tf.data as OutOfRangeError, which ends the iterator."""
+  return next(_GENERATORS[int(key)])
+
+
+def _stop_generator(key) -> np.int64:
+  generator = _GENERATORS.pop(int(key), None)
+  if generator is not None:
+    generator.close()
+  return np.int64(0)
+
+
 def _generator_dataset(server_address, table, make_generator: Callable,
                        signature) -> tf.data.Dataset:
-  return tf.data.Dataset.from_generator(
-      make_generator, output_signature=signature,
-      args=(tf.convert_to_tensor(server_address, tf.string),
-            tf.convert_to_tensor(table, tf.string)))
+  """A dataset of the flat lists of arrays that `make_generator(address, table)` yields (one
+  generator per iterator, closed when the iterator is destroyed), as `signature`.
+
+  tf.data's own generator source (the one under Dataset.from_generator), driven by
+  tf.numpy_function: from_generator's per-element work (an eager py_func, converting and
+  checking every value against the signature in Python) costs several times what a gathered
+  batch does; here the arrays go to TensorFlow as they are (GatherPlan.batches checked them).
+  Falls back to from_generator where TensorFlow lacks that source.
+  """
+  flat_signature = tf.nest.flatten(signature)
+  out_dtypes = [s.dtype for s in flat_signature]
+  args = (tf.convert_to_tensor(server_address, tf.string), tf.convert_to_tensor(table, tf.string))
+  if _TFGeneratorDataset is None:   # pragma: no cover  (every TensorFlow 2.15-2.21 has it)
+    return tf.data.Dataset.from_generator(
+        lambda a, t: (tf.nest.pack_sequence_as(signature, flat) for flat in make_generator(a, t)),
+        output_signature=signature, args=args)
+
+  def init_fn(address, table_name):
+    return tf.numpy_function(functools.partial(_start_generator, make_generator),
+                             [address, table_name], tf.int64, stateful=True)
+
+  def next_fn(key):
+    flat = tf.numpy_function(_next_flat, [key], out_dtypes, stateful=True)
+    for tensor, spec in zip(flat, flat_signature):
+      tensor.set_shape(spec.shape)
+    return tf.nest.pack_sequence_as(signature, flat)
+
+  def finalize_fn(key):
+    return tf.numpy_function(_stop_generator, [key], tf.int64, stateful=True)
+
+  return _TFGeneratorDataset(args, init_fn, next_fn, finalize_fn, signature)
+
+
+def _batch_signature(spec, batch_size=None):
+  return tf.nest.map_structure(
+      lambda s: tf.TensorSpec(tf.TensorShape([batch_size]).concatenate(s.shape), s.dtype), spec)
 
 
 def batches_dataset(plan: GatherPlan, server_address, table, spec) -> tf.data.Dataset:
-  """A dataset of the gathered batches (element spec: `spec` with a leading None dim)."""
+  """A dataset of the gathered batches (element spec: `spec` with a leading None dim; empty
+  batches while a sample waits for the rate limiter)."""
   def generator(address, table_name):
     for info, columns in plan.batches(address, table_name):
-      yield plan.pack(info, columns)
-  signature = tf.nest.map_structure(
-      lambda s: tf.TensorSpec(tf.TensorShape([None]).concatenate(s.shape), s.dtype), spec)
-  return _generator_dataset(server_address, table, generator, signature)
+      yield info + columns
+  return _generator_dataset(server_address, table, generator, _batch_signature(spec))
 
 
 def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_size: int,
                           drop_remainder: bool) -> tf.data.Dataset:
-  """What `unbatch().batch(batch_size, drop_remainder)` of batches_dataset gives."""
+  """What `unbatch().batch(batch_size, drop_remainder)` of batches_dataset gives.
+
+  The generator yields each batch with a leading dim of 1 (and, while a sample waits for the
+  rate limiter, an element with a leading dim of 0), which `unbatch` turns into one batch (or
+  none): tf.data slices it in C++, where a `filter` of the empty elements would run a function
+  per batch. With drop_remainder every batch holds exactly batch_size items, so the batch dim
+  is static in the signature.
+  """
   def generator(address, table_name):
     pending: List[tuple] = []   # (info, columns) pieces, in order
     have = 0
     for info, columns in plan.batches(address, table_name, max(plan.max_in_flight, 1)):
+      if not have and len(info[0]) == batch_size:   # (the common case: as gathered)
+        yield [x[None] for x in info] + [c[None] for c in columns]
+        continue
+      if not len(info[0]):   # waiting for the rate limiter: no batch, control to tf.data
+        yield [x[None][:0] for x in info] + [c[None][:0] for c in columns]
+        continue
       pending.append((info, columns))
       have += len(info[0])
       while have >= batch_size:
         head_info, head_cols = pending[0]
-        if len(head_info[0]) >= batch_size:   # (the common case: no copy here)
+        if len(head_info[0]) >= batch_size:   # (no copy here)
           out = ([x[:batch_size] for x in head_info], [c[:batch_size] for c in head_cols])
           rest = ([x[batch_size:] for x in head_info], [c[batch_size:] for c in head_cols])
           pending[0] = rest
@@ -165,18 +248,12 @@ def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_s
         else:
           out, pending = _take(pending, batch_size)
         have -= batch_size
-        yield plan.pack(*out)
+        yield [x[None] for x in out[0]] + [c[None] for c in out[1]]
     if have and not drop_remainder:
-      yield plan.pack(*_take(pending, have)[0])
-  signature = tf.nest.map_structure(
-      lambda s: tf.TensorSpec(tf.TensorShape([None]).concatenate(s.shape), s.dtype), spec)
-  dataset = _generator_dataset(server_address, table, generator, signature).filter(
-      lambda sample: tf.size(sample.info.key) > 0)
-  if drop_remainder:   # a static batch dim, as batch(drop_remainder=True) gives
-    dataset = dataset.map(lambda sample: tf.nest.map_structure(
-        lambda t: tf.ensure_shape(t, tf.TensorShape([batch_size]).concatenate(t.shape[1:])),
-        sample))
-  return dataset
+      info, columns = _take(pending, have)[0]
+      yield [x[None] for x in info] + [c[None] for c in columns]
+  signature = _batch_signature(_batch_signature(spec, batch_size if drop_remainder else None))
+  return _generator_dataset(server_address, table, generator, signature).unbatch()
 
 
 def _take(pending, n):
@@ -203,6 +280,7 @@ class ReverbDataset(tf.data.Dataset):
 
   _TIMESTEPS = False
 
+  @NOT_CONVERTED
   def __init__(self, server_address, table, dtypes, shapes,
                max_in_flight_samples_per_worker: int, num_workers_per_iterator: int = -1,
                max_samples_per_stream: int = -1, rate_limiter_timeout_ms: int = -1,
@@ -223,7 +301,7 @@ class ReverbDataset(tf.data.Dataset):
     self._plan = GatherPlan(
         table if isinstance(table, str) else "", dtypes, flat_dtypes, flat_shapes,
         self._TIMESTEPS, int(max_in_flight_samples_per_worker), int(rate_limiter_timeout_ms),
-        int(max_samples))
+        int(max_samples), int(num_workers_per_iterator))
     self._inner = batches_dataset(self._plan, server_address, table, self._spec).unbatch()
     super().__init__(self._inner._variant_tensor)   # pylint: disable=protected-access
 
@@ -235,6 +313,7 @@ class ReverbDataset(tf.data.Dataset):
     return self._spec
 
   @classmethod
+  @NOT_CONVERTED
   def from_table_signature(cls, server_address: str, table: str,
                            max_in_flight_samples_per_worker: int,
                            num_workers_per_iterator: int = -1, max_samples_per_stream: int = -1,

@@ -12,8 +12,9 @@ class TrajectoryDataset(_dataset.ReverbDataset):
   item's columns nested as `dtypes` (lists become tuples), each of shape `shapes` (the whole
   column, time dim included where the item has one).
 
-  Each iterator samples on its own: it asks for up to `max_in_flight_samples_per_worker` items
-  at a time, waiting for the rate limiter only for the first, and gathers them in one C call.
+  Each iterator samples on its own with `num_workers_per_iterator` workers: each asks for up to
+  `max_in_flight_samples_per_worker` items at a time, waiting for the rate limiter only for the
+  first, and gathers them in one C call.
 
   Args:
     server_address: address of the server ('localhost:PORT', 'shm://NAME', a bridge address),
@@ -23,9 +24,16 @@ class TrajectoryDataset(_dataset.ReverbDataset):
     shapes: nest (the structure of `dtypes`) of tf.TensorShapes; None dims match any size.
     max_in_flight_samples_per_worker: items sampled per request (>= 1). Larger is faster; too
       large samples many items from one snapshot of the table.
-    num_workers_per_iterator: -1 or >= 1. Checked as Reverb does; every iterator samples from
-      one thread, in the order the table hands out items, so a FIFO table keeps its order.
-    max_samples_per_stream: -1 or >= 1. Checked as Reverb does; there is no stream to renew.
+    num_workers_per_iterator: -1 (Reverb's "auto": one worker) or >= 1, as in Reverb capped
+      at max(1, max_samples // max_in_flight_samples_per_worker). One worker samples in the
+      iterator's own thread, in the order the table hands out items (a FIFO table keeps its
+      order); more are threads whose batches reach the iterator in the order they arrive, so
+      use one for a FIFO table (as Reverb says). Together they request `max_samples` items,
+      and the first to time out on the rate limiter ends the sequence.
+    max_samples_per_stream: -1 or >= 1, checked as Reverb does, otherwise without effect:
+      Reverb opens a new gRPC stream after this many samples so that a worker's samples spread
+      over the servers behind a load-balanced address; a worker here reads the table's shared
+      memory directly, with no stream and one server.
     rate_limiter_timeout_ms: -1 waits forever; >= 0: once a sample waits longer than this for
       the rate limiter, the iterator ends (end of sequence), as in Reverb.
     max_samples: -1 or the number of items after which each iterator ends.
@@ -36,6 +44,7 @@ class TrajectoryDataset(_dataset.ReverbDataset):
       `dtypes` and `shapes` ("Received incompatible tensor at flattened index ...").
   """
 
+  @_dataset.NOT_CONVERTED
   def batch(self, batch_size, drop_remainder=False, num_parallel_calls=None,
             deterministic=None, name=None):
     """As tf.data.Dataset.batch; for a Python int `batch_size` the batches are gathered whole
