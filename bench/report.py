@@ -96,9 +96,9 @@ def render(data: dict, sha256: str) -> str:
   lines = [BEGIN, "", "## Results", ""]
   if data.get("quick"):
     lines += ["!!! warning \"A smoke run\"",
-              "    These figures come from `run_all.py --quick`: small tables (20,000 items instead",
-              "    of 1M) and 0.5 s measurements. They show the page's shape and rough ratios,",
-              "    not the project's published figures; a full run replaces them.", ""]
+              "    These figures come from `run_all.py --quick`: small tables (20,000 items",
+              "    instead of 1M) and 0.5 s measurements. They show the page's shape and rough",
+              "    ratios, not the project's published figures; a full run replaces them.", ""]
   lines += [
       "| Run | |", "|---|---|",
       f"| Date | {run_time(data)} |",

@@ -265,16 +265,18 @@ class BatchIterator:
     self._seed = None if seed is None else int(seed) & _SEED_MASK
     self._mix_rng = np.random.default_rng(self._seed)
     self._mask_key = mask_key
-    self._any_prioritized = None   # whether a table has a Prioritized selector (read once)
+    # whether a table has a Prioritized selector (read once)
+    self._any_prioritized: Optional[bool] = None
     self._allocate = allocate
     self._transform = transform
     self._layout: Any = None       # ((dtype, item shape, bytes) per column), from the first items
     self._slots: List[_Slot] = []
     self._cv = threading.Condition()
-    self._free = collections.deque()      # slots the background thread may gather into
+    # slots the background thread may gather into
+    self._free: collections.deque = collections.deque()
     self._credits = self._prefetch + (0 if self._copy else self._keep)   # batches it may hold
-    self._ready = collections.deque()     # (slot, batch) gathered, not yet taken
-    self._held = collections.deque()      # slots of batches the consumer took
+    self._ready: collections.deque = collections.deque()     # (slot, batch) gathered, not yet taken
+    self._held: collections.deque = collections.deque()      # slots of batches the consumer took
     self._ucv = threading.Condition()     # guards the priority updates and the counters
     self._updates: List[_Update] = []
     self._applying = 0                    # updates taken by the updater, not yet applied
@@ -597,7 +599,7 @@ class BatchIterator:
 
   def _apply_updates(self, updates: List[_Update], final: bool) -> None:
     try:
-      per_table = collections.defaultdict(lambda: ([], []))
+      per_table: collections.defaultdict = collections.defaultdict(lambda: ([], []))
       rejected = 0
       for u in updates:
         if u.ready is None:

@@ -90,7 +90,8 @@ class _Delivery:
             del self.writers[key]
           else:
             entry[1] = time.monotonic() + delay
-      ready = writer = None   # no reference outlives the round
+      ready.clear()   # no reference outlives the round
+      writer = None
 
   def _deliver(self, writer, key):
     """Inserts what `writer`'s tables admit now; the delay before the next try, or None when

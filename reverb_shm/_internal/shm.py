@@ -234,22 +234,22 @@ class Segment:
     # This process's registration: (pid, slot, generation) or None. Replaced as a whole, so
     # readers need no lock; changes happen under _slot_lock (reentrant: a Pins finaliser may
     # run inside a locked section of the same thread).
-    self._registration = None
+    self._registration: Optional[Tuple[int, int, int]] = None
     self._generation = 0     # bumped on every register and unregister
     self._slot_lock = threading.RLock()
     _segments.add(self)
-    self._table_names = None
-    self._configs = {}
+    self._table_names: Optional[List[str]] = None
+    self._configs: dict = {}
     self._closed = False
     # Set (by the owner_watch thread) once the server owning an attached segment is seen
     # dead; the objects in _death_listeners then hear of it (_on_server_death()).
     self.owner_dead = False
-    self._death_listeners = weakref.WeakSet()
+    self._death_listeners: weakref.WeakSet = weakref.WeakSet()
     # Appended to "arena full" errors: which setting sizes this arena (the bridge's
     # staging segments name theirs).
     self.arena_hint = ""
-    self.arena_path = None      # disk tier: the arena's file
-    self._life_fd = None        # owner: the fd of its life lock
+    self.arena_path: Optional[str] = None   # disk tier: the arena's file
+    self._life_fd: Optional[int] = None     # owner: the fd of its life lock
 
   # ---- creation / attachment
   @classmethod
@@ -507,8 +507,12 @@ class Segment:
         raise seg.dead_owner_error()
       cls._cache[key] = seg
     ref = weakref.ref(seg)
-    owner_watch.watch(info["owner_pid"], info["owner_start_time"],
-                      lambda: ref() is not None and ref()._owner_died())
+
+    def died() -> None:
+      alive = ref()
+      if alive is not None:
+        alive._owner_died()
+    owner_watch.watch(info["owner_pid"], info["owner_start_time"], died)
     return seg
 
   def dead_owner_error(self) -> "errors.DeadOwnerError":
@@ -686,7 +690,7 @@ class Segment:
     return f"Segment(name={self.name!r}, size={self.size}, owner={self.owner})"
 
 
-_segments = weakref.WeakSet()
+_segments: weakref.WeakSet = weakref.WeakSet()
 _life_fds: Dict[int, int] = {}   # id(Segment) -> fd of the owner's life lock
 
 
@@ -784,7 +788,7 @@ def _reset_locks_in_child() -> None:
 
 os.register_at_fork(after_in_child=_reset_locks_in_child)
 
-_FIELDS = {}
+_FIELDS: dict = {}
 
 
 def _struct_dict(cdata, ctype: str) -> dict:
@@ -801,7 +805,7 @@ def _alias_path(port: int) -> str:
 
 def _unlink_stale_files(is_stale, dry_run: bool) -> List[str]:
   """Unlinks (unless dry_run) every file of SHM_DIR for which is_stale(entry) holds; paths."""
-  removed = []
+  removed: list = []
   try:
     entries = os.listdir(SHM_DIR)
   except OSError:
@@ -1039,7 +1043,7 @@ def _prune_orphan_arena_files(storage: str, dry_run: bool, names, doomed, done) 
   """Arena files of `storage` (regular files of this user, named as arena files are) whose
   server has no segment (or a stale one, in `doomed`). A server creates its segment before its
   arena file and removes the file first, so a file without a segment is an orphan."""
-  orphans = []
+  orphans: list = []
   try:
     entries = sorted(os.listdir(storage))
   except OSError:

@@ -78,7 +78,7 @@ class DirectStream:
     StreamError: the channel refused the call (closed: CANCELLED).
   """
 
-  def __init__(self, multicallable, metadata):
+  def __init__(self, multicallable, metadata) -> None:
     flags = cygrpc.PropagationConstants.GRPC_PROPAGATE_DEFAULTS
     init = (cygrpc.SendInitialMetadataOperation(tuple(metadata or ()), 0),
             cygrpc.ReceiveInitialMetadataOperation(0))

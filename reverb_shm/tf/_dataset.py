@@ -8,7 +8,7 @@ items (the last one smaller at the end of the sequence, or dropped with drop_rem
 is what `unbatch().batch(n)` would give, several times faster.
 """
 import collections.abc
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -137,7 +137,7 @@ def _generator_dataset(server_address, table, make_generator: Callable,
 
 def batches_dataset(plan: GatherPlan, server_address, table, spec) -> tf.data.Dataset:
   """A dataset of the gathered batches (element spec: `spec` with a leading None dim)."""
-  def generator(address, table_name):
+  def generator(address, table_name) -> Iterator[tuple]:
     for info, columns in plan.batches(address, table_name):
       yield plan.pack(info, columns)
   signature = tf.nest.map_structure(
@@ -148,7 +148,7 @@ def batches_dataset(plan: GatherPlan, server_address, table, spec) -> tf.data.Da
 def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_size: int,
                           drop_remainder: bool) -> tf.data.Dataset:
   """What `unbatch().batch(batch_size, drop_remainder)` of batches_dataset gives."""
-  def generator(address, table_name):
+  def generator(address, table_name) -> Iterator[tuple]:
     pending: List[tuple] = []   # (info, columns) pieces, in order
     have = 0
     for info, columns in plan.batches(address, table_name, max(plan.max_in_flight, 1)):
