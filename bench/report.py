@@ -22,6 +22,7 @@ import pathlib
 import re
 import shutil
 import sys
+import textwrap
 from typing import List, Optional
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -38,7 +39,12 @@ _SECTION = re.compile(r"<!-- results:begin[^\n]*-->\n.*?<!-- results:end -->", r
 
 # ------------------------------------------------------------------------------- the tables
 def lower_is_better(row: dict) -> bool:
-  """run_all labels the ratios whose target is an upper bound '(lower is better)'."""
+  """Whether the row's target is a ceiling: read from run_all's verdict where value and target
+  differ (met with a value below the target, or missed with one above), else from the label
+  ('(lower is better)')."""
+  value, target, met = row.get("value"), row.get("target"), row.get("met")
+  if value is not None and target is not None and met is not None and value != target:
+    return (value < target) == bool(met)
   return "lower is better" in row["ratio"]
 
 
@@ -165,7 +171,7 @@ def committed_section(page_text: str) -> Optional[str]:
 
 # ------------------------------------------------------------------------------- the plots
 def _scaling_series(data: dict):
-  """[(title, ylabel, {label: [(x, y)]})] of the scaling workloads in `data`."""
+  """[(title, xlabel, ylabel, {label: [(x, y)]})] of the scaling workloads in `data`."""
   names = {"shm": "reverb_shm SharedTable", "cpprb": "cpprb PrioritizedReplayBuffer",
            "reverb": "dm-reverb", "learner": "reverb_shm BatchIterator"}
   w4, l2 = {}, {}
@@ -179,9 +185,9 @@ def _scaling_series(data: dict):
                                                              r["us_per_window"]))
   out = []
   if w4:
-    out.append(("W4: prioritized sample 256 + update", "µs per item", w4))
+    out.append(("W4: prioritized sample 256 + update", "items in table", "µs per item", w4))
   if l2:
-    out.append(("L2: windows of 80 steps", "µs per window", l2))
+    out.append(("L2: windows of 80 steps", "steps in table", "µs per window", l2))
   return out
 
 
@@ -202,15 +208,17 @@ def plot(data: dict, sha256: str, out_dir: pathlib.Path) -> List[pathlib.Path]:
   written = []
   rows = [r for r in data.get("ratios", []) if verdict(r) in ("met", "missed")
           and r["value"] > 0 and r["target"] > 0]
-  fig, ax = plt.subplots(figsize=(8, 0.5 + 0.22 * max(len(rows), 1)))
-  fractions = [r["target"] / r["value"] if lower_is_better(r) else r["value"] / r["target"]
-               for r in rows]
+  fig, ax = plt.subplots(figsize=(10, 0.8 + 0.24 * max(len(rows), 1)))
+  # (clipped to [1/100, 100] so that one extreme row does not squash the others)
+  fractions = [min(100.0, max(0.01, r["target"] / r["value"] if lower_is_better(r)
+                              else r["value"] / r["target"])) for r in rows]
   ys = list(range(len(rows)))[::-1]
-  ax.barh(ys, fractions, color=["#2e7d32" if r["met"] else "#c62828" for r in rows])
-  ax.set_yticks(ys)
-  ax.set_yticklabels([r["ratio"] for r in rows])
-  ax.axvline(1.0, color="black", linewidth=0.8)
   ax.set_xscale("log")
+  ax.barh(ys, fractions, left=0.01, color=["#2e7d32" if r["met"] else "#c62828" for r in rows])
+  ax.set_xlim(0.01, 100)
+  ax.set_yticks(ys)
+  ax.set_yticklabels([textwrap.shorten(r["ratio"], 64, placeholder=" ...") for r in rows])
+  ax.axvline(1.0, color="black", linewidth=0.8)
   ax.set_xlabel("fraction of target (≥ 1: met; ceilings inverted)")
   ax.set_title("Ratios against their targets" + (" (--quick run)" if data.get("quick") else ""))
   ax.grid(True, axis="x", which="both", alpha=0.3)
@@ -223,10 +231,10 @@ def plot(data: dict, sha256: str, out_dir: pathlib.Path) -> List[pathlib.Path]:
   path = out_dir / "scaling.svg"
   if series:
     fig, axes = plt.subplots(1, len(series), figsize=(4.5 * len(series), 3.4), squeeze=False)
-    for ax, (title, ylabel, lines) in zip(axes[0], series):
+    for ax, (title, xlabel, ylabel, lines) in zip(axes[0], series):
       for label, pts in sorted(lines.items()):
         ax.plot(*zip(*sorted(pts)), marker="o", label=label)
-      ax.set(xscale="log", yscale="log", xlabel="items in table", ylabel=ylabel, title=title)
+      ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
       ax.grid(True, which="both", alpha=0.3)
       ax.legend()
     fig.tight_layout()

@@ -202,8 +202,9 @@ class BatchIterator:
   """Iterator of fixed-shape prioritized batches, gathered ahead by a background thread.
 
   Args:
-    source, table: the table(s) to sample, see resolve_tables (e.g. ``client, 'replay'`` or
-      ``client, {'a': 0.7, 'b': 0.3}``).
+    source: a Client, Server or SharedTable (see resolve_tables).
+    table: the table(s) of `source` to sample, e.g. ``'replay'`` or ``{'a': 0.7, 'b': 0.3}``
+      (see resolve_tables).
     batch_size: items per batch, >= 1.
     prefetch: batches gathered ahead of the consumer, >= 1.
     keep: batches the consumer may still hold when it takes the next one (their buffers are not
@@ -418,7 +419,8 @@ class BatchIterator:
 
     Raises:
       DeadlineExceededError: not all applied within timeout_ms.
-      the error an update met (e.g. TableClosedError), or the background thread's error.
+      ReverbError: the error an update met (e.g. TableClosedError), or the background
+        thread's error.
     """
     self._check_process()
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0

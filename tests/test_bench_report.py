@@ -63,7 +63,7 @@ def test_render_states_machine_date_load_and_every_ratio_with_its_verdict():
   assert "| R1 cross-node sample cost / same-node (lower is better) | 3 | - | no target |" \
       in section
   assert "| W5 sample vs numpy copy bandwidth | n/a | ≥ 0.6 | not measured |" in section
-  assert "1 of 2 targets met; 1 ratio(s) not measured" in section
+  assert "2 of 3 targets met; 1 ratio(s) not measured" in section
   assert "| reverb | W1 | fastest | 100,000 | 4.4 | insert |  |" in section
   assert "| shm | scale_10000 | fastest | 500,000 |  | a | 10,000 items, 2 µs/item |" in section
   assert "no \\| pipes" in section            # a '|' in a note does not break the table
