@@ -45,11 +45,13 @@ def server(sampler, max_size, item_bytes=STEP_BYTES, limiter=None):
   table = reverb.Table(TABLE, sampler=sampler, remover=reverb.selectors.Fifo(), max_size=max_size,
                        rate_limiter=limiter or reverb.rate_limiters.MinSize(1))
   presized = max(256 << 20, 2 * max_size * (item_bytes + 256))
+  # room for the table's metadata (records, index, sum tree: ~120 bytes per item) besides the arena
+  max_bytes = presized + (256 << 20) + 160 * max_size
   if GROWN:
-    srv = reverb.Server([table], max_bytes=presized + (256 << 20))
+    srv = reverb.Server([table], max_bytes=max_bytes)
     _grow(srv.segment, presized)
     return srv
-  return reverb.Server([table], arena_bytes=presized, max_bytes=presized + (256 << 20))
+  return reverb.Server([table], arena_bytes=presized, max_bytes=max_bytes)
 
 
 def _grow(seg, nbytes):
