@@ -111,8 +111,9 @@ def render(data: dict, sha256: str) -> str:
       f"| CPU | {_cell(m.get('cpu_model') or 'unknown')}, {m.get('cpus', '?')} logical CPUs |",
       f"| Load average (1 / 5 / 15 min, at the end of the run) | {_load(m.get('load'))} |",
   ]
-  if m.get("load_start"):
-    lines.append(f"| Load average at the start | {_load(m['load_start'])} |")
+  load_start = data.get("load_start") or m.get("load_start")
+  if load_start:
+    lines.append(f"| Load average at the start | {_load(load_start)} |")
   lines += [
       f"| Platform | {_cell(m.get('platform', 'unknown'))}, Python {m.get('python', '?')} |",
       f"| Settings | {'--quick, ' if data.get('quick') else ''}"

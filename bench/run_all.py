@@ -375,9 +375,9 @@ def main(argv=None):
   path.write_text(json.dumps({
       "time": stamp, "quick": args.quick, "repeat": args.repeat, "duration_s": args.duration,
       "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "load_start": load_start,
       "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                  "cpu_model": cpu_model(), "cpus": os.cpu_count(), "load": os.getloadavg(),
-                  "load_start": load_start},
+                  "cpu_model": cpu_model(), "cpus": os.cpu_count(), "load": os.getloadavg()},
       "results": results, "ratios": ratio_rows, "notes": notes}, indent=2))
   print(f"\nwrote {path}; publish it in the docs with: python bench/report.py {path}")
   return 0
