@@ -600,8 +600,9 @@ class BatchIterator:
     self._stop_updater()
 
   def _apply_updates(self, updates: List[_Update], final: bool) -> None:
+    per_table: collections.defaultdict   # table -> (keys, priorities) lists
     try:
-      per_table: collections.defaultdict = collections.defaultdict(lambda: ([], []))
+      per_table = collections.defaultdict(lambda: ([], []))
       rejected = 0
       for u in updates:
         if u.ready is None:
