@@ -334,6 +334,7 @@ def main(argv=None):
                  help="python of the torchrl_ray peer venv (default: tests/peers/venv.sh "
                       "torchrl_ray, built on first use)")
   args = p.parse_args(argv)
+  load_start = os.getloadavg()
   args.duration = 0.5 if args.quick else 2.0
   args.warmup = 0.1 if args.quick else 0.3
   args.items = 20_000 if args.quick else 1_000_000
@@ -424,11 +425,13 @@ def main(argv=None):
   path = RESULTS / f"run_all-{stamp}.json"
   path.write_text(json.dumps({
       "time": stamp, "quick": args.quick, "repeat": args.repeat, "duration_s": args.duration,
+      "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "load_start": load_start,
       "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
                   "cpu_model": cpu_model(), "cpus": os.cpu_count(), "load": os.getloadavg(),
                   **bandwidth},
       "results": results, "ratios": ratio_rows, "notes": notes}, indent=2))
-  print(f"\nwrote {path}")
+  print(f"\nwrote {path}; publish it in the docs with: python bench/report.py {path}")
   return 0
 
 

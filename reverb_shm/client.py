@@ -58,7 +58,7 @@ class _TableHandle:
     stats = seg.stats(self.index)
     self.prioritized = PRIORITIZED in (stats["sampler_kind"], stats["remover_kind"])
     self.priority_bound = self.table.priority_bound   # above it: the exact sum-tree cap check
-    self.insert_plans = {}   # (dtype, shape) per step leaf -> ColumnWriter, or None: not fast
+    self.insert_plans: dict = {}   # (dtype, shape) per step leaf -> ColumnWriter, or None: not fast
     self.hot_plans = hot_plans.PlanCache(batched=False, owner=self.table)   # C one-call plans
 
   def insert_plan(self, columns: tuple) -> Optional[chunks.ColumnWriter]:
@@ -107,11 +107,12 @@ class Client:
     if not isinstance(server_address, str):
       raise TypeError(f"server_address must be a str, got {type(server_address).__name__}")
     self._address = server_address
-    self._seg = None
-    self._seg_pid = None
-    self._handles: Dict[str, _TableHandle] = {}
-    self._hot_plans = {}   # table name -> its handle's C plan of the last step layout inserted
-    self._column_writers = {}   # (dtype, shape) per column -> chunks.ColumnWriter
+    self._seg: Optional[shm.Segment] = None
+    self._seg_pid: Optional[int] = None
+    self._handles: Dict[str, Any] = {}   # _TableHandle (a RemoteClient's: _RemoteHandle)
+    # table name -> its handle's C plan of the last step layout inserted
+    self._hot_plans: dict = {}
+    self._column_writers: dict = {}   # (dtype, shape) per column -> chunks.ColumnWriter
 
   def __reduce__(self):
     return Client, (self._address,)
@@ -296,7 +297,7 @@ class Client:
   # ---- sample
   def sample(self, table: str, num_samples: int = 1, *, emit_timesteps: bool = True,
              unpack_as_table_signature: bool = False,
-             rate_limiter_timeout_ms: Optional[int] = None
+             rate_limiter_timeout_ms: Optional[float] = None
              ) -> Generator[Union[List[ReplaySample], ReplaySample], None, None]:
     """Samples `num_samples` items one at a time, each when the rate limiter allows.
 
@@ -625,7 +626,7 @@ def _new_tuples(cls, values):
   return map(tuple.__new__, repeat(cls), values)
 
 
-_ROW_GETTERS = {}   # n -> itemgetter of the 0-d row views of a 1-d column of n rows
+_ROW_GETTERS: dict = {}   # n -> itemgetter of the 0-d row views of a 1-d column of n rows
 
 
 def _row_views(column: np.ndarray) -> tuple:
@@ -657,7 +658,7 @@ def to_samples(info: SampleInfo, data: list, emit_timesteps: bool, treedef):
   """
   if not emit_timesteps:
     return ReplaySample(info, _unpack(treedef, data))
-  lengths = {col.shape[0] if col.ndim else None for col in data}
+  lengths: set = {col.shape[0] if col.ndim else None for col in data}
   if len(lengths) != 1 or None in lengths:
     raise ValueError("Can't split non timestep trajectory into timesteps.")
   steps = lengths.pop()

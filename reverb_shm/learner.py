@@ -202,8 +202,9 @@ class BatchIterator:
   """Iterator of fixed-shape prioritized batches, gathered ahead by a background thread.
 
   Args:
-    source, table: the table(s) to sample, see resolve_tables (e.g. ``client, 'replay'`` or
-      ``client, {'a': 0.7, 'b': 0.3}``).
+    source: a Client, Server or SharedTable (see resolve_tables).
+    table: the table(s) of `source` to sample, e.g. ``'replay'`` or ``{'a': 0.7, 'b': 0.3}``
+      (see resolve_tables).
     batch_size: items per batch, >= 1.
     prefetch: batches gathered ahead of the consumer, >= 1.
     keep: batches the consumer may still hold when it takes the next one (their buffers are not
@@ -265,16 +266,18 @@ class BatchIterator:
     self._seed = None if seed is None else int(seed) & _SEED_MASK
     self._mix_rng = np.random.default_rng(self._seed)
     self._mask_key = mask_key
-    self._any_prioritized = None   # whether a table has a Prioritized selector (read once)
+    # whether a table has a Prioritized selector (read once)
+    self._any_prioritized: Optional[bool] = None
     self._allocate = allocate
     self._transform = transform
     self._layout: Any = None       # ((dtype, item shape, bytes) per column), from the first items
     self._slots: List[_Slot] = []
     self._cv = threading.Condition()
-    self._free = collections.deque()      # slots the background thread may gather into
+    # slots the background thread may gather into
+    self._free: collections.deque = collections.deque()
     self._credits = self._prefetch + (0 if self._copy else self._keep)   # batches it may hold
-    self._ready = collections.deque()     # (slot, batch) gathered, not yet taken
-    self._held = collections.deque()      # slots of batches the consumer took
+    self._ready: collections.deque = collections.deque()     # (slot, batch) gathered, not yet taken
+    self._held: collections.deque = collections.deque()      # slots of batches the consumer took
     self._ucv = threading.Condition()     # guards the priority updates and the counters
     self._updates: List[_Update] = []
     self._applying = 0                    # updates taken by the updater, not yet applied
@@ -416,7 +419,8 @@ class BatchIterator:
 
     Raises:
       DeadlineExceededError: not all applied within timeout_ms.
-      the error an update met (e.g. TableClosedError), or the background thread's error.
+      ReverbError: the error an update met (e.g. TableClosedError), or the background
+        thread's error.
     """
     self._check_process()
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
@@ -596,6 +600,7 @@ class BatchIterator:
     self._stop_updater()
 
   def _apply_updates(self, updates: List[_Update], final: bool) -> None:
+    per_table: collections.defaultdict   # table -> (keys, priorities) lists
     try:
       per_table = collections.defaultdict(lambda: ([], []))
       rejected = 0

@@ -6,7 +6,7 @@ object may configure several tables.
 import logging
 import math
 import sys
-from typing import Tuple, Union
+from typing import Any, Tuple, Union
 
 __all__ = ["RateLimiter", "MinSize", "SampleToInsertRatio", "Queue", "Stack"]
 
@@ -124,7 +124,8 @@ class SampleToInsertRatio(RateLimiter):
       min_diff, max_diff = offset - error_buffer, offset + error_buffer
     else:
       try:
-        min_diff, max_diff = (float(x) for x in error_buffer)
+        pair: Any = error_buffer   # (a number was handled above)
+        min_diff, max_diff = (float(x) for x in pair)
       except (TypeError, ValueError):
         raise ValueError("error_buffer must be a number or a (min_diff, max_diff) pair, got "
                          f"{error_buffer!r}") from None

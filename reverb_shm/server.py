@@ -111,7 +111,7 @@ class Server:
     SegmentInUseError: a live server already uses that name.
   """
 
-  def __init__(self, tables: Sequence[table_lib.Table] = None, port: Optional[int] = None,
+  def __init__(self, tables: Optional[Sequence[table_lib.Table]] = None, port: Optional[int] = None,
                checkpointer=None, *, name: Optional[str] = None,
                arena_bytes: int = DEFAULT_ARENA_BYTES, max_bytes: Optional[int] = None,
                storage: Optional[str] = None, max_procs: int = 128,
@@ -143,7 +143,8 @@ class Server:
       checkpointer = checkpointers.default_checkpointer()
     # Table configs are fixed when the segment is created: read the checkpoint first.
     restoring = checkpointer.load_latest()
-    created_tables, restore_indices = tables, {}
+    created_tables = tables
+    restore_indices: dict = {}
     if restoring is not None:
       created_tables, restore_indices = checkpointers.effective_tables(tables, restoring,
                                                                        on_config_mismatch)

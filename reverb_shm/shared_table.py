@@ -26,7 +26,7 @@ __all__ = ["SharedTable"]
 
 _INF = math.inf
 _MAX_PLANS = 64   # validated column layouts remembered per table (SharedTable.insert)
-_GATHER_TEMPLATES = {}   # column layout -> rs_gather_col[] with its out pointers unset
+_GATHER_TEMPLATES: dict = {}   # column layout -> rs_gather_col[] with its out pointers unset
 
 
 def _as_u64(ptr_array):
@@ -48,14 +48,14 @@ class SharedTable:
     self._signature = None
     self._signature_loaded = False
     self._signature_tree: Any = None   # (number of leaves, treedef) of the signature
-    self._validates_negative = None
-    self._priority_bound = None
-    self._column_writers = {}     # (dtype, shape) per column -> chunks.ColumnWriter
-    self._insert_plans = {}       # (dtype, batch shape) per leaf of a valid batch -> writer
+    self._validates_negative: Optional[bool] = None
+    self._priority_bound: Optional[float] = None
+    self._column_writers: dict = {}     # (dtype, shape) per column -> chunks.ColumnWriter
+    self._insert_plans: dict = {}       # (dtype, batch shape) per leaf of a valid batch -> writer
     self._hot_plans = hot_plans.PlanCache(batched=True)   # C one-call plans by batch layout
     self._hot_plan = None         # the plan of the last batch layout inserted
-    self._gather_layout = None    # ((dtype, item shape, bytes) per column) of sampled items
-    self._out_cache = None        # (layout, out, leaves, rows, rs_gather_col[], address, dtypes)
+    self._gather_layout: Any = None   # ((dtype, item shape, bytes) per column) of sampled items
+    self._out_cache: Any = None   # (layout, out, leaves, rows, rs_gather_col[], address, dtypes)
 
   @classmethod
   def attach(cls, name: str) -> "SharedTable":
@@ -835,18 +835,20 @@ class SharedTable:
       if more is not None and len(more.key):
         infos = [np.concatenate([a, b]) for a, b in zip(infos, more)]
     elif n > 1:   # object columns: up to n - 1 more, read in Python (all of the first's layout)
+      more_pins: Optional[chunks.Pins]
       try:
-        more, pins = self.sample_records(n - 1, timeouts.remaining_ms(deadline))
+        more_recs, more_pins = self.sample_records(n - 1, timeouts.remaining_ms(deadline))
       except errors.DeadlineExceededError:
-        more, pins = recs[:0], None
-      if len(more):
+        more_recs, more_pins = recs[:0], None
+      if len(more_recs):
+        assert more_pins is not None   # (records come with their pins)
         try:
-          desc = np.ascontiguousarray(more["desc_off"])
+          desc = np.ascontiguousarray(more_recs["desc_off"])
           for c, t in enumerate(targets):
             chunks.gather_column(self._seg, desc, c, t[1:1 + len(desc)])
         finally:
-          pins.release()
-        infos = [np.concatenate([a, more[f]]) for a, f in zip(infos, SampleInfo._fields)]
+          more_pins.release()
+        infos = [np.concatenate([a, more_recs[f]]) for a, f in zip(infos, SampleInfo._fields)]
     b = len(infos[0])
     return ReplaySample(SampleInfo(*infos), self._structure([t[:b] for t in targets]))
 

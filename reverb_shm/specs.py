@@ -195,7 +195,7 @@ def _encode(node):
   raise ValueError(f"Unsupported signature node {node!r} of type {type(node).__name__}")
 
 
-_NAMEDTUPLES = {}
+_NAMEDTUPLES: dict = {}
 
 
 def _decode(data):

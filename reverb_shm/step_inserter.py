@@ -55,11 +55,11 @@ class StepInserter:
     self._timeout_ms = timeout_ms
     self._staged = 0
     self._closed = False
-    self._layout = None       # (treedef, ((dtype, shape) per leaf)) of the first step
+    self._layout: Any = None  # (treedef, ((dtype, shape) per leaf)) of the first step
     self._rows: Any = None    # staging array (capacity, *shape) per leaf
-    self._buffers = None      # their uint8_t[] cdata
-    self._writer = None       # chunks.ColumnWriter of the layout
-    self._fast = None         # what _stage_same_layout compares (flat dict first steps)
+    self._buffers: Any = None  # their uint8_t[] cdata
+    self._writer: Any = None  # chunks.ColumnWriter of the layout
+    self._fast: Any = None    # what _stage_same_layout compares (flat dict first steps)
     self._stage = None        # insert()'s one-call staging (hot_plans.stager), or None
     self._priorities = np.zeros(self._capacity, np.float64)
     self._keys = np.zeros(self._capacity, np.uint64)

@@ -64,7 +64,7 @@ class StructuredWriter:
   """
 
   def __init__(self, client, configs: Sequence[Config]):
-    self._writer = None
+    self._writer: Any = None   # (None only when __init__ raised: close() checks)
     configs = list(configs or ())
     if not configs:
       raise ValueError("At least one config must be provided.")
@@ -75,10 +75,10 @@ class StructuredWriter:
     keep_alive = max(s.history for s in self._states)
     # Items reach their tables as their step closes (item_batch_size=1), as before.
     self._writer = trajectory_writer_lib.TrajectoryWriter(client, keep_alive, item_batch_size=1)
-    self._num_leaves = None
-    self._paths = None
-    self._columns = {}          # flat index -> (dtype, shape) fixed by the first value
-    self._newest = {}           # flat index -> newest step's value (for data conditions)
+    self._num_leaves: Optional[int] = None
+    self._paths: Any = None
+    self._columns: dict = {}          # flat index -> (dtype, shape) fixed by the first value
+    self._newest: dict = {}           # flat index -> newest step's value (for data conditions)
     self._step_open = False
     self._episode_step = 0      # complete steps in this episode
     self._buffered = 0          # complete steps since the buffers were last cleared

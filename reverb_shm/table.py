@@ -98,7 +98,7 @@ class Table:
     self._max_times_sampled = max(0, min(max_times_sampled, 2**31 - 1))
     self._extensions = tuple(extensions)
     self._signature = specs.validate_signature(signature)
-    self._live = None  # (Segment, table index) while a server owns this table.
+    self._live: Any = None  # (Segment, table index) while a server owns this table.
 
   # ---- configuration
   name = property(lambda self: self._name)

@@ -164,22 +164,22 @@ class TrajectoryWriter(hot.WriterBase):
     self._default_keep_alive = num_keep_alive_refs
     self._validate_items = bool(validate_items)
     self._columns: List[_Column] = []
-    self._by_path = {}
-    self._configs = {}           # path -> (num_keep_alive_refs, max_chunk_length)
-    self._plans = {}             # treedef -> ([column or None per leaf], [path per leaf])
+    self._by_path: dict = {}
+    self._configs: dict = {}           # path -> (num_keep_alive_refs, max_chunk_length)
+    self._plans: dict = {}             # treedef -> ([column or None per leaf], [path per leaf])
     self._structure = None       # union skeleton (leaves: _ColumnHistory)
     self._hist_step = 0          # closed steps since the last clear
     self._step_open = False      # a partial append opened the current step
     self._episode_steps = 0
     self._episode_id = random_u64.one()
-    self._pending = collections.deque()
-    self._batch = []             # (item kind, priority, starts) of window items not yet inserted
-    self._kinds = {}             # (handle, ((column, length, squeeze), ...)) -> itself, validated
-    self._last_kind = None       # the kind _kind() returned last (create_item's C fast path)
+    self._pending: collections.deque = collections.deque()
+    self._batch: list = []   # (item kind, priority, starts) of window items not yet inserted
+    self._kinds: dict = {}   # (handle, ((column, length, squeeze), ...)) -> itself, validated
+    self._last_kind: Any = None  # the kind _kind() returned last (create_item's C fast path)
     self._fast = None            # hot.FastAppend of the last complete step, or None
-    self._item_keys = None       # sorted keys of the last flat-dict trajectory, or None
-    self._window_cols = None     # (history, its columns) for create_window_items
-    self._tables = {}
+    self._item_keys: Any = None  # sorted keys of the last flat-dict trajectory, or None
+    self._window_cols: Any = None  # (history, its columns) for create_window_items
+    self._tables: dict = {}
     self._last_deadline_error = None
     # Batches and items held back by a rate limiter are delivered by a background thread when
     # the owner makes no further call (local tables only; a bridge client's writer sends them).
@@ -409,7 +409,7 @@ class TrajectoryWriter(hot.WriterBase):
     """
     seg = self._segment
     batched = partial is None
-    new_columns = []
+    new_columns: list = []
     resolved = []
     for col, path, arr, _ in writes:
       if col is None:
@@ -896,7 +896,7 @@ class TrajectoryWriter(hot.WriterBase):
     single = False
     while len(pending) > until:
       head = pending[0].table
-      run = []
+      run: list = []
       limit = 1 if single else len(pending) - until
       for item in pending:
         if item.table is not head or len(run) >= limit:

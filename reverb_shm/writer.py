@@ -63,9 +63,9 @@ class Writer:
     self._writer = trajectory_writer_lib.TrajectoryWriter(client, self._max_sequence_length,
                                                           validate_items=False)
     self._client = client
-    self._num_leaves = None
-    self._step_columns = None   # (dtype, shape) of each leaf of one step
-    self._checked_tables = set()   # tables whose signature the step layout matches
+    self._num_leaves: Optional[int] = None
+    self._step_columns: Any = None   # (dtype, shape) of each leaf of one step
+    self._checked_tables: set = set()   # tables whose signature the step layout matches
     self._buffered = 0
     self._closed = False
 

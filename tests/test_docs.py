@@ -56,7 +56,9 @@ def test_the_collector_finds_blocks_and_no_run_marks(tmp_path):
 def test_every_page_has_been_looked_at():
   # The README and the guides carry runnable examples; a page that lost all of them is a
   # regression of the docs, not of the code.
-  for name in ("README.md", "docs/getting-started.md", "docs/guides/migrating.md"):
+  for name in ("README.md", "docs/getting-started.md", "docs/guides/migrating.md",
+               "docs/guides/learners.md", "docs/guides/ray.md", "docs/guides/monitoring.md",
+               "docs/guides/operating.md"):
     assert any(run for _, _, run in blocks(ROOT / name)), name
 
 

@@ -82,7 +82,7 @@ def log_progress(prefix: str = "checkpoint", every_s: float = 1.0) -> Progress:
   """A Progress callback logging one INFO line per phase at most every `every_s` seconds, once
   the operation has run for `every_s` (short saves and restores stay quiet)."""
   started = time.monotonic()
-  last = {}
+  last: dict = {}
 
   def report(phase: str, done: int, total: int) -> None:
     now = time.monotonic()

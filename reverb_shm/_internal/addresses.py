@@ -74,7 +74,7 @@ def shard_targets(address: str) -> List[str]:
   ips = v4 or v6
   if len(ips) <= 1:
     return [address]
-  return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+  return [f"[{ip}]:{port}" if ":" in str(ip) else f"{ip}:{port}" for ip in ips]
 
 
 def remote_client_for(address) -> Optional[object]:

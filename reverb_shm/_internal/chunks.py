@@ -93,7 +93,7 @@ class OwnedPins:
   def __init__(self, seg, generation: int, pins: np.ndarray):
     self._seg = seg
     self._generation = generation
-    self._pins = np.ascontiguousarray(pins, dtype=np.uint32)
+    self._pins: Optional[np.ndarray] = np.ascontiguousarray(pins, dtype=np.uint32)
 
   def __len__(self):
     return 0 if self._pins is None else len(self._pins)
@@ -139,7 +139,7 @@ def _pinned_view(seg, pins: Pins, address: int, shape: tuple, dtype: np.dtype) -
 
 
 # ---------------------------------------------------------------- chunk headers
-_DTYPES = {}  # rs_chunk_hdr.dtype code -> np.dtype
+_DTYPES: dict = {}  # rs_chunk_hdr.dtype code -> np.dtype
 _CHUNK_HDR_SIZE = ffi.sizeof("rs_chunk_hdr")
 
 
@@ -234,6 +234,7 @@ class Chunk:
     row = self.rows
     if self.data is None or row >= self.capacity or np.shape(value) != self.shape:
       self._check_rows(np.shape(value), 1)
+    assert self.data is not None   # (_check_rows raised otherwise)
     self.data[row] = value
     self.publish(row + 1)
 
@@ -250,6 +251,7 @@ class Chunk:
       raise ValueError(f"chunk dtype is {self.dtype}, got rows of dtype {values.dtype}")
     n = values.shape[0] if values.ndim else 0
     self._check_rows(values.shape[1:], n)
+    assert self.data is not None   # (_check_rows raised otherwise)
     self.data[self.rows:self.rows + n] = values
     self.publish(self.rows + n)
 
@@ -392,14 +394,14 @@ class ColumnWriter:
     self.slices = ffi.new("rs_desc_slice[]", [(0, 0, 1)] * self.ncols)
     self.squeeze_flags = {flag: ffi.new("uint32_t[]", [flag] * self.ncols) for flag in (0, SQUEEZE)}
 
-  def write(self, seg, arrays: Sequence[np.ndarray], rows: int,
+  def write(self, seg, arrays: Sequence[Any], rows: int,
             episode_id: int = 0) -> Tuple[list, Pins]:
     """Allocates one chunk of `rows` rows per column, copies arrays[c] in and publishes it.
 
     Args:
       seg: the Segment.
-      arrays: one C-contiguous array per column holding exactly rows x row bytes, with the
-        column's dtype (the caller has checked dtypes and shapes).
+      arrays: one C-contiguous array (or bytes-like buffer) per column holding exactly rows x
+        row bytes, with the column's dtype (the caller has checked dtypes and shapes).
       rows: rows per chunk, >= 1.
       episode_id: episode id stored in every chunk header.
 
@@ -492,7 +494,7 @@ def _read_object_rows(seg, meta: _ChunkMeta, row_offset: int, nrows: int) -> np.
 
 
 # ---------------------------------------------------------------- descriptors
-_DESC_PACKERS = {}
+_DESC_PACKERS: dict = {}
 
 
 def encode_descriptor(columns) -> bytes:
@@ -573,7 +575,8 @@ def item_columns(seg, desc_off: int) -> List[Tuple[np.ndarray, bool]]:
 
 # ---------------------------------------------------------------- reading
 _DESC_HDR_STRUCT = struct.Struct("<II")
-_DESC_BODY_STRUCTS = {}  # (ncols, nslices) -> Struct of the rs_desc_col and rs_desc_slice arrays
+# (ncols, nslices) -> Struct of the rs_desc_col and rs_desc_slice arrays
+_DESC_BODY_STRUCTS: dict = {}
 
 
 def _decode_descriptor(seg, desc_off: int) -> List[Tuple[List[tuple], bool]]:
@@ -651,7 +654,7 @@ def read_items(seg, desc_offs, pins: Pins) -> List[List[np.ndarray]]:
     (squeezed columns without time dim), copies for object and multi-slice columns.
   """
   offs = np.asarray(desc_offs, np.uint64)
-  cache = {}                           # chunk headers; valid while `pins` are held
+  cache: dict = {}                           # chunk headers; valid while `pins` are held
   if len(offs) < 4:                    # below this, numpy's per-call overhead dominates
     return [read_item(seg, off, pins, cache) for off in offs.tolist()]
   out: List[Any] = [None] * len(offs)

@@ -40,7 +40,7 @@ LEAF_TYPES = frozenset([np.ndarray, float, int, bool, str, bytes, type(None)] +
 NUMERIC_VALUES = frozenset([np.ndarray] + [t for t in np.sctypeDict.values()
                                             if issubclass(t, np.generic) and
                                             np.dtype(t).kind in "biufc"])
-_DICT_ORDERS = {}   # tuple of a dict's str keys in insertion order -> the keys sorted
+_DICT_ORDERS: dict = {}   # tuple of a dict's str keys in insertion order -> the keys sorted
 _MAX_ORDERS = 256
 
 

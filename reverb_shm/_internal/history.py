@@ -399,7 +399,7 @@ class TrajectoryColumn(hot.WindowBase):
                path: Optional[tuple] = None):
     # (column, generation, start, stop, index) of a history window
     self._win = None  # type: ignore[misc]  # a slot of the C base
-    refs = list(data_references)
+    refs: List[Any] = list(data_references)
     if None in refs:   # CellRefs compare by identity
       raise ValueError(
           f"TrajectoryColumns cannot contain any None data references, got {refs} for "

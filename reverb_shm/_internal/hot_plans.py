@@ -120,7 +120,7 @@ class PlanCache:
     self._batched = batched
     self._owner = owner
     self._registration = None
-    self._plans = {}
+    self._plans: dict = {}
 
   def get(self, table, data, columns: tuple, writer) -> Optional[Any]:
     """The plan inserting data shaped like `data` into `table` through `writer`, or None.

@@ -25,7 +25,7 @@ SQUEEZE_FLAG = chunks.SQUEEZE
 def column_slices(refs: List[CellRef]) -> Tuple[list, list]:
   """Merges consecutive rows of one chunk into (chunk_off, row_offset, nrows) slices; also
   returns the holders (refs must be alive)."""
-  slices = []
+  slices: list = []
   holders = []
   last_holder = None
   last_end = -1

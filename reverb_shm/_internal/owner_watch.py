@@ -14,7 +14,7 @@ parent's thread, pidfds and wake pipe are the parent's.
 import os
 import select
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from reverb_shm._internal._lib import lib
 
@@ -27,12 +27,14 @@ class _Watcher:
   """The watched servers of this process: pid (or ("lock", id of the probe) for a server of
   another pid namespace) -> (start time, pidfd or None, callbacks, liveness probe or None)."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self.lock = threading.Lock()
     self.owners: Dict[object, Tuple[int, Optional[int], List[Callable[[], None]],
                                     Optional[Callable[[], bool]]]] = {}
-    self.thread = None
-    self.wake_r, self.wake_w = None, None
+    self.thread: Optional[threading.Thread] = None
+    # the wake-up pipe's (read, write) fds, made with the thread
+    self.wake_r: Any = None
+    self.wake_w: Any = None
 
   def watch(self, pid: int, start_time: int, callback: Callable[[], None],
             locked: Optional[Callable[[], bool]] = None) -> None:

@@ -250,21 +250,21 @@ class Segment:
     # This process's registration: (pid, slot, generation) or None. Replaced as a whole, so
     # readers need no lock; changes happen under _slot_lock (reentrant: a Pins finaliser may
     # run inside a locked section of the same thread).
-    self._registration = None
+    self._registration: Optional[Tuple[int, int, int]] = None
     self._generation = 0     # bumped on every register and unregister
     self._slot_lock = threading.RLock()
     _segments.add(self)
-    self._table_names = None
-    self._configs = {}
+    self._table_names: Optional[List[str]] = None
+    self._configs: dict = {}
     self._closed = False
     # Set (by the owner_watch thread) once the server owning an attached segment is seen
     # dead; the objects in _death_listeners then hear of it (_on_server_death()).
     self.owner_dead = False
-    self._death_listeners = weakref.WeakSet()
+    self._death_listeners: weakref.WeakSet = weakref.WeakSet()
     # Appended to "arena full" errors: which setting sizes this arena (the bridge's
     # staging segments name theirs).
     self.arena_hint = ""
-    self.arena_path = None      # disk tier: the arena's file
+    self.arena_path: Optional[str] = None   # disk tier: the arena's file
     # This process's own open file of the segment: its liveness locks (the owner's byte 0 and
     # flock, its slot's byte) and the probes of others' (see the module docstring).
     self._live_fd = _reopen(mem_fd, name)
@@ -736,7 +736,7 @@ class Segment:
     return f"Segment(name={self.name!r}, size={self.size}, owner={self.owner})"
 
 
-_segments = weakref.WeakSet()
+_segments: weakref.WeakSet = weakref.WeakSet()
 
 
 def _reopen(fd: int, name: str) -> int:
@@ -848,7 +848,7 @@ def _reset_locks_in_child() -> None:
 
 os.register_at_fork(after_in_child=_reset_locks_in_child)
 
-_FIELDS = {}
+_FIELDS: dict = {}
 
 
 def _struct_dict(cdata, ctype: str) -> dict:
@@ -865,7 +865,7 @@ def _alias_path(port: int) -> str:
 
 def _unlink_stale_files(is_stale, dry_run: bool) -> List[str]:
   """Unlinks (unless dry_run) every file of SHM_DIR for which is_stale(entry) holds; paths."""
-  removed = []
+  removed: list = []
   try:
     entries = os.listdir(SHM_DIR)
   except OSError:
@@ -1106,7 +1106,7 @@ def _prune_orphan_arena_files(storage: str, dry_run: bool, names, doomed, done) 
   """Arena files of `storage` (regular files of this user, named as arena files are) whose
   server has no segment (or a stale one, in `doomed`). A server creates its segment before its
   arena file and removes the file first, so a file without a segment is an orphan."""
-  orphans = []
+  orphans: list = []
   try:
     entries = sorted(os.listdir(storage))
   except OSError:

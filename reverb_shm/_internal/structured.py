@@ -11,7 +11,7 @@ a priority function and :class:`Condition` s that decide at which steps an item 
 Configs, patterns and conditions are plain immutable values (thread-safe).
 """
 import dataclasses
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -196,7 +196,7 @@ class _ConditionBuilder:
   def __le__(self, value) -> Condition:
     return dataclasses.replace(self > value, inverse=True)
 
-  __hash__ = None  # comparisons build conditions; builders are not dict keys
+  __hash__ = None  # type: ignore[assignment]  # comparisons build conditions: not dict keys
 
   def __repr__(self):
     return f"ConditionBuilder({self._partial})"
@@ -271,7 +271,8 @@ def unpack_pattern(config: Config) -> Any:
 
 def history_length(config: Config) -> int:
   """Most recent steps the config's pattern reaches back (the automatic buffer condition)."""
-  return max(-(n.stop if n.start is None else n.start) for n in config.flat)
+  # (a node without a start is a single step: its stop is set)
+  return max(-cast(int, n.stop if n.start is None else n.start) for n in config.flat)
 
 
 def _check_node(i: int, node) -> None:

@@ -113,7 +113,7 @@ class _Connection:
     self.creds = client._creds  # pylint: disable=protected-access
     self.channel = self.creds.channel(self.address, _CHANNEL_OPTIONS)
     self.metadata = self.creds.metadata()
-    self.insert_streams = []   # idle persistent Insert streams (writes.InsertStream)
+    self.insert_streams: list = []   # idle persistent Insert streams (writes.InsertStream)
     self.batch_stream: Optional[_BatchStream] = None   # the SampleBatches stream, once opened
     # The bridge's raw TCP insert port (None: not offered, not known yet, or not to be used)
     # and the idle connections to it (writes.InsertSocket).
@@ -287,7 +287,7 @@ class _RemoteHandle:
                            else structure.flatten(self.signature)[0])
     stats = entry["stats"]
     self.prioritized = PRIORITIZED in (stats["sampler_kind"], stats["remover_kind"])
-    self._step_columns = {}
+    self._step_columns: dict = {}
 
   def step_columns(self, columns: tuple) -> Optional[list]:
     """The "cols" of RemoteClient.insert's step op for steps of `columns` ((dtype, shape) per
@@ -322,7 +322,7 @@ class _WriterClient:
     self._client = client
     self._session = client._new_session()  # pylint: disable=protected-access
     self._session.open()
-    self._handles = {}
+    self._handles: dict = {}
 
   def _segment(self) -> shm.Segment:
     return self._client._segment()  # pylint: disable=protected-access
@@ -391,13 +391,13 @@ class RemoteClient(client_lib.Client):
       raise ValueError(f"max_in_flight_samples must be in [1, 1024], got "
                        f"{max_in_flight_samples!r}")
     self.max_in_flight_samples = int(max_in_flight_samples)
-    self._conn = None
-    self._conn_pid = None
+    self._conn: Optional[_Connection] = None
+    self._conn_pid: Optional[int] = None
     self._conn_lock = threading.Lock()
     self._inserter = writes.OneMessageInserter(server_address, self._connection,
                                                reconnect_timeout_s, rpc_error)
-    self._entries = {}
-    self._layouts = {}   # (dtype, shape) per column -> the "cols" of Client.insert's step op
+    self._entries: dict = {}
+    self._layouts: dict = {}   # (dtype, shape) per column -> the "cols" of Client.insert's step op
 
   def __reduce__(self):
     return _rebuild, (self.server_address, self._explicit_creds, self.staging_bytes,
@@ -663,7 +663,7 @@ class RemoteClient(client_lib.Client):
     """(SampleInfo, columns) of up to n samples over one Sample stream (raises RpcError)."""
     window = self.max_in_flight_samples
     granted = min(n, window)
-    requests = queue.SimpleQueue()
+    requests: queue.SimpleQueue = queue.SimpleQueue()
     requests.put({"table": table, "n": n, "timeout_ms": timeout_ms, "credit": granted,
                   "batch": min(max(1, window // 2), _SAMPLE_BATCH)})
 

@@ -40,7 +40,7 @@ import logging
 import math
 import threading
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import grpc
 import numpy as np
@@ -144,15 +144,17 @@ class Bridge:
     self._tables: Dict[str, SharedTable] = {}
     self._layouts: Dict[tuple, _StepLayout] = {}
     self._step_buffers = (ffi.new("uint64_t[1]"), ffi.new("double[1]"))   # used on the loop only
-    self._last_step_layout = (None, None)   # ("cols" of a step op, its _StepLayout), the last
-    self._open_sets = collections.OrderedDict()   # _OpenRows holding chunks (<= _MAX_OPEN_SETS)
+    # ("cols" of a step op, its _StepLayout) of the last step op
+    self._last_step_layout: Tuple[Any, Any] = (None, None)
+    # _OpenRows holding chunks (<= _MAX_OPEN_SETS)
+    self._open_sets: collections.OrderedDict = collections.OrderedDict()
     self._acks: Dict[int, bytes] = {}
     self._item_bytes: Dict[str, int] = {}   # table -> bytes of a sample in the last reply
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=config.max_concurrent_rpcs, thread_name_prefix="reverb_shm-bridge")
     self._loop = asyncio.new_event_loop()
     self._stopped = False
-    started = concurrent.futures.Future()
+    started: concurrent.futures.Future = concurrent.futures.Future()
     self._thread = threading.Thread(target=self._serve, args=(started,), daemon=True,
                                     name="reverb_shm-bridge-loop")
     self._thread.start()
@@ -183,7 +185,7 @@ class Bridge:
 
   async def _main(self, started: concurrent.futures.Future) -> None:
     config = self._config
-    self._stop_request = asyncio.Queue()   # stop(grace) puts the grace period
+    self._stop_request: asyncio.Queue = asyncio.Queue()   # stop(grace) puts the grace period
     self._grpc = grpc.aio.server(
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[("grpc.so_reuseport", 0),
@@ -742,7 +744,7 @@ class Bridge:
     with `pins`, of items encoded one by one instead (object columns)."""
     if idx is not None:
       recs, desc = recs[idx], desc[idx]
-    part = {"n": len(desc)}
+    part: Dict[str, Any] = {"n": len(desc)}
     for field, key, dtype in _INFO_FIELDS:
       part[key] = np.ascontiguousarray(recs[field], dtype).tobytes()
     if idx is not None:
@@ -907,14 +909,15 @@ class _Inbox:
     self._context = context
     self._asm = wire.Reassembler(max_bytes)
     self._cond = asyncio.Condition()
-    self._msgs = []
+    self._msgs: list = []
     self._queued_bytes = 0
-    self._error = None
+    self._error: Optional[BaseException] = None
     self.closed = False   # the client half-closed its side, or the call ended
     self._task = asyncio.ensure_future(self._run())
 
   async def _run(self) -> None:
-    error, size = None, 0
+    error: Optional[BaseException] = None
+    size = 0
     try:
       while True:
         frame = await self._context.read()
@@ -983,7 +986,7 @@ class _StepLayout:
       start = end
     self.nbytes = start
     self._specs = [(dtype, (1,) + shape) for dtype, shape in columns]
-    self._checked = set()
+    self._checked: set = set()
 
   def checked(self, table: str) -> bool:
     """Whether `check` passed for `table`."""
@@ -1022,7 +1025,8 @@ class _OpenRows:
     self._pins = ffi.new("uint32_t[]", columns.ncols)
     self._done = ffi.new("uint32_t *")
     self._row = 0
-    self._registration = None   # the segment registration the open set was taken under
+    # the segment registration the open set was taken under
+    self._registration: Optional[Tuple[int, int, int]] = None
     self._release = None        # releases the open set (hot_plans.open_release)
 
   def insert(self, st: SharedTable, keys_c, prios_c, pointers: list) -> bool:
@@ -1052,8 +1056,9 @@ class _OpenRows:
     check(lib.rs_open_chunks(seg.base, slot, columns.ncols, columns.metas, self._capacity, 0,
                              lib.RS_ROWS_RANDOM_EPISODE, self._offs, self._pins),
           "opening chunks for the bridge's inserts" + seg.arena_hint)
-    self._registration = seg._registration  # pylint: disable=protected-access
-    self._release = hot_plans.open_release(seg, self._registration)
+    registration = self._registration = seg._registration  # pylint: disable=protected-access
+    assert registration is not None   # (rs_open_chunks above needed a registered slot)
+    self._release = hot_plans.open_release(seg, registration)
     self._row = 0
     self._held[id(self)] = self
     while len(self._held) > _MAX_OPEN_SETS:   # bound what the open sets hold of the arena
@@ -1080,8 +1085,8 @@ class _WriteStream:
     self._max_chunks = bridge._config.max_stream_chunks  # pylint: disable=protected-access
     self._chunks: Dict[int, chunks.Chunk] = {}
     self._failed: Dict[int, BaseException] = {}
-    self._upto = None       # seq of the last "items" op handled since the last ack
-    self._errs = []         # [seq, inserted, error class, message] of failed ones
+    self._upto: Optional[int] = None   # seq of the last "items" op handled since the last ack
+    self._errs: list = []         # [seq, inserted, error class, message] of failed ones
     self._unacked = 0       # items handled since the last ack
     self._sync = False      # the client waits for an ack ("sync" op)
 
@@ -1102,7 +1107,7 @@ class _WriteStream:
     the _Blocking waits of such inserts (see Bridge._drive).
     """
     ops = [msg] if "op" in msg else wire.get_list(msg, "ops", _MAX_OPS_PER_MESSAGE)
-    run = []   # prepared items ops of one table, inserted together (see _items_run)
+    run: list = []   # prepared items ops of one table, inserted together (see _items_run)
     for op in ops:
       if not isinstance(op, dict):
         raise wire.BadMessage(f"Write ops must be maps, got {type(op).__name__}")

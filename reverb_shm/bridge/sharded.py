@@ -91,7 +91,7 @@ class ShardedClient:
 
   def server_info(self, timeout: Optional[float] = None) -> Dict[str, table_lib.TableInfo]:
     """TableInfo per table name with sizes and counters summed over the shards."""
-    merged = {}
+    merged: dict = {}
     for infos in self.shard_infos(timeout):
       for name, info in infos.items():
         prev = merged.get(name)

@@ -11,7 +11,7 @@ import itertools
 import os
 import threading
 import time
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 PERIOD_S = 0.1   # how often the thread looks at the deadlines (their precision)
 
@@ -19,12 +19,12 @@ PERIOD_S = 0.1   # how often the thread looks at the deadlines (their precision)
 class Watchdog:
   """Deadlines (time.monotonic() seconds) of waiting calls, each with its cancel function."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._lock = threading.Lock()
     self._calls: Dict[int, Tuple[float, Callable[[], None]]] = {}
     self._tokens = itertools.count(1)
     self._wake = threading.Event()
-    self._pid = None   # the process whose thread runs (a fork child starts its own)
+    self._pid: Optional[int] = None   # the process whose thread runs (a fork child starts its own)
 
   def watch(self, deadline: float, cancel: Callable[[], None]) -> int:
     """Calls `cancel()` (from the watchdog thread) once time.monotonic() passes `deadline`,

@@ -11,7 +11,7 @@ InvalidArgumentError) naming the field; nothing is allocated from an unchecked s
 """
 import math
 import struct
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Literal, Optional, overload
 
 import msgpack
 import numpy as np
@@ -71,9 +71,15 @@ def no_fields(msg: dict, what: str = "message") -> dict:
   return msg
 
 
+@overload
+def get_int(msg: dict, key: str, lo: int, hi: int, *, optional: Literal[False] = False,
+            what: str = "message") -> int: ...
+@overload
+def get_int(msg: dict, key: str, lo: int, hi: int, *, optional: bool,
+            what: str = "message") -> Optional[int]: ...
 def get_int(msg: dict, key: str, lo: int, hi: int, *, optional: bool = False,
             what: str = "message") -> Optional[int]:
-  """An int field in [lo, hi]."""
+  """An int field in [lo, hi] (None when `optional` and absent)."""
   value = get(msg, key, int, optional=optional, what=what)
   if value is not None and not lo <= value <= hi:
     raise BadMessage(f"{what} field {key!r} must be in [{lo}, {hi}], got {value}")

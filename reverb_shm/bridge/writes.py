@@ -60,7 +60,7 @@ class _SentChunk:
     self.cid = 0
     self.gen = -1            # generation of the stream it was last sent on
     self.header = header     # the chunk/obj op without its id
-    self.parts = []          # row bytes sent, in order (numeric chunks)
+    self.parts: list = []          # row bytes sent, in order (numeric chunks)
     self.rows = 0
     self.size = size
 
@@ -85,7 +85,7 @@ class _Stream:
     self.ended = False
     self.error: Optional[grpc.RpcError] = None
     self._cond = threading.Condition()
-    self._out = []
+    self._out: list = []
     self._closing = False
     self._urgent = False
     self.call = conn.stream("Write", self._requests())
@@ -176,9 +176,9 @@ class WriteSession:
     self._closing = False
     self._finalising = False             # closed from a writer's __del__: open no stream
     self._dropped = 0                    # items the bridge did not insert after close
-    self._give_up = None                 # monotonic time when reconnecting stops
+    self._give_up: Optional[float] = None   # monotonic time when reconnecting stops
     self._backoff = BACKOFF_START_S
-    self._stale = []                     # chunks of failed items (the bridge may lack them)
+    self._stale: list = []                     # chunks of failed items (the bridge may lack them)
 
   # ---- public
   @property
@@ -206,10 +206,9 @@ class WriteSession:
       The error the bridge reported for an earlier item; ServerUnavailableError.
     """
     n = len(offs) - 1
-    if not isinstance(keys, bytes):
-      keys = np.ascontiguousarray(keys, "<u8").tobytes()
-    if not isinstance(prios, bytes):
-      prios = np.ascontiguousarray(prios, "<f8").tobytes()
+    key_bytes = keys if isinstance(keys, bytes) else np.ascontiguousarray(keys, "<u8").tobytes()
+    prio_bytes = (prios if isinstance(prios, bytes) else
+                  np.ascontiguousarray(prios, "<f8").tobytes())
     starts = offs[:-1] if isinstance(offs, list) else offs[:-1].tolist()
     with self._lock:
       stream = self._stream
@@ -226,13 +225,17 @@ class WriteSession:
                      f"confirmation (the bridge's rate limiter is behind); 0 of {n} items sent "
                      f"within timeout_ms={timeout_ms}", inserted=0))
       elif stream is None or stream.ended or self._error is not None or self._stale:
-        self._wait(lambda: True, deadline_ns, None)   # (re)connects; raises a pending error
+        # (re)connects; raises a pending error (ready at once: never times out)
+        self._wait(lambda: True, deadline_ns, errors.DeadlineExceededError)
       # One "items" op per item, so that the bridge confirms each as soon as it is in (a
       # batch of them is inserted with one call there while the limiter admits them).
-      ops, batches, in_use = [], [], {}
+      ops: list = []
+      batches: list = []
+      in_use: dict = {}
       staging = self._staging()
       for i, start in enumerate(starts):
-        batch = _Batch(next(self._seqs), table, keys[8 * i:8 * i + 8], prios[8 * i:8 * i + 8], 1)
+        batch = _Batch(next(self._seqs), table, key_bytes[8 * i:8 * i + 8],
+                       prio_bytes[8 * i:8 * i + 8], 1)
         item = []
         for slices, squeeze in chunks.decode_descriptor(blob, start):
           column = []
@@ -250,7 +253,7 @@ class WriteSession:
           self._unconfirmed[batch.seq] = batch
           self._in_flight_bytes += batch.nbytes
         self._in_flight_items += n
-      self._stream.send(ops)
+      self._live.send(ops)
       return n
 
   def await_inserts(self, until: int, deadline_ns: int, timeout_ms, what: str) -> None:
@@ -327,7 +330,7 @@ class WriteSession:
 
   def _send_chunk(self, chunk: _SentChunk, ops: list) -> None:
     """Appends the op (re)creating `chunk` with every row sent so far on the current stream."""
-    chunk.cid, chunk.gen = next(self._ids), self._stream.gen
+    chunk.cid, chunk.gen = next(self._ids), self._live.gen
     op = dict(chunk.header, id=chunk.cid)
     if chunk.rows and chunk.header["op"] == "chunk":   # (zero-element rows have no bytes)
       op["b"] = chunk.parts[0] if len(chunk.parts) == 1 else b"".join(chunk.parts)
@@ -345,10 +348,17 @@ class WriteSession:
     if self._sent.get(chunk.off) is chunk:
       del self._sent[chunk.off]
       self._sent_bytes -= chunk.size
-      if chunk.gen == self._stream.gen:
+      if chunk.gen == self._live.gen:
         ops.append({"op": "drop", "ids": [chunk.cid]})
 
   # ---- the stream
+  @property
+  def _live(self) -> _Stream:
+    """The current stream (_ensure_stream / _open set it before any caller uses it)."""
+    stream = self._stream
+    assert stream is not None
+    return stream
+
   def _ensure_stream(self) -> None:
     if self._stream is None:
       self._open()
@@ -376,7 +386,7 @@ class WriteSession:
     self._stream = _Stream(self._connection(), next(self._gens), self._on_ack, self._on_end)
     self._sent.clear()
     self._sent_bytes = 0
-    ops = []
+    ops: list = []
     with self._cond:
       batches = list(self._unconfirmed.values())
     for batch in batches:
@@ -393,7 +403,7 @@ class WriteSession:
   def _recover(self) -> None:
     """Reopens a broken stream (with backoff) or raises once reconnect_timeout_s passed."""
     self._check_may_open()
-    stream = self._stream
+    stream = self._live
     error = stream.error
     retryable = error is None or error.code() in RETRYABLE
     now = time.monotonic()
@@ -422,10 +432,10 @@ class WriteSession:
     self._ensure_stream()
     self._raise_error()
     if not ready():
-      self._stream.send([{"op": "sync"}], urgent=True)   # the bridge acks at once
+      self._live.send([{"op": "sync"}], urgent=True)   # the bridge acks at once
     while True:
       with self._cond:
-        while not self._stream.ended:
+        while not self._live.ended:
           if ready():
             return
           if self._error is not None:
@@ -459,7 +469,7 @@ class WriteSession:
       error, self._error = self._error, None
       stale, self._stale = self._stale, []
     if stale and self._stream is not None:
-      ops = []
+      ops: list = []
       for chunk in stale:
         self._drop(chunk, ops)
       self._stream.send(ops)
@@ -770,8 +780,8 @@ class OneMessageInserter:
     """
     payload = wire.pack({"ops": ops})
     give_up = time.monotonic() + self._reconnect_s
-    answer_s = None if timeout_ms is None else (
-        timeout_ms / 1000 + max(ANSWER_GRACE_S, self._reconnect_s))
+    grace_s = max(ANSWER_GRACE_S, self._reconnect_s)
+    answer_s = None if timeout_ms is None else timeout_ms / 1000 + grace_s
     backoff = BACKOFF_START_S
     while True:
       conn = self._connection()
@@ -804,7 +814,7 @@ class OneMessageInserter:
         if token is not None and not watchdog.WATCHDOG.unwatch(token):
           raise errors.DeadlineExceededError(
               f"bridge {self._address} did not answer an insert within timeout_ms={timeout_ms} "
-              f"+ {answer_s - timeout_ms / 1000:g} s (stopped or unreachable without closing "
+              f"+ {grace_s:g} s (stopped or unreachable without closing "
               f"its connection?); the items may or may not have been inserted") from None
         if e.code() not in RETRYABLE:
           raise self._rpc_error(e, self._address) from None

@@ -103,7 +103,7 @@ def tqdm_progress_factory() -> Optional[Callable]:
     return None
 
   def factory(prefix: str):
-    bars = {}
+    bars: dict = {}
 
     def report(phase: str, done: int, total: int) -> None:
       bar = bars.get(phase)

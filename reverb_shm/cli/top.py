@@ -10,7 +10,7 @@ import os
 import select
 import sys
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from reverb_shm import errors
 from reverb_shm._internal import counters, shm
@@ -106,6 +106,7 @@ def render(figures: dict, rates: dict, interval: float, live: bool = True):
       f"  chunks {figures['chunks']}  processes {len(procs)}/{figures['max_procs']}"
       + (f"  refresh {interval:g}s" if live else ""))
   grid = Table(expand=False, show_edge=False, pad_edge=False)
+  justify: Any   # (one of rich's justify literals)
   for title, justify in (("table", "left"), ("items/max", "right"),
                          *((t, "right") for _, t in _RATE_KEYS), ("in/s", "right"),
                          ("blk ins", "right"), ("blk smp", "right"), ("limiter", "left"),
@@ -129,7 +130,7 @@ def render(figures: dict, rates: dict, interval: float, live: bool = True):
   shown = sorted(procs, key=lambda p: -p["pins"])[:8]
   proc_line = Text("processes (pid:pins): " + "  ".join(f"{p['pid']}:{p['pins']}" for p in shown)
                    + ("  ..." if len(procs) > len(shown) else ""), style="dim")
-  parts = [head, grid, proc_line]
+  parts: list = [head, grid, proc_line]
   if live:
     parts.append(Text("q or Ctrl-C quits", style="dim"))
   return Group(*parts)

@@ -41,7 +41,9 @@ class JaxIterator(learner.BatchIterator):
   """BatchIterator delivering jax.Arrays (see the module docstring).
 
   Args:
-    source, table, batch_size: as BatchIterator.
+    source: as BatchIterator.
+    table: as BatchIterator.
+    batch_size: as BatchIterator.
     device: a jax.Device (default: jax.local_devices()[0]); not with sharded=True.
     sharded: split the batch dimension over all local devices.
     **kwargs: prefetch, timeout_ms, partial, importance_beta, seed, mask_key, as BatchIterator.
@@ -93,9 +95,9 @@ class JaxIterator(learner.BatchIterator):
     for it (the learner does not wait for the computation producing it).
 
     Raises:
-      TypeError: keys not integers, priorities not floating point. ValueError: as
-      BatchIterator.update_priorities (for a jax.Array, values not finite or negative are found
-      by the background thread and raised by the next call).
+      TypeError: keys not integers, priorities not floating point.
+      ValueError: as BatchIterator.update_priorities (for a jax.Array, values not finite or
+        negative are found by the background thread and raised by the next call).
     """
     if isinstance(keys, jax.Array):
       keys = np.asarray(jax.device_get(keys))

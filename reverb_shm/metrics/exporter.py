@@ -7,7 +7,7 @@ server-wide ones `server`. Counters count since the server started.
 import logging
 import os
 import threading
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 try:
   from prometheus_client import CollectorRegistry, start_http_server
@@ -134,12 +134,12 @@ class ServerCollector:
     server = figures["name"]
     up.add_metric([server], 1)
     yield up
-    for name, key in (("reverb_shm_arena_bytes", "arena_bytes"),
+    for name, field in (("reverb_shm_arena_bytes", "arena_bytes"),
                       ("reverb_shm_arena_used_bytes", "arena_used_bytes"),
                       ("reverb_shm_arena_free_bytes", "arena_free_bytes"),
                       ("reverb_shm_chunks", "chunks")):
       g = GaugeMetricFamily(name, _SERVER_METRICS[name][1], labels=["server"])
-      g.add_metric([server], figures[key])
+      g.add_metric([server], figures[field])
       yield g
     procs = [p for p in figures["processes"] if p["alive"]]
     g = GaugeMetricFamily("reverb_shm_attached_processes",
@@ -190,9 +190,10 @@ class MetricsExporter:
     self.registry = CollectorRegistry(auto_describe=False)
     self.collector = ServerCollector(address)
     self.registry.register(self.collector)
-    self._httpd, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+    httpd, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+    self._httpd: Optional[Any] = httpd
     self.addr = addr
-    self.port = self._httpd.server_port
+    self.port = httpd.server_port
     _log.info("serving Prometheus metrics of %s on http://%s:%d/metrics (pid %d)", address, addr,
               self.port, os.getpid())
 

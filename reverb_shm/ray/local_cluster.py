@@ -55,7 +55,7 @@ class LocalRayCluster:
     self.port = _free_port()
     self.address = f"127.0.0.1:{self.port}"
     self.nodes: Dict[str, subprocess.Popen] = {}
-    self._logs = []
+    self._logs: list = []
 
   def _common(self, label: str):
     # Nodes on one host must not share a port: each gets its own (Ray's defaults are fixed).
@@ -149,7 +149,7 @@ class LocalRayCluster:
   def raylet_pid(self, label: str) -> int:
     """Pid of node `label`'s raylet (a child of its `ray start` process)."""
     root = self.nodes[label].pid
-    children = {}
+    children: dict = {}
     for pid in os.listdir("/proc"):
       if not pid.isdigit():
         continue

@@ -130,10 +130,10 @@ class ClusterClient:
     self._dropped_at: Dict[int, float] = {}
     self._max_mass_age_s = float(max_mass_age_s)
     self._mass_cache: Dict[str, Dict[int, tuple]] = {}   # table -> shard -> (masses, when)
-    self._local_tables = {}
-    self._treedefs = {}
-    self._clients = {}
-    self._generations = {}
+    self._local_tables: dict = {}
+    self._treedefs: dict = {}
+    self._clients: dict = {}
+    self._generations: dict = {}
     for e in handle.entries:
       self._connect(e.shard)
 
@@ -522,7 +522,7 @@ class ClusterClient:
   def server_info(self) -> dict:
     """{table: TableInfo} with sizes and rate-limiter counts summed over the live shards."""
     from reverb_shm.bridge.sharded import _add  # pylint: disable=g-import-not-at-top
-    merged = {}
+    merged: dict = {}
     for _, infos in sorted(self.shard_infos().items()):
       for name, info in infos.items():
         merged[name] = info if name not in merged else _add(merged[name], info)

@@ -9,7 +9,7 @@ whose layout is not known yet, or whose columns hold strings, come one at a time
 """
 import queue
 import threading
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -83,23 +83,23 @@ def sample_batches(server_address, table, max_in_flight: int, rate_limiter_timeo
     if deadline is None:
       deadline = timeouts.deadline_from_ms(
           None if rate_limiter_timeout_ms < 0 else int(rate_limiter_timeout_ms))
-    wait_ms = WAIT_SLICE_MS
+    wait_ms: float = WAIT_SLICE_MS
     left_ms = timeouts.remaining_ms(deadline)   # None when deadline is -1 (no deadline)
     if left_ms is not None:
       wait_ms = min(wait_ms, left_ms)
     try:
       batch = None
-      if local and st._gather_layout is not None:   # pylint: disable=protected-access
+      if local and st is not None and st._gather_layout is not None:   # pylint: disable=protected-access
         got = st._gather_fresh(n, 1, timeouts.deadline_from_ms(wait_ms), wait_ms)  # pylint: disable=protected-access
         if got is not None and len(got[0].key):
           batch = list(got[0]), got[1]
       if batch is None:   # layout unknown (first item, another layout, strings): one item
-        sample = next(iter(client.sample(table, 1, emit_timesteps=False,
+        sample: Any = next(iter(client.sample(table, 1, emit_timesteps=False,
                                           rate_limiter_timeout_ms=wait_ms)))
         batch = ([np.asarray([v], d) for v, d in zip(sample.info, INFO_DTYPES)],
                  [np.asarray(c)[None] for c in _flat(sample.data)])
     except errors.DeadlineExceededError:
-      if deadline != -1 and timeouts.remaining_ms(deadline) <= 0:
+      if timeouts.remaining_ms(deadline) == 0:   # (None: no deadline)
         return   # the rate limiter timed out: end of sequence
       yield None
       continue

@@ -11,7 +11,7 @@ is what `unbatch().batch(n)` would give, several times faster.
 import collections.abc
 import functools
 import itertools
-from typing import Any, Callable, Dict, Generator, List, Optional
+from typing import Any, Callable, Dict, Generator, Iterator, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -209,7 +209,7 @@ def _batch_signature(spec, batch_size=None):
 def batches_dataset(plan: GatherPlan, server_address, table, spec) -> tf.data.Dataset:
   """A dataset of the gathered batches (element spec: `spec` with a leading None dim; empty
   batches while a sample waits for the rate limiter)."""
-  def generator(address, table_name):
+  def generator(address, table_name) -> Iterator[tuple]:
     for info, columns in plan.batches(address, table_name):
       yield info + columns
   return _generator_dataset(server_address, table, generator, _batch_signature(spec))
@@ -225,7 +225,7 @@ def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_s
   per batch. With drop_remainder every batch holds exactly batch_size items, so the batch dim
   is static in the signature.
   """
-  def generator(address, table_name):
+  def generator(address, table_name) -> Iterator[tuple]:
     pending: List[tuple] = []   # (info, columns) pieces, in order
     have = 0
     for info, columns in plan.batches(address, table_name, max(plan.max_in_flight, 1)):

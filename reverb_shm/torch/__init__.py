@@ -89,8 +89,9 @@ class TorchIterator(learner.BatchIterator):
   """BatchIterator delivering torch tensors on `device` (see the module docstring).
 
   Args:
-    source, table, batch_size: as BatchIterator (e.g. ``client, 'replay', 256`` or
-      ``client, {'a': 0.7, 'b': 0.3}, 256``).
+    source: as BatchIterator (e.g. a Client).
+    table: as BatchIterator (e.g. ``'replay'`` or ``{'a': 0.7, 'b': 0.3}``).
+    batch_size: as BatchIterator.
     device: 'cpu' (default), 'cuda', 'cuda:N' or a torch.device.
     pin_memory: gather into pinned host memory (default: when device is CUDA).
     **kwargs: prefetch, keep, timeout_ms, partial, importance_beta, seed, mask_key, copy, as
