@@ -321,7 +321,7 @@ class Server:
     checkpointers.unpublish(self._name)
     self._segment.unlink()
     self._segment.close()
-    self._segment = None     # unmapped once nothing else of this process uses it
+    self._segment = None  # type: ignore[assignment]  # unmapped once nothing else uses it
     self._socket.close()
 
   @property

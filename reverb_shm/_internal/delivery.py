@@ -26,6 +26,7 @@ import threading
 import time
 import warnings
 import weakref
+from typing import Any, Dict
 
 from reverb_shm import errors
 from reverb_shm._internal import timeouts
@@ -50,7 +51,7 @@ class _TableWatch:
   def __init__(self, delivery: "_Delivery", table):
     self.delivery = delivery
     self.table = table          # (keeps the segment mapped while the thread sleeps on it)
-    self.waiting = {}
+    self.waiting: Dict[Any, Any] = {}
     self.thread = threading.Thread(target=self._run, name="reverb_shm-delivery-watch",
                                    daemon=True)
 
@@ -172,7 +173,8 @@ class _Delivery:
             del self.writers[key]
           elif delay is not None and delay is not _WAITING:
             entry[1] = min(entry[1], time.monotonic() + delay)
-      ready = writer = None   # no reference outlives the round
+      ready.clear()   # no reference outlives the round
+      writer = None
 
   def _deliver(self, writer, key):
     """Inserts what `writer`'s tables admit now; the delay before the next try, None when
@@ -237,7 +239,7 @@ def _change_counters(pending) -> list:
   Raises:
     ReverbError: a table index the C core rejects (never for a live writer's tables).
   """
-  tables = {}
+  tables: Dict[Any, Any] = {}
   for item in pending:
     tables.setdefault((id(item.table.segment), item.table.index), item.table)
   seq = ffi.new("uint32_t *")

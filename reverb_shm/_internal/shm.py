@@ -545,8 +545,12 @@ class Segment:
       return live is not None and not live.owner_dead and \
           lib.rs_live_probe(live._live_fd, 0) == 1  # pylint: disable=protected-access
 
-    owner_watch.watch(info["owner_pid"], info["owner_start_time"],
-                      lambda: ref() is not None and ref()._owner_died(), locked=locked)
+    def died() -> None:
+      alive = ref()
+      if alive is not None:
+        alive._owner_died()  # pylint: disable=protected-access
+
+    owner_watch.watch(info["owner_pid"], info["owner_start_time"], died, locked=locked)
     return seg
 
   def dead_owner_error(self) -> "errors.DeadOwnerError":

@@ -220,7 +220,7 @@ class Bridge:
       raise ValueError(f"Failed to bind bridge to {target}")
     await self._grpc.start()
     self._data_server = None
-    self._data_writers = set()
+    self._data_writers: set = set()
     if config.tls is None:   # the raw TCP insert path carries no TLS: offered without it only
       self._data_server = await asyncio.start_server(self._data_conn, config.host, 0)
       self._data_port = self._data_server.sockets[0].getsockname()[1]
@@ -500,7 +500,8 @@ class Bridge:
     handlers = {"Write": self._write, "Sample": self._sample,
                 "SampleBatches": self._sample_batches, "Insert": self._insert}
     context = _SocketContext(reader, writer, metadata)
-    code, details, trailing = grpc.StatusCode.OK, "", ()
+    code, details = grpc.StatusCode.OK, ""
+    trailing: tuple = ()
     handler = handlers.get(method) if isinstance(method, str) else None
     if handler is None:
       code, details = grpc.StatusCode.UNIMPLEMENTED, f"no stream {method!r}"
@@ -834,11 +835,11 @@ class _SocketContext:
   def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, metadata):
     self._reader, self._writer, self._metadata = reader, writer, metadata
     self._queue: asyncio.Queue = asyncio.Queue()
-    self._callbacks = []
-    self._task = None
-    self._pump = None
+    self._callbacks: list = []
+    self._task: Any = None
+    self._pump: Any = None
     self.cancelled = False   # by the client (or its connection broke): no status to send
-    self.status = (grpc.StatusCode.OK, "", ())
+    self.status: tuple = (grpc.StatusCode.OK, "", ())
 
   def start(self, task) -> None:
     self._task = task

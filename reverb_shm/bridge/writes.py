@@ -586,15 +586,18 @@ class SocketCall:
                      name="reverb_shm-socket-requests").start()
 
   def _send_all(self, requests) -> None:
+    sock = self._sock
+    if sock is None:
+      return
     try:
       for frame in requests:
         with self._send_lock:
           if self._cancelled:
             return
-          self._sock.sendall(wire.socket_frame(frame))
+          sock.sendall(wire.socket_frame(frame))
       with self._send_lock:
         if not self._cancelled:
-          self._sock.shutdown(socket.SHUT_WR)
+          sock.shutdown(socket.SHUT_WR)
     except OSError:
       pass   # the call broke: its reader reports why
 
@@ -718,7 +721,7 @@ class InsertSocket:
       self._sock.close()
       raise PermissionError(f"bridge {host}:{port} refused the connection: "
                             f"{hello.get('err')}")
-    self._timeout = timeout_s
+    self._timeout: Optional[float] = timeout_s
 
   def round_trip(self, payload: bytes, timeout_s: Optional[float]) -> dict:
     """Sends one encoded message; returns the reply. socket.timeout (an OSError) when no reply
@@ -858,7 +861,7 @@ class OneMessageInserter:
               f"reconnect_timeout_s={self._reconnect_s}") from None
         raise errors.DeadlineExceededError(
             f"bridge {self._address} did not answer an insert within timeout_ms={timeout_ms} "
-            f"+ {answer_s - timeout_ms / 1000:g} s (stopped or unreachable without closing "
+            f"+ {answer_s - (timeout_ms or 0) / 1000:g} s (stopped or unreachable without closing "
             f"its connection?); the items may or may not have been inserted") from None
       except PermissionError as e:
         raise PermissionError(f"bridge {self._address} refused the call: {e}") from None

@@ -225,7 +225,7 @@ def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_s
   per batch. With drop_remainder every batch holds exactly batch_size items, so the batch dim
   is static in the signature.
   """
-  def generator(address, table_name) -> Iterator[tuple]:
+  def generator(address, table_name) -> Iterator[list]:
     pending: List[tuple] = []   # (info, columns) pieces, in order
     have = 0
     for info, columns in plan.batches(address, table_name, max(plan.max_in_flight, 1)):
