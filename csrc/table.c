@@ -797,18 +797,6 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
       __builtin_prefetch(rs_desc_blob(base, d), 0);
       __builtin_prefetch((const char *)rs_desc_blob(base, d) + RS_ALIGN, 0);
     }
-    /* The layout check then reads every slice's chunk header (3 lines): request those of all
-     * the picks before the first is checked (in a large table each is a cache and TLB miss). */
-    for (uint32_t j = k; cols && j < k + m; j++) {
-      uint64_t d = recs[picks[j]].desc_off;
-      if (!rs_desc_in_arena(base, d)) continue;
-      const rs_desc_hdr *dh = rs_desc_blob(base, d);
-      const rs_desc_slice *sl = rs_desc_slices(dh);
-      for (uint32_t q = 0; q < dh->nslices; q++)
-        if (rs_arena_span_ok(base, sl[q].chunk_off, sizeof(rs_chunk_hdr)))
-          for (uint32_t line = 0; line < sizeof(rs_chunk_hdr); line += RS_ALIGN)
-            __builtin_prefetch((const char *)rs_at(base, sl[q].chunk_off) + line, 0);
-    }
     int other_layout = 0;
     if (cols) {
       uint32_t good = 0;
