@@ -936,7 +936,9 @@ static void count_pins_and_records(void *base, bref *a, uint64_t n, reporter *r)
   for (uint32_t s = 0; s < h->max_procs; s++) {
     uint64_t *e = rs_pin_entries(base, s);
     int live = rs_slots(base)[s].pid != 0;
-    for (uint32_t i = 0; i < rs_slots(base)[s].pin_cap; i++) {
+    uint32_t cap = rs_slots(base)[s].pin_cap;
+    if (cap > h->pins_per_proc) cap = h->pins_per_proc;   /* (a corrupt count: the log ends there) */
+    for (uint32_t i = 0; i < cap; i++) {
       if (!e[i]) continue;
       bref *b = live ? find_ref(a, n, e[i]) : NULL;
       if (b) b->count++;
@@ -1118,6 +1120,11 @@ int rs_arena_check(void *base, char *report_buf, uint64_t report_len) {
     rs_slot *sl = &rs_slots(base)[s];
     uint64_t *e = rs_pin_entries(base, s);
     uint32_t held = 0;
+    if (sl->pin_cap > h->pins_per_proc) {   /* (its entries would run past the slot's pin log) */
+      report(&r, "arena: slot %u (pid %d) has a pin log of %u entries, beyond pins_per_proc %u", s, sl->pid,
+             sl->pin_cap, h->pins_per_proc);
+      continue;
+    }
     for (uint32_t i = 0; i < sl->pin_cap; i++) held += e[i] != 0;
     if ((sl->pid == 0 && held) || held != sl->npins || sl->free_top != sl->pin_cap - held ||
         sl->pin_cap > h->pins_per_proc || (!h->growable && sl->pin_cap != h->pins_per_proc))

@@ -252,8 +252,8 @@ int rs_segment_validate(void *base, uint64_t size) {
       !inside(h->pins_off, h->pin_log_stride * h->max_procs, size) || !inside(h->arena_off, h->arena_max, size) ||
       h->arena_size > h->arena_max || h->arena_off + h->arena_max > h->pins_off ||
       !inside(h->counters_off, rs_counters_region_size(h->max_procs, h->num_tables), size) ||
-      h->counters_off % RS_ALIGN ||
-      h->arena_off % RS_ALIGN || h->arena_size % RS_ALIGN || h->arena_size < RS_ALIGN)
+      h->counters_off % RS_ALIGN || h->tables_off % 8 || h->slots_off % 8 || h->pins_off % 8 ||
+      h->pin_log_stride % 8 || h->arena_off % RS_ALIGN || h->arena_size % RS_ALIGN || h->arena_size < RS_ALIGN)
     return rs_set_error(RS_ECORRUPT, "segment offsets outside the %llu mapped bytes: tables %llu, slots %llu,"
                         " pins %llu (stride %llu), arena %llu + %llu", (unsigned long long)size,
                         (unsigned long long)h->tables_off, (unsigned long long)h->slots_off,

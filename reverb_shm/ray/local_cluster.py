@@ -81,7 +81,10 @@ class LocalRayCluster:
     # without an answer, taking its actors with it).
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="300",
                RAY_health_check_timeout_ms="20000", RAY_health_check_failure_threshold="12",
-               RAY_worker_register_timeout_seconds="180")
+               RAY_worker_register_timeout_seconds="180",
+               # a token left in ~/.ray by another cluster must not decide this one's auth
+               RAY_AUTH_MODE="disabled",
+               RAY_AUTH_TOKEN_PATH=os.path.join(self.temp_dir, "no-auth-token"))
     self.nodes[label] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
 
