@@ -11,8 +11,8 @@ Each runs through (a) reverb_shm's local shared memory, (b) reverb_shm's gRPC br
 127.0.0.1 in the benchmark's process (like dm-reverb's in-process server, but sharing the
 client's GIL), (c) the bridge as its own process (`reverb-shm bridge NAME`, the deployed
 form) and (d) dm-reverb's own gRPC path in a subprocess of the reverb peer venv's python
-(skipped when absent). Rates are items/s. Remote Client.insert takes the bridge's raw TCP
-insert port; REVERB_SHM_BRIDGE_SOCKET=0 measures it on gRPC instead.
+(skipped when absent). Rates are items/s. Remote calls take the bridge's ZeroMQ port;
+REVERB_SHM_BRIDGE_ZMQ=0 measures them on gRPC instead.
 """
 import argparse
 import json

@@ -10,7 +10,7 @@ Measures, interleaved in rounds (medians; CPU per round trip of this process and
   aio/loop     grpc.aio stream inside one coroutine (no sync caller; the aio floor)
 against echo servers in their own processes (grpc.aio, as the bridge, and the sync thread-pool
 server), with 150-byte messages; then `RemoteClient.insert` of the bench_bridge step through a
-`reverb-shm bridge` process (over its raw TCP insert port, and over its Insert stream through
+`reverb-shm bridge` process (over its ZeroMQ port, and over its Insert stream through
 grpcio's public API, the fallback), and dm-reverb's Client.insert in /tmp/refvenv (if present),
 in the same rounds. Rates are round trips (or inserts) per second.
 """
@@ -191,9 +191,9 @@ def main() -> None:
         lambda k: [client.insert(step, {"bench": 1.0}) for _ in range(k)], procs[-1].pid)
     from reverb_shm.bridge import writes  # pylint: disable=g-import-not-at-top
     public = RemoteClient(f"127.0.0.1:{port}")
-    writes.SOCKET_ENABLED = False
-    public.insert(step, {"bench": 1.0})   # (learns no insert port: its Insert stream is made)
-    writes.SOCKET_ENABLED = True
+    writes.ZMQ_ENABLED = False
+    public.insert(step, {"bench": 1.0})   # (learns no ZeroMQ port: its Insert stream is made)
+    writes.ZMQ_ENABLED = True
     cases["bridge RemoteClient.insert, gRPC"] = (
         lambda k: [public.insert(step, {"bench": 1.0}) for _ in range(k)], procs[-1].pid)
     if os.path.exists(_REF_PYTHON):

@@ -1,6 +1,6 @@
-"""Remote Client.insert on both transports: the bridge's raw TCP insert port
-(writes.InsertSocket) and the Insert stream through grpcio's public API (without the port:
-TLS, or REVERB_SHM_BRIDGE_SOCKET=0); each scenario runs on both and must give the same results
+"""Remote Client.insert on both transports: the bridge's ZeroMQ port
+(zmq_client.InsertConnection) and the Insert stream through grpcio's public API (without the
+port: TLS, or REVERB_SHM_BRIDGE_ZMQ=0); each scenario runs on both and must give the same results
 and errors. Also the bridge's end of it: its one-call insert path (remembered step layout, open
 chunks) against the general path.
 """
@@ -18,28 +18,28 @@ grpc = pytest.importorskip("grpc")
 import reverb_shm  # pylint: disable=g-bad-import-order
 from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteClient,
-                               ServerTLS, service, wire, writes)
+                               ServerTLS, service, wire, writes, zmq_client)
 from reverb_shm.specs import TensorSpec
 
 from conftest import bridge_process
 
 pytestmark = pytest.mark.timeout(120)
 
-TRANSPORTS = ("socket", "grpc")
+TRANSPORTS = ("zmq", "grpc")
 
 
 @pytest.fixture
 def use_transport(monkeypatch):
   """use(name): later remote clients insert over that transport."""
   def use(name):
-    monkeypatch.setattr(writes, "SOCKET_ENABLED", name == "socket")
+    monkeypatch.setattr(writes, "ZMQ_ENABLED", name == "zmq")
   return use
 
 
 def _stream_kinds(client: RemoteClient) -> set:
-  """The transports of the client's idle insert connections ({"socket"}, {"grpc"} or both)."""
+  """The transports of the client's idle insert connections ({"zmq"}, {"grpc"} or both)."""
   conn = client._connection()  # pylint: disable=protected-access
-  return ({"socket"} if conn.insert_sockets else set()) | (
+  return ({"zmq"} if conn.zmq_inserts else set()) | (
       {"grpc"} if conn.insert_streams else set())
 
 
@@ -98,7 +98,7 @@ def test_inserts_give_the_same_results_and_errors_on_both_transports(server_fact
     use_transport(transport)
     results[transport] = _scenario(server_factory)
   (outcomes, contents, kinds), (outcomes2, contents2, kinds2) = results.values()
-  assert kinds == {"socket"} and kinds2 == {"grpc"}   # each took the transport it was given
+  assert kinds == {"zmq"} and kinds2 == {"grpc"}   # each took the transport it was given
   assert outcomes == outcomes2
   assert outcomes[:2] == ["ok", "ok"] and outcomes[5] == "ok" and outcomes[9] == "ok"
   assert [o[0] for o in outcomes[2:5]] == ["ValueError", "ValueError",   # checked locally
@@ -180,23 +180,23 @@ def test_an_interrupted_insert_cancels_its_stream(server_factory, use_transport,
   assert _stream_kinds(client) == {transport}
 
 
-def test_the_insert_port_refuses_a_wrong_token_and_reports_fatal_errors(server_factory):
+def test_the_zmq_port_refuses_a_wrong_token_and_reports_fatal_errors(server_factory):
   server = server_factory([reverb_shm.Table.queue("queue", 10)])
   bridge = Bridge(server.name, BridgeConfig(token="s3cret"))
   try:
     client = RemoteClient(bridge.address, ClientCredentials(token="s3cret"))
     client.insert(np.int32(0), {"queue": 1.0})
-    port = client._connection().insert_port  # pylint: disable=protected-access
+    port = client._connection().zmq_port  # pylint: disable=protected-access
     assert port and port != bridge.port
     with pytest.raises(PermissionError, match="token"):
-      writes.InsertSocket("127.0.0.1", port, "nope", 5.0)
-    sock = writes.InsertSocket("127.0.0.1", port, "s3cret", 5.0)
+      zmq_client.InsertConnection("127.0.0.1", port, "nope", 5.0)
+    sock = zmq_client.InsertConnection("127.0.0.1", port, "s3cret", 5.0)
     bad = {"ops": [{"op": "bogus"}]}
     error = sock.fatal(sock.round_trip(wire.pack(bad), 5.0))
     assert isinstance(error, errors.InvalidArgumentError), error
     ok = {"ops": [{"op": "step", "cols": [["<i4", []]], "ep": 7, "timeout_ms": None,
                    "b": np.int32(5).tobytes(), "items": [[1, "queue", 42, 1.0]]}]}
-    sock = writes.InsertSocket("127.0.0.1", port, "s3cret", 5.0)
+    sock = zmq_client.InsertConnection("127.0.0.1", port, "s3cret", 5.0)
     assert sock.round_trip(wire.pack(ok), 5.0) == {"upto": 1, "errs": []}
     sock.close()
     client.close()
@@ -264,7 +264,7 @@ def test_inserts_over_tls_with_a_client_certificate(server_factory, use_transpor
       root_certificates=cert, certificate_chain=cert, private_key=key))
   for i in range(3):
     client.insert({"x": np.full(2, i, np.int64)}, {"queue": 1.0})
-  assert _stream_kinds(client) == {"grpc"}   # no insert port without TLS
+  assert _stream_kinds(client) == {"grpc"}   # no ZeroMQ port with TLS
   local = server.localhost_client()
   assert [s.data[0].tolist() for s in local.sample("queue", 3, emit_timesteps=False)] == [
       [[i, i]] for i in range(3)]

@@ -6,9 +6,9 @@ outlives the process) and `_RemoteTable` handles whose `insert_descriptors` forw
 a pipelined Write stream (writes.py): each TrajectoryWriter has a stream of its own, whose items
 are confirmed asynchronously (flush / end_episode / close wait for them); Client.insert sends
 everything of one call as one message (a "step" op for numeric data) and waits for its
-confirmation: on a raw TCP connection to the bridge's insert port when the bridge offers one
-(writes.InsertSocket: one send and one receive in the calling thread), else on a persistent
-Insert stream (grpcio's public API).
+confirmation. Without TLS, the bridge also serves its streams on a ZeroMQ port (zmq_client.py):
+the client then uses it for every stream and for Client.insert (one send and one receive in
+the calling thread), else gRPC (Client.insert: a persistent Insert stream).
 
 Sampling streams grant the bridge credits for `max_in_flight_samples` samples, refilled when
 half of them were consumed; the bridge sends samples in batches and never samples further
@@ -35,7 +35,7 @@ from reverb_shm._internal import columns as columns_lib
 from reverb_shm._internal import shm, structure, timeouts
 from reverb_shm._internal._lib import ffi
 from reverb_shm._internal.keys import random_u64
-from reverb_shm.bridge import security, watchdog, wire, writes
+from reverb_shm.bridge import security, watchdog, wire, writes, zmq_client
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
 
@@ -115,32 +115,32 @@ class _Connection:
     self.metadata = self.creds.metadata()
     self.insert_streams: list = []   # idle persistent Insert streams (writes.InsertStream)
     self.batch_stream: Optional[_BatchStream] = None   # the SampleBatches stream, once opened
-    # The bridge's raw TCP insert port (None: not offered, not known yet, or not to be used)
-    # and the idle connections to it (writes.InsertSocket).
-    self.insert_port: Optional[int] = None
+    # The bridge's ZeroMQ port (None: not offered, not known yet, or not to be used) and the
+    # idle insert connections to it (zmq_client.InsertConnection).
+    self.zmq_port: Optional[int] = None
     self.port_asked = False
-    self.insert_sockets: list = []
-    self.socket_calls: weakref.WeakSet = weakref.WeakSet()   # stream calls on the insert port
+    self.zmq_inserts: list = []
+    self.zmq_max_bytes: Optional[int] = None   # the bridge's max_message_bytes
+    self.zmq_calls: weakref.WeakSet = weakref.WeakSet()   # stream calls on the ZeroMQ port
     self.closed = False
 
   def method(self, name: str, kind: str = "unary_unary"):
     return getattr(self.channel, kind)(f"/{wire.SERVICE}/{name}")
 
   def stream(self, name: str, requests):
-    """A stream call of the bridge's: on a raw TCP connection to its insert port when it
-    offers one (writes.SocketCall), else on gRPC. A call whose port is unreachable fails with
+    """A stream call of the bridge's: on its ZeroMQ port when it offers one
+    (zmq_client.StreamCall), else on gRPC. A call whose port is unreachable fails with
     UNAVAILABLE, and the next call asks the bridge for its port again."""
     if not self.port_asked and not self.closed:
       try:
-        self.learn_insert_port(self.unary("ServerInfo", {}).get("insert_port"))
+        self.learn_zmq_port(self.unary("ServerInfo", {}))
       except (errors.ReverbError, PermissionError, ValueError):
         pass   # (the gRPC call reports the bridge's state)
-    if self.insert_port is not None and not self.closed:
-      call = writes.SocketCall(writes.split_host(self.address), self.insert_port,
-                               self.creds.token, name, requests,
-                               timeout_s=self.client.reconnect_timeout_s,
-                               on_unavailable=self._forget_port)
-      self.socket_calls.add(call)   # (cancelled by close(), as the channel's calls are)
+    if self.zmq_port is not None and not self.closed:
+      call = zmq_client.StreamCall(zmq_client.split_host(self.address), self.zmq_port,
+                                   self.creds.token, name, requests,
+                                   on_unavailable=self._forget_port)
+      self.zmq_calls.add(call)   # (cancelled by close(), as the channel's calls are)
       if self.closed:
         call.cancel()
       return call
@@ -149,23 +149,26 @@ class _Connection:
   def _forget_port(self) -> None:
     self.port_asked = False
 
-  def learn_insert_port(self, port) -> None:
-    """Records the insert port a ServerInfo reply offered (see writes.InsertSocket)."""
-    usable = (writes.SOCKET_ENABLED and not self.creds.tls and type(port) is int
+  def learn_zmq_port(self, info: dict) -> None:
+    """Records the ZeroMQ port (and its largest message) a ServerInfo reply offered (see
+    zmq_client)."""
+    port, limit = info.get("zmq_port"), info.get("max_message_bytes")
+    usable = (writes.ZMQ_ENABLED and not self.creds.tls and type(port) is int
               and 0 < port < 65536)
     self.port_asked = True
-    if (port if usable else None) != self.insert_port:
-      while self.insert_sockets:
-        self.insert_sockets.pop().close()
-      self.insert_port = port if usable else None
+    self.zmq_max_bytes = limit if type(limit) is int and limit > 0 else None
+    if (port if usable else None) != self.zmq_port:
+      while self.zmq_inserts:
+        self.zmq_inserts.pop().close()
+      self.zmq_port = port if usable else None
 
   def close(self) -> None:
     self.closed = True
     while self.insert_streams:
       self.insert_streams.pop().close()
-    while self.insert_sockets:
-      self.insert_sockets.pop().close()
-    for call in list(self.socket_calls):
+    while self.zmq_inserts:
+      self.zmq_inserts.pop().close()
+    for call in list(self.zmq_calls):
       call.cancel()
     if self.batch_stream is not None:
       self.batch_stream.close()
@@ -544,7 +547,7 @@ class RemoteClient(client_lib.Client):
   def _fetch_tables(self, timeout: Optional[float] = None, wait: bool = False) -> list:
     conn = self._connection()
     reply = conn.unary("ServerInfo", {}, timeout=timeout, wait_for_ready=wait)
-    conn.learn_insert_port(reply.get("insert_port"))
+    conn.learn_zmq_port(reply)
     tables = reply.get("tables")
     if not isinstance(tables, list):
       raise errors.ReverbError(f"bridge {self.server_address} sent a malformed ServerInfo")

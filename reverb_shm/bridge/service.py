@@ -3,7 +3,8 @@
 The bridge attaches to the server's segment like any client process; tables never depend on
 it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm.Bridge`:
 
-  ServerInfo  unary           {} -> {"tables": [{"name", "stats", "signature"}]}
+  ServerInfo  unary           {} -> {"tables": [{"name", "stats", "signature"}], "zmq_port",
+                              "max_message_bytes"} (the last two without TLS)
   Mutate      unary           {"table", "upd_keys", "upd_prios", "del_keys"}
                               -> {"updated", "deleted"}
   Reset       unary           {"table"} -> {}
@@ -25,8 +26,10 @@ it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm
                               out after a "sync" op, every 512 items or 20 ms, before an insert
                               waits for its rate limiter, and when the client closed its side
 
-The server is a grpc.aio one on an event loop thread of its own (see Bridge). Every request
-is validated before it touches a table (wire.py); errors travel as gRPC status
+The server is a grpc.aio one on an event loop thread of its own (see Bridge). Without TLS, the
+same streams are also served on a ZeroMQ port (zmq_port.py; its number is ServerInfo's
+"zmq_port"), which the remote clients prefer: fewer copies and thread handoffs per message.
+Every request is validated before it touches a table (wire.py); errors travel as gRPC status
 codes with the reverb_shm error class in the `rs-error` trailing metadata (Write replies carry
 them in-band).
 """
@@ -49,7 +52,7 @@ from reverb_shm import errors, specs
 from reverb_shm._internal import chunks, hot_plans, shm, structure, timeouts
 from reverb_shm._internal import columns as columns_lib
 from reverb_shm._internal._lib import check, ffi, lib
-from reverb_shm.bridge import security, wire
+from reverb_shm.bridge import security, wire, zmq_client
 from reverb_shm.shared_table import SharedTable
 
 __all__ = ["Bridge", "BridgeConfig"]
@@ -219,17 +222,19 @@ class Bridge:
     if not port:
       raise ValueError(f"Failed to bind bridge to {target}")
     await self._grpc.start()
-    self._data_server = None
-    self._data_writers: set = set()
-    if config.tls is None:   # the raw TCP insert path carries no TLS: offered without it only
-      self._data_server = await asyncio.start_server(self._data_conn, config.host, 0)
-      self._data_port = self._data_server.sockets[0].getsockname()[1]
+    self._zmq = None
+    if config.tls is None and zmq_client.AVAILABLE:   # (no TLS on ZeroMQ: offered without it)
+      from reverb_shm.bridge import zmq_port  # pylint: disable=g-import-not-at-top
+      self._zmq = zmq_port.ZmqPort(
+          config.host, config.token, config.max_message_bytes,
+          {"Write": self._write, "Sample": self._sample, "SampleBatches": self._sample_batches,
+           "Insert": self._insert},
+          lambda msg: self._step_at_once(msg), lambda seq: self._ack_frame(seq)[1:],
+          self._insert_general)
     started.set_result(port)
     grace = await self._stop_request.get()
-    if self._data_server is not None:
-      self._data_server.close()
-      for writer in list(self._data_writers):   # (their handlers end on the closed transport)
-        writer.close()
+    if self._zmq is not None:
+      self._zmq.close()
     await self._grpc.stop(grace)
 
   @property
@@ -379,8 +384,9 @@ class Bridge:
         tables.append({"name": name, "stats": self._seg.stats(index),
                        "signature": specs.encode_signature(st.signature)})
       out = {"tables": tables}
-      if self._data_server is not None:
-        out["insert_port"] = self._data_port
+      if self._zmq is not None:
+        out["zmq_port"] = self._zmq.port
+        out["max_message_bytes"] = self._config.max_message_bytes
       return out
     return await self._unary(request, context, body)
 
@@ -422,104 +428,17 @@ class Bridge:
         if seq is not None:
           await context.write(self._ack_frame(seq))
           continue
-        stream = _WriteStream(self, cancelled, lambda: False)
-        try:
-          await self._drive(stream.handle_message(msg))   # nobody to send early acks to
-          ack = stream.ack() or {"upto": 0, "errs": []}
-        finally:
-          stream.close()
-        await self._write_msg(context, ack)
+        await self._write_msg(context, await self._insert_general(msg, cancelled))
 
-  async def _data_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-    """A raw TCP insert connection (wire.py's socket framing): a hello {"token"}, answered
-    {"ok": true} or {"err": ...} (then closed); then messages of the Insert stream, each answered
-    by its ack, in order. What Client.insert of a RemoteClient uses when the bridge offers it
-    (no TLS): one send and one receive per insert, no gRPC call or thread handoff."""
-    self._data_writers.add(writer)
+  async def _insert_general(self, msg: dict, cancelled: threading.Event) -> dict:
+    """The ack of one Insert message, through the Write stream's general path (validation,
+    waits for the rate limiters until `cancelled`, errors per item)."""
+    stream = _WriteStream(self, cancelled, lambda: False)
     try:
-      hello = await wire.read_socket_message(reader, 4096)
-      token = hello.get("token")
-      metadata = () if not isinstance(token, str) else (
-          (security.TOKEN_METADATA, f"Bearer {token}"),)
-      if not security.token_ok(self._config.token, metadata):
-        writer.write(wire.socket_frame(wire.pack(
-            {"err": ["PermissionError", "missing or wrong auth token"]})))
-        await writer.drain()
-        return
-      writer.write(wire.socket_frame(wire.pack({"ok": True})))
-      method = hello.get("stream")
-      if method is not None:
-        await self._socket_stream(method, reader, writer, metadata)
-        return
-      while True:
-        try:
-          msg = await wire.read_socket_message(reader, self._config.max_message_bytes)
-        except wire.BadMessage as e:
-          writer.write(wire.socket_frame(wire.pack({"fatal": [wire.error_name(e), str(e)]})))
-          await writer.drain()
-          return
-        seq = self._step_at_once(msg)
-        if seq is not None:
-          writer.write(wire.socket_frame(self._ack_frame(seq)[1:]))
-          continue
-        # The client sends nothing before this message's ack: data or EOF meanwhile means it
-        # gave up (interrupted, closed): the waits of the general path end then.
-        cancelled = threading.Event()
-        watch = asyncio.ensure_future(reader.read(1))
-        watch.add_done_callback(functools.partial(_set_when_done, cancelled))
-        stream = _WriteStream(self, cancelled, lambda: False)
-        try:
-          await self._drive(stream.handle_message(msg))
-          ack = stream.ack() or {"upto": 0, "errs": []}
-        except Exception as e:  # pylint: disable=broad-except  (reported, then the end)
-          writer.write(wire.socket_frame(wire.pack(
-              {"fatal": [wire.error_name(e), str(e) or type(e).__name__]})))
-          await writer.drain()
-          return
-        finally:
-          stream.close()
-          gone = watch.done()
-          if not gone:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-              await watch   # (the reader is free again once the watch ended)
-        if gone:
-          return   # the client went away
-        writer.write(wire.socket_frame(wire.pack(ack)))
-        await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError, wire.BadMessage, asyncio.CancelledError):
-      pass
+      await self._drive(stream.handle_message(msg))   # nobody to send early acks to
+      return stream.ack() or {"upto": 0, "errs": []}
     finally:
-      self._data_writers.discard(writer)
-      writer.close()
-
-  async def _socket_stream(self, method, reader, writer, metadata) -> None:
-    """Serves stream `method` (Write, Sample, SampleBatches or Insert) on a raw TCP connection:
-    the handler of the gRPC stream runs with a _SocketContext; its end goes out as a status
-    message (wire.SOCKET_STATUS)."""
-    handlers = {"Write": self._write, "Sample": self._sample,
-                "SampleBatches": self._sample_batches, "Insert": self._insert}
-    context = _SocketContext(reader, writer, metadata)
-    code, details = grpc.StatusCode.OK, ""
-    trailing: tuple = ()
-    handler = handlers.get(method) if isinstance(method, str) else None
-    if handler is None:
-      code, details = grpc.StatusCode.UNIMPLEMENTED, f"no stream {method!r}"
-    else:
-      task = asyncio.ensure_future(handler(None, context))
-      context.start(task)
-      try:
-        await task
-      except _SocketAbort:
-        code, details, trailing = context.status
-      except asyncio.CancelledError:
-        code, details = grpc.StatusCode.CANCELLED, "cancelled by the client"
-      finally:
-        context.end()
-    if code is not grpc.StatusCode.CANCELLED and not context.cancelled:
-      writer.write(wire.socket_frame(wire.SOCKET_STATUS + wire.pack(
-          {"code": code.name, "details": details, "md": [list(kv) for kv in trailing]})))
-      await writer.drain()
+      stream.close()
 
   def _step_at_once(self, msg: dict) -> Optional[int]:
     """Client.insert's common message inserted with one C call: {"ops": [a "step" op]} with one
@@ -816,85 +735,6 @@ async def _messages(context, max_bytes: int):
     msg = asm.feed(frame)
     if msg is not None:
       yield msg
-
-
-def _set_when_done(event: threading.Event, _future) -> None:
-  event.set()
-
-
-class _SocketAbort(Exception):
-  """A handler on a raw TCP connection ended with a status (_SocketContext.abort)."""
-
-
-class _SocketContext:
-  """What the bridge's stream handlers use of grpc.aio's ServicerContext, over a raw TCP
-  connection whose messages are the stream's gRPC messages (frames) one for one. A task of its
-  own reads them ahead; the client's cancel message (wire.SOCKET_CANCEL) or a broken connection
-  cancels the handler (as gRPC cancels a cancelled call's), EOF is the client's half-close."""
-
-  def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, metadata):
-    self._reader, self._writer, self._metadata = reader, writer, metadata
-    self._queue: asyncio.Queue = asyncio.Queue()
-    self._callbacks: list = []
-    self._task: Any = None
-    self._pump: Any = None
-    self.cancelled = False   # by the client (or its connection broke): no status to send
-    self.status: tuple = (grpc.StatusCode.OK, "", ())
-
-  def start(self, task) -> None:
-    self._task = task
-    self._pump = asyncio.ensure_future(self._read_all())
-
-  async def _read_all(self) -> None:
-    limit = wire.FRAME_BYTES + 1
-    try:
-      while True:
-        try:
-          (n,) = wire.SOCKET_LEN.unpack(await self._reader.readexactly(4))
-        except asyncio.IncompleteReadError as e:
-          if e.partial:
-            raise
-          await self._queue.put(grpc.aio.EOF)   # half-closed
-          return
-        if n > limit:
-          raise wire.BadMessage(f"frame of {n} bytes exceeds {limit}")
-        frame = await self._reader.readexactly(n)
-        if frame == wire.SOCKET_CANCEL:
-          raise ConnectionError("cancelled")
-        await self._queue.put(frame)
-    except asyncio.CancelledError:
-      pass
-    except (ConnectionError, asyncio.IncompleteReadError, wire.BadMessage):
-      self.cancelled = True
-      if self._task is not None and not self._task.done():
-        self._task.cancel()
-
-  async def read(self):
-    return await self._queue.get()
-
-  async def write(self, frame: bytes) -> None:
-    self._writer.write(wire.socket_frame(frame))
-    await self._writer.drain()
-
-  def invocation_metadata(self):
-    return self._metadata
-
-  @staticmethod
-  def time_remaining():
-    return None
-
-  def add_done_callback(self, fn) -> None:
-    self._callbacks.append(fn)
-
-  async def abort(self, code, details: str = "", trailing_metadata=()):
-    self.status = (code, details, tuple(trailing_metadata or ()))
-    raise _SocketAbort(details)
-
-  def end(self) -> None:
-    if self._pump is not None:
-      self._pump.cancel()
-    for fn in self._callbacks:
-      fn(self)
 
 
 class _Inbox:

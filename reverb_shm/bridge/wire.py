@@ -10,7 +10,6 @@ Every decoder here validates types, sizes and shapes and raises BadMessage (an
 InvalidArgumentError) naming the field; nothing is allocated from an unchecked size.
 """
 import math
-import struct
 from typing import Any, Iterator, List, Literal, Optional, overload
 
 import msgpack
@@ -176,63 +175,18 @@ def frames(payload: bytes, frame_bytes: int = FRAME_BYTES) -> Iterator[bytes]:
     yield (_FINAL if end == n else _MORE) + view[start:end].tobytes()
 
 
-# ---------------------------------------------------------------- raw TCP framing
-# The bridge's raw TCP insert path: each message is a 4-byte little-endian length, then that
-# many bytes of msgpack.
-_LEN = SOCKET_LEN = struct.Struct("<I")
-# A stream on the raw TCP path carries the gRPC stream's messages (frames, first byte 0x00 or
-# 0x01) one for one; the bridge ends it with a status message (SOCKET_STATUS + msgpack
-# {"code", "details", "md"}), the client may cancel it with the message SOCKET_CANCEL.
-SOCKET_STATUS = b"\x02"
-SOCKET_CANCEL = b"\x03"
-
-
-def socket_frame(payload: bytes) -> bytes:
-  """One message of the raw TCP path: its length, then `payload`."""
-  return _LEN.pack(len(payload)) + payload
-
-
-async def read_socket_message(reader, max_bytes: int) -> dict:
-  """The next message from an asyncio StreamReader (BadMessage beyond `max_bytes`, once its
-  bytes were read and dropped; asyncio.IncompleteReadError when the peer closed)."""
-  (n,) = _LEN.unpack(await reader.readexactly(4))
-  if n > max_bytes:
-    left = n
-    while left:
-      left -= len(await reader.readexactly(min(left, 1 << 20)))
-    raise BadMessage(f"message of {n} bytes exceeds max_message_bytes={max_bytes} (raise it "
-                     "with the bridge's --max-message-mb / BridgeConfig.max_message_bytes)")
-  return unpack(await reader.readexactly(n), max_bytes)
-
-
-def recv_socket_message(sock, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict:
-  """The next message from a blocking socket (ConnectionError when the peer closed)."""
-  (n,) = _LEN.unpack(_recv_exactly(sock, 4))
-  if n > max_bytes:
-    raise BadMessage(f"message of {n} bytes exceeds max_message_bytes={max_bytes}")
-  return unpack(_recv_exactly(sock, n), max_bytes)
-
-
-def recv_socket_bytes(sock, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
-  """The next message's bytes from a blocking socket (ConnectionError when the peer closed)."""
-  (n,) = _LEN.unpack(_recv_exactly(sock, 4))
-  if n > max_bytes:
-    raise BadMessage(f"message of {n} bytes exceeds max_message_bytes={max_bytes}")
-  return _recv_exactly(sock, n)
-
-
-def _recv_exactly(sock, n: int) -> bytes:
-  data = sock.recv(n)
-  if len(data) == n:
-    return data
-  parts, got = [data], len(data)
-  while got < n:
-    if not data:
-      raise ConnectionError("the bridge closed the connection")
-    data = sock.recv(n - got)
-    parts.append(data)
-    got += len(data)
-  return b"".join(parts)
+# ---------------------------------------------------------------- the ZeroMQ port
+# Without TLS, a bridge also serves its streams on a ZeroMQ ROUTER socket (its "fast port",
+# number in ServerInfo's "zmq_port"); each client call is a DEALER socket of its own. Every
+# ZeroMQ message is multipart: first a one-byte kind, then (for some kinds) one payload part.
+#   client -> bridge: ZMQ_OPEN {"token", "stream": name or absent for an insert connection},
+#                     ZMQ_MSG (a stream's gRPC message, i.e. a frame; on an insert connection
+#                     one whole Insert message), ZMQ_EOF (half-close), ZMQ_CANCEL.
+#   bridge -> client: ZMQ_OPEN {"ok": true} or {"err": [class, message]} (answering the hello),
+#                     ZMQ_MSG, ZMQ_STATUS {"code", "details", "md"} (a stream's end),
+#                     ZMQ_PING (nothing; sent to find out which clients are gone).
+ZMQ_OPEN, ZMQ_MSG, ZMQ_EOF, ZMQ_CANCEL = b"O", b"M", b"E", b"C"
+ZMQ_STATUS, ZMQ_PING = b"S", b"P"
 
 
 class Reassembler:

@@ -19,7 +19,6 @@ import collections
 import itertools
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -31,13 +30,15 @@ import numpy as np
 
 from reverb_shm import errors
 from reverb_shm._internal import chunks
-from reverb_shm.bridge import watchdog, wire
+from reverb_shm.bridge import watchdog, wire, zmq_client
 
 __all__ = ["WriteSession"]
 
-# Client.insert of a RemoteClient uses the bridge's raw TCP insert port when the bridge offers
-# one (no TLS); REVERB_SHM_BRIDGE_SOCKET=0 (or SOCKET_ENABLED = False) keeps it on gRPC.
-SOCKET_ENABLED = os.environ.get("REVERB_SHM_BRIDGE_SOCKET", "1") != "0"
+# A RemoteClient's streams and Client.insert use the bridge's ZeroMQ port when the bridge offers
+# one (no TLS) and pyzmq is installed; REVERB_SHM_BRIDGE_ZMQ=0 (or ZMQ_ENABLED = False) keeps
+# everything on gRPC.
+ZMQ_ENABLED = zmq_client.AVAILABLE and os.environ.get("REVERB_SHM_BRIDGE_ZMQ", "1") != "0"
+StreamError = zmq_client.StreamError
 
 BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -528,136 +529,6 @@ def _new_chunk(staging, off: int, header, identity: tuple) -> _SentChunk:
   return chunk
 
 
-class StreamError(grpc.RpcError):
-  """A stream that ended (not on gRPC, or for a reason of the client's), with the accessors of
-  grpc's errors."""
-
-  def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata=()):
-    super().__init__(details)
-    self._code, self._details, self._trailing = code, details, tuple(trailing_metadata)
-
-  def code(self) -> grpc.StatusCode:
-    return self._code
-
-  def details(self) -> str:
-    return self._details
-
-  def trailing_metadata(self) -> tuple:
-    return self._trailing
-
-
-class SocketCall:
-  """A stream of the bridge (Write, Sample, SampleBatches) on a raw TCP connection to its
-  insert port, with the surface of a grpc stream-stream call that the clients use: iterate for
-  the reply messages (the calling thread receives them itself), cancel() to end it. The
-  request messages of `requests` go out from a thread of their own; the iterator's end is a
-  half-close. The bridge's status ends the iteration (OK) or raises StreamError.
-
-  As with gRPC, making the call does not fail: an unreachable port (UNAVAILABLE; then
-  `on_unavailable()` is called) or a refused token (UNAUTHENTICATED) is raised by the first
-  read.
-  """
-
-  def __init__(self, host: str, port: int, token: Optional[str], method: str, requests,
-               timeout_s: float = 10.0, on_unavailable: Optional[Callable[[], None]] = None):
-    self._send_lock = threading.Lock()
-    self._cancelled = False
-    self._done = False
-    self._greeted = False   # the bridge's answer to the hello is the first message read
-    self._error: Optional[StreamError] = None
-    self._sock: Optional[socket.socket] = None
-    try:
-      sock = socket.create_connection((host, port), timeout=timeout_s)
-    except OSError as e:
-      self._error = StreamError(grpc.StatusCode.UNAVAILABLE, f"insert port {port}: {e}")
-      if on_unavailable is not None:
-        on_unavailable()
-      return
-    try:
-      sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-      sock.sendall(wire.socket_frame(wire.pack({"token": token, "stream": method})))
-      sock.settimeout(None)
-    except OSError as e:
-      sock.close()
-      self._error = StreamError(grpc.StatusCode.UNAVAILABLE, f"insert port {port}: {e}")
-      return
-    self._sock = sock
-    threading.Thread(target=self._send_all, args=(requests,), daemon=True,
-                     name="reverb_shm-socket-requests").start()
-
-  def _send_all(self, requests) -> None:
-    sock = self._sock
-    if sock is None:
-      return
-    try:
-      for frame in requests:
-        with self._send_lock:
-          if self._cancelled:
-            return
-          sock.sendall(wire.socket_frame(frame))
-      with self._send_lock:
-        if not self._cancelled:
-          sock.shutdown(socket.SHUT_WR)
-    except OSError:
-      pass   # the call broke: its reader reports why
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> bytes:
-    if self._error is not None:
-      self._done = True
-      error, self._error = self._error, None
-      raise error
-    if self._done:
-      raise StopIteration
-    try:
-      if not self._greeted:
-        hello = wire.recv_socket_message(self._sock, 1 << 16)
-        self._greeted = True
-        if hello.get("ok") is not True:
-          self._done = True
-          raise StreamError(grpc.StatusCode.UNAUTHENTICATED, f"{hello.get('err')}")
-      data = wire.recv_socket_bytes(self._sock, wire.FRAME_BYTES + (1 << 16))
-    except OSError as e:
-      self._done = True
-      code = grpc.StatusCode.CANCELLED if self._cancelled else grpc.StatusCode.UNAVAILABLE
-      raise StreamError(code, f"the stream ended: {e}") from None
-    if data[:1] != wire.SOCKET_STATUS:
-      return data
-    self._done = True
-    if self._cancelled:
-      raise StreamError(grpc.StatusCode.CANCELLED, "cancelled by the client")
-    status = wire.unpack(data[1:])
-    code = getattr(grpc.StatusCode, str(status.get("code")), grpc.StatusCode.UNKNOWN)
-    if code is grpc.StatusCode.OK:
-      raise StopIteration
-    md = tuple(tuple(kv) for kv in status.get("md") or () if isinstance(kv, list) and len(kv) == 2)
-    raise StreamError(code, str(status.get("details")), md)
-
-  def cancel(self) -> None:
-    """Ends the call (also from another thread): a waiting or later read raises CANCELLED."""
-    with self._send_lock:
-      if self._cancelled:
-        return
-      self._cancelled = True
-      if self._sock is None:
-        return
-      try:
-        self._sock.sendall(wire.socket_frame(wire.SOCKET_CANCEL))
-      except OSError:
-        pass
-    try:
-      self._sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-      pass
-
-  def __del__(self):
-    sock = getattr(self, "_sock", None)
-    if sock is not None:
-      sock.close()
-
-
 def queued(q: queue.SimpleQueue):
   """The request iterator of a stream call: what `q` holds, in order, until None."""
   while True:
@@ -670,7 +541,7 @@ def queued(q: queue.SimpleQueue):
 class InsertStream:
   """One persistent Insert call of a connection (grpcio's public stream API): one request
   message per Client.insert, one reply (its ack) per request. Used by one caller at a time
-  (see OneMessageInserter); Client.insert takes it when the bridge offers no insert port.
+  (see OneMessageInserter); Client.insert takes it when the bridge offers no ZeroMQ port.
   """
 
   def __init__(self, conn):
@@ -696,62 +567,6 @@ class InsertStream:
   def cancel(self) -> None:
     """Ends a waiting round trip with CANCELLED (from another thread: the watchdog)."""
     self._call.cancel()
-
-
-class InsertSocket:
-  """A raw TCP connection to the bridge's insert port (wire.py's socket framing): a hello with
-  the token, then one message each way per Client.insert (the Insert stream's message and its
-  ack). One send and one receive in the calling thread: no gRPC call, no thread handoff.
-  Used by one caller at a time.
-
-  Raises (constructor):
-    OSError: the port is unreachable. PermissionError: the bridge refused the token.
-  """
-
-  def __init__(self, host: str, port: int, token: Optional[str], timeout_s: float):
-    self._sock = socket.create_connection((host, port), timeout=timeout_s)
-    try:
-      self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-      self._sock.sendall(wire.socket_frame(wire.pack({"token": token})))
-      hello = wire.recv_socket_message(self._sock, 1 << 16)
-    except BaseException:
-      self._sock.close()
-      raise
-    if hello.get("ok") is not True:
-      self._sock.close()
-      raise PermissionError(f"bridge {host}:{port} refused the connection: "
-                            f"{hello.get('err')}")
-    self._timeout: Optional[float] = timeout_s
-
-  def round_trip(self, payload: bytes, timeout_s: Optional[float]) -> dict:
-    """Sends one encoded message; returns the reply. socket.timeout (an OSError) when no reply
-    came within `timeout_s` (None: wait as long as the connection lives); ConnectionError
-    when the bridge closed the connection."""
-    if timeout_s != self._timeout:
-      self._sock.settimeout(timeout_s)
-      self._timeout = timeout_s
-    self._sock.sendall(wire.socket_frame(payload))
-    return wire.recv_socket_message(self._sock)
-
-  def fatal(self, reply: dict) -> Optional[Exception]:
-    """The error of a reply that ended the connection (the bridge could not handle the
-    message), else None."""
-    fatal = reply.get("fatal")
-    if fatal is None:
-      return None
-    self.close()
-    if isinstance(fatal, list) and len(fatal) == 2:
-      return wire.make_error(*fatal)
-    return errors.ReverbError(f"the bridge sent a malformed error {fatal!r}")
-
-  def close(self) -> None:
-    self._sock.close()
-
-
-def split_host(address: str) -> str:
-  """The host of "host:port" or "[v6]:port"."""
-  host = address.rsplit(":", 1)[0]
-  return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 class OneMessageInserter:
@@ -789,12 +604,12 @@ class OneMessageInserter:
     while True:
       conn = self._connection()
       if not conn.port_asked:
-        conn.learn_insert_port(conn.unary("ServerInfo", {}).get("insert_port"))
-      if conn.insert_port is not None:
-        ack = self._send_socket(conn, payload, timeout_ms, answer_s, give_up)
+        conn.learn_zmq_port(conn.unary("ServerInfo", {}))
+      if conn.zmq_port is not None:
+        ack = self._send_zmq(conn, payload, timeout_ms, answer_s, give_up)
         if ack is not None:
           break
-        continue   # the insert port went away: over gRPC (which learns the new port)
+        continue   # the ZeroMQ port went away: over gRPC (which learns the new port)
       idle = conn.insert_streams
       stream, token = None, None
       try:
@@ -837,27 +652,33 @@ class OneMessageInserter:
       if isinstance(err, list) and len(err) == 4:
         raise wire.make_error(err[2], err[3], inserted=err[1])
 
-  def _send_socket(self, conn, payload: bytes, timeout_ms: Optional[int],
-                   answer_s: Optional[float], give_up: float) -> Optional[dict]:
-    """One message over an insert socket of `conn` (idle, or new); its ack. A bridge that is
-    unreachable is tried again with backoff until `give_up`; None once the insert port is
-    gone (the caller goes on over gRPC, whose ServerInfo tells the new port)."""
+  def _send_zmq(self, conn, payload: bytes, timeout_ms: Optional[int],
+                answer_s: Optional[float], give_up: float) -> Optional[dict]:
+    """One message over an insert connection to the ZeroMQ port of `conn` (idle, or new); its
+    ack. A bridge that is unreachable is tried again with backoff until `give_up`; None once
+    its ZeroMQ port is gone (the caller goes on over gRPC, whose ServerInfo tells the new
+    port)."""
+    limit = conn.zmq_max_bytes
+    if limit is not None and len(payload) > limit:   # (the port would drop the connection)
+      raise wire.BadMessage(f"message of {len(payload)} bytes exceeds the bridge's "
+                            f"max_message_bytes={limit}")
     backoff = BACKOFF_START_S
     while True:
       sock = None
       try:
         try:
-          sock = conn.insert_sockets.pop()
+          sock = conn.zmq_inserts.pop()
         except IndexError:
-          sock = InsertSocket(split_host(conn.address), conn.insert_port,
-                              conn.creds.token, max(0.1, give_up - time.monotonic()))
+          sock = zmq_client.InsertConnection(
+              zmq_client.split_host(conn.address), conn.zmq_port, conn.creds.token,
+              max(0.1, give_up - time.monotonic()))
         ack = sock.round_trip(payload, answer_s)
-      except socket.timeout:
+      except TimeoutError:
         if sock is not None:
           sock.close()
         if sock is None or answer_s is None:   # (connecting timed out)
           raise errors.ServerUnavailableError(
-              f"could not connect to bridge {self._address}'s insert port within "
+              f"could not connect to bridge {self._address}'s ZeroMQ port within "
               f"reconnect_timeout_s={self._reconnect_s}") from None
         raise errors.DeadlineExceededError(
             f"bridge {self._address} did not answer an insert within timeout_ms={timeout_ms} "
@@ -865,7 +686,7 @@ class OneMessageInserter:
             f"its connection?); the items may or may not have been inserted") from None
       except PermissionError as e:
         raise PermissionError(f"bridge {self._address} refused the call: {e}") from None
-      except OSError:   # refused, reset, closed (ConnectionError): the bridge went away
+      except ConnectionError:   # refused, broken, or unknown to a restarted bridge
         if sock is not None:
           sock.close()
         now = time.monotonic()
@@ -873,15 +694,15 @@ class OneMessageInserter:
           raise errors.ServerUnavailableError(
               f"could not insert into bridge {self._address} within reconnect_timeout_s="
               f"{self._reconnect_s}") from None
-        try:   # a bridge that restarted listens on another insert port
-          conn.learn_insert_port(conn.unary("ServerInfo", {}).get("insert_port"))
+        try:   # a bridge that restarted listens on another ZeroMQ port
+          conn.learn_zmq_port(conn.unary("ServerInfo", {}))
         except errors.ServerUnavailableError:
           pass
-        if conn.insert_port is None:
+        if conn.zmq_port is None:
           return None
         time.sleep(min(backoff, max(0.0, give_up - now)))
         backoff = min(2 * backoff, BACKOFF_MAX_S)
-      except BaseException:   # interrupted (Ctrl-C) before the reply: the socket is unusable
+      except BaseException:   # interrupted (Ctrl-C) before the reply: the connection is unusable
         if sock is not None:
           sock.close()
         raise
@@ -889,7 +710,7 @@ class OneMessageInserter:
         error = sock.fatal(ack)
         if error is not None:
           raise error
-        conn.insert_sockets.append(sock)
+        conn.zmq_inserts.append(sock)
         return ack
 
 
