@@ -252,7 +252,7 @@ def test_import_reverb_shm_imports_no_optional_extra():
   import sys  # pylint: disable=g-import-not-at-top
   code = ("import sys, reverb_shm\n"
           "bad = [m for m in ('grpc', 'google.protobuf', 'tensorflow', 'torch', 'jax', 'ray',"
-          " 'prometheus_client', 'rich', 'tqdm') if m in sys.modules]\n"
+          " 'prometheus_client', 'rich', 'tqdm', 'zmq') if m in sys.modules]\n"
           "print(bad)\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=ROOT, check=True).stdout

@@ -122,10 +122,11 @@ class Dealer:
         sock.send_multipart(parts, zmq.NOBLOCK, copy=len(parts[-1]) < _COPY_BELOW)
       except zmq.ZMQError as e:
         raise ConnectionError(f"could not send to the bridge: {e}") from None
-      # A send may take in the reply that a receiver waits for without its descriptor
-      # signalling again: wake it.
-      if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-        self._wake()
+      finally:
+        # A send (also a failed one) may take in the reply that a receiver waits for without
+        # its descriptor signalling again: wake it.
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+          self._wake()
 
   def recv(self, timeout_s: Optional[float]) -> List[bytes]:
     """The next message's parts, waiting at most `timeout_s` seconds (None: as long as the

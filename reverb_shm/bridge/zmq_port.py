@@ -78,12 +78,15 @@ class ZmqPort:
     try:
       self._sock.send_multipart(parts, zmq.NOBLOCK,
                                 copy=payload is None or len(payload) < _COPY_BELOW)
+      sent = True
     except zmq.ZMQError:   # EHOSTUNREACH: the client's connection is gone
-      self._drop(ident)
-      return False
+      sent = False
+    # A send (also a failed one) may take in messages without the descriptor signalling.
     if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-      self._loop.call_soon(self._drain)   # (the send took in messages: no descriptor signal)
-    return True
+      self._loop.call_soon(self._drain)
+    if not sent:
+      self._drop(ident)
+    return sent
 
   def _drain(self) -> None:
     sock = self._sock
