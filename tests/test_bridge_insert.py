@@ -380,3 +380,41 @@ def test_a_sample_with_a_timeout_ends_when_a_stopped_bridge_does_not_answer(serv
     os.kill(proc.pid, signal.SIGCONT)
     assert len(list(client.sample("t", 3, emit_timesteps=False,
                                   rate_limiter_timeout_ms=1000))) == 3
+
+
+def test_the_zmq_port_cancels_the_calls_of_a_killed_client(server_factory):
+  """A ZeroMQ ROUTER does not say which client went away: the bridge pings its calls when a
+  connection closes. A client process killed (SIGKILL) while its sample waits at the bridge
+  loses its call there; another client's waiting call is kept and still answered."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  server = server_factory([reverb_shm.Table.queue("queue", 10)], bridge=BridgeConfig())
+  port = server._bridge._zmq  # pylint: disable=protected-access
+  code = ("import sys, reverb_shm.bridge as b\n"
+          "c = b.RemoteClient(sys.argv[1])\n"
+          "print('waiting', flush=True)\n"
+          "next(c.sample('queue', emit_timesteps=False))\n")
+  proc = subprocess.Popen([sys.executable, "-c", code, server.bridge_address],
+                          stdout=subprocess.PIPE, text=True)
+  try:
+    assert proc.stdout.readline().strip() == "waiting"
+    survivor = RemoteClient(server.bridge_address)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(
+        next(survivor.sample("queue", emit_timesteps=False))), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while len(port._calls) < 2:  # pylint: disable=protected-access
+      assert time.monotonic() < deadline, port._calls  # pylint: disable=protected-access
+      time.sleep(0.05)
+  finally:
+    proc.kill()
+    proc.wait(timeout=30)
+  deadline = time.monotonic() + 10
+  while len(port._calls) > 1:  # pylint: disable=protected-access
+    assert time.monotonic() < deadline, "the killed client's call was kept"
+    time.sleep(0.05)
+  time.sleep(0.5)   # its wait on the bridge's pool ends within a wait slice
+  server.localhost_client().insert(np.int32(7), {"queue": 1.0})
+  reader.join(timeout=10)
+  assert [int(s.data[0][0]) for s in got] == [7]

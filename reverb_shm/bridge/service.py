@@ -1155,19 +1155,21 @@ class _WriteStream:
 
   def _descriptor(self, desc) -> bytes:
     """An item descriptor with stream chunk ids replaced by arena offsets (all validated)."""
-    if not isinstance(desc, list) or not 1 <= len(desc) <= _MAX_COLUMNS:
+    # (msgpack decodes arrays as lists and integers as int, never bool: exact type checks)
+    if type(desc) is not list or not 1 <= len(desc) <= _MAX_COLUMNS:
       raise wire.BadMessage(f"an item must be a list of 1..{_MAX_COLUMNS} columns")
     columns = []
     for col in desc:
-      if (not isinstance(col, list) or len(col) != 2 or not isinstance(col[1], bool)
-          or not isinstance(col[0], list) or not 1 <= len(col[0]) <= _MAX_SLICES):
+      if (type(col) is not list or len(col) != 2 or type(col[1]) is not bool
+          or type(col[0]) is not list or not 1 <= len(col[0]) <= _MAX_SLICES):
         raise wire.BadMessage("an item column must be [[[chunk id, row, rows], ...], squeeze]")
       slices = []
       for sl in col[0]:
-        if (not isinstance(sl, list) or len(sl) != 3
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in sl)):
+        if type(sl) is not list or len(sl) != 3:
           raise wire.BadMessage("an item slice must be [chunk id, first row, rows]")
         cid, row, nrows = sl
+        if type(cid) is not int or type(row) is not int or type(nrows) is not int:
+          raise wire.BadMessage("an item slice must be [chunk id, first row, rows]")
         failed = self._failed.get(cid)
         if failed is not None:
           raise failed

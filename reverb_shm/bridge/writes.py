@@ -234,6 +234,9 @@ class WriteSession:
       batches: list = []
       in_use: dict = {}
       staging = self._staging()
+      # Chunks brought up to date by this call: the writer (this thread) adds no rows during
+      # it, so each chunk is read once per call.
+      current: dict = {}
       for i, start in enumerate(starts):
         batch = _Batch(next(self._seqs), table, key_bytes[8 * i:8 * i + 8],
                        prio_bytes[8 * i:8 * i + 8], 1)
@@ -241,7 +244,11 @@ class WriteSession:
         for slices, squeeze in chunks.decode_descriptor(blob, start):
           column = []
           for off, row, nrows in slices:
-            chunk = self._chunk(staging, off, row + nrows, ops, batch)
+            chunk = current.get(off)
+            if chunk is None or chunk.rows < row + nrows:
+              chunk = current[off] = self._chunk(staging, off, row + nrows, ops, batch)
+            else:
+              batch.chunks[id(chunk)] = chunk
             column.append((chunk, row, nrows))
           item.append((column, squeeze))
         batch.descs.append(item)

@@ -67,7 +67,9 @@ class ZmqPort:
     self._closed = False
     self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
     self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._read_monitor)
+    # (the descriptors signal edges: whatever came before they were watched is read now)
     self._loop.call_soon(self._drain)
+    self._loop.call_soon(self._read_monitor)
 
   # ---- sending and receiving (on the loop thread)
   def send(self, ident: bytes, kind: bytes, payload: Optional[bytes] = None) -> bool:
