@@ -127,9 +127,10 @@ class _Connection:
   def method(self, name: str, kind: str = "unary_unary"):
     return getattr(self.channel, kind)(f"/{wire.SERVICE}/{name}")
 
-  def stream(self, name: str, requests):
+  def stream(self, name: str, requests, direct: bool = False):
     """A stream call of the bridge's: on its ZeroMQ port when it offers one
-    (zmq_client.StreamCall), else on gRPC. A call whose port is unreachable fails with
+    (zmq_client.StreamCall; with `direct`, the caller sends its requests with the call's send()
+    instead of through `requests`), else on gRPC. A call whose port is unreachable fails with
     UNAVAILABLE, and the next call asks the bridge for its port again."""
     if not self.port_asked and not self.closed:
       try:
@@ -138,7 +139,7 @@ class _Connection:
         pass   # (the gRPC call reports the bridge's state)
     if self.zmq_port is not None and not self.closed:
       call = zmq_client.StreamCall(zmq_client.split_host(self.address), self.zmq_port,
-                                   self.creds.token, name, requests,
+                                   self.creds.token, name, None if direct else requests,
                                    on_unavailable=self._forget_port)
       self.zmq_calls.add(call)   # (cancelled by close(), as the channel's calls are)
       if self.closed:
@@ -718,7 +719,10 @@ class _BatchStream:
     self._replies: Dict[int, dict] = {}  # replies read ahead of their caller
     self._abandoned: set = set()
     self.error: Optional[Exception] = None   # set once the call ended
-    self._call = conn.stream("SampleBatches", writes.queued(self._out))
+    self._call = conn.stream("SampleBatches", writes.queued(self._out), direct=True)
+    # On the ZeroMQ port, requests go out from the caller's thread: no thread to wake (and to
+    # take the GIL from a local draw) per request.
+    self._direct = isinstance(self._call, zmq_client.StreamCall)
 
   def send(self, msg: dict) -> int:
     """Sends one request; returns its number (for reply())."""
@@ -727,7 +731,10 @@ class _BatchStream:
         raise self.error
       index, self._sent = self._sent, self._sent + 1
       for frame in wire.frames(wire.pack(msg)):
-        self._out.put(frame)
+        if self._direct:
+          self._call.send(frame)
+        else:
+          self._out.put(frame)
     return index
 
   def abandon(self, index: int) -> None:

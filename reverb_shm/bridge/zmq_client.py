@@ -269,8 +269,9 @@ class StreamCall:
   """A stream of the bridge (Write, Sample, SampleBatches, Insert) on its ZeroMQ port, with the
   surface of a grpc stream-stream call that the clients use: iterate for the reply messages
   (the calling thread receives them itself), cancel() to end it. The request messages of
-  `requests` go out from a thread of their own; the iterator's end is a half-close. The
-  bridge's status ends the iteration (OK) or raises StreamError.
+  `requests` go out from a thread of their own (the iterator's end is a half-close), or, with
+  requests=None, are sent by `send` in the caller's thread. The bridge's status ends the
+  iteration (OK) or raises StreamError.
 
   As with gRPC, making the call does not fail: an unreachable port (UNAVAILABLE; then
   `on_unavailable()` is called) or a refused token (UNAUTHENTICATED) is raised by a read.
@@ -284,8 +285,17 @@ class StreamCall:
     self._on_unavailable = on_unavailable
     self._dealer = Dealer(host, port)
     self._dealer.send(wire.ZMQ_OPEN, wire.pack({"token": token, "stream": method}))
-    threading.Thread(target=self._send_all, args=(requests,), daemon=True,
-                     name="reverb_shm-zmq-requests").start()
+    if requests is not None:
+      threading.Thread(target=self._send_all, args=(requests,), daemon=True,
+                       name="reverb_shm-zmq-requests").start()
+
+  def send(self, frame: bytes) -> None:
+    """Sends one request message from the calling thread (a call made with requests=None);
+    a broken call is reported by the next read."""
+    try:
+      self._dealer.send(wire.ZMQ_MSG, frame)
+    except ConnectionError:
+      pass
 
   def _send_all(self, requests) -> None:
     dealer = self._dealer
