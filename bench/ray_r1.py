@@ -9,7 +9,8 @@ Rows (one RESULTS line):
   R1_sample reverb_shm   items/s of the learner (driver, head node) drawing 256 per call with
                          ClusterClient.sample_batch across the 3 nodes' servers (global uniform
                          split by the masses of earlier answers, max_mass_age_s=0.1; the
-                         bridges' parts of the next 2 batches requested ahead, prefetch=2);
+                         bridges' parts of the next 4 batches requested ahead, together,
+                         prefetch=4);
                          variants reverb_shm_mass_cache (no prefetch) and reverb_shm_sync
                          (masses read before each draw, no prefetch)
   R1_cross  same_node / cross_node   items/s of batches of 256 drawn from the driver on the
@@ -70,8 +71,8 @@ def r1(args):
 
     cc = handle.global_client(timeout_s=10)
     variants = (
-        ("reverb_shm", {"max_mass_age_s": 0.1, "prefetch": 2},
-         "ClusterClient.sample_batch(256) across 3 nodes, prefetch=2, max_mass_age_s=0.1"),
+        ("reverb_shm", {"max_mass_age_s": 0.1, "prefetch": 4},
+         "ClusterClient.sample_batch(256) across 3 nodes, prefetch=4, max_mass_age_s=0.1"),
         ("reverb_shm_mass_cache", {"max_mass_age_s": 0.1},
          "ClusterClient.sample_batch(256) across 3 nodes, max_mass_age_s=0.1, no prefetch"),
         ("reverb_shm_sync", {},

@@ -89,6 +89,51 @@ class _Request:
   failed: Dict[int, BaseException] = dataclasses.field(default_factory=dict)
 
 
+class _Shared:
+  """A bridge's SampleBatch call whose answer prefetched requests share, a slice each."""
+
+  def __init__(self, call):
+    self._call = call
+    self._lock = threading.Lock()
+    self._result: Any = None
+    self._error: Optional[BaseException] = None
+
+  def get(self):
+    with self._lock:
+      if self._result is None and self._error is None:
+        try:
+          self._result = self._call()
+        except Exception as e:  # pylint: disable=broad-except  (each sharer re-raises it)
+          self._error = e
+      if self._error is not None:
+        raise self._error
+      return self._result
+
+  def cancel(self) -> None:
+    self._call.cancel()
+
+
+class _Slice:
+  """Items [start, start + k) of a _Shared answer, as a SampleBatch call's (batch, stats);
+  (None, stats) when the bridge's rate limiter admitted fewer (sample_batch draws the rest
+  again)."""
+
+  def __init__(self, shared: _Shared, start: int, k: int):
+    self._shared, self._start, self._k = shared, start, k
+
+  def __call__(self):
+    batch, stats = self._shared.get()
+    n = 0 if batch is None else len(batch.info.key)
+    a, b = min(self._start, n), min(self._start + self._k, n)
+    if a == b:
+      return None, stats
+    return ReplaySample(SampleInfo(*[f[a:b] for f in batch.info]),
+                        [c[a:b] for c in batch.data]), stats
+
+  def cancel(self) -> None:
+    self._shared.cancel()
+
+
 class ClusterClient:
   """Learner-side client over every shard of a ClusterHandle.
 
@@ -102,7 +147,8 @@ class ClusterClient:
       sample_batch).
     key_memory: how many sampled keys to remember for routing priority updates.
     prefetch: how many further batches sample_batch requests from the bridges ahead of the
-      one it returns (0: none; see sample_batch).
+      one it returns, together: one request per bridge for that many batches (0: none; see
+      sample_batch).
     seed: seed of the multinomial split (None: fresh entropy).
 
   Thread-safe for one sampling thread plus other threads updating priorities.
@@ -303,12 +349,14 @@ class ClusterClient:
     shard's own w_i / W_s at the draw, which is w_i / W whenever the masses did not change in
     between (always, for a table nobody writes to meanwhile).
 
-    With `prefetch` > 0 the bridges' parts of the next `prefetch` batches (same table, size and
-    timeout) are requested before this one is gathered, split by the masses known then; their
-    items are drawn on the remote shards before this call returns (as Reverb's in-flight
-    samples), so a priority update sent meanwhile reaches them only from the batch after. The
-    local shard's part is drawn when its batch is returned. A call with other arguments, or
-    close(), drops the requests in flight (their items count as sampled on their shards).
+    With `prefetch` > 0, whenever fewer than `prefetch` further batches (same table, size and
+    timeout) are in flight, the bridges' parts of the next `prefetch` are requested before this
+    one is gathered, split by the masses known then, with one request per bridge for all of
+    them (each batch takes its slice of the answer); their items are drawn on the remote
+    shards before this call returns (as Reverb's in-flight samples), so a priority update sent
+    meanwhile reaches them only from the batches after. The local shard's part is drawn when
+    its batch is returned. A call with other arguments, or close(), drops the requests in
+    flight (their items count as sampled on their shards).
 
     Raises:
       ValueError: num_samples < 1, or items of different column layouts.
@@ -326,10 +374,10 @@ class ClusterClient:
       if got == 0 and self._pending:
         request = self._pending.popleft()
       else:
-        request = self._issue(table, num_samples - got, rate_limiter_timeout_ms)
-      if got == 0:
-        while len(self._pending) < self._prefetch:
-          self._pending.append(self._issue(table, num_samples, rate_limiter_timeout_ms))
+        request = self._issue(table, num_samples - got, rate_limiter_timeout_ms)[0]
+      if got == 0 and len(self._pending) < self._prefetch:
+        self._pending.extend(self._issue(table, num_samples, rate_limiter_timeout_ms,
+                                         self._prefetch))
       for part in self._collect(request):
         parts.append(part)
         got += len(part.info.key)
@@ -339,19 +387,33 @@ class ClusterClient:
     treedef = self._treedef(table)
     return ReplaySample(info, cols if treedef is None else structure.unflatten(treedef, cols))
 
-  def _issue(self, table: str, n: int, timeout_ms: Optional[int]) -> "_Request":
-    """Splits n draws by the current (or cached) masses and sends the bridges' requests."""
+  def _issue(self, table: str, n: int, timeout_ms: Optional[int],
+             group: int = 1) -> List["_Request"]:
+    """Splits n draws, `group` times, by the current (or cached) masses and sends the bridges'
+    requests: one per bridge for the whole group, each draw taking its slice."""
     masses = self._cached_masses(table)
     if not masses:
       raise errors.ServerUnavailableError(
           f"no live shard left to sample {table!r} from (dropped: {self.dead})")
     shards, weights, total_size = self._weights(table, masses)
-    counts = split_batch(n, weights, self._rng)
     total_w = float(sum(weights))
-    request = _Request((table, n, timeout_ms), {s: w / total_w for s, w in zip(shards, weights)},
-                       dict(zip(shards, counts.tolist())), total_size)
-    request.pending, request.failed = self._send_remote(shards, table, request.k_of, timeout_ms)
-    return request
+    scale = {s: w / total_w for s, w in zip(shards, weights)}
+    requests = [_Request((table, n, timeout_ms), scale,
+                         dict(zip(shards, split_batch(n, weights, self._rng).tolist())),
+                         total_size) for _ in range(group)]
+    k_of = {s: sum(r.k_of[s] for r in requests) for s in shards}
+    pending, failed = self._send_remote(shards, table, k_of, timeout_ms)
+    if group == 1:
+      requests[0].pending, requests[0].failed = pending, failed
+      return requests
+    for s, call in pending.items():
+      shared, start = _Shared(call), 0
+      for r in requests:
+        r.pending[s] = _Slice(shared, start, r.k_of[s])
+        start += r.k_of[s]
+    for r in requests:
+      r.failed = dict(failed)
+    return requests
 
   def _collect(self, request: "_Request") -> List[ReplaySample]:
     """The parts of an issued request (local shard drawn now), with global probabilities."""
