@@ -178,7 +178,8 @@ def frames(payload: bytes, frame_bytes: int = FRAME_BYTES) -> Iterator[bytes]:
 # ---------------------------------------------------------------- the ZeroMQ port
 # Without TLS, a bridge also serves its streams on a ZeroMQ ROUTER socket (its "fast port",
 # number in ServerInfo's "zmq_port"); each client call is a DEALER socket of its own. Every
-# ZeroMQ message is multipart: first a one-byte kind, then (for some kinds) one payload part.
+# ZeroMQ message is one frame: a one-byte kind, then (for some kinds) the payload; a payload of
+# ZMQ_SPLIT_BYTES or more goes as a second frame instead (not copied behind the kind).
 #   client -> bridge: ZMQ_OPEN {"token", "stream": name or absent for an insert connection},
 #                     ZMQ_MSG (a stream's gRPC message, i.e. a frame; on an insert connection
 #                     one whole Insert message), ZMQ_EOF (half-close), ZMQ_CANCEL.
@@ -187,6 +188,25 @@ def frames(payload: bytes, frame_bytes: int = FRAME_BYTES) -> Iterator[bytes]:
 #                     ZMQ_PING (nothing; sent to find out which clients are gone).
 ZMQ_OPEN, ZMQ_MSG, ZMQ_EOF, ZMQ_CANCEL = b"O", b"M", b"E", b"C"
 ZMQ_STATUS, ZMQ_PING = b"S", b"P"
+ZMQ_SPLIT_BYTES = 1 << 16
+
+
+def zmq_frames(kind: bytes, payload: Optional[bytes] = None) -> list:
+  """The frames of one ZeroMQ message of `kind` carrying `payload`."""
+  if payload is None:
+    return [kind]
+  if len(payload) < ZMQ_SPLIT_BYTES:
+    return [kind + payload]
+  return [kind, payload]
+
+
+def zmq_message(frames: list) -> tuple:
+  """(kind, payload) of a ZeroMQ message's frames; BadMessage if it has another form."""
+  if len(frames) == 1 and frames[0]:
+    return frames[0][:1], frames[0][1:]
+  if len(frames) == 2 and len(frames[0]) == 1:
+    return frames[0], frames[1]
+  raise BadMessage(f"a ZeroMQ message of {len(frames)} frames is not a message of this bridge")
 
 
 class Reassembler:

@@ -19,7 +19,7 @@ import os
 import select
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import grpc
 
@@ -42,7 +42,6 @@ _BROKEN_EVENTS = 0 if zmq is None else (
     | getattr(zmq, "EVENT_HANDSHAKE_FAILED_PROTOCOL", 0))
 _CANCEL_LINGER_MS = 200      # how long a cancelled call's socket tries to deliver ZMQ_CANCEL
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 5_000, 20_000   # ZMTP pings on idle connections
-_COPY_BELOW = 1 << 16        # payloads this small are copied into ZeroMQ (faster than tracking)
 
 
 def endpoint(host: str, port: int) -> str:
@@ -112,14 +111,18 @@ class Dealer:
     self._closed = False
     self.broken: Optional[str] = None   # why the connection broke, once it did
 
-  def send(self, *parts: bytes) -> None:
-    """Queues one multipart message (ConnectionError once closed or broken)."""
+  def send(self, kind: bytes, payload: Optional[bytes] = None) -> None:
+    """Queues one message (ConnectionError once closed or broken)."""
+    frames = wire.zmq_frames(kind, payload)
     with self._lock:
       if self._closed:
         raise ConnectionError("the call was closed")
       sock = self._sock
       try:
-        sock.send_multipart(parts, zmq.NOBLOCK, copy=len(parts[-1]) < _COPY_BELOW)
+        if len(frames) == 1:
+          sock.send(frames[0], zmq.NOBLOCK)
+        else:
+          sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
       except zmq.ZMQError as e:
         raise ConnectionError(f"could not send to the bridge: {e}") from None
       finally:
@@ -128,13 +131,13 @@ class Dealer:
         if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
           self._wake()
 
-  def recv(self, timeout_s: Optional[float]) -> List[bytes]:
-    """The next message's parts, waiting at most `timeout_s` seconds (None: as long as the
+  def recv(self, timeout_s: Optional[float]) -> Tuple[bytes, bytes]:
+    """The next message's (kind, payload), waiting at most `timeout_s` seconds (None: as long as the
     connection lives).
 
     Raises:
       TimeoutError: nothing came in time. ConnectionError: the connection broke or could not
-      be made. Cancelled: the Dealer was closed.
+      be made, or the bridge sent a malformed message. Cancelled: the Dealer was closed.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
@@ -143,7 +146,10 @@ class Dealer:
           raise Cancelled()
         self._read_monitor()
         if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-          return self._sock.recv_multipart(zmq.NOBLOCK)
+          try:
+            return wire.zmq_message(self._sock.recv_multipart(zmq.NOBLOCK))
+          except wire.BadMessage as e:
+            raise ConnectionError(str(e)) from None
         if self.broken is not None:
           raise ConnectionError(self.broken)
       wait_ms = -1
@@ -214,14 +220,14 @@ class InsertConnection:
     self._dealer = Dealer(host, port)
     try:
       self._dealer.send(wire.ZMQ_OPEN, wire.pack({"token": token}))
-      hello = _answer(self._dealer, timeout_s)
+      kind, hello = _answer(self._dealer, timeout_s)
     except BaseException:
       self._dealer.close()
       raise
-    if hello[0] != wire.ZMQ_OPEN or len(hello) != 2:
+    if kind != wire.ZMQ_OPEN:
       self._dealer.close()
       raise ConnectionError(f"bridge port {port} did not answer the hello")
-    answer = wire.unpack(hello[1], 1 << 16)
+    answer = wire.unpack(hello, 1 << 16)
     if answer.get("ok") is not True:
       self._dealer.close()
       raise PermissionError(f"bridge {host}:{port} refused the connection: {answer.get('err')}")
@@ -231,10 +237,10 @@ class InsertConnection:
     `timeout_s` (None: wait as long as the connection lives); ConnectionError when the
     connection broke or the bridge no longer knows it (restarted on the same port)."""
     self._dealer.send(wire.ZMQ_MSG, payload)
-    reply = _answer(self._dealer, timeout_s)
-    if reply[0] != wire.ZMQ_MSG or len(reply) != 2:
+    kind, reply = _answer(self._dealer, timeout_s)
+    if kind != wire.ZMQ_MSG:
       raise ConnectionError("the bridge ended the insert connection")
-    return wire.unpack(reply[1])
+    return wire.unpack(reply)
 
   def fatal(self, reply: dict) -> Optional[Exception]:
     """The error of a reply that ended the connection (the bridge could not handle the
@@ -252,17 +258,17 @@ class InsertConnection:
     self._dealer.close(wire.ZMQ_CANCEL)
 
 
-def _answer(dealer: Dealer, timeout_s: Optional[float]) -> List[bytes]:
+def _answer(dealer: Dealer, timeout_s: Optional[float]) -> Tuple[bytes, bytes]:
   """The next message that is not a ping (Cancelled maps to ConnectionError)."""
   deadline = None if timeout_s is None else time.monotonic() + timeout_s
   while True:
     left = None if deadline is None else max(0.0, deadline - time.monotonic())
     try:
-      parts = dealer.recv(left)
+      kind, payload = dealer.recv(left)
     except Cancelled:
       raise ConnectionError("the connection was closed") from None
-    if parts and parts[0] != wire.ZMQ_PING:
-      return parts
+    if kind != wire.ZMQ_PING:
+      return kind, payload
 
 
 class StreamCall:
@@ -317,7 +323,7 @@ class StreamCall:
       raise StopIteration
     while True:
       try:
-        parts = self._dealer.recv(None)
+        kind, payload = self._dealer.recv(None)
       except Cancelled:
         self._done = True
         raise StreamError(grpc.StatusCode.CANCELLED, "cancelled by the client") from None
@@ -327,22 +333,21 @@ class StreamCall:
         if self._on_unavailable is not None:
           self._on_unavailable()
         raise StreamError(grpc.StatusCode.UNAVAILABLE, f"the stream ended: {e}") from None
-      kind = parts[0] if parts else b""
       if kind == wire.ZMQ_PING:
         continue
-      if not self._greeted and kind == wire.ZMQ_OPEN and len(parts) == 2:
+      if not self._greeted and kind == wire.ZMQ_OPEN:
         self._greeted = True
-        hello = wire.unpack(parts[1], 1 << 16)
+        hello = wire.unpack(payload, 1 << 16)
         if hello.get("ok") is not True:
           self._end()
           raise StreamError(grpc.StatusCode.UNAUTHENTICATED, f"{hello.get('err')}")
         continue
-      if kind == wire.ZMQ_MSG and len(parts) == 2:
-        return parts[1]
+      if kind == wire.ZMQ_MSG:
+        return payload
       self._end()
-      if kind != wire.ZMQ_STATUS or len(parts) != 2:
+      if kind != wire.ZMQ_STATUS:
         raise StreamError(grpc.StatusCode.INTERNAL, f"unexpected message kind {kind!r}")
-      status = wire.unpack(parts[1])
+      status = wire.unpack(payload)
       code = getattr(grpc.StatusCode, str(status.get("code")), grpc.StatusCode.UNKNOWN)
       if code is grpc.StatusCode.OK:
         raise StopIteration

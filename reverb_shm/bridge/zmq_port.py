@@ -25,7 +25,6 @@ __all__ = ["ZmqPort"]
 
 _log = logging.getLogger(__name__)
 _PROBE_AFTER_S = (0.1, 2.0)   # pings after a connection closed (the router drops it meanwhile)
-_COPY_BELOW = 1 << 16
 
 
 class ZmqPort:
@@ -76,10 +75,9 @@ class ZmqPort:
     """Sends one message to a client; False (and its call is cancelled) if it is gone."""
     if self._closed:
       return False
-    parts = [ident, kind] if payload is None else [ident, kind, payload]
+    frames = [ident] + wire.zmq_frames(kind, payload)
     try:
-      self._sock.send_multipart(parts, zmq.NOBLOCK,
-                                copy=payload is None or len(payload) < _COPY_BELOW)
+      self._sock.send_multipart(frames, zmq.NOBLOCK, copy=len(frames) == 2)
       sent = True
     except zmq.ZMQError:   # EHOSTUNREACH: the client's connection is gone
       sent = False
@@ -93,14 +91,14 @@ class ZmqPort:
   def _drain(self) -> None:
     sock = self._sock
     while not self._closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-      parts = sock.recv_multipart(zmq.NOBLOCK)
-      if len(parts) < 2:
-        continue
+      frames = sock.recv_multipart(zmq.NOBLOCK)
       try:
-        self._dispatch(parts[0], parts[1], parts[2] if len(parts) > 2 else b"")
+        self._dispatch(frames[0], *wire.zmq_message(frames[1:]))
+      except wire.BadMessage:
+        self._drop(frames[0])
       except Exception:  # pylint: disable=broad-except  (one bad message ends only its call)
         _log.exception("bridge: ZeroMQ message")
-        self._drop(parts[0])
+        self._drop(frames[0])
 
   def _dispatch(self, ident: bytes, kind: bytes, payload: bytes) -> None:
     call = self._calls.get(ident)
