@@ -29,11 +29,16 @@ def start_cluster():
   import ray  # pylint: disable=g-import-not-at-top
   mod = local_cluster_module()
   cluster = mod.LocalRayCluster(num_cpus=1, object_store_mb=100, shm_mb=512)
-  cluster.start()
-  for label in WRITER_NODES:
-    cluster.add_node(label)
-  ray.init(address=cluster.address, log_to_driver=False)
-  cluster.wait_for_nodes()
+  try:
+    cluster.start()
+    for label in WRITER_NODES:
+      cluster.add_node(label)
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+  except BaseException:
+    ray.shutdown()
+    cluster.shutdown()   # (no node process outlives a failed start)
+    raise
   return cluster
 
 

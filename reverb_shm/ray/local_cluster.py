@@ -23,6 +23,28 @@ from typing import Dict, Optional
 __all__ = ["LocalRayCluster"]
 
 
+def _dead_children(pid: int) -> list:
+  """Names of the exited, unreaped child processes of `pid` (from /proc; [] elsewhere)."""
+  dead: list = []
+  try:
+    entries = os.listdir("/proc")
+  except OSError:
+    return dead
+  for entry in entries:
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat", "rb") as f:
+        stat = f.read().decode("ascii", "replace")
+    except OSError:
+      continue
+    name, _, rest = stat.partition("(")[2].rpartition(")")
+    fields = rest.split()
+    if len(fields) > 1 and fields[0] == "Z" and fields[1] == str(pid):
+      dead.append(name)
+  return dead
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -123,6 +145,11 @@ class LocalRayCluster:
     while "Ray runtime started" not in self.log(label):
       if self.nodes[label].poll() is not None:
         raise RuntimeError(f"ray node {label} exited: {self.log(label)[-3000:]}")
+      # A raylet that died at start (another process took its port meanwhile) leaves
+      # `ray start` waiting for ever.
+      dead = [n for n in _dead_children(self.nodes[label].pid) if n in ("raylet", "gcs_server")]
+      if dead:
+        raise RuntimeError(f"ray node {label}: {dead} died while it started")
       if time.monotonic() > deadline:
         raise TimeoutError(f"ray node {label} did not start within {timeout_s} s")
       time.sleep(0.3)
