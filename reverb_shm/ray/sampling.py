@@ -78,6 +78,10 @@ def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator) -> np
   return rng.multinomial(n, m / total).astype(np.int64)
 
 
+# Prefetched batches requested together hold at most this many items in all.
+_GROUP_ITEMS = 1024
+
+
 @dataclasses.dataclass
 class _Request:
   """A global draw whose split is fixed and whose bridges' calls are (being) sent."""
@@ -147,8 +151,7 @@ class ClusterClient:
       sample_batch).
     key_memory: how many sampled keys to remember for routing priority updates.
     prefetch: how many further batches sample_batch requests from the bridges ahead of the
-      one it returns, together: one request per bridge for that many batches (0: none; see
-      sample_batch).
+      one it returns, several per request (0: none; see sample_batch).
     seed: seed of the multinomial split (None: fresh entropy).
 
   Thread-safe for one sampling thread plus other threads updating priorities.
@@ -350,9 +353,10 @@ class ClusterClient:
     between (always, for a table nobody writes to meanwhile).
 
     With `prefetch` > 0, whenever fewer than `prefetch` further batches (same table, size and
-    timeout) are in flight, the bridges' parts of the next `prefetch` are requested before this
-    one is gathered, split by the masses known then, with one request per bridge for all of
-    them (each batch takes its slice of the answer); their items are drawn on the remote
+    timeout) are in flight, the bridges' parts of the next ones are requested before this one
+    is gathered, split by the masses known then, with one request per bridge for up to
+    `prefetch` batches of at most 1024 items in all (each batch takes its slice of the
+    answer); their items are drawn on the remote
     shards before this call returns (as Reverb's in-flight samples), so a priority update sent
     meanwhile reaches them only from the batches after. The local shard's part is drawn when
     its batch is returned. A call with other arguments, or close(), drops the requests in
@@ -375,9 +379,11 @@ class ClusterClient:
         request = self._pending.popleft()
       else:
         request = self._issue(table, num_samples - got, rate_limiter_timeout_ms)[0]
-      if got == 0 and len(self._pending) < self._prefetch:
-        self._pending.extend(self._issue(table, num_samples, rate_limiter_timeout_ms,
-                                         self._prefetch))
+      if got == 0:
+        # (a group's answers pin its items on the bridges at once: at most _GROUP_ITEMS)
+        group = max(1, min(self._prefetch, _GROUP_ITEMS // num_samples))
+        while len(self._pending) < self._prefetch:
+          self._pending.extend(self._issue(table, num_samples, rate_limiter_timeout_ms, group))
       for part in self._collect(request):
         parts.append(part)
         got += len(part.info.key)
