@@ -37,6 +37,21 @@ def _steps(values, obs_dim=4):
           "action": v, "reward": (v * 0.5).astype(np.float32)}
 
 
+def _threads_ended(it, timeout_s=5.0) -> bool:
+  """Whether every background thread of `it` (Python and native) ended within timeout_s."""
+  deadline = time.monotonic() + timeout_s
+  for t in (it._thread, it._updater):
+    if t is not None:
+      t.join(max(0.0, deadline - time.monotonic()))
+      if t.is_alive():
+        return False
+  while it._native is not None and any(it._native.stats()[5:]):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.01)
+  return True
+
+
 def _fill(st, values, priorities=1.0):
   return st.insert(_steps(values), priorities)
 
@@ -339,9 +354,7 @@ def test_server_stopping_in_another_process_ends_the_iterator(server_name):
       for _ in range(10):   # the batches gathered before the stop come first
         next(it)
     assert time.monotonic() - start < 5
-    it._thread.join(5)
-    it._updater.join(5)
-    assert not it._thread.is_alive() and not it._updater.is_alive()
+    assert _threads_ended(it)
     with pytest.raises(RuntimeError, match="closed"):
       it.update_priorities(np.zeros(1, np.uint64), np.ones(1))
     it.close()
@@ -423,7 +436,7 @@ def test_close_applies_queued_updates_and_ends_the_thread(server_factory):
   next(it)
   it.update_priorities(keys, np.full(4, 2.5))
   it.close()
-  assert not it._thread.is_alive() and not it._updater.is_alive() and it.closed
+  assert _threads_ended(it) and it.closed
   assert st.items()["priority"].tolist() == [2.5] * 4
   with pytest.raises(RuntimeError, match="closed"):
     next(it)
@@ -587,7 +600,7 @@ def test_an_iterator_dropped_without_close_is_collected_and_its_threads_end(serv
     next(it)
     it.update_priorities(np.zeros(1, np.uint64), np.ones(1))
   time.sleep(0.2)
-  ref, threads = weakref.ref(it), (it._thread, it._updater)
+  ref, threads = weakref.ref(it), [t for t in (it._thread, it._updater) if t is not None]
   del it
   deadline = time.monotonic() + 5
   while ref() is not None and time.monotonic() < deadline:   # (a thread holds it for one slice)

@@ -112,6 +112,9 @@ class TorchIterator(learner.BatchIterator):
       raise ValueError("pin_memory=True needs CUDA (torch.cuda.is_available() is False)")
     self._pin = bool(pin_memory)
     self._stream = torch.cuda.Stream(self.device) if cuda else None
+    # (on the CPU the transform only wraps the ring's arrays, made once per buffer: it runs in
+    # the consumer's thread, and the native sampler gathers)
+    self._native_ok = not cuda and not self._pin
     for name in ("allocate", "transform"):
       if name in kwargs:
         raise TypeError(f"TorchIterator does not take {name}=")
