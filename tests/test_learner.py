@@ -610,3 +610,61 @@ def test_an_iterator_dropped_without_close_is_collected_and_its_threads_end(serv
   for thread in threads:
     thread.join(5)
     assert not thread.is_alive()
+
+
+def _spin_holding_the_gil(seconds: float) -> None:
+  """Keeps this thread busy in Python for `seconds` with a switch interval longer than that, so
+  no other Python thread runs meanwhile (only code that needs no GIL progresses)."""
+  old = sys.getswitchinterval()
+  sys.setswitchinterval(30.0)
+  try:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+      pass
+  finally:
+    sys.setswitchinterval(old)
+
+
+def test_sampling_and_updates_progress_while_the_learner_holds_the_gil(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  keys = _fill(st, np.arange(64))
+  with BatchIterator(st, batch_size=8, prefetch=4, timeout_ms=5000) as it:
+    next(it)
+    next(it)   # (the native sampler gathers from the second batch on)
+    assert it._native_sampling and it._updater is None
+    time.sleep(0.3)   # the ring fills: 4 batches ready
+    before = it._native.stats()[0]   # batches the native sampler gathered
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+      for _ in range(4):   # frees 4 buffers (all ready: no wait, the GIL is never released)
+        next(it)
+      it.update_priorities(keys, np.full(64, 3.0))
+      _spin_holding_the_gil(0.5)
+      gathered = it._native.stats()[0]
+      stats = it.stats
+    finally:
+      sys.setswitchinterval(old)
+    # Gathered and applied by threads that never took the GIL while this one held it.
+    assert gathered - before == 4, (before, gathered)   # every freed buffer, no more
+    assert stats["keys_updated"] == 64 and stats["updates_pending"] == 0
+  assert set(st.items()["priority"].tolist()) == {3.0}
+
+
+def test_updates_stay_in_call_order_when_a_device_copy_update_starts_the_python_updater(
+    server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  keys = _fill(st, np.arange(4))
+  gate = threading.Event()
+  with BatchIterator(st, batch_size=4, timeout_ms=5000) as it:
+    next(it)
+    it.update_priorities(keys, np.full(4, 2.0))               # native queue
+    it._queue_async_update(keys[:2], 2, None, lambda: gate.wait(5) and np.array([5.0, 6.0]))
+    it.update_priorities(keys[1:2], np.array([7.0]))          # after the device copy's
+    assert it._updater is not None and it._updater.is_alive()
+    gate.set()
+    it.flush(timeout_ms=5000)
+    assert it.stats["priority_updates"] == 3 and it.stats["keys_updated"] == 7
+  assert st.items()["priority"].tolist() == [5.0, 7.0, 2.0, 2.0]
