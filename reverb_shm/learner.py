@@ -439,6 +439,7 @@ class BatchIterator:
     table = self._tables[0]
     try:
       if rc == lib.RS_EINVAL:
+        _ = table.size   # raises TableClosedError when the server stopped meanwhile
         raise ValueError(f"table {table.name!r} holds items whose columns differ from the first "
                          f"items' ({_layout_text(self._layout)}): a fixed-shape batch needs "
                          f"items of one column layout ({message})")

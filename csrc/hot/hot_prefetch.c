@@ -543,32 +543,25 @@ static PyObject *pf_flush(pf_object *self, PyObject *arg) {
   return PyBool_FromLong(done);
 }
 
-/* update_error() -> None or (status, message) of an update that failed, once. */
-static PyObject *pf_update_error(pf_object *self, PyObject *unused) {
+/* None or (status, message): the error of an update (`update`: cleared, returned once) or the
+ * one the threads ended on (kept). */
+static PyObject *kept_error(pf_object *self, int update) {
   if (!in_creator(self)) return NULL;
   pf_state *s = self->s;
-  pthread_mutex_lock(&s->mu);
-  int rc = s->upd_rc;
+  int *rc_field = update ? &s->upd_rc : &s->fail_rc;
   char msg[MSG_BYTES];
-  memcpy(msg, s->upd_msg, MSG_BYTES);
-  s->upd_rc = 0;
+  pthread_mutex_lock(&s->mu);
+  int rc = *rc_field;
+  memcpy(msg, update ? s->upd_msg : s->fail_msg, MSG_BYTES);
+  if (update) *rc_field = 0;
   pthread_mutex_unlock(&s->mu);
   if (rc == 0) Py_RETURN_NONE;
   return Py_BuildValue("(is)", rc, msg);
 }
 
-/* failure() -> None or (status, message) the threads ended on (not cleared). */
-static PyObject *pf_failure(pf_object *self, PyObject *unused) {
-  if (!in_creator(self)) return NULL;
-  pf_state *s = self->s;
-  pthread_mutex_lock(&s->mu);
-  int rc = s->fail_rc;
-  char msg[MSG_BYTES];
-  memcpy(msg, s->fail_msg, MSG_BYTES);
-  pthread_mutex_unlock(&s->mu);
-  if (rc == 0) Py_RETURN_NONE;
-  return Py_BuildValue("(is)", rc, msg);
-}
+static PyObject *pf_update_error(pf_object *self, PyObject *unused) { return kept_error(self, 1); }
+
+static PyObject *pf_failure(pf_object *self, PyObject *unused) { return kept_error(self, 0); }
 
 /* stats() -> (batches, update calls applied, keys updated, keys skipped, keys pending,
  * sampler running, updater running). */
