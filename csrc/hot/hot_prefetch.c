@@ -404,15 +404,13 @@ static PyObject *pf_start_sampling(pf_object *self, PyObject *args) {
     PyErr_SetString(PyExc_OSError, "start_sampling: pthread_create failed");
     return NULL;
   }
-  PyObject *old = self->keepalive;
-  self->keepalive = PyTuple_Pack(2, old, keepalive);
-  if (self->keepalive == NULL) {   /* (cannot let the buffers go: keep the old and the new) */
+  PyObject *both = PyTuple_Pack(2, self->keepalive, keepalive);
+  if (both == NULL) {   /* (out of memory: the sampler writes into them, so leak a reference) */
     PyErr_Clear();
     Py_INCREF(keepalive);
-    self->keepalive = old;
-    return keepalive;   /* leaked on purpose: the sampler writes into it */
+    Py_RETURN_NONE;
   }
-  Py_DECREF(old);
+  Py_SETREF(self->keepalive, both);
   Py_RETURN_NONE;
 }
 
