@@ -15,15 +15,19 @@ learner's priority updates (in the order given, all those queued meanwhile in on
 table), so the learner does not wait for them either.
 
 Native threads. With one table (no mixing), whole batches (partial=False, copy=False) and no
-allocate / transform of the caller's (the torch iterator on the CPU qualifies), both threads are
-native (reverb_shm._hot.Prefetcher, csrc/hot/hot_prefetch.c) and never take the GIL: after the
-first batch (gathered by a Python thread, which learns the items' columns) the native sampler
-gathers into the ring and ``next()`` takes a ready buffer with a few stores under a mutex; a
-priority update is validated in the caller's thread, copied into the native queue and applied by
-the native updater. A learner whose step holds the GIL (or keeps the CPU busy) then never waits
-for a Python background thread to be scheduled. An update whose priorities are still being
-copied from a device starts a Python updater thread, which applies the native queue first (so the
-order stays that of the calls).
+allocate / transform of the caller's (the torch iterator on the CPU qualifies), the background
+threads are native (reverb_shm._hot.Prefetcher, csrc/hot/hot_prefetch.c) and never take the GIL:
+after the first batch (gathered by a Python thread, which learns the items' columns) the native
+sampler gathers into the ring and ``next()`` takes a ready buffer with a few stores under a
+mutex; an update of numpy keys and priorities (or a CPU tensor of them) is checked and copied
+into the native queue by one C call, and the sampler applies the queue before its next gather
+(in the thread and on the CPU that gathers: no second thread contends for the table; while it
+waits for items, between waits of at most 2 ms). A native updater thread applies the queue only
+while the sampler does not run, and the last updates at close. Both run as SCHED_BATCH on Linux,
+so that waking them never preempts the learner's thread. A learner whose step holds the GIL (or
+keeps the CPU busy) then never waits for a Python background thread to be scheduled. An update
+whose priorities are still being copied from a device starts a Python updater thread, which
+applies the native queue first (so the order stays that of the calls).
 
 Buffers. The batches are gathered into a ring of ``prefetch + keep`` reusable buffers. The
 arrays of a batch are views of its ring buffer: they stay valid until the consumer has taken
@@ -69,8 +73,7 @@ import numpy as np
 
 from reverb_shm import errors
 from reverb_shm import shared_table as shared_table_lib
-from reverb_shm._internal import structure
-from reverb_shm._internal import _lib
+from reverb_shm._internal import _lib, structure
 from reverb_shm._internal._lib import ffi, hot, lib
 from reverb_shm.replay_sample import SampleInfo
 
@@ -307,7 +310,7 @@ class BatchIterator:
     # sampler after the first batch where the batches allow it.
     self._native_ok = getattr(self, "_native_ok", transform is None and allocate is None) and \
         self._weights is None and not self._partial and not self._copy
-    self._native = None if len(self._tables) > 1 else _new_prefetcher(self._tables[0],
+    self._native: Any = None if len(self._tables) > 1 else _new_prefetcher(self._tables[0],
                                                                       self.batch_size)
     self._native_sampling = False
     # The threads hold only a weak reference to the iterator (dropped while they wait), so an
@@ -349,7 +352,9 @@ class BatchIterator:
       out = dict(self._counts)
       out["updates_pending"] = len(self._updates) + self._applying
     if self._native is not None and os.getpid() == self._pid:
-      _, calls, updated, skipped, pending, _, _ = self._native.stats()
+      batches, calls, updated, skipped, pending, _, _ = self._native.stats()
+      out["batches"] += batches
+      out["items"] += batches * self.batch_size
       out["priority_updates"] += calls
       out["keys_updated"] += updated
       out["keys_skipped"] += skipped
@@ -429,10 +434,23 @@ class BatchIterator:
             f"no batch of {self.batch_size} items within {self._timeout_ms} ms (tables "
             f"{[t.name for t in self._tables]}: {self._limiter_text()})")
     slot = self._slots[k]
-    batch = self._make_batch(slot, self.batch_size, [info], [(0, self.batch_size)])
-    if self._transform is not None:
-      batch = self._transform(batch, slot)
-    return batch
+    if self._mask_key is not None:
+      batch = self._make_batch(slot, self.batch_size, [info], [(0, self.batch_size)], count=False)
+      return batch if self._transform is None else self._transform(batch, slot)
+    # (the nest of the slot's whole columns, wrapped once per slot; a nest of its own per batch)
+    views = slot.cache.get("native")
+    if views is None:
+      wrap = self._wrap_leaf
+      leaves, treedef = structure.flatten(self._structure_table._structure(  # pylint: disable=protected-access
+          list(slot.columns)))
+      views = slot.cache["native"] = (treedef, [wrap(a) for a in leaves], wrap(slot.weights))
+    treedef, leaves, weights = views
+    beta = self.importance_beta
+    if beta is None:
+      weights = None
+    else:
+      importance_weights(info.probability, info.table_size, beta, out=slot.weights)
+    return Batch(structure.unflatten(treedef, leaves), info, weights)
 
   def _native_fail(self, rc: int, message: Optional[str]) -> None:
     """Ends the iterator on the native threads' error status `rc` (see _fail)."""
@@ -467,9 +485,24 @@ class BatchIterator:
       RuntimeError: the iterator is closed or was made in the parent of this forked process; or
         the error an earlier update met.
     """
+    if table is None and self._native_push(keys, priorities):
+      return
     keys, priorities = self._check_update(keys, priorities)
     self._check_negative(priorities)
     self._queue_update(_Update(keys, priorities, self._check_table(table, len(keys)), None))
+
+  def _native_push(self, keys, priorities) -> bool:
+    """The common update in one C call with no copy in Python: numpy keys (uint64, or int64
+    >= 0) and priorities (float32 / float64, finite, >= 0 on a Prioritized table), 1-D and
+    contiguous, of one table with the native updater, no error pending. True when queued; False
+    (nothing queued) for anything else: the caller's general path then validates and raises."""
+    native = self._native
+    if native is None or self._updater is not None or self._update_error is not None or \
+        self._error is not None or os.getpid() != self._pid:
+      return False
+    if self._any_prioritized is None:
+      self._any_prioritized = any(t._prioritized() for t in self._tables)  # pylint: disable=protected-access
+    return native.push(keys, priorities, self._any_prioritized) == lib.RS_OK
 
   def _queue_async_update(self, keys, count: int, table, fetch: Callable[[], Any]) -> None:
     """Queues an update whose `count` priorities are still being copied to the host: the
@@ -633,7 +666,7 @@ class BatchIterator:
                            + (f" ({self._error})" if self._error is not None else ""))
       if self._updater is None:
         if update.ready is None:   # the native updater: copied into its queue
-          if self._native.push(update.keys, update.priorities) != lib.RS_OK:
+          if self._native.push(update.keys, update.priorities, False) != lib.RS_OK:
             raise RuntimeError("the iterator is closed: priority updates can no longer be "
                                "applied")
           return
@@ -899,11 +932,16 @@ class BatchIterator:
       self._cv.notify_all()
     return True
 
+  def _wrap_leaf(self, array: np.ndarray) -> Any:
+    """How batches of the native sampler wrap an array of a ring buffer (once per buffer; a
+    subclass whose transform only wraps arrays, e.g. in torch.from_numpy, overrides it)."""
+    return array
+
   def _fresh_buffers(self):
     slot = self._new_slot()
     return slot.columns, slot.weights, slot.owner
 
-  def _make_batch(self, slot: _Slot, b: int, infos, rows_of) -> Batch:
+  def _make_batch(self, slot: _Slot, b: int, infos, rows_of, count: bool = True) -> Batch:
     info = infos[0] if len(infos) == 1 else SampleInfo(
         *[np.concatenate(field) for field in zip(*infos)])
     n = self.batch_size
@@ -925,9 +963,10 @@ class BatchIterator:
     if self._weights is not None:
       table = np.repeat(np.array([t for t, _ in rows_of], np.uint8),
                         [c for _, c in rows_of])
-    with self._ucv:
-      self._counts["batches"] += 1
-      self._counts["items"] += b
+    if count:   # (the native sampler counts its batches itself)
+      with self._ucv:
+        self._counts["batches"] += 1
+        self._counts["items"] += b
     return Batch(data, info, weights, mask, table)
 
   def _limiter_text(self) -> str:

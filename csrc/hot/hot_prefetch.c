@@ -8,8 +8,11 @@
  *   A gathered slot becomes READY; the consumer's take() moves the oldest READY slot to HELD
  *   and frees the HELD ones beyond `keep` (the consumer's batches stay valid until it has taken
  *   `keep` more), so the sampler gathers only into slots nobody reads.
- * - The updater thread applies the queued priority updates (rs_mutate), in the order queued,
- *   everything queued meanwhile in one call; keys no longer in the table are counted as skipped.
+ * - Queued priority updates are applied (rs_mutate) in the order queued, everything queued
+ *   meanwhile in one call; keys no longer in the table are counted as skipped. The sampler
+ *   applies them itself, before each gather; the updater thread only while the sampler does not
+ *   run (before it starts, after it ended, or when Python gathers) and the last ones at close.
+ * - Both threads are SCHED_BATCH: waking them never preempts the learner's thread.
  *
  * The handshake is one mutex and condition variables: take() of a READY slot is a few loads and
  * stores under an uncontended mutex with the GIL held; it releases the GIL only to wait. The
@@ -25,7 +28,9 @@
  */
 #include "hot.h"
 
+#include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -106,7 +111,83 @@ static void keep_message(char *dst, const char *src) {
   snprintf(dst, MSG_BYTES, "%s", src ? src : "");
 }
 
+/* The calling thread is scheduled as SCHED_BATCH (Linux; same CPU share as SCHED_OTHER, nice
+ * unchanged): a batch thread that wakes up never preempts a running normal thread. Without it,
+ * the learner's own wake-ups of these threads (take() freeing a buffer, push() queueing an
+ * update) made the kernel switch to them on the learner's CPU whenever the other CPUs were busy,
+ * and the learner waited for a whole gather or rs_mutate. Best effort: left as it is where the
+ * policy does not exist or is refused. */
+static void background_policy(void) {
+#ifdef SCHED_BATCH
+  struct sched_param param = {0};
+  (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+#endif
+}
+
+/* ---- priority updates */
+/* (Under mu) whether the native sampler runs: it then applies the queued updates itself. */
+static int sampler_alive(const pf_state *s) { return s->sampler_started && !s->sampler_done; }
+
+/* (Under mu; unlocked during rs_mutate) applies everything queued, in the order queued, in one
+ * call. Only one thread applies at a time (`applying`), so the order holds across threads. */
+static void apply_queue(pf_state *s, int final) {
+  update_buf work = s->queue;
+  s->queue = s->spare;
+  s->queue.len = 0;
+  uint64_t calls = s->queued_calls;
+  s->queued_calls = 0;
+  s->applying = work.len;
+  pthread_mutex_unlock(&s->mu);
+  uint32_t updated = 0, skipped = 0;
+  int rc = RS_OK;
+  for (size_t off = 0; off < work.len && rc == RS_OK;) {   /* (rs_mutate takes uint32 counts) */
+    uint32_t part = work.len - off > (1u << 30) ? (1u << 30) : (uint32_t)(work.len - off);
+    uint32_t upd = 0, del = 0;
+    rc = s->mutate(s->base, s->table, part, work.keys + off, work.prios + off, 0, NULL, &upd, &del);
+    if (rc == RS_OK) {
+      updated += upd;
+      skipped += part - upd;
+    }
+    off += part;
+  }
+  const char *msg = rc == RS_OK ? NULL : s->last_error();
+  pthread_mutex_lock(&s->mu);
+  work.len = 0;
+  s->spare = work;
+  s->applying = 0;
+  if (rc == RS_OK) {
+    s->n_update_calls += calls;
+    s->n_keys_updated += updated;
+    s->n_keys_skipped += skipped;
+  } else if (rc == RS_ECLOSED) {   /* the server stopped: no update can land any more */
+    if (!final && s->fail_rc == 0) {
+      s->fail_rc = rc;
+      keep_message(s->fail_msg, msg);
+    }
+    __atomic_store_n(&s->stop_updates, 1, __ATOMIC_RELEASE);
+    s->queue.len = 0;
+    pthread_cond_broadcast(&s->consume);
+  } else if (s->upd_rc == 0) {
+    s->upd_rc = rc;
+    keep_message(s->upd_msg, msg);
+  }
+  pthread_cond_broadcast(&s->applied);
+}
+
+/* (Under mu) whether the sampler should apply the queue now. */
+static int sampler_should_apply(const pf_state *s) {
+  return s->queue.len && !s->applying && !s->stop_updates;
+}
+
 /* ---- sampler thread */
+/* The sampler applies the queued priority updates before each gather, in the thread (and on the
+ * CPU, with the sum tree in its cache) that gathers next: no second thread contends for the
+ * table's lock and cache lines while it gathers (in a learner loop without a training step, a
+ * separate updater thread made the iterator slower than one thread sampling and updating in
+ * turn). While a gather waits for items (an empty table, a rate limiter), it applies them
+ * between waits of at most APPLY_WAIT_NS, so flush() never waits long for a blocked sampler. */
+#define APPLY_WAIT_NS 2000000
+
 static int free_slot(pf_state *s) {
   for (uint32_t k = 0; k < s->nslots; k++)
     if (s->state[k] == SLOT_FREE) return (int)k;
@@ -115,24 +196,33 @@ static int free_slot(pf_state *s) {
 
 static void *sampler_main(void *arg) {
   pf_state *s = arg;
+  background_policy();
   if (s->seeded) s->seed_thread(s->seed);
   pthread_mutex_lock(&s->mu);
   for (;;) {
     int k = -1;
-    while (!s->stop_sampling && (k = free_slot(s)) < 0) pthread_cond_wait(&s->produce, &s->mu);
+    while (!s->stop_sampling && (k = free_slot(s)) < 0 && !sampler_should_apply(s))
+      pthread_cond_wait(&s->produce, &s->mu);
     if (s->stop_sampling) break;
+    if (sampler_should_apply(s)) apply_queue(s, 0);
+    if (s->stop_sampling) break;
+    if ((k = free_slot(s)) < 0) continue;
     s->state[k] = SLOT_FILLING;
     pthread_mutex_unlock(&s->mu);
     uint32_t got = 0;
     int rc;
+    int64_t wait_ns = s->slice_ns < APPLY_WAIT_NS ? s->slice_ns : APPLY_WAIT_NS;
     for (;;) {
       rc = hot_core.sample_gather(s->base, s->proc_slot, s->table, s->n, s->n,
-                                  mono_ns() + s->slice_ns, s->slice_ns, s->ncols,
+                                  mono_ns() + wait_ns, wait_ns, s->ncols,
                                   s->cols + (size_t)k * s->ncols, s->info + (size_t)k * s->info_words,
                                   &got);
       if (rc == RS_OK && got == s->n) break;
       if (rc != RS_OK && rc != RS_EAGAIN && rc != RS_ETIMEDOUT) break;
       if (__atomic_load_n(&s->stop_sampling, __ATOMIC_ACQUIRE)) break;
+      pthread_mutex_lock(&s->mu);   /* (waiting for items: apply what the learner sent meanwhile) */
+      if (sampler_should_apply(s)) apply_queue(s, 0);
+      pthread_mutex_unlock(&s->mu);
     }
     const char *msg = rc == RS_OK ? NULL : s->last_error();
     pthread_mutex_lock(&s->mu);
@@ -153,60 +243,26 @@ static void *sampler_main(void *arg) {
   }
   s->sampler_done = 1;
   pthread_cond_broadcast(&s->consume);
+  pthread_cond_broadcast(&s->update);   /* (the updater thread applies from now on) */
   pthread_mutex_unlock(&s->mu);
   return NULL;
 }
 
-/* ---- updater thread */
+/* ---- updater thread: applies the queued updates while the native sampler does not run (before
+ * it starts, after it ended, or never: batches gathered by Python), and the last ones at close. */
 static void *updater_main(void *arg) {
   pf_state *s = arg;
+  background_policy();
   pthread_mutex_lock(&s->mu);
   for (;;) {
-    while (s->queue.len == 0 && !s->stop_updates) pthread_cond_wait(&s->update, &s->mu);
-    if (s->queue.len == 0) break;   /* stopped, all applied */
-    int final = s->stop_updates;
-    update_buf work = s->queue;
-    s->queue = s->spare;
-    s->queue.len = 0;
-    uint64_t calls = s->queued_calls;
-    s->queued_calls = 0;
-    s->applying = work.len;
-    pthread_mutex_unlock(&s->mu);
-    uint32_t updated = 0, skipped = 0;
-    int rc = RS_OK;
-    for (size_t off = 0; off < work.len && rc == RS_OK;) {   /* (rs_mutate takes uint32 counts) */
-      uint32_t part = work.len - off > (1u << 30) ? (1u << 30) : (uint32_t)(work.len - off);
-      uint32_t upd = 0, del = 0;
-      rc = s->mutate(s->base, s->table, part, work.keys + off, work.prios + off, 0, NULL, &upd,
-                     &del);
-      if (rc == RS_OK) {
-        updated += upd;
-        skipped += part - upd;
-      }
-      off += part;
+    while ((s->queue.len == 0 || s->applying || sampler_alive(s)) && !s->stop_updates)
+      pthread_cond_wait(&s->update, &s->mu);
+    while (s->applying) pthread_cond_wait(&s->applied, &s->mu);   /* (stopped: the sampler's) */
+    if (s->queue.len == 0) {
+      if (s->stop_updates) break;   /* stopped, all applied */
+      continue;
     }
-    const char *msg = rc == RS_OK ? NULL : s->last_error();
-    pthread_mutex_lock(&s->mu);
-    work.len = 0;
-    s->spare = work;
-    s->applying = 0;
-    if (rc == RS_OK) {
-      s->n_update_calls += calls;
-      s->n_keys_updated += updated;
-      s->n_keys_skipped += skipped;
-    } else if (rc == RS_ECLOSED) {   /* the server stopped: no update can land any more */
-      if (!final && s->fail_rc == 0) {
-        s->fail_rc = rc;
-        keep_message(s->fail_msg, msg);
-      }
-      __atomic_store_n(&s->stop_updates, 1, __ATOMIC_RELEASE);
-      s->queue.len = 0;
-      pthread_cond_broadcast(&s->consume);
-    } else if (s->upd_rc == 0) {
-      s->upd_rc = rc;
-      keep_message(s->upd_msg, msg);
-    }
-    pthread_cond_broadcast(&s->applied);
+    apply_queue(s, s->stop_updates);
   }
   s->updater_done = 1;
   pthread_cond_broadcast(&s->applied);
@@ -476,25 +532,48 @@ static PyObject *pf_take(pf_object *self, PyObject *arg) {
   return Py_BuildValue("(ilN)", RS_OK, k, infos);
 }
 
-/* push(keys uint64[m], priorities float64[m]) -> status: queues an update (copied); RS_ECLOSED
- * once updating stopped. */
-static PyObject *pf_push(pf_object *self, PyObject *args) {
-  PyArrayObject *keys, *prios;
-  if (!in_creator(self)) return NULL;
-  if (!PyArg_ParseTuple(args, "O!O!:push", &PyArray_Type, &keys, &PyArray_Type, &prios)) return NULL;
-  if (PyArray_TYPE(keys) != NPY_UINT64 || PyArray_TYPE(prios) != NPY_FLOAT64 ||
-      PyArray_NDIM(keys) != 1 || PyArray_NDIM(prios) != 1 ||
-      !PyArray_IS_C_CONTIGUOUS(keys) || !PyArray_IS_C_CONTIGUOUS(prios) ||
-      PyArray_DIM(keys, 0) != PyArray_DIM(prios, 0)) {
-    PyErr_SetString(PyExc_TypeError, "push: keys uint64[m] and priorities float64[m], contiguous");
-    return NULL;
+/* Checks m priorities (float32 or float64, per `f32`): all finite, and >= 0 when `nonneg`. */
+static int prios_ok(const void *p, int f32, size_t m, int nonneg) {
+  for (size_t i = 0; i < m; i++) {
+    double v = f32 ? (double)((const float *)p)[i] : ((const double *)p)[i];
+    if (!isfinite(v) || (nonneg && v < 0)) return 0;
   }
+  return 1;
+}
+
+/* push(keys, priorities, nonneg) -> status: queues an update (copied; priorities converted to
+ * float64). Keys uint64[m] or int64[m] (each >= 0), priorities float64[m] or float32[m]
+ * (finite; >= 0 when nonneg), both 1-D contiguous. RS_EINVAL (nothing queued) for anything
+ * else, or while an earlier update's error is kept: the caller then takes its general path,
+ * which validates and raises. RS_ECLOSED once updating stopped. */
+static PyObject *pf_push(pf_object *self, PyObject *args) {
+  PyObject *ko, *po;
+  int nonneg;
+  if (!in_creator(self)) return NULL;
+  if (!PyArg_ParseTuple(args, "OOp:push", &ko, &po, &nonneg)) return NULL;
+  if (!PyArray_Check(ko) || !PyArray_Check(po)) return PyLong_FromLong(RS_EINVAL);
+  PyArrayObject *keys = (PyArrayObject *)ko, *prios = (PyArrayObject *)po;
+  int ktype = PyArray_TYPE(keys), ptype = PyArray_TYPE(prios);
+  if ((ktype != NPY_UINT64 && ktype != NPY_INT64) || (ptype != NPY_FLOAT64 && ptype != NPY_FLOAT32) ||
+      PyArray_NDIM(keys) != 1 || PyArray_NDIM(prios) != 1 || !PyArray_IS_C_CONTIGUOUS(keys) ||
+      !PyArray_IS_C_CONTIGUOUS(prios) || PyArray_DIM(keys, 0) != PyArray_DIM(prios, 0) ||
+      !PyArray_ISNOTSWAPPED(keys) || !PyArray_ISNOTSWAPPED(prios))
+    return PyLong_FromLong(RS_EINVAL);
   size_t m = (size_t)PyArray_DIM(keys, 0);
+  const uint64_t *kd = PyArray_DATA(keys);
+  const void *pd = PyArray_DATA(prios);
+  int f32 = ptype == NPY_FLOAT32;
+  if (ktype == NPY_INT64)
+    for (size_t i = 0; i < m; i++)
+      if ((int64_t)kd[i] < 0) return PyLong_FromLong(RS_EINVAL);
+  if (!prios_ok(pd, f32, m, nonneg)) return PyLong_FromLong(RS_EINVAL);
   pf_state *s = self->s;
   int rc = RS_OK;
   pthread_mutex_lock(&s->mu);
   if (s->stop_updates || s->updater_done) {
     rc = RS_ECLOSED;
+  } else if (s->upd_rc) {
+    rc = RS_EINVAL;
   } else if (m) {
     update_buf *q = &s->queue;
     if (q->len + m > q->cap) {
@@ -510,11 +589,15 @@ static PyObject *pf_push(pf_object *self, PyObject *args) {
       }
       q->cap = cap;
     }
-    memcpy(q->keys + q->len, PyArray_DATA(keys), m * sizeof *q->keys);
-    memcpy(q->prios + q->len, PyArray_DATA(prios), m * sizeof *q->prios);
+    memcpy(q->keys + q->len, kd, m * sizeof *q->keys);
+    double *dst = q->prios + q->len;
+    if (f32)
+      for (size_t i = 0; i < m; i++) dst[i] = ((const float *)pd)[i];
+    else
+      memcpy(dst, pd, m * sizeof *dst);
     q->len += m;
     s->queued_calls++;
-    pthread_cond_signal(&s->update);
+    pthread_cond_signal(sampler_alive(s) ? &s->produce : &s->update);
   } else {
     s->n_update_calls++;
   }
@@ -589,7 +672,7 @@ static PyMethodDef pf_methods[] = {
     {"start_sampling", (PyCFunction)pf_start_sampling, METH_VARARGS,
      "start_sampling(cols_addresses, ncols, keep, first_held, seed, keepalive)"},
     {"take", (PyCFunction)pf_take, METH_O, "take(wait_ns) -> (status, slot, SampleInfo | None)"},
-    {"push", (PyCFunction)pf_push, METH_VARARGS, "push(keys, priorities) -> status"},
+    {"push", (PyCFunction)pf_push, METH_VARARGS, "push(keys, priorities, nonneg) -> status"},
     {"flush", (PyCFunction)pf_flush, METH_O, "flush(wait_ns) -> all applied"},
     {"update_error", (PyCFunction)pf_update_error, METH_NOARGS,
      "update_error() -> None | (status, message), once"},
