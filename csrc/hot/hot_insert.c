@@ -539,6 +539,132 @@ static PyObject *InsertPlan_insert(InsertPlan *self, PyObject *const *args, Py_s
 
 static PyTypeObject InsertPlan_Type;
 
+#define HOT_MAX_TABLES 16   /* tables of one Client.insert taken by multi_insert */
+
+/* 1 when plans p and q take exactly the same data (template nodes, leaves, column flags) into
+ * tables of the same registration, so that rows p wrote may be referenced by q's items. */
+static int same_layout(const InsertPlan *p, const InsertPlan *q) {
+  if (q->segment != p->segment || q->registration != p->registration || q->base != p->base ||
+      q->slot != p->slot || q->fork_epoch != p->fork_epoch || q->nnodes != p->nnodes ||
+      q->ncols != p->ncols || q->batched || q->capacity != 0)
+    return 0;
+  for (Py_ssize_t i = 0; i < p->nnodes; i++) {
+    const hot_node *a = &p->nodes[i], *b = &q->nodes[i];
+    if (a->kind != b->kind || a->n != b->n || a->leaf != b->leaf) return 0;
+    if (a->kind == NODE_DICT)   /* (interned keys: equal keys are the same objects) */
+      for (Py_ssize_t k = 0; k < a->n; k++)
+        if (a->keys[k] != b->keys[k]) return 0;
+  }
+  for (uint32_t c = 0; c < p->ncols; c++) {
+    const hot_leaf *a = &p->leaves[c], *b = &q->leaves[c];
+    if (a->kind != b->kind || a->ndim != b->ndim || a->py != b->py ||
+        p->col_flags[c] != q->col_flags[c] ||
+        (a->descr != b->descr && !PyArray_EquivTypes(a->descr, b->descr)))
+      return 0;
+    for (int d = 0; d < a->ndim; d++)
+      if (a->dims[d] != b->dims[d]) return 0;
+  }
+  return 1;
+}
+
+/* Client.insert of one step into the 2..HOT_MAX_TABLES tables of `priorities` (in its order),
+ * each through plans[table]: the step is written once, into a row of the first plan's open
+ * chunks, and every table's item references that row (as the Python path's one write shared by
+ * every table). Taken only when every table has a non-batched plan of the same layout whose
+ * priority is valid (nothing is written otherwise); returns as plan_insert, with the status
+ * result of the first table whose insert failed (the items of the tables before it stay). */
+static PyObject *multi_insert(PyObject *plans, PyObject *data, PyObject *priorities,
+                              PyObject *timeout_ms) {
+  Py_ssize_t nt = PyDict_GET_SIZE(priorities), pos = 0, k = 0;
+  if (nt > HOT_MAX_TABLES) Py_RETURN_NONE;
+  InsertPlan *ps[HOT_MAX_TABLES];
+  double prios[HOT_MAX_TABLES];
+  PyObject *name, *prio;
+  /* (exact str keys and exact float / int priorities: no Python code runs in this loop) */
+  while (PyDict_Next(priorities, &pos, &name, &prio)) {
+    if (k >= nt || !PyUnicode_CheckExact(name)) Py_RETURN_NONE;
+    PyObject *plan = PyDict_GetItemWithError(plans, name);
+    if (plan == NULL || Py_TYPE(plan) != &InsertPlan_Type) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+    InsertPlan *q = (InsertPlan *)plan;
+    if (q->batched || q->capacity != 0 || (k > 0 && !same_layout(ps[0], q)) ||
+        !one_priority(q, prio, &prios[k]))
+      Py_RETURN_NONE;
+    ps[k++] = q;
+  }
+  InsertPlan *p = ps[0];
+  if (k != nt || p->open_rows == 0 || p->fork_epoch != hot_fork_epoch) Py_RETURN_NONE;
+  for (Py_ssize_t t = 0; t < nt; t++) Py_INCREF(ps[t]);   /* Python may run from here on */
+  PyObject *result = NULL;
+  hot_gather g;
+  g.nheld = 0;
+  g.batch = -1;
+  PyObject *reg = PyObject_GetAttr(p->segment, str_registration);
+  if (reg == NULL) PyErr_Clear();
+  else Py_DECREF(reg);   /* (compared by identity only; the plan holds its own reference) */
+  if (reg != p->registration) goto declined;
+  for (Py_ssize_t t = 1; t < nt; t++)   /* (the first table's are checked by its insert) */
+    if (hot_core.check_priorities(p->base, ps[t]->table, 1, &prios[t]) != RS_OK) goto declined;
+  int64_t deadline = -1;
+  if (timeout_ms != Py_None) {   /* Python's rules, before any object of `data` is held */
+    PyObject *r = PyObject_CallOneArg(p->deadline_fn, timeout_ms);
+    if (r != NULL) {
+      deadline = PyLong_AsLongLong(r);
+      Py_DECREF(r);
+    }
+    if (PyErr_Occurred()) {   /* an invalid timeout: the Python path raises it */
+      PyErr_Clear();
+      goto declined;
+    }
+  }
+  Py_ssize_t ni = 0;
+  if (!match(p, &ni, data, &g) || ni != p->nnodes) goto declined;
+  uint32_t row = 0;
+  open_set *set = open_reserve(p, 1, &row);
+  if (set == NULL) {
+    if (!PyErr_Occurred()) goto declined;   /* (the Python path allocates and reports) */
+    goto done;
+  }
+  for (Py_ssize_t t = 0; t < nt; t++) {
+    InsertPlan *q = ps[t];
+    const uint8_t *const *rows = t == 0 ? g.data : NULL;   /* written once, by the first */
+    uint32_t flags = RS_ROWS_RANDOM_KEYS, total = 0, done_n = 0;
+    uint64_t key = 0;
+    int rc;
+    for (;;) {   /* waits past rate-limiter slices here, as open_insert */
+      Py_BEGIN_ALLOW_THREADS
+      rc = hot_core.insert_rows_at(q->base, q->slot, q->table, 1 - total, &key, &prios[t],
+                                   q->ncols, set->offs, row, rows, q->col_flags, flags, deadline,
+                                   q->slice_ns, &done_n);
+      Py_END_ALLOW_THREADS
+      total += done_n;
+      if (rc != RS_EAGAIN) break;
+      rows = NULL;
+      flags = 0;
+      if (PyErr_CheckSignals() < 0) {
+        rc = OPEN_INTERRUPTED;
+        break;
+      }
+    }
+    if (rc == OPEN_INTERRUPTED) break;   /* (result NULL: the handler's exception) */
+    if (rc != RS_OK) {
+      result = status_result(q, rc, total, deadline, NULL, key, 0, NULL, NULL);
+      break;
+    }
+    if (t == nt - 1) result = Py_NewRef(Py_True);
+  }
+  open_unuse(p, set);
+  goto done;
+declined:
+  result = Py_NewRef(Py_None);
+done:
+  release_held(&g);
+  for (Py_ssize_t t = 0; t < nt; t++) Py_DECREF(ps[t]);
+  return result;
+}
+
 /* client_insert(plans, data, priorities, timeout_ms): Client.insert's fast path. */
 static PyObject *hot_client_insert(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 4) {
@@ -548,8 +674,9 @@ static PyObject *hot_client_insert(PyObject *module, PyObject *const *args, Py_s
   }
   PyObject *plans = args[0], *priorities = args[2], *name, *prio;
   Py_ssize_t pos = 0;
-  if (!PyDict_CheckExact(plans) || !PyDict_CheckExact(priorities) ||
-      PyDict_GET_SIZE(priorities) != 1 || !PyDict_Next(priorities, &pos, &name, &prio) ||
+  if (!PyDict_CheckExact(plans) || !PyDict_CheckExact(priorities)) Py_RETURN_NONE;
+  if (PyDict_GET_SIZE(priorities) > 1) return multi_insert(plans, args[1], priorities, args[3]);
+  if (PyDict_GET_SIZE(priorities) != 1 || !PyDict_Next(priorities, &pos, &name, &prio) ||
       !PyUnicode_CheckExact(name))
     Py_RETURN_NONE;
   PyObject *plan = PyDict_GetItemWithError(plans, name);   /* (exact str: no Python runs) */
@@ -810,9 +937,10 @@ static PyTypeObject InsertPlan_Type = {
 
 static PyMethodDef insert_functions[] = {
     {"client_insert", (PyCFunction)(void (*)(void))hot_client_insert, METH_FASTCALL,
-     "client_insert(plans, data, priorities, timeout_ms): Client.insert of one step into the "
-     "one table of `priorities` through plans[table] (a non-batched InsertPlan); returns as "
-     "InsertPlan.insert (None when not handled)."},
+     "client_insert(plans, data, priorities, timeout_ms): Client.insert of one step into each "
+     "table of `priorities` through plans[table] (non-batched InsertPlans; for several tables "
+     "of one layout, the step written once); returns as InsertPlan.insert (None when not "
+     "handled; for several tables, the status result of the first that failed)."},
     {NULL, NULL, 0, NULL}};
 
 int hot_insert_init(PyObject *module) {
