@@ -358,11 +358,12 @@ class Client:
         if batch is not None and len(batch[0].key):   # else: another layout came up
           infos, columns = batch
           remaining -= len(infos.key)
-          if treedef is None:   # the samples built in one C call (None: no shared time dim)
-            samples = hot.split_batch(ReplaySample, SampleInfo, infos, columns, emit_timesteps)
-            if samples is not None:
-              yield from samples
-              continue
+          # The samples built in one C call (None: the items have no shared time dim).
+          samples = hot.split_batch(ReplaySample, SampleInfo, infos, columns, emit_timesteps,
+                                    None if treedef is None else treedef.unflatten)
+          if samples is not None:
+            yield from samples
+            continue
           infos = _new_tuples(SampleInfo, zip(*[field.tolist() for field in infos]))
           # Row views of the private batch arrays (iterating one; 0-d views for scalar columns).
           items = map(list, zip(*[c if c.ndim > 1 else _row_views(c) for c in columns]))

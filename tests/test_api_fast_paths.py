@@ -9,7 +9,7 @@ import pytest
 import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm import trajectory_writer as trajectory_writer_lib
-from reverb_shm._internal import chunks, hot_plans
+from reverb_shm._internal import chunks, hot_plans, structure
 from reverb_shm._internal._lib import hot
 from reverb_shm.client import to_samples
 
@@ -134,20 +134,20 @@ def test_mutate_with_a_dict_in_one_c_call_matches_the_general_path(server_factor
   sampler = selectors.Prioritized(0.7) if prioritized else selectors.Uniform()
   server = server_factory([_table("c", sampler=sampler), _table("g", sampler=sampler)])
   client = server.localhost_client()
-  keys = np.array([1, 7, 2**63, 2**64 - 1] + list(range(100, 200)), np.uint64)
+  keys = np.array([0, 1, 7, 2**40 + 3, 2**63, 2**64 - 1] + list(range(100, 198)), np.uint64)
   for name in "cg":
     server.shared_table(name).insert({"x": np.zeros((len(keys), 2), np.float32)}, 1.0,
                                      keys=keys)
   rng = np.random.default_rng(0)
   updates = {int(k): float(p) for k, p in zip(keys[::2], rng.random(52) + 0.1)}
-  updates[np.uint64(7)] = 3       # a numpy key and an int priority
+  updates[np.uint64(1)] = 3       # a numpy key and an int priority
   updates[12345] = 5.0            # unknown: ignored, not counted
   assert hot.mutate_dict(server.segment.address, 0, dict(updates), prioritized) is not None
   got = client.mutate_priorities("c", updates)
   want = client.mutate_priorities("g", types.MappingProxyType(updates))   # the general path
   assert got == want == (53, 0)
   assert _priorities(server.shared_table("c")) == _priorities(server.shared_table("g"))
-  assert _priorities(server.shared_table("c"))[7] == 3.0
+  assert _priorities(server.shared_table("c"))[1] == 3.0
   assert _priorities(server.shared_table("c"))[2**64 - 1] == 1.0   # (odd position: kept)
   other = {np.int64(100): 9.0}   # keys of other types: the general path
   assert hot.mutate_dict(server.segment.address, 0, other, prioritized) is None
@@ -263,6 +263,49 @@ def test_split_batch_per_step_matches_to_samples(steps):
         assert type(x) is np.ndarray and x.dtype == y.dtype and x.shape == y.shape
         np.testing.assert_array_equal(x, y)
         assert np.shares_memory(x, col)   # a view of the batch, no copy
+
+
+@pytest.mark.parametrize("timesteps", [True, False])
+def test_split_batch_unflattens_each_data_list_as_the_python_path(timesteps):
+  b, steps = 3, 2
+  info, cols = _batch(b, [np.arange(b * steps, dtype=np.int64).reshape(b, steps),
+                          np.arange(b * steps * 2, dtype=np.float32).reshape(b, steps, 2)])
+  treedef = structure.flatten({"act": 0, "obs": {"x": 0}})[1]
+  fast = hot.split_batch(reverb_shm.ReplaySample, reverb_shm.SampleInfo, info, cols, timesteps,
+                         treedef.unflatten)
+  infos = [reverb_shm.SampleInfo(*[f[i].item() for f in info]) for i in range(b)]
+  slow = [to_samples(infos[i], [c[i] for c in cols], timesteps, treedef) for i in range(b)]
+  for got, want in zip(fast, slow):
+    for g, w in zip(got if timesteps else [got], want if timesteps else [want]):
+      assert g.info == w.info and type(g.data) is dict and g.data.keys() == {"act", "obs"}
+      assert g.data["obs"].keys() == {"x"}
+      for x, y in ((g.data["act"], w.data["act"]), (g.data["obs"]["x"], w.data["obs"]["x"])):
+        assert type(x) is np.ndarray and x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
+  with pytest.raises(TypeError, match="unflatten must be None or callable"):
+    hot.split_batch(reverb_shm.ReplaySample, reverb_shm.SampleInfo, info, cols, True, 3)
+
+
+def test_client_sample_unpacked_as_the_signature_on_the_gather_path(server_factory):
+  sig = {"act": reverb_shm.TensorSpec([2], np.int64),
+         "obs": {"x": reverb_shm.TensorSpec([2, 3], np.float32)}}
+  server = server_factory([_table("t", signature=sig)])
+  client = server.localhost_client()
+  with client.trajectory_writer(2) as w:
+    for i in range(30):
+      w.append({"act": np.int64(i), "obs": {"x": np.full(3, i, np.float32)}})
+      if i:
+        w.create_item("t", 1.0, {"act": w.history["act"][-2:],
+                                 "obs": {"x": w.history["obs"]["x"][-2:]}})
+  for call in range(3):   # the first call learns the layout, the next ones gather in C
+    for steps in client.sample("t", 40, unpack_as_table_signature=True):
+      first = int(steps[0].data["act"])
+      assert [int(s.data["act"]) for s in steps] == [first, first + 1]
+      assert [s.data["obs"]["x"].tolist() for s in steps] == [[first] * 3, [first + 1] * 3]
+    for s in client.sample("t", 40, emit_timesteps=False, unpack_as_table_signature=True):
+      first = int(s.data["act"][0])
+      assert s.data["act"].tolist() == [first, first + 1]
+      assert s.data["obs"]["x"].shape == (2, 3) and s.data["obs"]["x"][1, 0] == first + 1
 
 
 def test_split_batch_per_step_declines_columns_without_a_shared_time_dim():

@@ -66,6 +66,5 @@ extern volatile unsigned long hot_fork_epoch;
 int hot_insert_init(PyObject *module);
 int hot_writer_init(PyObject *module);
 int hot_sample_init(PyObject *module);
-int hot_mutate_init(PyObject *module);
 
 #endif

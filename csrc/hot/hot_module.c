@@ -63,9 +63,7 @@ PyMODINIT_FUNC PyInit__hot(void) {
     PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
     goto fail;
   }
-  if (hot_insert_init(m) < 0 || hot_writer_init(m) < 0 || hot_sample_init(m) < 0 ||
-      hot_mutate_init(m) < 0)
-    goto fail;
+  if (hot_insert_init(m) < 0 || hot_writer_init(m) < 0 || hot_sample_init(m) < 0) goto fail;
   return m;
 fail:
   Py_DECREF(m);

@@ -142,8 +142,9 @@ static PyObject *info_at(PyObject *info_type, PyObject *infos, npy_intp i) {
   return new_named((PyTypeObject *)info_type, fields, 5);
 }
 
-/* The data list of row i (timesteps < 0) or of step `timesteps` of row i: a view per column. */
-static PyObject *row_data(PyObject *columns, npy_intp i, npy_intp step) {
+/* The data list of row i (step < 0) or of step `step` of row i: a view per column; passed
+ * through unflatten(list) unless it is NULL. */
+static PyObject *row_data(PyObject *columns, npy_intp i, npy_intp step, PyObject *unflatten) {
   Py_ssize_t ncols = PyList_GET_SIZE(columns);
   PyObject *data = PyList_New(ncols);
   if (data == NULL) return NULL;
@@ -156,19 +157,28 @@ static PyObject *row_data(PyObject *columns, npy_intp i, npy_intp step) {
     }
     PyList_SET_ITEM(data, c, v);
   }
-  return data;
+  if (unflatten == NULL) return data;
+  PyObject *nest = PyObject_CallOneArg(unflatten, data);
+  Py_DECREF(data);
+  return nest;
 }
 
 static PyObject *split_batch(PyObject *self, PyObject *args) {
-  PyObject *sample_type, *info_type, *infos, *columns;
+  PyObject *sample_type, *info_type, *infos, *columns, *unflatten = Py_None;
   int timesteps = 0;
-  if (!PyArg_ParseTuple(args, "OOO!O!|p:split_batch", &sample_type, &info_type, &PyTuple_Type,
-                        &infos, &PyList_Type, &columns, &timesteps))
+  if (!PyArg_ParseTuple(args, "OOO!O!|pO:split_batch", &sample_type, &info_type, &PyTuple_Type,
+                        &infos, &PyList_Type, &columns, &timesteps, &unflatten))
     return NULL;
+  if (unflatten == Py_None) {
+    unflatten = NULL;
+  } else if (!PyCallable_Check(unflatten)) {
+    PyErr_SetString(PyExc_TypeError, "split_batch: unflatten must be None or callable");
+    return NULL;
+  }
   if (!is_named_tuple_type(sample_type, 2) || !is_named_tuple_type(info_type, 5) ||
       PyTuple_GET_SIZE(infos) != 5) {
     PyErr_SetString(PyExc_TypeError, "split_batch(ReplaySample, SampleInfo, info of 5 arrays, "
-                    "list of column arrays[, timesteps])");
+                    "list of column arrays[, timesteps[, unflatten]])");
     return NULL;
   }
   npy_intp b = -1;
@@ -207,7 +217,7 @@ static PyObject *split_batch(PyObject *self, PyObject *args) {
     if (info == NULL) goto fail;
     PyObject *item;
     if (!timesteps) {   /* ReplaySample(info, [row view of each column]) */
-      PyObject *pair[2] = {info, row_data(columns, i, -1)};
+      PyObject *pair[2] = {info, row_data(columns, i, -1, unflatten)};
       if (pair[1] == NULL) {
         Py_DECREF(info);
         goto fail;
@@ -216,7 +226,7 @@ static PyObject *split_batch(PyObject *self, PyObject *args) {
     } else {   /* [ReplaySample(info, [view of step t of each column]) for each step t] */
       item = PyList_New(steps);
       for (npy_intp t = 0; item != NULL && t < steps; t++) {
-        PyObject *pair[2] = {Py_NewRef(info), row_data(columns, i, t)};
+        PyObject *pair[2] = {Py_NewRef(info), row_data(columns, i, t, unflatten)};
         PyObject *sample = pair[1] == NULL ? NULL : new_named((PyTypeObject *)sample_type, pair, 2);
         if (pair[1] == NULL) Py_DECREF(info);
         if (sample == NULL) Py_CLEAR(item);
@@ -239,10 +249,11 @@ static PyMethodDef sample_methods[] = {
      "SampleInfo) -> (status, SampleInfo of 5 arrays of the B items gathered): rs_sample_gather "
      "with the GIL released (RS_EAGAIN retried)."},
     {"split_batch", split_batch, METH_VARARGS,
-     "split_batch(ReplaySample, SampleInfo, info, columns, timesteps=False) -> list of "
-     "ReplaySample(SampleInfo of Python scalars, [row view of each column]) for each row of a "
-     "gathered batch; with timesteps, a list per row of the ReplaySample of each step t (views "
-     "of [row, t] of each column), or None when the columns do not share a time dim."},
+     "split_batch(ReplaySample, SampleInfo, info, columns, timesteps=False, unflatten=None) -> "
+     "list of ReplaySample(SampleInfo of Python scalars, [row view of each column]) for each row "
+     "of a gathered batch; with timesteps, a list per row of the ReplaySample of each step t "
+     "(views of [row, t] of each column), or None when the columns do not share a time dim; "
+     "each data list passed through unflatten(list) when given."},
     {NULL, NULL, 0, NULL}};
 
 int hot_sample_init(PyObject *module) { return PyModule_AddFunctions(module, sample_methods); }
