@@ -4,9 +4,11 @@ Each iterator of a dataset runs one Python generator (on tf.data's generator sou
 through tf.numpy_function: see _generator_dataset) that yields whole batches gathered in C (see
 _batches.sample_batches); `unbatch` turns them into the per-item (or per-timestep) elements
 Reverb's datasets produce. `dataset.batch(n)` on a
-TrajectoryDataset skips the unbatch/batch round trip: its generator yields batches of exactly n
-items (the last one smaller at the end of the sequence, or dropped with drop_remainder), which
-is what `unbatch().batch(n)` would give, several times faster.
+TrajectoryDataset skips the unbatch/batch round trip: its generator yields the whole batches of
+n items that each gather completes (the last one smaller at the end of the sequence, or dropped
+with drop_remainder), which is what `unbatch().batch(n)` would give, several times faster.
+`iter()` of either in eager mode is tf.data's iterator with less Python per element
+(_iterator.Iterator).
 """
 import collections.abc
 import functools
@@ -238,7 +240,8 @@ def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_s
     for info, columns in plan.batches(address, table_name, max(plan.max_in_flight, 1)):
       b = len(info[0])
       if not b:   # waiting for the rate limiter: no batch, control to tf.data
-        yield as_batches(*plan.empty(), 0, batch_size)
+        info, columns = plan.empty()
+        yield as_batches(info, columns, 0, batch_size)
         continue
       if not have and b % batch_size == 0:   # (the common case: whole batches as gathered)
         yield as_batches(info, columns, b // batch_size, batch_size)

@@ -12,7 +12,7 @@ is rebuilt by a function made once per iterator from the element spec. Anything 
 asynchronous executor, graph mode, nests other than dicts with str keys, tuples, namedtuples
 and dense TensorSpecs) takes tf.data's own path.
 """
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -43,11 +43,12 @@ def packer(spec: Any) -> Optional[Packer]:
     if type(s) is dict:
       if not all(type(k) is str for k in s):
         return None
-      by_key = {}
+      by_key: Dict[str, Packer] = {}
       for k in sorted(s):
-        by_key[k] = build(s[k])
-        if by_key[k] is None:
+        p = build(s[k])
+        if p is None:
           return None
+        by_key[k] = p
       items: Tuple[Tuple[str, Packer], ...] = tuple((k, by_key[k]) for k in s)
       return lambda flat: {k: p(flat) for k, p in items}
     if isinstance(s, tuple) and (type(s) is tuple or hasattr(type(s), "_fields")):
@@ -69,8 +70,10 @@ def packer(spec: Any) -> Optional[Packer]:
   return pack
 
 
+Iterator: Any = None   # (the class below, where this TensorFlow has what it builds on)
+
 if _OwnedIterator is not None:
-  class Iterator(_OwnedIterator):  # pylint: disable=abstract-method
+  class _Iterator(_OwnedIterator):  # pylint: disable=abstract-method
     """tf.data's eager iterator over a dataset, with a faster `next` (see the module doc)."""
 
     def _create_iterator(self, dataset):
@@ -85,8 +88,8 @@ if _OwnedIterator is not None:
       return pack(_gen_dataset_ops.iterator_get_next(
           self._iterator_resource, output_types=self._flat_output_types,
           output_shapes=self._flat_output_shapes))
-else:   # pragma: no cover
-  Iterator = None
+
+  Iterator = _Iterator
 
 
 def make_iterator(dataset: tf.data.Dataset):
