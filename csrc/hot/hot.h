@@ -46,6 +46,10 @@ typedef struct {
   int (*sample_gather)(void *base, uint32_t slot, uint32_t table, uint32_t n, uint32_t wait_n,
                        int64_t deadline_ns, int64_t slice_ns, uint32_t ncols,
                        const rs_gather_col *cols, void *info, uint32_t *got_io);
+  int (*mutate)(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_keys,
+                const double *upd_prios, uint32_t n_del, const uint64_t *del_keys,
+                uint32_t *updated_out, uint32_t *deleted_out);
+  int (*check_priorities)(void *base, uint32_t table, uint32_t n, const double *priorities);
 } hot_core_fns;
 
 extern hot_core_fns hot_core;
@@ -62,5 +66,11 @@ extern volatile unsigned long hot_fork_epoch;
 int hot_insert_init(PyObject *module);
 int hot_writer_init(PyObject *module);
 int hot_sample_init(PyObject *module);
+int hot_prefetch_init(PyObject *module);
+
+/* The SampleInfo (info_type, a NamedTuple of 5 fields) of `got` items whose info rs_sample_gather
+ * wrote at `info` (inside array `buf`, which the five arrays keep alive) for a batch of n. */
+PyObject *hot_sample_info(PyObject *buf, char *info, npy_intp got, uint32_t n,
+                          PyTypeObject *info_type);
 
 #endif

@@ -12,7 +12,8 @@ static void bump_fork_epoch(void) { hot_fork_epoch++; }
 
 /* Names of hot_core_fns' members' core functions, in member order. */
 static const char *const core_names[] = {"rs_insert_rows", "rs_open_chunks", "rs_insert_rows_at",
-                                            "rs_sample_gather"};
+                                            "rs_sample_gather", "rs_mutate",
+                                            "rs_check_priorities"};
 #define NCORE (sizeof(core_names) / sizeof(core_names[0]))
 
 static PyObject *hot_bind(PyObject *self, PyObject *addresses) {
@@ -62,7 +63,9 @@ PyMODINIT_FUNC PyInit__hot(void) {
     PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
     goto fail;
   }
-  if (hot_insert_init(m) < 0 || hot_writer_init(m) < 0 || hot_sample_init(m) < 0) goto fail;
+  if (hot_insert_init(m) < 0 || hot_writer_init(m) < 0 || hot_sample_init(m) < 0 ||
+      hot_prefetch_init(m) < 0)
+    goto fail;
   return m;
 fail:
   Py_DECREF(m);
