@@ -958,6 +958,7 @@ static inline const char *slice_src(void *base, const rs_desc_slice *sl, uint64_
   return (const char *)ch + ch->data_offset + ((uint64_t)sl->row_offset + shift) * ch->row_bytes;
 }
 
+
 int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col, uint8_t *out,
               uint64_t out_stride, uint64_t col_bytes) {
   if (n == 0) return RS_OK;
@@ -1298,6 +1299,7 @@ static sample_info sample_info_at(void *info, uint32_t n) {
                     (int32_t *)(w + 4ull * n)};
   return si;
 }
+
 
 static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
                          uint32_t ncols, const rs_gather_col *cols, const sample_info *info,
