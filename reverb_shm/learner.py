@@ -14,6 +14,21 @@ not wait for sampling when its step takes longer than the gather; a second one a
 learner's priority updates (in the order given, all those queued meanwhile in one C call per
 table), so the learner does not wait for them either.
 
+Native threads. With one table (no mixing), whole batches (partial=False, copy=False) and no
+allocate / transform of the caller's (the torch iterator on the CPU qualifies), the background
+threads are native (reverb_shm._hot.Prefetcher, csrc/hot/hot_prefetch.c) and never take the GIL:
+after the first batch (gathered by a Python thread, which learns the items' columns) the native
+sampler gathers into the ring and ``next()`` takes a ready buffer with a few stores under a
+mutex; an update of numpy keys and priorities (or a CPU tensor of them) is checked and copied
+into the native queue by one C call, and the sampler applies the queue before its next gather
+(in the thread and on the CPU that gathers: no second thread contends for the table; while it
+waits for items, between waits of at most 2 ms). A native updater thread applies the queue only
+while the sampler does not run, and the last updates at close. Both run as SCHED_BATCH on Linux,
+so that waking them never preempts the learner's thread. A learner whose step holds the GIL (or
+keeps the CPU busy) then never waits for a Python background thread to be scheduled. An update
+whose priorities are still being copied from a device starts a Python updater thread, which
+applies the native queue first (so the order stays that of the calls).
+
 Buffers. The batches are gathered into a ring of ``prefetch + keep`` reusable buffers. The
 arrays of a batch are views of its ring buffer: they stay valid until the consumer has taken
 ``keep`` more batches (``keep=1``, the default: until the next ``next()``), then the buffer is
@@ -58,13 +73,15 @@ import numpy as np
 
 from reverb_shm import errors
 from reverb_shm import shared_table as shared_table_lib
-from reverb_shm._internal import structure
-from reverb_shm._internal._lib import lib
+from reverb_shm._internal import _lib, structure
+from reverb_shm._internal._lib import ffi, hot, lib
 from reverb_shm.replay_sample import SampleInfo
 
 __all__ = ["Batch", "BatchIterator", "importance_weights", "resolve_tables"]
 
 _SLICE_MS = 50   # longest single wait of the background thread (it checks close() between)
+_SLICE_NS = _SLICE_MS * 1_000_000
+_NATIVE_SEED_MIX = 0x9E3779B97F4A7C15   # (the native sampler's seed: the seed's bits mixed)
 _SEED_MASK = 2**64 - 1
 _NO_KEYS = np.zeros(0, np.uint64)
 
@@ -289,16 +306,23 @@ class BatchIterator:
     self._counts = {"batches": 0, "items": 0, "priority_updates": 0, "keys_updated": 0,
                     "keys_skipped": 0}
     self._pid = os.getpid()   # (the threads exist only in this process, not in a fork child)
+    # Native threads (see the module docstring): the updater from the start with one table, the
+    # sampler after the first batch where the batches allow it.
+    self._native_ok = getattr(self, "_native_ok", transform is None and allocate is None) and \
+        self._weights is None and not self._partial and not self._copy
+    self._native: Any = None if len(self._tables) > 1 else _new_prefetcher(self._tables[0],
+                                                                      self.batch_size)
+    self._native_sampling = False
     # The threads hold only a weak reference to the iterator (dropped while they wait), so an
     # iterator dropped without close() is collected; the finalizer then wakes them to end.
-    ref = weakref.ref(self)
+    self._ref = ref = weakref.ref(self)
     self._thread = threading.Thread(target=_prefetch_thread, args=(ref, self._cv),
                                     name="reverb_shm-batch-prefetch", daemon=True)
-    self._updater = threading.Thread(target=_updater_thread, args=(ref, self._ucv),
-                                     name="reverb_shm-priorities", daemon=True)
+    self._updater: Optional[threading.Thread] = None
     weakref.finalize(self, _wake, self._cv, self._ucv).atexit = False   # (daemon threads)
     self._thread.start()
-    self._updater.start()
+    if self._native is None:
+      self._start_python_updater()
 
   # ---- public
   @property
@@ -327,6 +351,14 @@ class BatchIterator:
     with self._ucv:
       out = dict(self._counts)
       out["updates_pending"] = len(self._updates) + self._applying
+    if self._native is not None and os.getpid() == self._pid:
+      batches, calls, updated, skipped, pending, _, _ = self._native.stats()
+      out["batches"] += batches
+      out["items"] += batches * self.batch_size
+      out["priority_updates"] += calls
+      out["keys_updated"] += updated
+      out["keys_skipped"] += skipped
+      out["updates_pending"] += pending
     return out
 
   def __iter__(self):
@@ -335,11 +367,16 @@ class BatchIterator:
   def __next__(self):
     self._check_process()
     deadline = None if self._timeout_ms is None else time.monotonic() + self._timeout_ms / 1000.0
+    if self._native_sampling and not self._ready:   # (no batch of the Python thread left)
+      self._raise_update_error()
+      if self._stop:
+        raise RuntimeError("the iterator is closed")
+      return self._next_native(deadline)
     with self._cv:
       self._raise_update_error()
       if self._stop:
         raise RuntimeError("the iterator is closed")
-      while not self._ready:
+      while not self._ready and not self._native_sampling:
         if self._error is not None:
           raise self._error
         if self._stop:
@@ -358,16 +395,75 @@ class BatchIterator:
                 f"no batch of {self.batch_size} items within {self._timeout_ms} ms (tables "
                 f"{[t.name for t in self._tables]}: {self._limiter_text()})")
           self._cv.wait(left)
-      slot, batch = self._ready.popleft()
-      if self._copy:
-        self._release(None)
-      else:
-        # A batch was taken: the consumer is done with the one taken `keep` batches ago, whose
-        # buffer may now be reused (not before: a next() that raises takes no batch).
-        while len(self._held) >= self._keep:
-          self._release(self._held.popleft())
-        self._held.append(slot)
-      return batch
+      if self._ready:
+        slot, batch = self._ready.popleft()
+        if self._copy:
+          self._release(None)
+        else:
+          # A batch was taken: the consumer is done with the one taken `keep` batches ago, whose
+          # buffer may now be reused (not before: a next() that raises takes no batch). (The
+          # native sampler holds the first batch's buffer until its first batch is taken.)
+          while len(self._held) >= self._keep:
+            self._release(self._held.popleft())
+          self._held.append(slot)
+        return batch
+    return self._next_native(deadline)
+
+  def _next_native(self, deadline: Optional[float]):
+    """next() once the native sampler gathers: its oldest batch, waiting in slices (checking
+    close(), the server's death and the deadline between)."""
+    native = self._native
+    while True:
+      wait = _SLICE_NS if deadline is None else \
+          min(_SLICE_NS, max(0, int((deadline - time.monotonic()) * 1e9)))
+      rc, k, info = native.take(wait)
+      if rc == lib.RS_OK:
+        break
+      if self._stop:
+        raise RuntimeError("the iterator is closed")
+      if rc != lib.RS_ETIMEDOUT:
+        failure = native.failure()
+        self._native_fail(rc, None if failure is None else failure[1])
+        raise self._error   # type: ignore[misc]
+      segment = self._tables[0].segment
+      if segment.owner_dead:
+        self._fail(segment.dead_owner_error())
+        raise self._error   # type: ignore[misc]
+      if deadline is not None and time.monotonic() >= deadline:
+        raise errors.DeadlineExceededError(
+            f"no batch of {self.batch_size} items within {self._timeout_ms} ms (tables "
+            f"{[t.name for t in self._tables]}: {self._limiter_text()})")
+    slot = self._slots[k]
+    if self._mask_key is not None:
+      batch = self._make_batch(slot, self.batch_size, [info], [(0, self.batch_size)], count=False)
+      return batch if self._transform is None else self._transform(batch, slot)
+    # (the nest of the slot's whole columns, wrapped once per slot; a nest of its own per batch)
+    views = slot.cache.get("native")
+    if views is None:
+      wrap = self._wrap_leaf
+      leaves, treedef = structure.flatten(self._structure_table._structure(  # pylint: disable=protected-access
+          list(slot.columns)))
+      views = slot.cache["native"] = (treedef, [wrap(a) for a in leaves], wrap(slot.weights))
+    treedef, leaves, weights = views
+    beta = self.importance_beta
+    if beta is None:
+      weights = None
+    else:
+      importance_weights(info.probability, info.table_size, beta, out=slot.weights)
+    return Batch(structure.unflatten(treedef, leaves), info, weights)
+
+  def _native_fail(self, rc: int, message: Optional[str]) -> None:
+    """Ends the iterator on the native threads' error status `rc` (see _fail)."""
+    table = self._tables[0]
+    try:
+      if rc == lib.RS_EINVAL:
+        _ = table.size   # raises TableClosedError when the server stopped meanwhile
+        raise ValueError(f"table {table.name!r} holds items whose columns differ from the first "
+                         f"items' ({_layout_text(self._layout)}): a fixed-shape batch needs "
+                         f"items of one column layout ({message})")
+      _lib.raise_for(rc, f"sampling from table {table.name!r}", message=message or "")
+    except Exception as e:   # pylint: disable=broad-except
+      self._fail(e)
 
   def update_priorities(self, keys, priorities, table=None) -> None:
     """Queues new priorities of sampled items; the updater thread applies them soon after, in
@@ -389,9 +485,24 @@ class BatchIterator:
       RuntimeError: the iterator is closed or was made in the parent of this forked process; or
         the error an earlier update met.
     """
+    if table is None and self._native_push(keys, priorities):
+      return
     keys, priorities = self._check_update(keys, priorities)
     self._check_negative(priorities)
     self._queue_update(_Update(keys, priorities, self._check_table(table, len(keys)), None))
+
+  def _native_push(self, keys, priorities) -> bool:
+    """The common update in one C call with no copy in Python: numpy keys (uint64, or int64
+    >= 0) and priorities (float32 / float64, finite, >= 0 on a Prioritized table), 1-D and
+    contiguous, of one table with the native updater, no error pending. True when queued; False
+    (nothing queued) for anything else: the caller's general path then validates and raises."""
+    native = self._native
+    if native is None or self._updater is not None or self._update_error is not None or \
+        self._error is not None or os.getpid() != self._pid:
+      return False
+    if self._any_prioritized is None:
+      self._any_prioritized = any(t._prioritized() for t in self._tables)  # pylint: disable=protected-access
+    return native.push(keys, priorities, self._any_prioritized) == lib.RS_OK
 
   def _queue_async_update(self, keys, count: int, table, fetch: Callable[[], Any]) -> None:
     """Queues an update whose `count` priorities are still being copied to the host: the
@@ -424,6 +535,15 @@ class BatchIterator:
     """
     self._check_process()
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
+    native = self._native
+    while native is not None and not native.flush(
+        _SLICE_NS if deadline is None else
+        min(_SLICE_NS, max(0, int((deadline - time.monotonic()) * 1e9)))):
+      if self._error is not None:
+        raise self._error
+      self._raise_update_error()
+      if deadline is not None and time.monotonic() >= deadline:
+        raise errors.DeadlineExceededError(f"priority updates not applied within {timeout_ms} ms")
     with self._ucv:
       while self._updates or self._applying:
         if self._error is not None:
@@ -450,7 +570,8 @@ class BatchIterator:
     if threading.current_thread() not in (self._thread, self._updater):
       deadline = time.monotonic() + timeout_s
       self._thread.join(timeout_s)
-      self._updater.join(max(0.0, deadline - time.monotonic()))
+      if self._updater is not None:
+        self._updater.join(max(0.0, deadline - time.monotonic()))
 
   def __enter__(self):
     return self
@@ -461,13 +582,17 @@ class BatchIterator:
   @property
   def closed(self) -> bool:
     """True once close() was called or the sampling thread ended on an error."""
+    if self._native_sampling:
+      return self._stop or self._error is not None or self._native.failure() is not None
     return self._stop or not self._thread.is_alive()
 
   def _stop_updater(self) -> None:
-    """The updater applies what is queued, then ends."""
+    """The updaters apply what is queued, then end (the native threads are joined)."""
     with self._ucv:
       self._stop_updates = True
       self._ucv.notify_all()
+    if self._native is not None and os.getpid() == self._pid:
+      self._native.close()
 
   # ---- update validation (caller's thread)
   @staticmethod
@@ -539,12 +664,33 @@ class BatchIterator:
       if self._stop_updates or self._error is not None:
         raise RuntimeError("the iterator is closed: priority updates can no longer be applied"
                            + (f" ({self._error})" if self._error is not None else ""))
+      if self._updater is None:
+        if update.ready is None:   # the native updater: copied into its queue
+          if self._native.push(update.keys, update.priorities, False) != lib.RS_OK:
+            raise RuntimeError("the iterator is closed: priority updates can no longer be "
+                               "applied")
+          return
+        # (a device copy to wait for: a Python updater, after the native queue, from now on)
+        self._start_python_updater()
       self._updates.append(update)
       if len(self._updates) == 1:
         self._ucv.notify()
 
+  def _start_python_updater(self) -> None:
+    self._updater = threading.Thread(target=_updater_thread, args=(self._ref, self._ucv),
+                                     name="reverb_shm-priorities", daemon=True)
+    self._updater.start()
+
   def _raise_update_error(self) -> None:
     err, self._update_error = self._update_error, None
+    if err is None and self._native is not None:
+      failed = self._native.update_error()
+      if failed is not None:
+        try:
+          _lib.raise_for(failed[0], f"updating priorities in table {self._tables[0].name!r}",
+                         message=failed[1])
+        except Exception as e:   # pylint: disable=broad-except
+          err = e
     if err is not None:
       raise err
 
@@ -602,6 +748,9 @@ class BatchIterator:
   def _apply_updates(self, updates: List[_Update], final: bool) -> None:
     per_table: collections.defaultdict   # table -> (keys, priorities) lists
     try:
+      if self._native is not None:   # (queued before these: applied first)
+        while not self._native.flush(_SLICE_NS) and not self._stop_updates:
+          pass
       per_table = collections.defaultdict(lambda: ([], []))
       rejected = 0
       for u in updates:
@@ -764,11 +913,35 @@ class BatchIterator:
                        f"{self._tables[0].name!r}: {_layout_text(self._layout)}; "
                        f"{table.name!r}: {_layout_text(layout)}")
 
+  def _start_native(self, first: _Slot) -> bool:
+    """(The Python sampling thread, after the first batch, gathered into `first`) starts the
+    native sampler on a ring of prefetch + keep buffers, `first` one of them (the consumer's
+    until it takes the native sampler's first batch). False when closed meanwhile."""
+    slots = [first] + [self._new_slot() for _ in range(self._prefetch + self._keep - 1)]
+    cols = [shared_table_lib._gather_cols(self._layout, s.columns)   # pylint: disable=protected-access
+            for s in slots]
+    addresses = tuple(shared_table_lib._address(c) for c in cols)   # pylint: disable=protected-access
+    seed = None if self._seed is None else self._seed ^ _NATIVE_SEED_MIX
+    with self._cv:
+      if self._stop or self._error is not None:
+        return False
+      self._slots = slots
+      self._native.start_sampling(addresses, len(self._layout), self._keep, 0, seed,
+                                  (cols, slots))
+      self._native_sampling = True
+      self._cv.notify_all()
+    return True
+
+  def _wrap_leaf(self, array: np.ndarray) -> Any:
+    """How batches of the native sampler wrap an array of a ring buffer (once per buffer; a
+    subclass whose transform only wraps arrays, e.g. in torch.from_numpy, overrides it)."""
+    return array
+
   def _fresh_buffers(self):
     slot = self._new_slot()
     return slot.columns, slot.weights, slot.owner
 
-  def _make_batch(self, slot: _Slot, b: int, infos, rows_of) -> Batch:
+  def _make_batch(self, slot: _Slot, b: int, infos, rows_of, count: bool = True) -> Batch:
     info = infos[0] if len(infos) == 1 else SampleInfo(
         *[np.concatenate(field) for field in zip(*infos)])
     n = self.batch_size
@@ -790,9 +963,10 @@ class BatchIterator:
     if self._weights is not None:
       table = np.repeat(np.array([t for t, _ in rows_of], np.uint8),
                         [c for _, c in rows_of])
-    with self._ucv:
-      self._counts["batches"] += 1
-      self._counts["items"] += b
+    if count:   # (the native sampler counts its batches itself)
+      with self._ucv:
+        self._counts["batches"] += 1
+        self._counts["items"] += b
     return Batch(data, info, weights, mask, table)
 
   def _limiter_text(self) -> str:
@@ -800,6 +974,15 @@ class BatchIterator:
       return "; ".join(t.limiter_message("sample", self._timeout_ms) for t in self._tables)
     except errors.ReverbError as e:
       return str(e)
+
+
+def _new_prefetcher(table, batch_size: int):
+  """The native threads (reverb_shm._hot.Prefetcher) for `table`: its updater runs now."""
+  segment = table.segment
+  functions = tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
+                    for name in ("rs_mutate", "rs_rand_seed_thread", "rs_last_error"))
+  return hot.Prefetcher(segment.address, segment.slot, table._index, batch_size,  # pylint: disable=protected-access
+                        _SLICE_NS, functions, SampleInfo, (table, segment))
 
 
 def _wake(cv: threading.Condition, ucv: threading.Condition) -> None:
@@ -846,6 +1029,9 @@ def _prefetch_thread(ref, cv: threading.Condition) -> None:
         it._ready.append((slot, batch))
         it._filling = 0
         cv.notify()
+      if it._native_ok and it._native is not None and \
+          it._tables[0]._gather_layout == it._layout and it._start_native(slot):   # pylint: disable=protected-access
+        return   # (the native sampler gathers from now on)
       it = batch = None
   except BaseException as e:   # handed to the consumer; the thread ends
     it = ref()

@@ -37,6 +37,21 @@ def _steps(values, obs_dim=4):
           "action": v, "reward": (v * 0.5).astype(np.float32)}
 
 
+def _threads_ended(it, timeout_s=5.0) -> bool:
+  """Whether every background thread of `it` (Python and native) ended within timeout_s."""
+  deadline = time.monotonic() + timeout_s
+  for t in (it._thread, it._updater):
+    if t is not None:
+      t.join(max(0.0, deadline - time.monotonic()))
+      if t.is_alive():
+        return False
+  while it._native is not None and any(it._native.stats()[5:]):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.01)
+  return True
+
+
 def _fill(st, values, priorities=1.0):
   return st.insert(_steps(values), priorities)
 
@@ -339,9 +354,7 @@ def test_server_stopping_in_another_process_ends_the_iterator(server_name):
       for _ in range(10):   # the batches gathered before the stop come first
         next(it)
     assert time.monotonic() - start < 5
-    it._thread.join(5)
-    it._updater.join(5)
-    assert not it._thread.is_alive() and not it._updater.is_alive()
+    assert _threads_ended(it)
     with pytest.raises(RuntimeError, match="closed"):
       it.update_priorities(np.zeros(1, np.uint64), np.ones(1))
     it.close()
@@ -423,7 +436,7 @@ def test_close_applies_queued_updates_and_ends_the_thread(server_factory):
   next(it)
   it.update_priorities(keys, np.full(4, 2.5))
   it.close()
-  assert not it._thread.is_alive() and not it._updater.is_alive() and it.closed
+  assert _threads_ended(it) and it.closed
   assert st.items()["priority"].tolist() == [2.5] * 4
   with pytest.raises(RuntimeError, match="closed"):
     next(it)
@@ -587,7 +600,7 @@ def test_an_iterator_dropped_without_close_is_collected_and_its_threads_end(serv
     next(it)
     it.update_priorities(np.zeros(1, np.uint64), np.ones(1))
   time.sleep(0.2)
-  ref, threads = weakref.ref(it), (it._thread, it._updater)
+  ref, threads = weakref.ref(it), [t for t in (it._thread, it._updater) if t is not None]
   del it
   deadline = time.monotonic() + 5
   while ref() is not None and time.monotonic() < deadline:   # (a thread holds it for one slice)
@@ -597,3 +610,152 @@ def test_an_iterator_dropped_without_close_is_collected_and_its_threads_end(serv
   for thread in threads:
     thread.join(5)
     assert not thread.is_alive()
+
+
+def _prioritized(server_factory, count: int, limiter=None):
+  """(SharedTable, keys) of a Prioritized(1.0) table "t" holding `count` items of priority 1."""
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0), limiter=limiter)])
+  st = server.shared_table("t")
+  return st, _fill(st, np.arange(count))
+
+
+def _spin_holding_the_gil(seconds: float) -> None:
+  """Keeps this thread busy in Python for `seconds` with a switch interval longer than that, so
+  no other Python thread runs meanwhile (only code that needs no GIL progresses)."""
+  old = sys.getswitchinterval()
+  sys.setswitchinterval(30.0)
+  try:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+      pass
+  finally:
+    sys.setswitchinterval(old)
+
+
+def test_sampling_and_updates_progress_while_the_learner_holds_the_gil(server_factory):
+  st, keys = _prioritized(server_factory, 64)
+  with BatchIterator(st, batch_size=8, prefetch=4, timeout_ms=5000) as it:
+    next(it)
+    next(it)   # (the native sampler gathers from the second batch on)
+    assert it._native_sampling and it._updater is None
+    time.sleep(0.3)   # the ring fills: 4 batches ready
+    before = it._native.stats()[0]   # batches the native sampler gathered
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+      for _ in range(4):   # frees 4 buffers (all ready: no wait, the GIL is never released)
+        next(it)
+      it.update_priorities(keys, np.full(64, 3.0))
+      _spin_holding_the_gil(0.5)
+      gathered = it._native.stats()[0]
+      stats = it.stats
+    finally:
+      sys.setswitchinterval(old)
+    # Gathered and applied by threads that never took the GIL while this one held it.
+    assert gathered - before == 4, (before, gathered)   # every freed buffer, no more
+    assert stats["keys_updated"] == 64 and stats["updates_pending"] == 0
+  assert set(st.items()["priority"].tolist()) == {3.0}
+
+
+def test_updates_stay_in_call_order_when_a_device_copy_update_starts_the_python_updater(
+    server_factory):
+  st, keys = _prioritized(server_factory, 4)
+  gate = threading.Event()
+  with BatchIterator(st, batch_size=4, timeout_ms=5000) as it:
+    next(it)
+    it.update_priorities(keys, np.full(4, 2.0))               # native queue
+    it._queue_async_update(keys[:2], 2, None, lambda: gate.wait(5) and np.array([5.0, 6.0]))
+    it.update_priorities(keys[1:2], np.array([7.0]))          # after the device copy's
+    assert it._updater is not None and it._updater.is_alive()
+    gate.set()
+    it.flush(timeout_ms=5000)
+    assert it.stats["priority_updates"] == 3 and it.stats["keys_updated"] == 7
+  assert st.items()["priority"].tolist() == [5.0, 7.0, 2.0, 2.0]
+
+
+def test_fast_update_path_rejects_what_the_general_path_rejects_and_changes_nothing(
+    server_factory):
+  st, keys = _prioritized(server_factory, 8)
+  with BatchIterator(st, batch_size=4, timeout_ms=5000) as it:
+    next(it)
+    next(it)
+    assert it._native_sampling and it._updater is None   # (the one-C-call path applies)
+    bad = [(np.full(8, -1, np.int64), np.ones(8), ValueError, ">= 0"),
+           (keys, np.full(8, np.nan), ValueError, "finite"),
+           (keys, np.full(8, np.inf, np.float32), ValueError, "finite"),
+           (keys, np.full(8, -1.0), ValueError, ">= 0 for a Prioritized"),
+           (keys, np.ones(7), ValueError, "one value per key"),
+           (keys.astype(np.float64), np.ones(8), TypeError, "unsigned 64-bit"),
+           (keys, np.ones(8, np.int64), TypeError, "floating dtype")]
+    for k, p, error, match in bad:
+      with pytest.raises(error, match=match):
+        it.update_priorities(k, p)
+    it.flush(timeout_ms=5000)
+    assert st.items()["priority"].tolist() == [1.0] * 8
+    assert it.stats["priority_updates"] == 0
+    # float32 priorities as they are; float16 and strided arrays converted
+    it.update_priorities(keys, np.full(8, 2.0, np.float32))
+    it.update_priorities(keys[:2], np.array([3.0, -9.0, 4.0, -9.0])[::2])
+    it.update_priorities(keys[2:3], np.array([5.0], np.float16))
+    it.flush(timeout_ms=5000)
+    assert it.stats["priority_updates"] == 3 and it.stats["keys_updated"] == 11
+  assert st.items()["priority"].tolist() == [3.0, 4.0, 5.0] + [2.0] * 5
+
+
+def test_the_native_sampler_applies_updates_in_call_order(server_factory):
+  st, keys = _prioritized(server_factory, 4)
+  with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=5000) as it:
+    next(it)
+    for v in range(1, 201):   # (updates of one key, interleaved with gathers)
+      it.update_priorities(keys[:2], np.array([float(v), 1000.0 - v]))
+      if v % 10 == 0:
+        next(it)
+    it.flush(timeout_ms=5000)
+    assert it._native_sampling and it._updater is None
+    assert it.stats["priority_updates"] == 200 and it.stats["keys_updated"] == 400
+  assert st.items()["priority"].tolist()[:2] == [200.0, 800.0]
+
+
+def test_updates_land_while_the_native_sampler_waits_for_the_rate_limiter(server_factory):
+  limiter = rate_limiters.SampleToInsertRatio(1.0, 1, (0.0, 100.0))   # a sample per insert
+  st, keys = _prioritized(server_factory, 8, limiter)   # 8 samples allowed: two batches of 4
+  with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=5000) as it:
+    next(it)
+    next(it)
+    time.sleep(0.1)
+    assert it._native_sampling and it.stats["batches"] == 2
+    start = time.monotonic()
+    it.update_priorities(keys, np.full(8, 6.0))
+    it.flush(timeout_ms=3000)   # applied by the sampler between its waits for items
+    assert time.monotonic() - start < 1.0
+    assert st.items()["priority"].tolist() == [6.0] * 8
+    with pytest.raises(errors.DeadlineExceededError):
+      next(it)   # still blocked: no insert came
+    start = time.monotonic()
+  assert time.monotonic() - start < 2.0   # close() ends the waiting sampler
+
+
+def _batch_scheduled_threads() -> int:
+  """Threads of this process under the SCHED_BATCH policy."""
+  count = 0
+  for tid in os.listdir("/proc/self/task"):
+    try:
+      count += os.sched_getscheduler(int(tid)) == os.SCHED_BATCH
+    except OSError:   # (ended meanwhile)
+      pass
+  return count
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_native_threads_run_as_sched_batch_and_end_at_close(server_factory):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  _fill(st, np.arange(16))
+  before = _batch_scheduled_threads()
+  with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=5000) as it:
+    next(it)
+    next(it)
+    assert it._native_sampling
+    assert _batch_scheduled_threads() == before + 2   # the sampler and the updater
+  assert _threads_ended(it)
+  assert _batch_scheduled_threads() == before

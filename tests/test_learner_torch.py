@@ -216,3 +216,19 @@ def test_every_cpu_batch_has_a_data_dict_of_its_own(server_factory):
       batch = next(it)
       assert sorted(batch.data) == ["action", "obs", "reward"] and batch.data is not first.data
       torch.testing.assert_close(batch.data["obs"][:, 0], (batch.data["action"] * 10).float())
+
+
+def test_cpu_tensor_priorities_through_the_native_queue(server_factory):
+  server, st, keys = _server(server_factory)
+  with TorchIterator(st, batch_size=8, timeout_ms=5000) as it:
+    next(it)
+    next(it)
+    assert it._native_sampling and it._updater is None
+    it.update_priorities(keys[:4], torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64))
+    it.update_priorities(keys[4:6], torch.tensor([5.0, -1.0, 6.0, -1.0])[::2])   # strided
+    with pytest.raises(ValueError, match=">= 0 for a Prioritized"):
+      it.update_priorities(keys[6:8], torch.tensor([7.0, -1.0]))
+    it.flush(timeout_ms=5000)
+    assert it.stats["priority_updates"] == 2
+  assert st.items()["priority"].tolist()[:8] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] + \
+      np.linspace(0.5, 2.0, 100).tolist()[6:8]

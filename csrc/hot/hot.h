@@ -62,5 +62,11 @@ extern volatile unsigned long hot_fork_epoch;
 int hot_insert_init(PyObject *module);
 int hot_writer_init(PyObject *module);
 int hot_sample_init(PyObject *module);
+int hot_prefetch_init(PyObject *module);
+
+/* The SampleInfo (info_type, a NamedTuple of 5 fields) of `got` items whose info rs_sample_gather
+ * wrote at `info` (inside array `buf`, which the five arrays keep alive) for a batch of n. */
+PyObject *hot_sample_info(PyObject *buf, char *info, npy_intp got, uint32_t n,
+                          PyTypeObject *info_type);
 
 #endif

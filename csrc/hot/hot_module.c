@@ -62,7 +62,9 @@ PyMODINIT_FUNC PyInit__hot(void) {
     PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
     goto fail;
   }
-  if (hot_insert_init(m) < 0 || hot_writer_init(m) < 0 || hot_sample_init(m) < 0) goto fail;
+  if (hot_insert_init(m) < 0 || hot_writer_init(m) < 0 || hot_sample_init(m) < 0 ||
+      hot_prefetch_init(m) < 0)
+    goto fail;
   return m;
 fail:
   Py_DECREF(m);

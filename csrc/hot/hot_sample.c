@@ -51,6 +51,21 @@ static int is_named_tuple_type(PyObject *cls, Py_ssize_t fields) {
   return ok;
 }
 
+PyObject *hot_sample_info(PyObject *buf, char *info, npy_intp got, uint32_t n,
+                          PyTypeObject *info_type) {
+  PyObject *fields[5];
+  for (int k = 0; k < 5; k++) {   /* field k starts at k * 8 * n bytes */
+    npy_intp count = got;
+    fields[k] = view_of(buf, PyArray_DescrFromType(info_types[k]), 1, &count, NULL,
+                        info + (size_t)k * 8 * n, NPY_ARRAY_CARRAY);
+    if (fields[k] == NULL) {
+      for (int j = 0; j < k; j++) Py_DECREF(fields[j]);
+      return NULL;
+    }
+  }
+  return new_named(info_type, fields, 5);
+}
+
 static PyObject *sample_gather(PyObject *self, PyObject *args) {
   unsigned long long address, cols_address;
   unsigned int slot, table, n, wait_n, ncols;
@@ -81,19 +96,8 @@ static PyObject *sample_gather(PyObject *self, PyObject *args) {
                                 info, &got);
   } while (rc == RS_EAGAIN);
   Py_END_ALLOW_THREADS
-  PyObject *fields[5];
-  for (int k = 0; k < 5; k++) {   /* field k starts at k * 8 * n bytes */
-    npy_intp count = got;
-    fields[k] = view_of(buf, PyArray_DescrFromType(info_types[k]), 1, &count, NULL,
-                        info + (size_t)k * 8 * n, NPY_ARRAY_CARRAY);
-    if (fields[k] == NULL) {
-      for (int j = 0; j < k; j++) Py_DECREF(fields[j]);
-      Py_DECREF(buf);
-      return NULL;
-    }
-  }
+  PyObject *infos = hot_sample_info(buf, info, got, n, (PyTypeObject *)info_type);
   Py_DECREF(buf);
-  PyObject *infos = new_named((PyTypeObject *)info_type, fields, 5);
   if (infos == NULL) return NULL;
   return Py_BuildValue("(iN)", rc, infos);
 }

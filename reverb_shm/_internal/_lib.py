@@ -1,5 +1,5 @@
 """The compiled C core and the one place where its status codes become exceptions."""
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 from reverb_shm import _hot, errors  # noqa: F401  (_hot is re-exported as `hot`)
 from reverb_shm._core import ffi, lib  # noqa: F401  (re-exported)
@@ -30,10 +30,12 @@ _EXCEPTIONS = {
 }
 
 
-def raise_for(rc: int, context: str = "", not_found: type = errors.UnknownTableError
-              ) -> NoReturn:
-  """Raises the exception for status `rc` with `context` prefixed to the C message."""
-  message = last_error()
+def raise_for(rc: int, context: str = "", not_found: type = errors.UnknownTableError,
+              message: Optional[str] = None) -> NoReturn:
+  """Raises the exception for status `rc` with `context` prefixed to the C message (`message`:
+  the message another thread's failed call left, instead of this thread's last one)."""
+  if message is None:
+    message = last_error()
   if context:
     message = f"{context}: {message}" if message else context
   cls = not_found if rc == lib.RS_ENOTFOUND else _EXCEPTIONS.get(rc)

@@ -112,6 +112,9 @@ class TorchIterator(learner.BatchIterator):
       raise ValueError("pin_memory=True needs CUDA (torch.cuda.is_available() is False)")
     self._pin = bool(pin_memory)
     self._stream = torch.cuda.Stream(self.device) if cuda else None
+    # (on the CPU the transform only wraps the ring's arrays, made once per buffer: it runs in
+    # the consumer's thread, and the native sampler gathers)
+    self._native_ok = not cuda and not self._pin
     for name in ("allocate", "transform"):
       if name in kwargs:
         raise TypeError(f"TorchIterator does not take {name}=")
@@ -122,6 +125,9 @@ class TorchIterator(learner.BatchIterator):
   def _alloc(self, shape, dtype):
     t = torch.empty(shape, dtype=_torch_dtype(dtype), pin_memory=True)
     return t.numpy(), t
+
+  def _wrap_leaf(self, array: np.ndarray) -> "torch.Tensor":
+    return torch.from_numpy(array)   # (batches of the native sampler, on the CPU)
 
   def _to_cpu(self, batch: Batch, slot) -> Batch:
     weights, mask = batch.weights, batch.mask
@@ -177,6 +183,16 @@ class TorchIterator(learner.BatchIterator):
       ValueError: shapes differ, a bad table; values not finite or negative (for CUDA
         tensors these are found by the background thread and raised by the next call).
     """
+    if table is None and type(priorities) is torch.Tensor and type(keys) is np.ndarray and \
+        self._native is not None:
+      # (the common case, a CPU tensor of float32/64 without grad: one C call validates and
+      # queues; anything else, e.g. a CUDA tensor, whose numpy() raises, takes the general path)
+      try:
+        host = priorities.numpy()
+      except (TypeError, RuntimeError):
+        host = None
+      if host is not None and self._native_push(keys, host):
+        return
     keys = _host_keys(keys)
     if isinstance(priorities, torch.Tensor):
       if not priorities.is_floating_point():
