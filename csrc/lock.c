@@ -51,48 +51,6 @@ int rs_mutex_lock(pthread_mutex_t *m, int *recovered) {
   return rs_set_error(RS_ESYS, "pthread_mutex_lock: %s", strerror(rc));
 }
 
-/* How long rs_mutex_lock_spin waits for a held mutex on the CPU before sleeping in the kernel:
- * about one insert(64)'s hold of a table lock. A holder running on another core hands the lock
- * over within that time; sleeping instead costs the holder a FUTEX_WAKE in its unlock and the
- * sleeper a wake-up (tens of microseconds on a loaded machine) before it runs again. */
-#define LOCK_SPIN_NS 20000
-
-/* Is the mutex free now? A read only, so that spinning does not take the cache line away from
- * the holder, who writes it to unlock. glibc keeps a robust mutex's owner tid in the low bits
- * of __lock (FUTEX_TID_MASK; 0 = free) beside FUTEX_WAITERS and FUTEX_OWNER_DIED: a dead
- * owner's mutex looks free, and trylock then reports EOWNERDEAD at once. */
-static inline int looks_free(pthread_mutex_t *m) {
-#ifdef __GLIBC__
-  return (__atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) & FUTEX_TID_MASK) == 0;
-#else
-  (void)m;
-  return 1;
-#endif
-}
-
-int rs_mutex_lock_spin(pthread_mutex_t *m, int *recovered) {
-  *recovered = 0;
-  int64_t t0 = -1;
-  for (uint32_t i = 0;; i++) {
-    if (looks_free(m)) {
-      int rc = pthread_mutex_trylock(m);
-      if (rc == 0) return RS_OK;
-      if (rc == EOWNERDEAD) {
-        *recovered = 1;
-        return RS_OK;
-      }
-      if (rc != EBUSY) break;   /* not recoverable, or anything else: as the blocking lock says */
-    }
-    rs_cpu_relax();
-    if (i % 16 == 0) {   /* the clock every few pauses (one pause is ~40-140 cycles) */
-      int64_t now = rs_now_ns();
-      if (t0 < 0) t0 = now;
-      else if (now - t0 >= LOCK_SPIN_NS) break;
-    }
-  }
-  return rs_mutex_lock(m, recovered);
-}
-
 void rs_mutex_consistent(pthread_mutex_t *m) { pthread_mutex_consistent(m); }
 
 void rs_mutex_unlock(pthread_mutex_t *m) { pthread_mutex_unlock(m); }
@@ -127,7 +85,7 @@ void rs_futex_wake_bits(uint32_t *word, uint32_t bits) {
 int rs_tlock(void *base, uint32_t t) {
   rs_table_hdr *th = rs_table(base, t);
   int recovered;
-  int rc = rs_mutex_lock_spin(&th->lock, &recovered);
+  int rc = rs_mutex_lock(&th->lock, &recovered);
   if (rc) return rc;
   if (recovered) {
     if (!table_repair_hook) {   /* never: layout.c registers at load; leave the lock marked */

@@ -253,22 +253,10 @@ static inline uint32_t rs_rand_below(uint64_t bits, uint32_t n) {
 static inline double rs_rand_to_unit(uint64_t bits) { return (double)(bits >> 11) * 0x1.0p-53; }
 
 /* ------------------------------------------------------------------ lock.c */
-/* One pause of a spin-wait loop (x86 PAUSE, arm64 YIELD). */
-static inline void rs_cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
-
 int rs_mutex_init(pthread_mutex_t *m);                 /* robust + process-shared */
 /* Lock; *recovered = 1 when the previous owner died holding it: the caller repairs what the
  * mutex protects and then calls rs_mutex_consistent before unlocking. */
 int rs_mutex_lock(pthread_mutex_t *m, int *recovered);
-/* rs_mutex_lock, after waiting on the CPU (a bounded spin, LOCK_SPIN_NS) for a held mutex to
- * come free: for locks held for microseconds by processes on other cores. */
-int rs_mutex_lock_spin(pthread_mutex_t *m, int *recovered);
 void rs_mutex_consistent(pthread_mutex_t *m);
 void rs_mutex_unlock(pthread_mutex_t *m);
 /* Sleep while *word == expected, until woken or deadline (monotonic ns, <0 = none).

@@ -769,10 +769,11 @@ def test_killed_lock_owner_is_repaired_and_table_stays_consistent():
 
 
 def test_call_waiting_for_a_long_held_table_lock_sleeps_instead_of_spinning():
-    """A table lock held by another process is waited for on the CPU only briefly (a bounded
-    spin for holds of microseconds), then in the kernel: while a child process keeps the lock
-    for tens of milliseconds at a time (large batch inserts), this process's inserts get
-    through, each after the child's batch, using far less CPU than the time they wait."""
+    """A table lock held by another process is waited for in the kernel, not on the CPU (a
+    spinning waiter would take a core from the holder on a machine with few): while a child
+    process keeps the lock for tens of milliseconds at a time (large batch inserts), this
+    process's inserts get through, each after the child's batch, using far less CPU than the
+    time they wait (fails with a waiter that spins until the lock is free)."""
     seg = Segment(sampler=UNIFORM, remover=FIFO, max_size=100000, arena=1 << 26)
     keys = np.arange(10 ** 6, 10 ** 6 + 100000, dtype=np.uint64)
     blobs = seg.blobs([int(k) % 50 for k in keys])
