@@ -63,6 +63,9 @@ RATIOS = [
     # the same numpy copy timed as both: how far two timings of identical work differ (noise)
     ("G1 noise floor: the same numpy copy timed as grown vs as pre-sized",
      ("g1_grown", "W5_copy", "numpy"), ("g1_presized", "W5_copy", "numpy"), None),
+    # two identical pre-sized servers: what page placement alone does to W3 (bench/growth_g1.py)
+    ("G1 W3 control: a second pre-sized server vs the first",
+     ("g1_presized", "W3", "control"), ("g1_presized", "W3", "fastest"), None),
     # D1: disk tier, 84x84x4 frames worth 4x a memory cgroup's limit, batch-64 samples (MB/s)
     ("D1 disk tier vs TorchRL LazyMemmapStorage", ("disk", "D1", "shm"), ("disk", "D1", "torchrl"),
      1.0),
@@ -396,7 +399,8 @@ def main(argv=None):
       if name == "g1":   # both servers in one process, alternating (bench/growth_g1.py)
         rows, note = run_runner(python, script, args, [], timeout=3600, argv=[
             "--items", str(args.items), "--frames", str(args.frames),
-            "--round", "0.1" if args.quick else "0.25", "--rounds", "6" if args.quick else "12"])
+            "--round", "0.1" if args.quick else "0.25", "--rounds", "6" if args.quick else "12",
+            "--builds", "2" if args.quick else "6"])
       else:
         rows, note = run_runner(python, script, args,
                                 ray_workloads if script in RAY_SCRIPTS else workloads,

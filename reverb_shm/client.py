@@ -18,7 +18,7 @@ from reverb_shm import table as table_lib
 from reverb_shm import trajectory_writer as trajectory_writer_lib
 from reverb_shm._internal import addresses, chunks, counters, hot_plans, shm, structure, timeouts
 from reverb_shm._internal import columns as columns_lib
-from reverb_shm._internal._lib import ffi, hot, lib
+from reverb_shm._internal._lib import check, ffi, hot, lib
 from reverb_shm._internal.keys import random_u64
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
@@ -199,6 +199,7 @@ class Client:
     if result is True:   # the common case, done in one C call (reverb_shm/_internal/hot_plans.py)
       return
     if result is not None:   # the core call failed or waited past a slice: finish or raise
+      # (the priority is used only to finish a one-table call that waited past a slice)
       hot_plans.finish(result, None, next(iter(priorities.values())), timeout_ms)
       return
     if self._insert_fast(data, priorities, timeout_ms) or self._insert_fast_multi(
@@ -261,7 +262,7 @@ class Client:
       if type(prio) is int and -_MAX_EXACT < prio < _MAX_EXACT:
         prio = float(prio)
       if (handle is None or type(prio) is not float or not -_INF < prio < _INF
-          or (prio < 0 and handle.prioritized)):
+          or (prio < 0 and handle.prioritized) or prio > handle.priority_bound):
         return False
       handles.append(handle)
       prios.append(prio)
@@ -270,10 +271,15 @@ class Client:
     except ValueError:
       return False
     columns = tuple([(a.dtype, a.shape) for a in arrays])
-    if any(h.insert_plan(columns) is None for h in handles):
+    writers = [h.insert_plan(columns) for h in handles]
+    if any(w is None for w in writers):
       return False
     self._insert_numeric(seg, handles, np.array(prios, np.float64), arrays, random_u64.one(),
                          timeouts.deadline_from_ms(timeout_ms), timeout_ms)
+    for h, w in zip(handles, writers):   # C plans: later steps of this layout take one C call
+      plan = h.hot_plans.get(h.table, data, columns, w)
+      if plan is not None:
+        self._hot_plans[h.name] = plan
     return True
 
   def _insert_numeric(self, seg, handles, prios, arrays, episode_id, deadline, timeout_ms) -> None:
@@ -352,8 +358,11 @@ class Client:
         if batch is not None and len(batch[0].key):   # else: another layout came up
           infos, columns = batch
           remaining -= len(infos.key)
-          if not emit_timesteps and treedef is None:   # the samples built in one C call
-            yield from hot.split_batch(ReplaySample, SampleInfo, infos, columns)
+          # The samples built in one C call (None: the items have no shared time dim).
+          samples = hot.split_batch(ReplaySample, SampleInfo, infos, columns, emit_timesteps,
+                                    None if treedef is None else treedef.unflatten)
+          if samples is not None:
+            yield from samples
             continue
           infos = _new_tuples(SampleInfo, zip(*[field.tolist() for field in infos]))
           # Row views of the private batch arrays (iterating one; 0-d views for scalar columns).
@@ -407,6 +416,14 @@ class Client:
         Prioritized table.
       TableClosedError: the server stopped.
     """
+    if type(updates) is dict and deletes is None:   # the common call
+      handle = self._table_handle(table)
+      if type(handle.table) is SharedTable:
+        done = hot.mutate_dict(handle.seg.address, handle.index, updates, handle.prioritized)
+        if done is not None:   # plain keys and priorities: read and applied in one C call
+          if done[0]:
+            check(done[0], f"mutating table {handle.name!r}")
+          return done[1], 0
     if updates is not None and not isinstance(updates, collections.abc.Mapping):
       raise TypeError(f"updates must be a dict item key -> priority, got "
                       f"{type(updates).__name__} {updates!r:.60}")
@@ -600,6 +617,9 @@ def checked_insert(client, data: Any, priorities: Dict[str, float]):
   handles = [client._table_handle(name) for name in priorities]  # pylint: disable=protected-access
   prios = np.array([columns_lib.check_priority(p, h.name, h.prioritized)
                     for h, p in zip(handles, priorities.values())], dtype=np.float64)
+  for h, p in zip(handles, prios.tolist()):
+    if p > getattr(h, "priority_bound", _INF):   # (a remote table's bridge checks)
+      h.table.check_priority_cap(p)   # above the sum-tree cap: raises, nothing inserted
   leaves, _ = structure.flatten(data)
   if not leaves:
     raise ValueError("data must contain at least one value")

@@ -66,6 +66,7 @@ CLOSE_TIMEOUT_MS = 5000
 _BATCH_ITEMS = 256
 # Distinct validated item kinds (table, column windows) remembered per writer.
 _MAX_KINDS = 4096
+_TABLE_KINDS = 4   # kinds per table create_item's C fast path tries after the last one
 
 
 class _Pending:
@@ -176,6 +177,7 @@ class TrajectoryWriter(hot.WriterBase):
     self._batch: list = []   # (item kind, priority, starts) of window items not yet inserted
     self._kinds: dict = {}   # (handle, ((column, length, squeeze), ...)) -> itself, validated
     self._last_kind: Any = None  # the kind _kind() returned last (create_item's C fast path)
+    self._table_kinds: dict = {}  # table name -> its last _TABLE_KINDS kinds (same), newest first
     self._fast = None            # hot.FastAppend of the last complete step, or None
     self._item_keys: Any = None  # sorted keys of the last flat-dict trajectory, or None
     self._window_cols: Any = None  # (history, its columns) for create_window_items
@@ -710,6 +712,9 @@ class TrajectoryWriter(hot.WriterBase):
           handle, sig, ffi.new("uint32_t[]", [SQUEEZE_FLAG if sq else 0 for _, _, sq in sig]),
           ffi.new("uint32_t[]", [length for _, length, _ in sig]))
     self._last_kind = kind
+    recent = self._table_kinds.get(handle.name, ())
+    if not any(k is kind for k in recent):
+      self._table_kinds[handle.name] = (kind,) + recent[:_TABLE_KINDS - 1]
     return kind
 
   def _check_usable(self) -> None:

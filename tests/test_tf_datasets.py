@@ -5,6 +5,7 @@ Behaviour compared with dm-reverb 0.14's (its source and runs in the `reverb` pe
 structure ReplaySample(info, data) with info dtypes uint64/float64/int64/float64/int32, argument
 checks, end of sequence at the rate limiter timeout, errors for items that do not match.
 """
+import collections
 import subprocess
 import sys
 import threading
@@ -116,6 +117,100 @@ def test_batch_gives_what_unbatched_elements_batched_give(filled):
   assert [len(x.info.key) for x in dropped] == [4, 4]
   plain = tf.data.Dataset.batch(ds, 4)   # tf.data's own batch of the same elements
   assert plain.element_spec == ds.batch(4).element_spec
+
+
+def test_batch_hands_out_whole_gathers_in_order():
+  """Gathers of 8 items and batches of 4 (two batches per gather, the path T1 takes), and
+  gathers of 6 (batches across gathers): the queue's order, each item once, the rest last."""
+  for in_flight in (8, 6):
+    server, address = _queue_of(22)
+    try:
+      ds = reverb.TrajectoryDataset(address, "q", (tf.int64,), (tf.TensorShape([1]),), in_flight,
+                                    rate_limiter_timeout_ms=100)
+      batches = [x.data[0].numpy()[:, 0].tolist() for x in ds.batch(4)]
+      assert [len(b) for b in batches] == [4, 4, 4, 4, 4, 2]
+      assert sum(batches, []) == list(range(22))
+    finally:
+      server.stop()
+
+
+NT = collections.namedtuple("NT", "y x")
+NEST_DTYPES = {"z": tf.int64, "a": (tf.float32, NT(tf.int32, tf.int64))}
+NEST_SHAPES = {"z": tf.TensorShape([1]), "a": (tf.TensorShape([1, 2]), NT(tf.TensorShape([1]),
+                                                                        tf.TensorShape([1, 3])))}
+
+
+def _nested_queues(n):
+  server = reverb.Server([reverb.Table.queue("q1", 100), reverb.Table.queue("q2", 100)])
+  client = reverb.Client(f"localhost:{server.port}")
+  for i in range(n):
+    data = {"z": np.int64(i), "a": (np.full(2, i, np.float32),
+                                    NT(np.int32(-i), np.arange(i, i + 3, dtype=np.int64)))}
+    client.insert(data, {"q1": 1.0, "q2": 1.0})
+  return server, f"localhost:{server.port}"   # (an insert adds a time dim of 1)
+
+
+def _same_elements(ours, theirs):
+  """Same nests (types, dict key order), dtypes, shapes and values; keys come from two tables,
+  so only their dtype and shape are compared."""
+  tf.nest.assert_same_structure(ours, theirs, check_types=True)
+  assert repr(tf.nest.map_structure(lambda _: 0, ours)) == repr(
+      tf.nest.map_structure(lambda _: 0, theirs))   # (dict key order too)
+  for path, (a, b) in enumerate(zip(tf.nest.flatten(ours), tf.nest.flatten(theirs))):
+    assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape, path
+    if path:   # (0: the key)
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_iterators_give_tf_datas_own_elements():
+  """iter() of a dataset and of its .batch(n) returns a tf.data.Iterator (a faster one) whose
+  elements are those of tf.data's own iterator over the same items, nests and all; also
+  through as_numpy_iterator and inside a tf.function (tf.data's own path)."""
+  from reverb_shm.tf import _iterator  # pylint: disable=g-import-not-at-top
+  server, address = _nested_queues(12)
+  try:
+    def dataset(table):
+      return reverb.TrajectoryDataset(address, table, NEST_DTYPES, NEST_SHAPES, 4,
+                                      rate_limiter_timeout_ms=100)
+    for make in (lambda t: dataset(t), lambda t: dataset(t).batch(3),
+                 lambda t: dataset(t).batch(5, drop_remainder=True)):
+      ours, theirs = iter(make("q1")), tf.data.Dataset.__iter__(make("q2"))
+      assert type(ours) is _iterator.Iterator and isinstance(ours, tf.data.Iterator)
+      assert type(theirs) is not _iterator.Iterator
+      pairs = list(zip(ours, theirs))
+      assert len(pairs) in (12, 4, 2)
+      for a, b in pairs:
+        _same_elements(a, b)
+      assert int(np.ravel(pairs[-1][0].data["z"].numpy())[-1]) == (11 if len(pairs) != 2 else 9)
+      server.stop()
+      server, address = _nested_queues(12)
+    got = list(dataset("q1").batch(6).as_numpy_iterator())
+    assert [b.data["z"].ravel().tolist() for b in got] == [list(range(6)), list(range(6, 12))]
+    assert got[0].data["a"][1].x.shape == (6, 1, 3) and isinstance(got[0].data["a"][1], NT)
+
+    @tf.function
+    def first_batch_sum():
+      it = iter(dataset("q2").batch(4))
+      return tf.reduce_sum(next(it).data["z"])
+    assert int(first_batch_sum()) == 0 + 1 + 2 + 3
+  finally:
+    server.stop()
+
+
+def test_packer_nests_as_tf_nest():
+  from tensorflow.python.data.util import structure  # pylint: disable=g-import-not-at-top
+  from reverb_shm.tf import _iterator  # pylint: disable=g-import-not-at-top
+  spec = tf.nest.map_structure(tf.TensorSpec, NEST_SHAPES, NEST_DTYPES)
+  spec = reverb.ReplaySample(reverb.SampleInfo(*[tf.TensorSpec([], tf.int64)] * 5), spec)
+  for s in (spec, tf.TensorSpec([2], tf.float32), (tf.TensorSpec([], tf.int8),)):
+    flat = [tf.fill(x.shape, tf.cast(i, x.dtype)) for i, x in enumerate(tf.nest.flatten(s))]
+    ours, theirs = _iterator.packer(s)(flat), structure.from_compatible_tensor_list(s, flat)
+    tf.nest.assert_same_structure(ours, theirs, check_types=True)
+    assert repr(tf.nest.map_structure(lambda x: x.numpy().tolist(), ours)) == repr(
+        tf.nest.map_structure(lambda x: x.numpy().tolist(), theirs))
+  assert _iterator.packer({1: tf.TensorSpec([], tf.int8)}) is None   # (not a str key)
+  assert _iterator.packer(tf.RaggedTensorSpec([None, None], tf.int8)) is None
+  assert _iterator.packer([tf.TensorSpec([], tf.int8)]) is None   # (lists: tf.nest's path)
 
 
 def test_argument_checks_as_reverb(filled):

@@ -46,6 +46,10 @@ typedef struct {
   int (*sample_gather)(void *base, uint32_t slot, uint32_t table, uint32_t n, uint32_t wait_n,
                        int64_t deadline_ns, int64_t slice_ns, uint32_t ncols,
                        const rs_gather_col *cols, void *info, uint32_t *got_io);
+  int (*mutate)(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_keys,
+                const double *upd_prios, uint32_t n_del, const uint64_t *del_keys,
+                uint32_t *updated_out, uint32_t *deleted_out);
+  int (*check_priorities)(void *base, uint32_t table, uint32_t n, const double *priorities);
 } hot_core_fns;
 
 extern hot_core_fns hot_core;

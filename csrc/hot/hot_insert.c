@@ -1,6 +1,6 @@
 /*
  * One-call insert of a step (Client.insert) or a batch (SharedTable.insert) of a known layout,
- * and one-call staging of a step (StepInserter.insert).
+ * one-call staging of a step (StepInserter.insert), and Client.mutate_priorities of a dict.
  *
  * An InsertPlan is made by Python (reverb_shm/_internal/hot_plans.py) for one table, one registration of
  * this process with the segment and one step layout that the Python path has already checked
@@ -191,8 +191,8 @@ static int match(const InsertPlan *p, Py_ssize_t *ni, PyObject *obj, hot_gather 
 }
 
 /* The priority as a double when it is a finite float, or an int a double holds exactly, and
- * admitted by the table's sign rule; else 0 (the Python path decides). */
-static int one_priority(const InsertPlan *p, PyObject *obj, double *out) {
+ * admitted by the table's sign rule (>= 0 when prioritized); else 0 (the Python path decides). */
+static int plain_priority(PyObject *obj, int prioritized, double *out) {
   double v;
   if (PyFloat_CheckExact(obj)) {
     v = PyFloat_AS_DOUBLE(obj);
@@ -208,8 +208,29 @@ static int one_priority(const InsertPlan *p, PyObject *obj, double *out) {
   } else {
     return 0;
   }
-  if (v < 0 && p->prioritized) return 0;
+  if (v < 0 && prioritized) return 0;
   *out = v;
+  return 1;
+}
+
+static int one_priority(const InsertPlan *p, PyObject *obj, double *out) {
+  return plain_priority(obj, p->prioritized, out);
+}
+
+/* The deadline of timeout_ms (None: -1) by Python's rules (the plan's deadline_fn): 1, or 0 for
+ * an invalid timeout, which the Python path then raises. */
+static int plan_deadline(const InsertPlan *p, PyObject *timeout_ms, int64_t *out) {
+  *out = -1;
+  if (timeout_ms == Py_None) return 1;
+  PyObject *r = PyObject_CallOneArg(p->deadline_fn, timeout_ms);
+  if (r != NULL) {
+    *out = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+  }
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return 0;
+  }
   return 1;
 }
 
@@ -406,18 +427,8 @@ static PyObject *plan_insert(InsertPlan *p, PyObject *data, PyObject *priorities
       Py_RETURN_NONE;
   }
 
-  int64_t deadline = -1;
-  if (timeout_ms != Py_None) {   /* Python's rules, before any object of `data` is held */
-    PyObject *r = PyObject_CallOneArg(p->deadline_fn, timeout_ms);
-    if (r != NULL) {
-      deadline = PyLong_AsLongLong(r);
-      Py_DECREF(r);
-    }
-    if (PyErr_Occurred()) {   /* an invalid timeout: the Python path raises it */
-      PyErr_Clear();
-      Py_RETURN_NONE;
-    }
-  }
+  int64_t deadline;   /* (before any object of `data` is held) */
+  if (!plan_deadline(p, timeout_ms, &deadline)) Py_RETURN_NONE;
 
   hot_gather g;
   g.nheld = 0;
@@ -539,6 +550,122 @@ static PyObject *InsertPlan_insert(InsertPlan *self, PyObject *const *args, Py_s
 
 static PyTypeObject InsertPlan_Type;
 
+#define HOT_MAX_TABLES 16   /* tables of one Client.insert taken by multi_insert */
+
+/* 1 when plans p and q take exactly the same data (template nodes, leaves, column flags) into
+ * tables of the same registration, so that rows p wrote may be referenced by q's items. */
+static int same_layout(const InsertPlan *p, const InsertPlan *q) {
+  if (q->segment != p->segment || q->registration != p->registration || q->base != p->base ||
+      q->slot != p->slot || q->fork_epoch != p->fork_epoch || q->nnodes != p->nnodes ||
+      q->ncols != p->ncols || q->batched || q->capacity != 0)
+    return 0;
+  for (Py_ssize_t i = 0; i < p->nnodes; i++) {
+    const hot_node *a = &p->nodes[i], *b = &q->nodes[i];
+    if (a->kind != b->kind || a->n != b->n || a->leaf != b->leaf) return 0;
+    if (a->kind == NODE_DICT)   /* (interned keys: equal keys are the same objects) */
+      for (Py_ssize_t k = 0; k < a->n; k++)
+        if (a->keys[k] != b->keys[k]) return 0;
+  }
+  for (uint32_t c = 0; c < p->ncols; c++) {
+    const hot_leaf *a = &p->leaves[c], *b = &q->leaves[c];
+    if (a->kind != b->kind || a->ndim != b->ndim || a->py != b->py ||
+        p->col_flags[c] != q->col_flags[c] ||
+        (a->descr != b->descr && !PyArray_EquivTypes(a->descr, b->descr)))
+      return 0;
+    for (int d = 0; d < a->ndim; d++)
+      if (a->dims[d] != b->dims[d]) return 0;
+  }
+  return 1;
+}
+
+/* Client.insert of one step into the 2..HOT_MAX_TABLES tables of `priorities` (in its order),
+ * each through plans[table]: the step is written once, into a row of the first plan's open
+ * chunks, and every table's item references that row (as the Python path's one write shared by
+ * every table). Taken only when every table has a non-batched plan of the same layout whose
+ * priority is valid (nothing is written otherwise); returns as plan_insert, with the status
+ * result of the first table whose insert failed (the items of the tables before it stay). */
+static PyObject *multi_insert(PyObject *plans, PyObject *data, PyObject *priorities,
+                              PyObject *timeout_ms) {
+  Py_ssize_t nt = PyDict_GET_SIZE(priorities), pos = 0, k = 0;
+  if (nt > HOT_MAX_TABLES) Py_RETURN_NONE;
+  InsertPlan *ps[HOT_MAX_TABLES];
+  double prios[HOT_MAX_TABLES];
+  PyObject *name, *prio;
+  /* (exact str keys and exact float / int priorities: no Python code runs in this loop) */
+  while (PyDict_Next(priorities, &pos, &name, &prio)) {
+    if (k >= nt || !PyUnicode_CheckExact(name)) Py_RETURN_NONE;
+    PyObject *plan = PyDict_GetItemWithError(plans, name);
+    if (plan == NULL || Py_TYPE(plan) != &InsertPlan_Type) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+    InsertPlan *q = (InsertPlan *)plan;
+    if (q->batched || q->capacity != 0 || (k > 0 && !same_layout(ps[0], q)) ||
+        !one_priority(q, prio, &prios[k]))
+      Py_RETURN_NONE;
+    ps[k++] = q;
+  }
+  InsertPlan *p = ps[0];
+  if (k != nt || p->open_rows == 0 || p->fork_epoch != hot_fork_epoch) Py_RETURN_NONE;
+  for (Py_ssize_t t = 0; t < nt; t++) Py_INCREF(ps[t]);   /* Python may run from here on */
+  PyObject *result = NULL;
+  hot_gather g;
+  g.nheld = 0;
+  g.batch = -1;
+  PyObject *reg = PyObject_GetAttr(p->segment, str_registration);
+  if (reg == NULL) PyErr_Clear();
+  else Py_DECREF(reg);   /* (compared by identity only; the plan holds its own reference) */
+  if (reg != p->registration) goto declined;
+  for (Py_ssize_t t = 1; t < nt; t++)   /* (the first table's are checked by its insert) */
+    if (hot_core.check_priorities(p->base, ps[t]->table, 1, &prios[t]) != RS_OK) goto declined;
+  int64_t deadline;   /* (before any object of `data` is held) */
+  if (!plan_deadline(p, timeout_ms, &deadline)) goto declined;
+  Py_ssize_t ni = 0;
+  if (!match(p, &ni, data, &g) || ni != p->nnodes) goto declined;
+  uint32_t row = 0;
+  open_set *set = open_reserve(p, 1, &row);
+  if (set == NULL) {
+    if (!PyErr_Occurred()) goto declined;   /* (the Python path allocates and reports) */
+    goto done;
+  }
+  for (Py_ssize_t t = 0; t < nt; t++) {
+    InsertPlan *q = ps[t];
+    const uint8_t *const *rows = t == 0 ? g.data : NULL;   /* written once, by the first */
+    uint32_t flags = RS_ROWS_RANDOM_KEYS, total = 0, done_n = 0;
+    uint64_t key = 0;
+    int rc;
+    for (;;) {   /* waits past rate-limiter slices here, as open_insert */
+      Py_BEGIN_ALLOW_THREADS
+      rc = hot_core.insert_rows_at(q->base, q->slot, q->table, 1 - total, &key, &prios[t],
+                                   q->ncols, set->offs, row, rows, q->col_flags, flags, deadline,
+                                   q->slice_ns, &done_n);
+      Py_END_ALLOW_THREADS
+      total += done_n;
+      if (rc != RS_EAGAIN) break;
+      rows = NULL;
+      flags = 0;
+      if (PyErr_CheckSignals() < 0) {
+        rc = OPEN_INTERRUPTED;
+        break;
+      }
+    }
+    if (rc == OPEN_INTERRUPTED) break;   /* (result NULL: the handler's exception) */
+    if (rc != RS_OK) {
+      result = status_result(q, rc, total, deadline, NULL, key, 0, NULL, NULL);
+      break;
+    }
+    if (t == nt - 1) result = Py_NewRef(Py_True);
+  }
+  open_unuse(p, set);
+  goto done;
+declined:
+  result = Py_NewRef(Py_None);
+done:
+  release_held(&g);
+  for (Py_ssize_t t = 0; t < nt; t++) Py_DECREF(ps[t]);
+  return result;
+}
+
 /* client_insert(plans, data, priorities, timeout_ms): Client.insert's fast path. */
 static PyObject *hot_client_insert(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 4) {
@@ -548,8 +675,9 @@ static PyObject *hot_client_insert(PyObject *module, PyObject *const *args, Py_s
   }
   PyObject *plans = args[0], *priorities = args[2], *name, *prio;
   Py_ssize_t pos = 0;
-  if (!PyDict_CheckExact(plans) || !PyDict_CheckExact(priorities) ||
-      PyDict_GET_SIZE(priorities) != 1 || !PyDict_Next(priorities, &pos, &name, &prio) ||
+  if (!PyDict_CheckExact(plans) || !PyDict_CheckExact(priorities)) Py_RETURN_NONE;
+  if (PyDict_GET_SIZE(priorities) > 1) return multi_insert(plans, args[1], priorities, args[3]);
+  if (PyDict_GET_SIZE(priorities) != 1 || !PyDict_Next(priorities, &pos, &name, &prio) ||
       !PyUnicode_CheckExact(name))
     Py_RETURN_NONE;
   PyObject *plan = PyDict_GetItemWithError(plans, name);   /* (exact str: no Python runs) */
@@ -563,6 +691,102 @@ static PyObject *hot_client_insert(PyObject *module, PyObject *const *args, Py_s
   Py_DECREF(prio);
   Py_DECREF(plan);
   return r;
+}
+
+/* ---------------------------------------------------------------- mutate_priorities(dict)
+ * Client.mutate_priorities(table, updates={key: priority}) in one C call: the dict's keys and
+ * priorities read into two arrays and one rs_mutate with the GIL released. Only plain entries
+ * are taken (plain_key, plain_priority); for any other entry nothing is done and None is
+ * returned: the Python path then converts or rejects the dict with its own messages. */
+#define HOT_MUTATE_STACK 512   /* entries read into arrays on the stack up to this many */
+
+/* The item key as a uint64 when it is a Python int in [0, 2**64) or a numpy uint64 scalar; 0
+ * otherwise (no error set). */
+static int plain_key(PyObject *obj, uint64_t *out) {
+  if (PyLong_CheckExact(obj)) {
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+    /* Before 3.12 an int is its signed digit count (Py_SIZE) and 30-bit digits, least
+     * significant first: keys of up to three digits (all of [0, 2**64)) read here directly. */
+    Py_ssize_t size = Py_SIZE(obj);
+    const digit *d = ((PyLongObject *)obj)->ob_digit;
+    if (size >= 0 && size <= 3 && (size < 3 || d[2] < (1u << 4))) {
+      uint64_t v = 0;
+      for (Py_ssize_t k = size - 1; k >= 0; k--) v = (v << PyLong_SHIFT) | d[k];
+      *out = v;
+      return 1;
+    }
+#endif
+    /* (PyLong_AsUnsignedLong reads the digits; the long long variant goes through a byte
+     * array, 3x slower) */
+    unsigned long long v = sizeof(unsigned long) == 8 ? PyLong_AsUnsignedLong(obj)
+                                                      : PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {   /* negative or >= 2**64 */
+      PyErr_Clear();
+      return 0;
+    }
+    *out = v;
+    return 1;
+  }
+  if (Py_TYPE(obj) == &PyULongArrType_Type && sizeof(npy_ulong) == 8) {
+    *out = PyArrayScalar_VAL(obj, ULong);
+    return 1;
+  }
+  if (Py_TYPE(obj) == &PyULongLongArrType_Type && sizeof(npy_ulonglong) == 8) {
+    *out = PyArrayScalar_VAL(obj, ULongLong);
+    return 1;
+  }
+  return 0;
+}
+
+/* mutate_dict(address, table, updates, prioritized) -> (status, updated), or None. */
+static PyObject *mutate_dict(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyLong_CheckExact(args[0]) || !PyLong_CheckExact(args[1]) ||
+      !PyDict_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "mutate_dict(address, table, updates, prioritized) takes "
+                    "two ints, a dict and a bool");
+    return NULL;
+  }
+  void *base = PyLong_AsVoidPtr(args[0]);
+  unsigned long table = PyLong_AsUnsignedLong(args[1]);
+  int prioritized = PyObject_IsTrue(args[3]);
+  if ((base == NULL && PyErr_Occurred()) || (table == (unsigned long)-1 && PyErr_Occurred()) ||
+      prioritized < 0)
+    return NULL;
+  if (base == NULL || table > UINT32_MAX) {
+    PyErr_SetString(PyExc_ValueError, "mutate_dict: null address or table index out of range");
+    return NULL;
+  }
+  PyObject *updates = args[2];
+  if (!hot_core_bound) {
+    PyErr_SetString(PyExc_RuntimeError, "reverb_shm._hot is not bound to the core");
+    return NULL;
+  }
+  Py_ssize_t n = PyDict_GET_SIZE(updates);
+  if (n < 1 || n > (Py_ssize_t)UINT32_MAX / 2) Py_RETURN_NONE;
+  uint64_t stack[2 * HOT_MUTATE_STACK];   /* keys, then priorities */
+  uint64_t *keys = n <= HOT_MUTATE_STACK
+                      ? stack : PyMem_Malloc((size_t)n * (sizeof(uint64_t) + sizeof(double)));
+  if (keys == NULL) return PyErr_NoMemory();
+  double *prios = (double *)(keys + n);
+  Py_ssize_t pos = 0, i = 0;
+  PyObject *key, *value;
+  /* (no Python code runs in this loop: the dict cannot change under it) */
+  while (PyDict_Next(updates, &pos, &key, &value)) {
+    if (i >= n || !plain_key(key, &keys[i]) || !plain_priority(value, prioritized, &prios[i])) {
+      if (keys != stack) PyMem_Free(keys);
+      Py_RETURN_NONE;
+    }
+    i++;
+  }
+  uint32_t updated = 0, deleted = 0;
+  uint64_t no_key = 0;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = hot_core.mutate(base, (uint32_t)table, (uint32_t)i, keys, prios, 0, &no_key, &updated,
+                       &deleted);
+  Py_END_ALLOW_THREADS
+  if (keys != stack) PyMem_Free(keys);
+  return Py_BuildValue("(iI)", rc, updated);
 }
 
 /* ---------------------------------------------------------------- construction */
@@ -810,9 +1034,15 @@ static PyTypeObject InsertPlan_Type = {
 
 static PyMethodDef insert_functions[] = {
     {"client_insert", (PyCFunction)(void (*)(void))hot_client_insert, METH_FASTCALL,
-     "client_insert(plans, data, priorities, timeout_ms): Client.insert of one step into the "
-     "one table of `priorities` through plans[table] (a non-batched InsertPlan); returns as "
-     "InsertPlan.insert (None when not handled)."},
+     "client_insert(plans, data, priorities, timeout_ms): Client.insert of one step into each "
+     "table of `priorities` through plans[table] (non-batched InsertPlans; for several tables "
+     "of one layout, the step written once); returns as InsertPlan.insert (None when not "
+     "handled; for several tables, the status result of the first that failed)."},
+    {"mutate_dict", (PyCFunction)(void (*)(void))mutate_dict, METH_FASTCALL,
+     "mutate_dict(address, table, updates, prioritized) -> (status, updated): rs_mutate of a "
+     "dict {key: priority} of plain entries (int / numpy uint64 keys, finite float / int "
+     "priorities, >= 0 when prioritized) with the GIL released; None, having done nothing, for "
+     "any other entry or an empty dict."},
     {NULL, NULL, 0, NULL}};
 
 int hot_insert_init(PyObject *module) {

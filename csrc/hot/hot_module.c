@@ -12,7 +12,8 @@ static void bump_fork_epoch(void) { hot_fork_epoch++; }
 
 /* Names of hot_core_fns' members' core functions, in member order. */
 static const char *const core_names[] = {"rs_insert_rows", "rs_open_chunks", "rs_insert_rows_at",
-                                            "rs_sample_gather"};
+                                            "rs_sample_gather", "rs_mutate",
+                                            "rs_check_priorities"};
 #define NCORE (sizeof(core_names) / sizeof(core_names[0]))
 
 static PyObject *hot_bind(PyObject *self, PyObject *addresses) {

@@ -5,7 +5,8 @@
  * sample_gather: the info buffer, the call (GIL released, RS_EAGAIN retried) and the SampleInfo
  *   of five arrays viewing that buffer. The status code goes back to Python, which maps it.
  * split_batch: the ReplaySample of each row of a gathered batch (Python scalars for the info,
- *   row views of the batch arrays for the data), as Client.sample yields them.
+ *   row views of the batch arrays for the data), or with timesteps the list of each row's
+ *   ReplaySample per time step, as Client.sample yields them.
  */
 #include "hot.h"
 
@@ -122,15 +123,66 @@ static PyObject *row_view(PyArrayObject *c, npy_intp i) {
                  PyArray_FLAGS(c) & NPY_ARRAY_WRITEABLE);
 }
 
+/* Step t of row i of column c (a (b, T, ...) array): a view of shape c.shape[2:] owned by c. */
+static PyObject *step_view(PyArrayObject *c, npy_intp i, npy_intp t) {
+  PyArray_Descr *d = PyArray_DESCR(c);
+  Py_INCREF(d);
+  return view_of((PyObject *)c, d, PyArray_NDIM(c) - 2, PyArray_DIMS(c) + 2,
+                 PyArray_STRIDES(c) + 2,
+                 PyArray_BYTES(c) + i * PyArray_STRIDE(c, 0) + t * PyArray_STRIDE(c, 1),
+                 PyArray_FLAGS(c) & NPY_ARRAY_WRITEABLE);
+}
+
+/* The SampleInfo of row i of the five info arrays (Python scalars); NULL with an error set. */
+static PyObject *info_at(PyObject *info_type, PyObject *infos, npy_intp i) {
+  PyObject *fields[5];
+  for (int k = 0; k < 5; k++) {
+    fields[k] = scalar_at((PyArrayObject *)PyTuple_GET_ITEM(infos, k), info_types[k], i);
+    if (fields[k] == NULL) {
+      for (int j = 0; j < k; j++) Py_DECREF(fields[j]);
+      return NULL;
+    }
+  }
+  return new_named((PyTypeObject *)info_type, fields, 5);
+}
+
+/* The data list of row i (step < 0) or of step `step` of row i: a view per column; passed
+ * through unflatten(list) unless it is NULL. */
+static PyObject *row_data(PyObject *columns, npy_intp i, npy_intp step, PyObject *unflatten) {
+  Py_ssize_t ncols = PyList_GET_SIZE(columns);
+  PyObject *data = PyList_New(ncols);
+  if (data == NULL) return NULL;
+  for (Py_ssize_t c = 0; c < ncols; c++) {
+    PyArrayObject *col = (PyArrayObject *)PyList_GET_ITEM(columns, c);
+    PyObject *v = step < 0 ? row_view(col, i) : step_view(col, i, step);
+    if (v == NULL) {
+      Py_DECREF(data);
+      return NULL;
+    }
+    PyList_SET_ITEM(data, c, v);
+  }
+  if (unflatten == NULL) return data;
+  PyObject *nest = PyObject_CallOneArg(unflatten, data);
+  Py_DECREF(data);
+  return nest;
+}
+
 static PyObject *split_batch(PyObject *self, PyObject *args) {
-  PyObject *sample_type, *info_type, *infos, *columns;
-  if (!PyArg_ParseTuple(args, "OOO!O!:split_batch", &sample_type, &info_type, &PyTuple_Type, &infos,
-                        &PyList_Type, &columns))
+  PyObject *sample_type, *info_type, *infos, *columns, *unflatten = Py_None;
+  int timesteps = 0;
+  if (!PyArg_ParseTuple(args, "OOO!O!|pO:split_batch", &sample_type, &info_type, &PyTuple_Type,
+                        &infos, &PyList_Type, &columns, &timesteps, &unflatten))
     return NULL;
+  if (unflatten == Py_None) {
+    unflatten = NULL;
+  } else if (!PyCallable_Check(unflatten)) {
+    PyErr_SetString(PyExc_TypeError, "split_batch: unflatten must be None or callable");
+    return NULL;
+  }
   if (!is_named_tuple_type(sample_type, 2) || !is_named_tuple_type(info_type, 5) ||
       PyTuple_GET_SIZE(infos) != 5) {
     PyErr_SetString(PyExc_TypeError, "split_batch(ReplaySample, SampleInfo, info of 5 arrays, "
-                    "list of column arrays)");
+                    "list of column arrays[, timesteps[, unflatten]])");
     return NULL;
   }
   npy_intp b = -1;
@@ -146,6 +198,7 @@ static PyObject *split_batch(PyObject *self, PyObject *args) {
     b = PyArray_DIM((PyArrayObject *)a, 0);
   }
   Py_ssize_t ncols = PyList_GET_SIZE(columns);
+  npy_intp steps = -1;   /* timesteps: the time dim every column shares */
   for (Py_ssize_t c = 0; c < ncols; c++) {
     PyObject *a = PyList_GET_ITEM(columns, c);
     if (!PyArray_Check(a) || PyArray_NDIM((PyArrayObject *)a) < 1 ||
@@ -154,36 +207,37 @@ static PyObject *split_batch(PyObject *self, PyObject *args) {
                    (Py_ssize_t)b);
       return NULL;
     }
+    if (timesteps) {   /* no time dim, or not one shared by all: the caller's path says why */
+      PyArrayObject *col = (PyArrayObject *)a;
+      if (PyArray_NDIM(col) < 2 || (steps >= 0 && PyArray_DIM(col, 1) != steps)) Py_RETURN_NONE;
+      steps = PyArray_DIM(col, 1);
+    }
   }
+  if (timesteps && steps < 0) Py_RETURN_NONE;
   PyObject *out = PyList_New(b);
   if (out == NULL) return NULL;
   for (npy_intp i = 0; i < b; i++) {
-    PyObject *fields[5];
-    for (int k = 0; k < 5; k++) {
-      fields[k] = scalar_at((PyArrayObject *)PyTuple_GET_ITEM(infos, k), info_types[k], i);
-      if (fields[k] == NULL) {
-        for (int j = 0; j < k; j++) Py_DECREF(fields[j]);
+    PyObject *info = info_at(info_type, infos, i);
+    if (info == NULL) goto fail;
+    PyObject *item;
+    if (!timesteps) {   /* ReplaySample(info, [row view of each column]) */
+      PyObject *pair[2] = {info, row_data(columns, i, -1, unflatten)};
+      if (pair[1] == NULL) {
+        Py_DECREF(info);
         goto fail;
       }
-    }
-    PyObject *pair[2];
-    pair[0] = new_named((PyTypeObject *)info_type, fields, 5);
-    pair[1] = PyList_New(ncols);
-    if (pair[0] == NULL || pair[1] == NULL) {
-      Py_XDECREF(pair[0]);
-      Py_XDECREF(pair[1]);
-      goto fail;
-    }
-    for (Py_ssize_t c = 0; c < ncols; c++) {
-      PyObject *v = row_view((PyArrayObject *)PyList_GET_ITEM(columns, c), i);
-      if (v == NULL) {
-        Py_DECREF(pair[0]);
-        Py_DECREF(pair[1]);
-        goto fail;
+      item = new_named((PyTypeObject *)sample_type, pair, 2);
+    } else {   /* [ReplaySample(info, [view of step t of each column]) for each step t] */
+      item = PyList_New(steps);
+      for (npy_intp t = 0; item != NULL && t < steps; t++) {
+        PyObject *pair[2] = {Py_NewRef(info), row_data(columns, i, t, unflatten)};
+        PyObject *sample = pair[1] == NULL ? NULL : new_named((PyTypeObject *)sample_type, pair, 2);
+        if (pair[1] == NULL) Py_DECREF(info);
+        if (sample == NULL) Py_CLEAR(item);
+        else PyList_SET_ITEM(item, t, sample);
       }
-      PyList_SET_ITEM(pair[1], c, v);
+      Py_DECREF(info);
     }
-    PyObject *item = new_named((PyTypeObject *)sample_type, pair, 2);
     if (item == NULL) goto fail;
     PyList_SET_ITEM(out, i, item);
   }
@@ -199,8 +253,11 @@ static PyMethodDef sample_methods[] = {
      "SampleInfo) -> (status, SampleInfo of 5 arrays of the B items gathered): rs_sample_gather "
      "with the GIL released (RS_EAGAIN retried)."},
     {"split_batch", split_batch, METH_VARARGS,
-     "split_batch(ReplaySample, SampleInfo, info, columns) -> list of ReplaySample(SampleInfo of "
-     "Python scalars, [row view of each column]) for each row of a gathered batch."},
+     "split_batch(ReplaySample, SampleInfo, info, columns, timesteps=False, unflatten=None) -> "
+     "list of ReplaySample(SampleInfo of Python scalars, [row view of each column]) for each row "
+     "of a gathered batch; with timesteps, a list per row of the ReplaySample of each step t "
+     "(views of [row, t] of each column), or None when the columns do not share a time dim; "
+     "each data list passed through unflatten(list) when given."},
     {NULL, NULL, 0, NULL}};
 
 int hot_sample_init(PyObject *module) { return PyModule_AddFunctions(module, sample_methods); }

@@ -347,6 +347,7 @@ typedef struct {
   PyObject *pending;     /* _pending: deque of items behind the rate limiter */
   PyObject *item_keys;   /* _item_keys: sorted keys of the last flat-dict trajectory, or None */
   PyObject *last_kind;   /* _last_kind: the last item kind _kind() returned, or None */
+  PyObject *table_kinds; /* _table_kinds: table name -> tuple of its last kinds, newest first */
   PyObject *structure;   /* _structure: union skeleton of the steps (history), or None */
   Py_ssize_t hist_step;  /* _hist_step */
   Py_ssize_t episode_steps;    /* _episode_steps */
@@ -393,6 +394,7 @@ static int writer_traverse(WriterBase *self, visitproc visit, void *arg) {
   Py_VISIT(self->pending);
   Py_VISIT(self->item_keys);
   Py_VISIT(self->last_kind);
+  Py_VISIT(self->table_kinds);
   Py_VISIT(self->structure);
   return 0;
 }
@@ -404,6 +406,7 @@ static int writer_clear(WriterBase *self) {
   Py_CLEAR(self->pending);
   Py_CLEAR(self->item_keys);
   Py_CLEAR(self->last_kind);
+  Py_CLEAR(self->table_kinds);
   Py_CLEAR(self->structure);
   return 0;
 }
@@ -779,17 +782,47 @@ static PyObject *writer_append_impl(WriterBase *self, PyObject *const *args, Py_
   return call_general((PyObject *)self, s_append, args, nargs, kwnames);
 }
 
+/* 1 when `kind` (an item kind: (handle, sig, ...)) is of table `handle` and its sig matches the n
+ * leaves: each a live window of the sig's column, of its length and squeeze; else 0. Runs no
+ * Python code. */
+static int kind_matches(WriterBase *self, PyObject *kind, PyObject *handle, PyObject **leaves,
+                        Py_ssize_t n) {
+  if (kind == NULL || !PyTuple_Check(kind) || PyTuple_GET_SIZE(kind) < 2 ||
+      PyTuple_GET_ITEM(kind, 0) != handle)
+    return 0;
+  PyObject *sig = PyTuple_GET_ITEM(kind, 1);
+  if (!PyTuple_Check(sig) || PyTuple_GET_SIZE(sig) != n || n == 0) return 0;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *leaf = leaves[i];
+    if (Py_TYPE(leaf) != window_type) return 0;
+    WindowBase *w = (WindowBase *)leaf;
+    if (w->wcol == NULL || !is_column(w->wcol)) return 0;
+    ColumnBase *col = (ColumnBase *)w->wcol;
+    if (col->writer != (PyObject *)self || w->wgen != col->gen ||
+        w->wstart < col->n - col->keep_alive || w->wstart < col->floor)
+      return 0;    /* not alive: the general path says why */
+    PyObject *entry = PyTuple_GET_ITEM(sig, i);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 ||
+        PyTuple_GET_ITEM(entry, 0) != w->wcol ||
+        PyTuple_GET_ITEM(entry, 2) != (w->squeeze ? Py_True : Py_False))
+      return 0;
+    long long length;
+    if (!exact_int(PyTuple_GET_ITEM(entry, 1), &length) || length != w->wstop - w->wstart)
+      return 0;
+  }
+  return 1;
+}
+
 /* The window entry of create_item(table, priority, trajectory) appended to the batch: 1; 0 when
  * the item does not qualify (nothing changed); -1 with an exception set. Qualifies: an open
  * writer, a known table, a finite non-negative float priority within the table's bound, a flat
  * dict of the last flat-dict trajectory's keys whose every value is a live window of one of this
- * writer's columns, matching the last item kind. */
+ * writer's columns, matching the last item kind or one of the last kinds of that table
+ * (_table_kinds: items alternating between tables or kinds). */
 static int create_item_fast(WriterBase *self, PyObject *table, PyObject *priority,
                             PyObject *trajectory) {
   if (self->closed || !PyUnicode_CheckExact(table) || self->tables == NULL ||
-      !PyDict_CheckExact(self->tables) || !PyFloat_CheckExact(priority) ||
-      self->last_kind == NULL || !PyTuple_Check(self->last_kind) ||
-      PyTuple_GET_SIZE(self->last_kind) < 2)
+      !PyDict_CheckExact(self->tables) || !PyFloat_CheckExact(priority))
     return 0;
   double p = PyFloat_AS_DOUBLE(priority);
   if (!(p >= 0.0 && p < INFINITY)) return 0;   /* NaN too */
@@ -798,22 +831,20 @@ static int create_item_fast(WriterBase *self, PyObject *table, PyObject *priorit
     PyErr_Clear();
     return 0;
   }
-  if (handle != PyTuple_GET_ITEM(self->last_kind, 0)) return 0;
-  PyObject *kind = self->last_kind;   /* held from here on: it holds the handle */
-  Py_INCREF(kind);
+  Py_INCREF(handle);   /* held from here on (the lookups below may run Python code) */
   PyObject *bound = PyObject_GetAttr(handle, s_priority_bound);
   if (bound == NULL) {
     int missing = PyErr_ExceptionMatches(PyExc_AttributeError);
     PyErr_Clear();   /* missing: no bound (the remote table checks); else Python raises it */
     if (!missing) {
-      Py_DECREF(kind);
+      Py_DECREF(handle);
       return 0;
     }
   } else {
     int ok = PyFloat_CheckExact(bound) && p <= PyFloat_AS_DOUBLE(bound);
     Py_DECREF(bound);
     if (!ok) {
-      Py_DECREF(kind);
+      Py_DECREF(handle);
       return 0;
     }
   }
@@ -821,7 +852,7 @@ static int create_item_fast(WriterBase *self, PyObject *table, PyObject *priorit
   PyObject *keys = self->item_keys;
   if (keys == NULL || !PyTuple_Check(keys) || self->batch == NULL ||
       !PyList_CheckExact(self->batch)) {
-    Py_DECREF(kind);
+    Py_DECREF(handle);
     return 0;
   }
   Py_INCREF(keys);   /* a key lookup may run Python code (a colliding key's __eq__) */
@@ -831,30 +862,23 @@ static int create_item_fast(WriterBase *self, PyObject *table, PyObject *priorit
   int found = dict_leaves(trajectory, keys, leaves);
   Py_DECREF(keys);
   if (!found) {
-    Py_DECREF(kind);
+    Py_DECREF(handle);
     return 0;
   }
-  PyObject *sig = PyTuple_GET_ITEM(kind, 1);
-  PyObject *starts = NULL;
-  if (!PyTuple_Check(sig) || PyTuple_GET_SIZE(sig) != n || n == 0) goto done;
-  for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject *leaf = leaves[i];
-    if (Py_TYPE(leaf) != window_type) goto done;
-    WindowBase *w = (WindowBase *)leaf;
-    if (w->wcol == NULL || !is_column(w->wcol)) goto done;
-    ColumnBase *col = (ColumnBase *)w->wcol;
-    if (col->writer != (PyObject *)self || w->wgen != col->gen ||
-        w->wstart < col->n - col->keep_alive || w->wstart < col->floor)
-      goto done;    /* not alive: the general path says why */
-    PyObject *entry = PyTuple_GET_ITEM(sig, i);
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 ||
-        PyTuple_GET_ITEM(entry, 0) != w->wcol ||
-        PyTuple_GET_ITEM(entry, 2) != (w->squeeze ? Py_True : Py_False))
-      goto done;
-    long long length;
-    if (!exact_int(PyTuple_GET_ITEM(entry, 1), &length) || length != w->wstop - w->wstart)
-      goto done;
+  /* The kind: the last one, else one of this table's last ones (no Python code runs here). */
+  PyObject *kind = NULL, *starts = NULL;
+  if (kind_matches(self, self->last_kind, handle, leaves, n)) {
+    kind = self->last_kind;
+  } else if (self->table_kinds != NULL && PyDict_CheckExact(self->table_kinds)) {
+    PyObject *recent = PyDict_GetItemWithError(self->table_kinds, table);   /* str keys */
+    if (recent == NULL) PyErr_Clear();
+    else if (PyTuple_Check(recent))
+      for (Py_ssize_t k = 0; kind == NULL && k < PyTuple_GET_SIZE(recent); k++)
+        if (kind_matches(self, PyTuple_GET_ITEM(recent, k), handle, leaves, n))
+          kind = PyTuple_GET_ITEM(recent, k);
   }
+  if (kind == NULL) goto done;
+  Py_INCREF(kind);
   starts = PyTuple_New(n);
   if (starts == NULL) {
     r = -1;
@@ -878,8 +902,9 @@ static int create_item_fast(WriterBase *self, PyObject *table, PyObject *priorit
   r = 1;
 done:
   Py_XDECREF(starts);
+  Py_XDECREF(kind);
   release_leaves(leaves, n);
-  Py_DECREF(kind);
+  Py_DECREF(handle);
   return r;
 }
 
@@ -957,6 +982,9 @@ static PyMemberDef writer_members[] = {
      "Sorted keys of the last flat-dict trajectory, or None."},
     {"_last_kind", T_OBJECT, offsetof(WriterBase, last_kind), 0,
      "The item kind _kind() returned last, or None."},
+    {"_table_kinds", T_OBJECT, offsetof(WriterBase, table_kinds), 0,
+     "Table name -> the item kinds _kind() returned last for that table (a tuple, newest "
+     "first)."},
     {"_structure", T_OBJECT, offsetof(WriterBase, structure), 0,
      "Union structure of the appended steps (leaves: column histories), or None."},
     {"_hist_step", T_PYSSIZET, offsetof(WriterBase, hist_step), 0,

@@ -10,6 +10,10 @@ and returns None, and the caller takes its Python path, which validates and rais
 never used after its registration ends (segment closed, fork: the C side checks the segment's
 registration object and a fork counter), so a forked child makes its own.
 
+Client.insert into several tables (client_insert) takes one C call when every table has a plan
+of the same layout: the step is written once, into the first table's open chunks, and each
+table's item references that row.
+
 Open chunks: a plan appends the rows of small inserts (one step, or a batch of at most a quarter
 of its chunk capacity) to chunks it holds open (16 rows growing to _OPEN_MAX_ROWS, about
 _OPEN_CHUNK_BYTES per column; rs_open_chunks, rs_insert_rows_at), so consecutive items cost

@@ -4,9 +4,11 @@ Each iterator of a dataset runs one Python generator (on tf.data's generator sou
 through tf.numpy_function: see _generator_dataset) that yields whole batches gathered in C (see
 _batches.sample_batches); `unbatch` turns them into the per-item (or per-timestep) elements
 Reverb's datasets produce. `dataset.batch(n)` on a
-TrajectoryDataset skips the unbatch/batch round trip: its generator yields batches of exactly n
-items (the last one smaller at the end of the sequence, or dropped with drop_remainder), which
-is what `unbatch().batch(n)` would give, several times faster.
+TrajectoryDataset skips the unbatch/batch round trip: its generator yields the whole batches of
+n items that each gather completes (the last one smaller at the end of the sequence, or dropped
+with drop_remainder), which is what `unbatch().batch(n)` would give, several times faster.
+`iter()` of either in eager mode is tf.data's iterator with less Python per element
+(_iterator.Iterator).
 """
 import collections.abc
 import functools
@@ -24,7 +26,7 @@ except ImportError:   # pragma: no cover
   _TFGeneratorDataset = None
 
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
-from reverb_shm.tf import _batches
+from reverb_shm.tf import _batches, _iterator
 
 # Datasets are often built inside functions that tf.data traces with AutoGraph (Acme's
 # make_reverb_dataset builds them in an interleave): their Python code runs as it is, without
@@ -219,41 +221,43 @@ def fixed_batches_dataset(plan: GatherPlan, server_address, table, spec, batch_s
                           drop_remainder: bool) -> tf.data.Dataset:
   """What `unbatch().batch(batch_size, drop_remainder)` of batches_dataset gives.
 
-  The generator yields each batch with a leading dim of 1 (and, while a sample waits for the
-  rate limiter, an element with a leading dim of 0), which `unbatch` turns into one batch (or
-  none): tf.data slices it in C++, where a `filter` of the empty elements would run a function
-  per batch. With drop_remainder every batch holds exactly batch_size items, so the batch dim
-  is static in the signature.
+  Each call of the generator hands tf.data every whole batch that one gather completed, as
+  one element of shape (k, batch_size, ...), which `unbatch` turns into k batches (none
+  while a sample waits for the rate limiter: k = 0). tf.data slices them in C++; the
+  per-call hand-off (a Python call through tf.numpy_function on one of tf.data's threads)
+  costs several times the slicing, so a gather of max_in_flight_samples_per_worker items
+  pays it once, not once per batch. The items left over from a gather wait for the next
+  one. With drop_remainder every batch holds exactly batch_size items, so the batch dim is
+  static in the signature; otherwise the end of the sequence hands out the items left as
+  one smaller batch.
   """
+  def as_batches(info, columns, k, size):   # (flat list of (k, size, ...) views)
+    return [x.reshape((k, size) + x.shape[1:]) for x in itertools.chain(info, columns)]
+
   def generator(address, table_name) -> Iterator[list]:
     pending: List[tuple] = []   # (info, columns) pieces, in order
     have = 0
     for info, columns in plan.batches(address, table_name, max(plan.max_in_flight, 1)):
-      if not have and len(info[0]) == batch_size:   # (the common case: as gathered)
-        yield [x[None] for x in info] + [c[None] for c in columns]
+      b = len(info[0])
+      if not b:   # waiting for the rate limiter: no batch, control to tf.data
+        info, columns = plan.empty()
+        yield as_batches(info, columns, 0, batch_size)
         continue
-      if not len(info[0]):   # waiting for the rate limiter: no batch, control to tf.data
-        yield [x[None][:0] for x in info] + [c[None][:0] for c in columns]
+      if not have and b % batch_size == 0:   # (the common case: whole batches as gathered)
+        yield as_batches(info, columns, b // batch_size, batch_size)
         continue
       pending.append((info, columns))
-      have += len(info[0])
-      while have >= batch_size:
-        head_info, head_cols = pending[0]
-        if len(head_info[0]) >= batch_size:   # (no copy here)
-          out = ([x[:batch_size] for x in head_info], [c[:batch_size] for c in head_cols])
-          rest = ([x[batch_size:] for x in head_info], [c[batch_size:] for c in head_cols])
-          pending[0] = rest
-          if not len(rest[0][0]):
-            pending.pop(0)
-        else:
-          out, pending = _take(pending, batch_size)
-        have -= batch_size
-        yield [x[None] for x in out[0]] + [c[None] for c in out[1]]
+      have += b
+      if have >= batch_size:
+        k = have // batch_size
+        (info, columns), pending = _take(pending, k * batch_size)
+        have -= k * batch_size
+        yield as_batches(info, columns, k, batch_size)
     if have and not drop_remainder:
       info, columns = _take(pending, have)[0]
-      yield [x[None] for x in info] + [c[None] for c in columns]
+      yield as_batches(info, columns, 1, have)
   signature = _batch_signature(_batch_signature(spec, batch_size if drop_remainder else None))
-  return _generator_dataset(server_address, table, generator, signature).unbatch()
+  return BatchedDataset(_generator_dataset(server_address, table, generator, signature).unbatch())
 
 
 def _take(pending, n):
@@ -275,7 +279,31 @@ def _take(pending, n):
   return (info, cols), left
 
 
-class ReverbDataset(tf.data.Dataset):
+class _FastIteration:
+  """`iter()` gives a _iterator.Iterator in eager mode (the same elements as tf.data's own
+  iterator, with less Python per element)."""
+
+  def __iter__(self):
+    it = _iterator.make_iterator(self)   # type: ignore[arg-type]
+    return super().__iter__() if it is None else it   # type: ignore[misc]
+
+
+class BatchedDataset(_FastIteration, tf.data.Dataset):
+  """The dataset `inner` (same variant, same elements), iterated by _FastIteration."""
+
+  def __init__(self, inner: tf.data.Dataset):
+    self._inner = inner
+    super().__init__(inner._variant_tensor)   # pylint: disable=protected-access
+
+  def _inputs(self):
+    return [self._inner]
+
+  @property
+  def element_spec(self):
+    return self._inner.element_spec
+
+
+class ReverbDataset(_FastIteration, tf.data.Dataset):
   """Base of TrajectoryDataset and TimestepDataset: a tf.data.Dataset over a generator."""
 
   _TIMESTEPS = False
