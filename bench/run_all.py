@@ -40,11 +40,15 @@ RATIOS = [
     ("W5 insert vs cpprb ReplayBuffer", ("shm", "W5_insert", "fastest"),
      ("cpprb", "W5_insert", "ReplayBuffer"), 1.0),
     ("W5 sample vs cpprb ReplayBuffer", ("shm", "W5_sample", "fastest"),
-     ("cpprb", "W5_sample", "ReplayBuffer"), 1.0),
+     ("cpprb", "W5_sample", "ReplayBuffer"), 1.1),
     ("W4 vs cpprb MPPrioritizedReplayBuffer", ("shm", "W4", "fastest"),
      ("cpprb", "W4", "MPPrioritizedReplayBuffer"), 10.0),
     ("W5 sample vs numpy copy bandwidth", ("shm", "W5_sample", "fastest"),
      ("shm", "W5_copy", "numpy"), 0.6),
+    # the same copy from a /dev/shm mapping: the frames' kind of memory (numpy's own arrays of
+    # 64 MiB get transparent huge pages where shmem may get none: machine.thp in the JSON)
+    ("W5 sample vs numpy copy from shared memory", ("shm", "W5_sample", "fastest"),
+     ("shm", "W5_copy", "numpy_shm"), 1.0),
     ("W6 cross-process vs in-process", ("shm", "W6", "cross_process"),
      ("shm", "W6", "in_process"), 1.2),
     ("W6 4 writers cross-process vs in-process", ("shm", "W6", "cross_process_4w"),
@@ -128,6 +132,19 @@ def memory_bandwidth(seconds=1.0):
     best["copy"] = max(best["copy"], src.nbytes / (t1 - t0) / 1e9)
     best["triad"] = max(best["triad"], 3 * a.nbytes / (t2 - t1) / 1e9)
   return {"numpy_copy_gb_s": round(best["copy"], 2), "triad_gb_s": round(best["triad"], 2)}
+
+
+def huge_page_modes():
+  """The kernel's transparent huge page modes (the bracketed choice of each sysfs file) for
+  anonymous memory and for shmem (/dev/shm, where tables live); None where unreadable."""
+  modes = {}
+  for key, name in (("thp_anon", "enabled"), ("thp_shmem", "shmem_enabled")):
+    try:
+      text = pathlib.Path("/sys/kernel/mm/transparent_hugepage", name).read_text()
+      modes[key] = text.split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+      modes[key] = None
+  return modes
 
 
 def run_runner(python, script, args, workloads, timeout, extra_env=None, argv=None):
@@ -433,7 +450,7 @@ def main(argv=None):
       "load_start": load_start,
       "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
                   "cpu_model": cpu_model(), "cpus": os.cpu_count(), "load": os.getloadavg(),
-                  **bandwidth},
+                  **bandwidth, **huge_page_modes()},
       "results": results, "ratios": ratio_rows, "notes": notes}, indent=2))
   print(f"\nwrote {path}; publish it in the docs with: python bench/report.py {path}")
   return 0

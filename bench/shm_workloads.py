@@ -203,15 +203,51 @@ def w5(args):
     rows.append(row("W5_sample", "fastest", "SharedTable.sample_batch(64, out=)",
                     timed(lambda: len(table.sample_batch(64, out=out).info.key), args.duration,
                           args.warmup)[0], FRAME_BYTES))
-  src = np.ones(64 << 20, np.uint8)
-  dst = np.empty_like(src)
+  dst = np.empty(64 << 20, np.uint8)
+  # the same copy twice: from numpy's own memory (anonymous: numpy asks for transparent huge
+  # pages on arrays this large, granted when THP is "madvise" or "always") and from a /dev/shm
+  # mapping, memory of the kind the table's frames live in (shmem: huge pages only if
+  # /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them)
+  for variant, src, what in (("numpy", np.ones(64 << 20, np.uint8), "numpy's memory"),
+                             ("numpy_shm", _shm_bytes(64 << 20), "a /dev/shm mapping")):
+    src[:] = 1
 
-  def copy():
-    np.copyto(dst, src)
-    return src.nbytes / FRAME_BYTES
-  rows.append(row("W5_copy", "numpy", "np.copyto of 64 MiB (memory bandwidth reference)",
-                  timed(copy, args.duration, args.warmup)[0], FRAME_BYTES))
+    def copy(src=src):
+      np.copyto(dst, src)
+      return src.nbytes / FRAME_BYTES
+    rows.append(row("W5_copy", variant, f"np.copyto of 64 MiB from {what} (memory bandwidth "
+                    "reference)", timed(copy, args.duration, args.warmup)[0], FRAME_BYTES,
+                    huge_pages_kib=_huge_kib(src)))
   return rows
+
+
+def _shm_bytes(nbytes):
+  """A uint8 array of nbytes in a fresh /dev/shm file (unlinked at once; the mapping goes with
+  the last reference to the array)."""
+  import mmap  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryFile(dir="/dev/shm") as f:
+    f.truncate(nbytes)
+    return np.frombuffer(mmap.mmap(f.fileno(), nbytes), np.uint8)
+
+
+def _huge_kib(arr) -> int:
+  """KiB of arr's memory backed by transparent huge pages: AnonHugePages + ShmemPmdMapped of
+  the mappings in /proc/self/smaps that overlap it (madvise splits a mapping in several); 0 if
+  unknown."""
+  lo, hi, kib, inside = arr.ctypes.data, arr.ctypes.data + arr.nbytes, 0, False
+  try:
+    with open("/proc/self/smaps") as f:
+      for line in f:
+        head = line.split(None, 1)[0]
+        if "-" in head and not head.endswith(":"):
+          start, end = (int(x, 16) for x in head.split("-"))
+          inside = start < hi and lo < end
+        elif inside and head in ("AnonHugePages:", "ShmemPmdMapped:"):
+          kib += int(line.split()[1])
+  except OSError:
+    return 0
+  return kib
 
 
 # ---- W6: 2 writer processes + 1 sampler process under SampleToInsertRatio

@@ -404,6 +404,36 @@ def test_max_size_overflow_removes_remover_choice():
     seg.check(), lifo.check()
 
 
+def test_one_insert_evicting_hundreds_releases_every_victim_in_fifo_order():
+    """Evicted items' descriptors are released together (64 at a time) under the table lock:
+    a call evicting 200 items (several such groups), and a call that evicts, then blocks on
+    the limiter and times out, both leave the oldest items gone, every block's refcount equal
+    to a recount (check) and the arena blocks of the victims free again."""
+    seg = Segment(max_size=30, remover=FIFO)
+    for ep in range(230):
+        seg.chunk(ep)   # every item's chunk exists (pinned by the test) before the count
+    insert_ok(seg, list(range(30)))
+    info = ffi.new("rs_segment_info *")
+    ok(lib.rs_segment_get_info(seg.base, info))
+    used = info.arena_used   # the chunks + 30 items' descriptor blocks
+    insert_ok(seg, list(range(30, 230)))
+    assert seg.keys() == list(range(200, 230))
+    s = seg.stats()
+    assert (s.inserts, s.deletes, s.size) == (230, 200, 30)
+    seg.check()
+    ok(lib.rs_segment_get_info(seg.base, info))
+    assert info.arena_used == used   # 30 live descriptor blocks again: the victims' are free
+    # inserts may run 20 ahead of samples: the call inserts (and evicts) 20, then times out
+    lim = Segment(max_size=10, remover=FIFO, min_diff=-FLT_MAX, max_diff=20.0)
+    insert_ok(lim, list(range(10)))
+    sample_ok(lim, 10)
+    rc, done = lim.insert(list(range(10, 50)), [1.0] * 40, timeout=0.05)
+    assert (rc, done) == (lib.RS_ETIMEDOUT, 20)
+    assert lim.keys() == list(range(20, 30))
+    assert lim.stats().deletes == 20
+    lim.check()
+
+
 def test_max_times_sampled_reports_pre_removal_size_and_keeps_data_alive():
     seg = Segment(sampler=FIFO, max_times_sampled=2)
     insert_ok(seg, [1, 2], episodes=[11, 12])
@@ -735,4 +765,48 @@ def test_killed_lock_owner_is_repaired_and_table_stays_consistent():
     assert s.repairs > 0, "the child was never killed while holding the table lock"
     assert s.inserts - s.deletes == s.size == len(seg.items())
     insert_ok(seg, [10 ** 9], [5.0])  # the table still works
+    seg.check()
+
+
+def test_call_waiting_for_a_long_held_table_lock_sleeps_instead_of_spinning():
+    """A table lock held by another process is waited for in the kernel, not on the CPU (a
+    spinning waiter would take a core from the holder on a machine with few): while a child
+    process keeps the lock for tens of milliseconds at a time (large batch inserts), this
+    process's inserts get through, each after the child's batch, using far less CPU than the
+    time they wait (fails with a waiter that spins until the lock is free)."""
+    seg = Segment(sampler=UNIFORM, remover=FIFO, max_size=100000, arena=1 << 26)
+    keys = np.arange(10 ** 6, 10 ** 6 + 100000, dtype=np.uint64)
+    blobs = seg.blobs([int(k) % 50 for k in keys])
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: batch inserts (each ~tens of ms under the table lock) until killed
+        try:
+            slot = ffi.new("uint32_t *")
+            lib.rs_proc_register(seg.base, os.getpid(), lib.rs_proc_start_time(os.getpid()), slot)
+            seg.slot = slot[0]
+            seg.insert(keys, np.ones(len(keys)), blobs=blobs, timeout=None)
+            os.write(ready_w, b"1")
+            for r in range(1, 10 ** 6):   # new keys each time: each batch evicts the last
+                seg.insert(keys + r * len(keys), np.ones(len(keys)), blobs=blobs, timeout=None)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        inserts0 = seg.stats().inserts
+        wall = cpu = 0.0
+        for i in range(20):   # (spaced: most arrive while the child holds the lock)
+            time.sleep(0.03)
+            wall0, cpu0 = time.monotonic(), time.thread_time()
+            insert_ok(seg, [i], timeout=30)
+            wall, cpu = wall + time.monotonic() - wall0, cpu + time.thread_time() - cpu0
+        assert seg.stats().inserts > inserts0 + 20   # the child's batches went on meanwhile
+        assert wall > 0.1, f"the inserts waited only {wall:.3f} s for the lock"
+        assert cpu < 0.1 * wall, f"{cpu:.3f} s of CPU while waiting {wall:.3f} s for the lock"
+    finally:
+        os.close(ready_r)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    reaped = ffi.new("uint32_t *")
+    ok(lib.rs_reap(seg.base, reaped))
     seg.check()
