@@ -788,6 +788,48 @@ static int memo_layout_ok(void *base, gather_memo *m, uint64_t ref, uint32_t nco
   return 1;
 }
 
+/* Sampling from a large table is a chain of dependent cache and TLB misses per item: its record,
+ * its descriptor, the chunk headers its slices name, its rows. sample_round takes a round's
+ * picks through these stages one stage at a time, requesting the next stage of every pick
+ * before it reads the first, so that the misses of a stage are in flight together instead of
+ * one after another. Every address requested is formed from offsets already bounded (a
+ * prefetch of a wild address is harmless, but reading the offset it is formed from is not). */
+#define PREFETCH_SLICES 16   /* chunk headers requested per item at most */
+
+/* Stage 3: request the chunk headers (the 3 lines that the layout check reads) of up to
+ * PREFETCH_SLICES slices of item reference `ref`. Nothing is read before its bounds are checked:
+ * the descriptor header and the slices read must lie inside the arena, and a chunk header's
+ * address is formed only when it lies 64-aligned inside the arena. (The layout check validates
+ * the whole descriptor afterwards.) */
+static inline void prefetch_chunk_hdrs(void *base, uint64_t ref) {
+  uint64_t off = rs_ref_off(ref);
+  if (off % RS_ALIGN || !rs_arena_span_ok(base, off, sizeof(rs_desc_hdr))) return;
+  const rs_desc_hdr *d = rs_at(base, off);
+  uint32_t n = d->nslices < PREFETCH_SLICES ? d->nslices : PREFETCH_SLICES;
+  uint64_t at = off + sizeof *d + (uint64_t)d->ncols * sizeof(rs_desc_col);
+  if (!rs_arena_span_ok(base, at, (uint64_t)n * sizeof(rs_desc_slice))) return;
+  const rs_desc_slice *s = rs_at(base, at);
+  for (uint32_t q = 0; q < n; q++) {
+    uint64_t c = s[q].chunk_off;
+    if (c % RS_ALIGN || !rs_arena_span_ok(base, c, sizeof(rs_chunk_hdr))) continue;
+    for (uint32_t line = 0; line < sizeof(rs_chunk_hdr); line += RS_ALIGN)
+      __builtin_prefetch((const char *)rs_at(base, c) + line, 0);
+  }
+}
+
+/* Stage 4: request the first line of each slice's rows of item reference `ref`, whose layout
+ * the round has checked (rs_item_in_arena: every slice's rows lie in its chunk and the arena). */
+static inline void prefetch_item_rows(void *base, uint64_t ref) {
+  const rs_desc_hdr *d = rs_desc_blob(base, ref);
+  const rs_desc_slice *s = rs_desc_slices(d);
+  uint64_t shift = rs_ref_shift(ref);
+  uint32_t n = d->nslices < PREFETCH_SLICES ? d->nslices : PREFETCH_SLICES;
+  for (uint32_t q = 0; q < n; q++) {
+    const rs_chunk_hdr *ch = rs_chunk(base, s[q].chunk_off);
+    __builtin_prefetch((const char *)ch + ch->data_offset + ((uint64_t)s[q].row_offset + shift) * ch->row_bytes, 0, 1);
+  }
+}
+
 /* Take up to `want` samples now (no waiting) into out[]; returns the number taken (0 when the
  * limiter blocks) or a negative error code. With `cols` (rs_sample_gather), only
  * items of that layout are taken: the round stops before the first other one, which stays
@@ -842,6 +884,8 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
       __builtin_prefetch(rs_desc_blob(base, d), 0);
       __builtin_prefetch((const char *)rs_desc_blob(base, d) + RS_ALIGN, 0);
     }
+    if (cols)
+      for (uint32_t j = k; j < k + m; j++) prefetch_chunk_hdrs(base, recs[picks[j]].desc_off);
     int other_layout = 0;
     if (cols) {
       uint32_t good = 0;
@@ -866,6 +910,8 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
                               (unsigned long long)recs[picks[k]].key, ncols);
       }
     }
+    if (cols)   /* (every item up to k + m passed the layout check) */
+      for (uint32_t j = k; j < k + m; j++) prefetch_item_rows(base, recs[picks[j]].desc_off);
     for (uint32_t j = k; j < k + m; j++) {
       rs_rec *rec = &recs[picks[j]];
       rec->times_sampled++;
