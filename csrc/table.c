@@ -884,6 +884,15 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
       __builtin_prefetch(rs_desc_blob(base, d), 0);
       __builtin_prefetch((const char *)rs_desc_blob(base, d) + RS_ALIGN, 0);
     }
+    /* Disk tier: descriptors live in the arena file; ask the kernel to read every pick's
+     * descriptor page now, so that the layout check below waits for one disk read, not one per
+     * item in turn. Only offsets inside the arena are passed (a hint: errors change nothing). */
+    if (h->arena_file)
+      for (uint32_t j = k; j < k + m; j++) {
+        uint64_t off = rs_ref_off(recs[picks[j]].desc_off);
+        if (rs_arena_span_ok(base, off, sizeof(rs_desc_hdr)))
+          rs_prefetch_file_rows(rs_at(base, off), sizeof(rs_desc_hdr));
+      }
     if (cols)
       for (uint32_t j = k; j < k + m; j++) prefetch_chunk_hdrs(base, recs[picks[j]].desc_off);
     int other_layout = 0;
