@@ -2,26 +2,16 @@
 (the first server built tends to get the scattered physical pages), rounds of all builds are
 pooled, servers are stopped whatever happens, and the physical-frame count is sound."""
 import argparse
-import importlib.util
 import os
-import pathlib
 
 import numpy as np
 import pytest
 
 import reverb_shm as reverb
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _growth():
-  spec = importlib.util.spec_from_file_location("bench_growth_g1", ROOT / "bench" / "growth_g1.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+import bench_modules
 
 
-g1 = _growth()
+g1 = bench_modules.load("growth_g1")
 
 
 class FakeServer:

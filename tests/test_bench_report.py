@@ -1,23 +1,13 @@
 """The benchmark page cannot rot: docs/benchmarks.md's results section and its plots are what
 bench/report.py generates from the committed docs/assets/bench/run_all.json, and the generator
 states targets and verdicts as run_all computed them."""
-import importlib.util
 import json
-import pathlib
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _report():
-  spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+import bench_modules
 
 
-report = _report()
+report = bench_modules.load("report")
 
 RUN = {
     "time": "20261202-013000", "quick": False, "repeat": 3, "duration_s": 2.0,

@@ -4,19 +4,14 @@ survivors exit on request (nobody hangs), every sampled payload is intact (CRC32
 no chunk, descriptor or pin leaks once the dead are reaped. The campaign lives in
 bench/torture.py, which runs longer versions (`python bench/torture.py --seconds 120`).
 """
-import importlib.util
-import os
 
 import numpy as np
 import pytest
 
 from conftest import unique_server_name
+import bench_modules
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
-                     "torture.py")
-_spec = importlib.util.spec_from_file_location("torture", _PATH)
-torture = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(torture)
+torture = bench_modules.load("torture")
 
 
 def test_checksums_detect_a_single_flipped_bit():

@@ -4,7 +4,6 @@ Sampling, priority updates, zero-copy views and sample_batch work unchanged, the
 with the server (stop, or gc / the next server start after a kill), and a table whose data is
 4x the memory limit of its cgroup works without OOM.
 """
-import importlib.util
 import os
 import signal
 import subprocess
@@ -19,14 +18,12 @@ import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm._internal import shm
 from conftest import unique_server_name
+import bench_modules
 
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("disk_tier", os.path.join(ROOT, "bench",
-                                                                         "disk_tier.py"))
-disk_tier = importlib.util.module_from_spec(_spec)       # memory_cgroup: v2 memory.max, else v1
-_spec.loader.exec_module(disk_tier)
+disk_tier = bench_modules.load("disk_tier")   # memory_cgroup: v2 memory.max, else v1
 FRAME = (84, 84, 4)
 
 

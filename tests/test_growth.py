@@ -3,7 +3,6 @@ add extents as data arrives up to max_bytes, and running out is a clear Resource
 naming the settings, never a SIGBUS; growth is safe under concurrent writers and samplers in
 several processes, and under kill -9 of the process that grows.
 """
-import importlib.util
 import json
 import os
 import re
@@ -17,13 +16,12 @@ import pytest
 import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
 from conftest import run_in_private_shm, unique_server_name
+import bench_modules
 
 pytestmark = pytest.mark.timeout(240)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("torture", os.path.join(ROOT, "bench", "torture.py"))
-torture = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(torture)
+torture = bench_modules.load("torture")
 
 
 def _readme_quick_start() -> str:
