@@ -16,6 +16,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 
 /* numpy's C API: one table per module, imported by hot_module.c (which defines HOT_MODULE_MAIN). */
@@ -27,6 +28,12 @@
 #include <numpy/arrayscalars.h>
 
 #include "../rs_api.h"
+
+/* The fast paths' priority rule, as the core applies it: finite, and >= 0 on a table whose
+ * sampler is prioritized. A fast path declines (the Python path raises the error) otherwise. */
+static inline int hot_priority_ok(double v, int prioritized) {
+  return isfinite(v) && !(prioritized && v < 0);
+}
 
 /* The C core's entry points, bound once at import by reverb_shm/_internal/_lib.py (hot_module.c lists
  * their names in CORE_FUNCTIONS, in this order). */

@@ -196,7 +196,6 @@ static int plain_priority(PyObject *obj, int prioritized, double *out) {
   double v;
   if (PyFloat_CheckExact(obj)) {
     v = PyFloat_AS_DOUBLE(obj);
-    if (!isfinite(v)) return 0;
   } else if (PyLong_CheckExact(obj)) {
     int overflow = 0;
     long long i = PyLong_AsLongLongAndOverflow(obj, &overflow);
@@ -208,7 +207,7 @@ static int plain_priority(PyObject *obj, int prioritized, double *out) {
   } else {
     return 0;
   }
-  if (v < 0 && prioritized) return 0;
+  if (!hot_priority_ok(v, prioritized)) return 0;
   *out = v;
   return 1;
 }
@@ -449,7 +448,7 @@ static PyObject *plan_insert(InsertPlan *p, PyObject *data, PyObject *priorities
     if (PyArray_DIM(prio_array, 0) != (npy_intp)n) goto declined;
     prios = (const double *)PyArray_DATA(prio_array);
     for (uint32_t i = 0; i < n; i++)
-      if (!isfinite(prios[i]) || (prios[i] < 0 && p->prioritized)) goto declined;
+      if (!hot_priority_ok(prios[i], p->prioritized)) goto declined;
     if (!hold(&g, priorities)) goto declined;
   } else if (n > 1) {
     double *fill = stack_prios;

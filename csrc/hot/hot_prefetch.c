@@ -536,7 +536,7 @@ static PyObject *pf_take(pf_object *self, PyObject *arg) {
 static int prios_ok(const void *p, int f32, size_t m, int nonneg) {
   for (size_t i = 0; i < m; i++) {
     double v = f32 ? (double)((const float *)p)[i] : ((const double *)p)[i];
-    if (!isfinite(v) || (nonneg && v < 0)) return 0;
+    if (!hot_priority_ok(v, nonneg)) return 0;
   }
   return 1;
 }
