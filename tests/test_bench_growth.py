@@ -4,12 +4,11 @@ pooled, servers are stopped whatever happens, and the physical-frame count is so
 import argparse
 import os
 
+import bench_modules
 import numpy as np
 import pytest
 
 import reverb_shm as reverb
-import bench_modules
-
 
 g1 = bench_modules.load("growth_g1")
 

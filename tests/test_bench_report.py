@@ -3,9 +3,8 @@ bench/report.py generates from the committed docs/assets/bench/run_all.json, and
 states targets and verdicts as run_all computed them."""
 import json
 
-import pytest
 import bench_modules
-
+import pytest
 
 report = bench_modules.load("report")
 

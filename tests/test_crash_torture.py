@@ -5,11 +5,10 @@ no chunk, descriptor or pin leaks once the dead are reaped. The campaign lives i
 bench/torture.py, which runs longer versions (`python bench/torture.py --seconds 120`).
 """
 
+import bench_modules
 import numpy as np
 import pytest
-
 from conftest import unique_server_name
-import bench_modules
 
 torture = bench_modules.load("torture")
 

@@ -11,14 +11,14 @@ import sys
 import textwrap
 import time
 
+import bench_modules
 import numpy as np
 import pytest
+from conftest import unique_server_name
 
 import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm._internal import shm
-from conftest import unique_server_name
-import bench_modules
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,13 +10,13 @@ import signal
 import textwrap
 import time
 
+import bench_modules
 import numpy as np
 import pytest
+from conftest import run_in_private_shm, unique_server_name
 
 import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
-from conftest import run_in_private_shm, unique_server_name
-import bench_modules
 
 pytestmark = pytest.mark.timeout(240)
 
