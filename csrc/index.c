@@ -2,7 +2,9 @@
  * Deleting shifts later members of the probe run back into the hole, so lookups never meet
  * tombstones and the load never creeps up over a long run of inserts and deletes. Capacities
  * need not be powers of two: a key's home slot is the high half of (32-bit hash * cap), a
- * multiply instead of a division (Lemire's range reduction), and probes wrap at cap. */
+ * multiply instead of a division (Lemire's range reduction), and probes wrap at cap. Every probe
+ * loop stops after cap slots: a map the capacity rules keep from filling can still be full when
+ * the segment was damaged, and a reader of a damaged segment must get an answer, not a hang. */
 #include <string.h>
 
 #include "index.h"
@@ -20,10 +22,12 @@ static inline int may_fill(uint32_t i, uint32_t j, uint32_t h) {
 }
 
 uint32_t rs_index_find(const rs_index_entry *ix, uint32_t cap, uint64_t key) {
-  for (uint32_t i = home_of(key, cap);; i = next_slot(i, cap)) {
+  uint32_t i = home_of(key, cap);
+  for (uint32_t n = 0; n < cap; n++, i = next_slot(i, cap)) {
     if (ix[i].rec_plus1 == 0) return RS_NONE;
     if (ix[i].key == key) return ix[i].rec_plus1 - 1;
   }
+  return RS_NONE;
 }
 
 void rs_index_find_many(const rs_index_entry *ix, uint32_t cap, uint32_t n, const uint64_t *keys,
@@ -36,20 +40,23 @@ void rs_index_prefetch(const rs_index_entry *ix, uint32_t cap, uint32_t n, const
   for (uint32_t i = 0; i < n; i++) __builtin_prefetch(&ix[home_of(keys[i], cap)], 1);
 }
 
-void rs_index_put(rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t rec) {
+int rs_index_put(rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t rec) {
   uint32_t i = home_of(key, cap);
-  while (ix[i].rec_plus1 != 0) i = next_slot(i, cap);
+  for (uint32_t n = 0; ix[i].rec_plus1 != 0; n++, i = next_slot(i, cap))
+    if (n + 1 >= cap) return 0;
   ix[i].key = key;
   ix[i].rec_plus1 = rec + 1;
+  return 1;
 }
 
 int rs_index_remove(rs_index_entry *ix, uint32_t cap, uint64_t key) {
-  uint32_t i = home_of(key, cap);
+  uint32_t i = home_of(key, cap), n = 0;
   for (;; i = next_slot(i, cap)) {
-    if (ix[i].rec_plus1 == 0) return 0;
+    if (ix[i].rec_plus1 == 0 || n++ == cap) return 0;
     if (ix[i].key == key) break;
   }
-  for (uint32_t j = next_slot(i, cap); ix[j].rec_plus1 != 0; j = next_slot(j, cap)) {
+  n = 0;
+  for (uint32_t j = next_slot(i, cap); ix[j].rec_plus1 != 0 && ++n < cap; j = next_slot(j, cap)) {
     if (may_fill(i, j, home_of(ix[j].key, cap))) {
       ix[i] = ix[j];
       i = j;
@@ -63,19 +70,22 @@ int rs_index_remove(rs_index_entry *ix, uint32_t cap, uint64_t key) {
 void rs_index_clear(rs_index_entry *ix, uint32_t cap) { memset(ix, 0, (size_t)cap * sizeof *ix); }
 
 rs_episode_entry *rs_epmap_find(rs_episode_entry *em, uint32_t cap, uint64_t episode_id) {
-  for (uint32_t i = home_of(episode_id, cap);; i = next_slot(i, cap)) {
+  uint32_t i = home_of(episode_id, cap);
+  for (uint32_t n = 0; n < cap; n++, i = next_slot(i, cap)) {
     if (!em[i].count) return NULL;
     if (em[i].episode_id == episode_id) return &em[i];
   }
+  return NULL;
 }
 
 int rs_epmap_incr(rs_episode_entry *em, uint32_t cap, uint64_t episode_id) {
-  uint32_t i = home_of(episode_id, cap);
+  uint32_t i = home_of(episode_id, cap), n = 0;
   for (; em[i].count; i = next_slot(i, cap)) {
     if (em[i].episode_id == episode_id) {
       em[i].count++;
       return 0;
     }
+    if (++n >= cap) return -1;
   }
   em[i].episode_id = episode_id;
   em[i].count = 1;
@@ -83,9 +93,9 @@ int rs_epmap_incr(rs_episode_entry *em, uint32_t cap, uint64_t episode_id) {
 }
 
 int rs_epmap_decr(rs_episode_entry *em, uint32_t cap, uint64_t episode_id) {
-  uint32_t i = home_of(episode_id, cap);
+  uint32_t i = home_of(episode_id, cap), n = 0;
   for (;; i = next_slot(i, cap)) {
-    if (!em[i].count) return -1;
+    if (!em[i].count || n++ == cap) return -1;
     if (em[i].episode_id == episode_id) break;
   }
   if (--em[i].count > 0) return 0;

@@ -24,13 +24,15 @@ void rs_index_find_many(const rs_index_entry *ix, uint32_t cap, uint32_t n, cons
                         uint32_t *out);
 /* Requests the home entries of n keys about to be looked up and inserted (no effect otherwise). */
 void rs_index_prefetch(const rs_index_entry *ix, uint32_t cap, uint32_t n, const uint64_t *keys);
-void rs_index_put(rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t rec); /* key absent */
+/* key absent; returns 1, or 0 (nothing written) when no slot is empty. */
+int rs_index_put(rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t rec);
 int rs_index_remove(rs_index_entry *ix, uint32_t cap, uint64_t key);            /* 1 if removed */
 void rs_index_clear(rs_index_entry *ix, uint32_t cap);
 
 /* episode id -> count. Empty entry: count == 0. */
 rs_episode_entry *rs_epmap_find(rs_episode_entry *em, uint32_t cap, uint64_t episode_id);
-/* Add one reference; returns 1 when the episode is new (count went 0 -> 1). */
+/* Add one reference; returns 1 when the episode is new (count went 0 -> 1), 0 when it was
+ * there, -1 (nothing changed) when it is new and no slot is empty. */
 int rs_epmap_incr(rs_episode_entry *em, uint32_t cap, uint64_t episode_id);
 /* Drop one reference; returns 1 when the count reached 0 (entry removed), 0 otherwise,
  * -1 if the episode was not in the map. */

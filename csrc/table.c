@@ -443,7 +443,7 @@ static void ep_count_new(void *c, uint64_t ep) {
 
 static void ep_add(void *c, uint64_t ep) {
   ep_ctx *x = c;
-  if (rs_epmap_incr(x->em, x->th->episodes_cap, ep)) x->th->num_episodes++;
+  if (rs_epmap_incr(x->em, x->th->episodes_cap, ep) == 1) x->th->num_episodes++;
 }
 
 static void ep_drop(void *c, uint64_t ep) {

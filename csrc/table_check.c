@@ -158,16 +158,19 @@ typedef struct recount {
   rs_episode_entry *em;
   uint32_t cap;
   int64_t distinct;
+  int overflow;   /* more distinct episodes than the map has room for */
 } recount_t;
 
 static void recount_add(void *c, uint64_t ep) {
   recount_t *x = c;
-  if (rs_epmap_incr(x->em, x->cap, ep)) x->distinct++;
+  int rc = rs_epmap_incr(x->em, x->cap, ep);
+  if (rc == 1) x->distinct++;
+  else if (rc < 0) x->overflow = 1;
 }
 
 static void check_episodes(void *base, rs_table_hdr *th, report_t *rep) {
   rs_rec *recs = rs_recs(base, th);
-  recount_t rc = {calloc(th->episodes_cap, sizeof(rs_episode_entry)), th->episodes_cap, 0};
+  recount_t rc = {calloc(th->episodes_cap, sizeof(rs_episode_entry)), th->episodes_cap, 0, 0};
   if (!rc.em) {
     fail(rep, "out of memory while recounting episodes");
     return;
@@ -175,6 +178,9 @@ static void check_episodes(void *base, rs_table_hdr *th, report_t *rep) {
   for (uint32_t r = 0; r < th->cap; r++)
     if (recs[r].valid == 1 && rs_item_ref_valid(base, recs[r].desc_off))
       rs_item_each_episode(base, recs[r].desc_off, recount_add, &rc);
+  if (rc.overflow)
+    fail(rep, "the items name more distinct episodes than the episode map holds (%u entries)",
+         th->episodes_cap);
   rs_episode_entry *em = rs_tepisodes(base, th);
   int64_t used = 0;
   for (uint32_t i = 0; i < th->episodes_cap; i++) {

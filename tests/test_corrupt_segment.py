@@ -150,6 +150,22 @@ def test_a_damaged_chunk_header_is_reported_and_not_dereferenced(target):
   assert out.stdout.startswith("CORRUPT") and "is damaged" in out.stdout, out.stdout
 
 
+def test_more_distinct_episodes_than_the_episode_map_holds_is_reported_not_hung(target):
+  """Found by the fuzzer: chunk headers damaged so that the items name more distinct episodes
+  than a table's episode map has slots (the first chunk's episode id changed and its flags saying
+  each row is an episode of its own). The checker's recount used to probe its full map forever;
+  now the check answers with the overflow and every read path answers too."""
+  first, second = target.regions["chunk"][0][0], target.regions["chunk"][1][0]
+  # rs_chunk_hdr: episode_id @0, ..., rows @48, flags @52.
+  target.apply([(first, bytes.fromhex("23ffffffff")), (first + 52, bytes.fromhex("ffff01")),
+                (second + 48, bytes.fromhex("00fffbffffff"))])
+  answer = target.read_in_worker("chunk")
+  assert answer.startswith("validate=0 check=-6 reads="), answer
+  rc, report = _check_report(target)
+  assert rc == lib.RS_ECORRUPT
+  assert "the items name more distinct episodes than the episode map holds" in report, report
+
+
 @pytest.mark.parametrize("kind", ["header", "table", "arrays", "desc", "chunk", "arena"])
 def test_random_bytes_never_crash_a_reader(target, kind):
   """200 copies, each with 1 to 6 random patches of 1 to 8 bytes in one kind of region: the
