@@ -481,15 +481,10 @@ int rs_desc_create(void *base, const uint8_t *blob, uint32_t len, uint64_t *off_
   return rc;
 }
 
-/* The shift d (<= RS_REF_MAX_SHIFT) that turns the live DESC block at `tmpl` (an item reference)
- * into `blob`: same header, columns, chunks and row counts, every row_offset higher by d.
- * -1 if there is none. Caller holds the arena lock. */
-static int64_t share_shift(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl) {
-  uint64_t off = rs_ref_off(tmpl);
-  if (!tmpl || !is_block(base, off, RS_BLOCK_DESC, 1) || blk(base, off - RS_ALIGN)->aux != len) return -1;
-  const rs_desc_hdr *t = rs_desc_blob(base, off), *d = (const rs_desc_hdr *)blob;
-  uint64_t head = sizeof *t + (uint64_t)t->ncols * sizeof(rs_desc_col);   /* t is sane: head <= len */
-  if (memcmp(t, d, head) != 0) return -1;
+int64_t rs_desc_blob_shift(const uint8_t *from, const uint8_t *to, uint32_t len) {
+  const rs_desc_hdr *t = (const rs_desc_hdr *)from, *d = (const rs_desc_hdr *)to;
+  uint64_t head = sizeof *t + (uint64_t)t->ncols * sizeof(rs_desc_col);
+  if (head > len || memcmp(t, d, head) != 0) return -1;
   const rs_desc_slice *ts = desc_slices(t), *ds = desc_slices(d);
   if (ds[0].row_offset < ts[0].row_offset || ds[0].row_offset - ts[0].row_offset > RS_REF_MAX_SHIFT) return -1;
   uint32_t shift = ds[0].row_offset - ts[0].row_offset;
@@ -498,6 +493,14 @@ static int64_t share_shift(void *base, const uint8_t *blob, uint32_t len, uint64
         ds[k].row_offset - ts[k].row_offset != shift || ds[k].row_offset < ts[k].row_offset)
       return -1;
   return shift;
+}
+
+/* rs_desc_blob_shift from the live DESC block at `tmpl` (an item reference) to `blob`; -1 if
+ * there is none. Caller holds the arena lock. */
+static int64_t share_shift(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl) {
+  uint64_t off = rs_ref_off(tmpl);
+  if (!tmpl || !is_block(base, off, RS_BLOCK_DESC, 1) || blk(base, off - RS_ALIGN)->aux != len) return -1;
+  return rs_desc_blob_shift((const uint8_t *)rs_desc_blob(base, off), blob, len);   /* (a live block's blob is sane) */
 }
 
 int rs_desc_create_shared_any(void *base, const uint8_t *blob, uint32_t len, const uint64_t *tmpls,
@@ -524,6 +527,30 @@ int rs_desc_create_shared_any(void *base, const uint8_t *blob, uint32_t len, con
 int rs_desc_create_shared(void *base, const uint8_t *blob, uint32_t len, uint64_t tmpl, uint64_t *off_out) {
   int used;
   return rs_desc_create_shared_any(base, blob, len, &tmpl, tmpl ? 1 : 0, off_out, &used);
+}
+
+int rs_desc_add_refs(void *base, uint64_t ref, uint32_t n, const uint8_t *blob, uint32_t len) {
+  int rc = rs_alock(base);
+  if (rc) return rc;
+  uint64_t off = rs_ref_off(ref);
+  if (!is_block(base, off, RS_BLOCK_DESC, 1))
+    rc = rs_set_error(RS_EINVAL, "item reference %llu does not name a live descriptor block",
+                      (unsigned long long)ref);
+  if (rc == RS_OK) rc = rs_desc_validate(base, blob, len);   /* under the lock: chunks stay */
+  if (rc == RS_OK) blk(base, off - RS_ALIGN)->refcount += n;
+  rs_aunlock(base);
+  return rc;
+}
+
+void rs_desc_release_n(void *base, uint64_t ref, uint32_t n) {
+  uint64_t off = rs_ref_off(ref);
+  for (uint32_t i = 0; i < n; i++) {
+    if (!is_block(base, off, RS_BLOCK_DESC, 1)) {
+      rs_seg(base)->refcounts_suspect = 1;
+      return;
+    }
+    decref(base, off);
+  }
 }
 
 void rs_desc_release(void *base, uint64_t desc_off, int locked) {

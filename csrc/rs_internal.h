@@ -322,6 +322,17 @@ int rs_desc_create_shared(void *base, const uint8_t *blob, uint32_t len, uint64_
  * arena lock; *used_out = index of the template shared, or -1 when a new block was created. */
 int rs_desc_create_shared_any(void *base, const uint8_t *blob, uint32_t len, const uint64_t *tmpls,
                               uint32_t n, uint64_t *off_out, int *used_out);
+/* d such that `to` equals `from` (both descriptor blobs of len bytes; `from` sane) except that
+ * every slice's row_offset is higher by d <= RS_REF_MAX_SHIFT, or -1. Reads only the two blobs. */
+int64_t rs_desc_blob_shift(const uint8_t *from, const uint8_t *to, uint32_t len);
+/* Take n more references to the live DESC block of item reference `ref` for n items that differ
+ * from it only by row shifts, after checking (rs_desc_validate) `blob`, the descriptor of the one
+ * of them whose rows lie farthest: the others' rows then lie within the published rows too.
+ * Takes the arena lock. */
+int rs_desc_add_refs(void *base, uint64_t ref, uint32_t n, const uint8_t *blob, uint32_t len);
+/* Drop n references to the DESC block of item reference `ref` (rs_desc_release n times); the
+ * caller holds the arena lock. */
+void rs_desc_release_n(void *base, uint64_t ref, uint32_t n);
 /* Drop one reference (an item reference) to a DESC block; at zero drop its chunk references and
  * free it. Takes the arena lock unless `locked` (caller already holds it). */
 void rs_desc_release(void *base, uint64_t desc_off, int locked);

@@ -517,14 +517,17 @@ static void update_priority(void *base, rs_table_hdr *th, uint32_t r, double pri
 typedef struct evicted {
   uint32_t n;
   uint64_t descs[EVICT_BATCH];
+  uint64_t spare_ref;   /* references to this item reference's block taken and not used ... */
+  uint32_t spare_n;     /* ... (shared_run), released with the evicted ones */
 } evicted;
 
 static void evicted_release(void *base, evicted *ev) {
-  if (ev->n && rs_alock(base) == RS_OK) {
+  if ((ev->n || ev->spare_n) && rs_alock(base) == RS_OK) {
     for (uint32_t i = 0; i < ev->n; i++) rs_desc_release(base, ev->descs[i], 1);
+    rs_desc_release_n(base, ev->spare_ref, ev->spare_n);
     rs_aunlock(base);
   }
-  ev->n = 0;
+  ev->n = ev->spare_n = 0;
 }
 
 /* Requests what evicting the next `n` items of a full Fifo-removal table reads: their key index
@@ -548,9 +551,14 @@ static void prefetch_fifo_victims(void *base, rs_table_hdr *th, uint32_t n) {
 }
 
 /* Insert (or update) one item; the limiter has already admitted it. An item evicted to make
- * room leaves every table structure here; its descriptor joins `ev` (the caller releases it). */
+ * room leaves every table structure here; its descriptor joins `ev` (the caller releases it).
+ * `held`: an item reference to the item's descriptor that the caller already holds a block
+ * reference for (shared_run), or 0 to find or create one here; *used_held tells whether the
+ * new record took it (else it is still the caller's: the key existed, or an error). */
 static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priority,
-                      const uint8_t *blob, uint32_t len, int64_t now_ns, evicted *ev) {
+                      const uint8_t *blob, uint32_t len, int64_t now_ns, evicted *ev, uint64_t held,
+                      int *used_held) {
+  *used_held = 0;
   uint32_t r = rs_index_find(rs_tindex(base, th), th->index_cap, key);
   if (r != RS_NONE) { /* existing key: priority update, no counter change, descriptor unused */
     update_priority(base, th, r, priority);
@@ -569,28 +577,37 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
   /* The last inserted item's block, then recently created ones, are templates to share while a
    * live record holds them (a stale offset could name memory that is no longer a block). */
   rs_rec *recs = rs_recs(base, th);
-  uint64_t tmpls[1 + RS_RECENT_TEMPLATES];
-  uint32_t from[1 + RS_RECENT_TEMPLATES], ntmpl = 0;   /* recent_recs slot of each, or RS_NONE */
-  for (uint32_t i = 0; i <= RS_RECENT_TEMPLATES; i++) {
-    uint32_t cand = i == 0 ? th->last_rec : th->recent_recs[i - 1];
-    if (cand < th->cap && recs[cand].valid && (i == 0 || cand != th->last_rec)) {
-      tmpls[ntmpl] = recs[cand].desc_off;
-      from[ntmpl++] = i == 0 ? RS_NONE : i - 1;
+  uint64_t desc = held;
+  if (held) {   /* the block's newest record holds it longest: it replaces the block's recent one */
+    r = th->free_rec_head;
+    for (uint32_t i = 0; i < RS_RECENT_TEMPLATES; i++) {
+      uint32_t cand = th->recent_recs[i];
+      if (cand < th->cap && recs[cand].valid && rs_ref_off(recs[cand].desc_off) == rs_ref_off(held))
+        th->recent_recs[i] = r;
+    }
+    *used_held = 1;
+  } else {
+    uint64_t tmpls[1 + RS_RECENT_TEMPLATES];
+    uint32_t from[1 + RS_RECENT_TEMPLATES], ntmpl = 0;   /* recent_recs slot of each, or RS_NONE */
+    for (uint32_t i = 0; i <= RS_RECENT_TEMPLATES; i++) {
+      uint32_t cand = i == 0 ? th->last_rec : th->recent_recs[i - 1];
+      if (cand < th->cap && recs[cand].valid && (i == 0 || cand != th->last_rec)) {
+        tmpls[ntmpl] = recs[cand].desc_off;
+        from[ntmpl++] = i == 0 ? RS_NONE : i - 1;
+      }
+    }
+    int used;
+    int rc = rs_desc_create_shared_any(base, blob, len, tmpls, ntmpl, &desc, &used);
+    if (rc) return rc;
+    r = th->free_rec_head;
+    if (used < 0) {   /* a new block: remembered in place of the oldest */
+      th->recent_recs[th->recent_next % RS_RECENT_TEMPLATES] = r;
+      th->recent_next = (th->recent_next + 1) % RS_RECENT_TEMPLATES;
+    } else if (from[used] != RS_NONE) {   /* the block's newest record holds it longest */
+      th->recent_recs[from[used]] = r;
     }
   }
-  uint64_t desc;
-  int used;
-  int rc = rs_desc_create_shared_any(base, blob, len, tmpls, ntmpl, &desc, &used);
-  if (rc) return rc;
-
-  r = th->free_rec_head;
   th->last_rec = r;
-  if (used < 0) {   /* a new block: remembered in place of the oldest */
-    th->recent_recs[th->recent_next % RS_RECENT_TEMPLATES] = r;
-    th->recent_next = (th->recent_next + 1) % RS_RECENT_TEMPLATES;
-  } else if (from[used] != RS_NONE) {   /* the block's newest record holds it longest */
-    th->recent_recs[from[used]] = r;
-  }
   rs_rec *rec = &recs[r];
   th->free_rec_head = rec->next_free;
   rec->key = key;
@@ -619,6 +636,90 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
 
 /* ================================================================== insert */
 
+/* Items of one insert call that differ only by a row shift (a batch of rows of the same chunks)
+ * share one DESC block. Found before the lock from the caller's descriptors: the items form
+ * groups of consecutive items; item i's group starts at item grp[i], and its rows lie shift[i]
+ * rows after that first item's (rs_desc_blob_shift). Without memory for the arrays (a call of
+ * more than GROUP_STACK items), every item is its own group: each then finds a block to share
+ * under the lock, one arena-lock hold per item. */
+#define GROUP_STACK 256
+typedef struct shift_groups {
+  uint32_t n;
+  uint32_t *grp;
+  int32_t *shift;
+  uint32_t stack_grp[GROUP_STACK];
+  int32_t stack_shift[GROUP_STACK];
+} shift_groups;
+
+static void shift_groups_find(shift_groups *g, uint32_t n, const uint8_t *blob, const uint64_t *offs) {
+  g->n = n;
+  g->grp = n <= GROUP_STACK ? g->stack_grp : malloc(n * sizeof *g->grp);
+  g->shift = n <= GROUP_STACK ? g->stack_shift : malloc(n * sizeof *g->shift);
+  if (!g->grp || !g->shift) {
+    if (g->grp != g->stack_grp) free(g->grp);
+    if (g->shift != g->stack_shift) free(g->shift);
+    g->grp = NULL;
+    g->shift = NULL;
+    return;
+  }
+  uint32_t first = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    uint32_t len = (uint32_t)(offs[i + 1] - offs[i]);
+    int64_t d = i && len == offs[first + 1] - offs[first]
+                    ? rs_desc_blob_shift(blob + offs[first], blob + offs[i], len) : -1;
+    if (d < 0) first = i, d = 0;
+    g->grp[i] = first;
+    g->shift[i] = (int32_t)d;
+  }
+}
+
+static void shift_groups_free(shift_groups *g) {
+  if (g->grp != g->stack_grp) free(g->grp);
+  if (g->shift != g->stack_shift) free(g->shift);
+}
+
+/* Block references taken in advance for the rest of a group, under the table lock: the item
+ * that found or made its group's block (`ref`, at `shift0` in its group) takes one reference
+ * for each later item of the group in a single arena-lock hold, instead of one hold per item;
+ * the references those items do not use (existing keys; the round ended) are released with the
+ * round's evicted items. */
+typedef struct shared_run {
+  uint64_t ref;      /* the item reference whose block the references are to */
+  uint32_t grp;      /* its group */
+  uint32_t end;      /* items before `end` may use them */
+  int32_t shift0;    /* its shift in the group */
+  uint32_t held;     /* references held and not used */
+} shared_run;
+
+/* The item reference item i uses from the references held, or 0 (none held for it). */
+static uint64_t shared_run_ref(const shared_run *run, const shift_groups *g, uint32_t i) {
+  if (!run->held || !g->grp || g->grp[i] != run->grp || i >= run->end) return 0;
+  return rs_ref_make(rs_ref_off(run->ref),
+                     (uint32_t)((int64_t)rs_ref_shift(run->ref) + g->shift[i] - run->shift0));
+}
+
+/* Item i has just been inserted with a block found or made for it (the table's newest record):
+ * take references to that block for the later items of its group when their shifts fit. */
+static void shared_run_take(void *base, rs_table_hdr *th, shared_run *run, const shift_groups *g,
+                            uint32_t i, const uint8_t *blob, const uint64_t *offs) {
+  if (!g->grp) return;
+  uint32_t end = i + 1, far = i;
+  int32_t lo = g->shift[i], hi = g->shift[i];
+  for (; end < g->n && g->grp[end] == g->grp[i]; end++) {
+    if (g->shift[end] < lo) lo = g->shift[end];
+    if (g->shift[end] > hi) hi = g->shift[end], far = end;
+  }
+  if (end == i + 1) return;
+  const rs_rec *rec = &rs_recs(base, th)[th->last_rec];
+  if (!rec->valid) return;   /* (a remover that took the newest item at once) */
+  uint64_t ref = rec->desc_off;
+  int64_t s = rs_ref_shift(ref);
+  if (s + lo - g->shift[i] < 0 || s + hi - g->shift[i] > RS_REF_MAX_SHIFT) return;
+  if (rs_desc_add_refs(base, ref, end - i - 1, blob + offs[far], (uint32_t)(offs[far + 1] - offs[far])))
+    return;   /* (the items then take the per-item path, which reports what is wrong) */
+  *run = (shared_run){ref, g->grp[i], end, g->shift[i], end - i - 1};
+}
+
 int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint64_t *keys,
               const double *priorities, const uint8_t *blob, const uint64_t *blob_offs,
               int64_t deadline_ns, int64_t slice_ns, uint32_t *done_out) {
@@ -645,6 +746,10 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
     }
   }
 
+  shift_groups g;
+  shift_groups_find(&g, n, blob, blob_offs);
+  shared_run run = {0, 0, 0, 0, 0};
+
   op_t op;
   op_init(&op, base, table, "insert", &th->inserting_ns, &th->waiting_for_sampling_ns, deadline_ns,
           slice_ns);
@@ -660,9 +765,15 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
     prefetch_fifo_victims(base, th, n - done < EVICT_BATCH ? n - done : EVICT_BATCH);
     while (done < n && rs_limiter_can_insert(th, 1)) {
       int64_t inserts0 = th->inserts, deletes0 = th->deletes;
-      rc = insert_one(base, th, keys[done], priorities[done], blob + blob_offs[done],
-                      (uint32_t)(blob_offs[done + 1] - blob_offs[done]), now_ns, &ev);
+      uint64_t held = shared_run_ref(&run, &g, done);
+      int used_held;
+      uint32_t len = (uint32_t)(blob_offs[done + 1] - blob_offs[done]);
+      rc = insert_one(base, th, keys[done], priorities[done], blob + blob_offs[done], len, now_ns,
+                      &ev, held, &used_held);
       if (rc) break;
+      if (used_held) run.held--;
+      else if (!held && th->inserts != inserts0)   /* a block found or made here: share it on */
+        shared_run_take(base, th, &run, &g, done, blob, blob_offs);
       if (th->inserts != inserts0) {
         op.c->inserts++;
         op.c->insert_bytes += rs_desc_bytes(base, (const rs_desc_hdr *)(blob + blob_offs[done]));
@@ -673,6 +784,9 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
       done++;
       op.dirty = 1;
     }
+    ev.spare_ref = run.ref;   /* references the items after this round would have used */
+    ev.spare_n = run.held;
+    run.held = 0;
     evicted_release(base, &ev);
     if (rc || done == n) {
       op_unlock(&op);
@@ -680,6 +794,7 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
     }
     rc = op_wait(&op);
   }
+  shift_groups_free(&g);
   *done_out = done;
   return rc;
 }

@@ -434,6 +434,64 @@ def test_one_insert_evicting_hundreds_releases_every_victim_in_fifo_order():
     lim.check()
 
 
+def rows_blobs(seg, chunk_off, rows):
+    """Descriptor blobs (one column, one slice of one row) for items of these rows of a chunk."""
+    per = 8 + 16 + 16
+    raw = np.zeros(len(rows) * per // 8, np.uint64).view(np.uint8)
+    for i, row in enumerate(rows):
+        b = raw[i * per:(i + 1) * per]
+        b[0:8].view("<u4")[:] = [1, 1]
+        b[8:24].view("<u4")[:] = [0, 1, 0, 0]
+        b[24:40].view(DESC_DTYPE)[0] = (chunk_off, row, 1)
+    return raw, np.arange(len(rows) + 1, dtype=np.uint64) * per
+
+
+def test_insert_of_successive_rows_shares_one_block_with_exact_counts():
+    """The items of one insert call that name successive rows of the same chunks share one
+    descriptor block, whose references are taken for the rest of the call at once: with keys
+    that already exist among them (priority updates take no reference) and a limiter that stops
+    the call mid-batch (the references taken for the items left are given back), every item
+    still names its own row, the table keeps insertion order, every refcount equals a recount,
+    and the arena holds one block for the items, then none once they are gone."""
+    seg = Segment(max_size=100, remover=FIFO, min_diff=-FLT_MAX, max_diff=30.0)
+    chunk = seg.chunk(7, rows=64)
+    info = ffi.new("rs_segment_info *")
+    ok(lib.rs_segment_get_info(seg.base, info))
+    descs0, used0 = info.num_descs, info.arena_used
+    insert_ok(seg, [1000, 1001], blobs=rows_blobs(seg, chunk, [50, 51]))
+    keys = list(range(40))
+    keys[5], keys[9] = 1000, 1001
+    blobs = rows_blobs(seg, chunk, list(range(40)))
+    rc, done = seg.insert(keys, [2.0] * 40, blobs=blobs, timeout=0.05)
+    # inserts may run 30 ahead of samples: 28 new items, with the 2 updates among them
+    assert (rc, done) == (lib.RS_ETIMEDOUT, 30)
+    seg.check()
+    sample_ok(seg, 20)
+    raw, offs = blobs
+    rc, done = seg.insert(keys[30:], [2.0] * 10, blobs=(raw[int(offs[30]):], offs[30:] - offs[30]))
+    assert (rc, done) == (0, 10)
+    expect = [1000, 1001] + [k for k in range(40) if k not in (5, 9)]
+    assert seg.keys() == expect
+    assert [p for _, p, _ in seg.items()][:2] == [2.0, 2.0]   # updated, not re-inserted
+    seg.check()
+    rec = ffi.new("rs_item_rec *")
+    refs = []
+    for k in expect:
+        ok(lib.rs_table_get(seg.base, 0, k, rec))
+        refs.append(rec.desc_off)
+    out = np.zeros((len(refs), 2), np.float32)
+    ok(lib.rs_gather(seg.base, len(refs), ffi.from_buffer("uint64_t[]", np.array(refs, np.uint64)),
+                     0, ffi.from_buffer("uint8_t[]", out.view(np.uint8)), 8, 8))
+    want = [[700 + 2 * r, 701 + 2 * r] for r in [50, 51] + [k for k in range(40) if k not in (5, 9)]]
+    assert out.tolist() == want
+    ok(lib.rs_segment_get_info(seg.base, info))
+    assert info.num_descs - descs0 <= 3   # shared per call (later calls share the last block)
+    ok(lib.rs_reset(seg.base, 0))
+    seg.check()
+    ok(lib.rs_segment_get_info(seg.base, info))
+    assert (info.num_descs, info.arena_used) == (descs0, used0)
+
+
 def test_max_times_sampled_reports_pre_removal_size_and_keeps_data_alive():
     seg = Segment(sampler=FIFO, max_times_sampled=2)
     insert_ok(seg, [1, 2], episodes=[11, 12])
