@@ -218,7 +218,9 @@ typedef struct rs_table_hdr {
    * so that writers inserting in turn (several processes' open chunks) each keep sharing theirs.
    * Hints only: a candidate counts only while its record is valid. */
   uint32_t recent_recs[RS_RECENT_TEMPLATES];
-  uint64_t reserved[2];
+  int64_t locked_at_ns;            /* when the lock's holder took it (rs_now_ns; a hint for
+                                      rs_tlock's spinning, written by each holder) */
+  uint64_t reserved[1];
 } rs_table_hdr;
 
 static inline rs_seg_hdr *rs_seg(void *base) { return (rs_seg_hdr *)base; }

@@ -311,7 +311,7 @@ static void op_init(op_t *op, void *base, uint32_t t, const char *what, int64_t 
 static int op_lock(op_t *op) {
   int rc = rs_tlock(op->base, op->t);
   if (rc) return rc;
-  op->locked_at = rs_now_ns();
+  op->locked_at = op->th->locked_at_ns;   /* (rs_tlock's clock reading) */
   return RS_OK;
 }
 
