@@ -220,7 +220,11 @@ typedef struct rs_table_hdr {
   uint32_t recent_recs[RS_RECENT_TEMPLATES];
   int64_t locked_at_ns;            /* when the lock's holder took it (rs_now_ns; a hint for
                                       rs_tlock's spinning, written by each holder) */
-  uint64_t reserved[1];
+  uint32_t woken;                  /* kinds of waiters (table.c WAIT_*) woken since one of
+                                      that kind last registered: later publishers skip the
+                                      wake-up system call (the woken recheck on their own) */
+  uint32_t change_waiters;         /* threads in rs_table_wait_change (also in `waiters`): they
+                                      register without the lock, so they are always woken */
 } rs_table_hdr;
 
 static inline rs_seg_hdr *rs_seg(void *base) { return (rs_seg_hdr *)base; }

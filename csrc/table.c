@@ -336,7 +336,12 @@ static uint32_t op_publish(op_t *op) {
   uint32_t kinds = 0;
   if ((w & 0xffffu) && rs_limiter_can_insert(th, 1)) kinds |= WAIT_INSERT;
   if ((w >> 16) && th->size > 0 && rs_limiter_can_sample(th, 1)) kinds |= WAIT_SAMPLE;
-  return kinds;
+  /* A kind already woken, with no waiter of it registered since (under the lock, op_wait),
+   * needs no second wake-up: every one of its sleepers was woken then or saw seq change before
+   * sleeping. Waiters that register without the lock (rs_table_wait_change) are always woken. */
+  uint32_t again = __atomic_fetch_or(&th->woken, kinds, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&th->change_waiters, __ATOMIC_SEQ_CST)) again &= ~WAIT_INSERT;
+  return kinds & ~again;
 }
 
 static void op_release(op_t *op, uint32_t wake) {
@@ -393,6 +398,7 @@ static int op_wait(op_t *op) {
   uint32_t wake = op_publish(op);
   uint32_t seen = __atomic_load_n(&th->seq, __ATOMIC_ACQUIRE);
   __atomic_add_fetch(&th->waiters, WAITER_ONE(kind), __ATOMIC_ACQ_REL);
+  __atomic_and_fetch(&th->woken, ~kind, __ATOMIC_SEQ_CST);   /* this sleeper needs a wake-up */
   op_release(op, wake);
   uint32_t *blocked = inserter ? &op->c->blocked_inserters : &op->c->blocked_samplers;
   __atomic_add_fetch(blocked, 1, __ATOMIC_RELAXED);

@@ -4,7 +4,8 @@
  * sleeps here until something that may let the rate limiter admit an insert happens, instead
  * of polling: every operation that publishes a change bumps the table's futex word `seq` and
  * wakes the processes counted in `waiters` (table.c op_publish/op_release, snapshot.c,
- * layout.c's close), so counting ourselves in `waiters` before sleeping on `seq` is enough.
+ * layout.c's close), so counting ourselves in `waiters` (and `change_waiters`, which op_publish
+ * never skips a wake-up for) before sleeping on `seq` is enough.
  */
 #include "rs_internal.h"
 
@@ -31,10 +32,12 @@ int rs_table_wait_change(void *base, uint32_t table, uint32_t seen, int64_t dead
   /* Counted before seq is read again (both are full-barrier atomics): a publisher that bumps
    * seq after that read sees waiters > 0 and wakes us. */
   __atomic_add_fetch(&th->waiters, 1, __ATOMIC_SEQ_CST);
+  __atomic_add_fetch(&th->change_waiters, 1, __ATOMIC_SEQ_CST);   /* never skipped (op_publish) */
   if (__atomic_load_n(&th->seq, __ATOMIC_SEQ_CST) == seen) {
     if (deadline_ns >= 0 && rs_now_ns() >= deadline_ns) rc = RS_ETIMEDOUT;
     else rc = rs_futex_wait(&th->seq, seen, deadline_ns);
   }
+  __atomic_sub_fetch(&th->change_waiters, 1, __ATOMIC_SEQ_CST);
   __atomic_sub_fetch(&th->waiters, 1, __ATOMIC_SEQ_CST);
   if (rc == RS_EAGAIN) rc = RS_OK;   /* interrupted by a signal: the caller reads seq again */
   if (rc == RS_ETIMEDOUT) return rs_set_error(RS_ETIMEDOUT, "table %u did not change before the deadline", table);
