@@ -435,12 +435,41 @@ typedef struct ep_new_ctx {
   uint64_t seen[EP_NEW_SEEN];   /* the new episodes counted so far */
 } ep_new_ctx;
 
+/* The episode-map entry this thread last found for adding (and for dropping) an episode's
+ * references: the items of one insert call, and the victims evicted in a row, mostly name the
+ * same episodes, so their map operations start here instead of hashing and probing each time.
+ * A hint only: used (with the table lock held) only when that entry holds that episode now. */
+typedef struct ep_hint {
+  const rs_episode_entry *em;   /* the map (this process's address of it) */
+  uint32_t cap, slot;
+} ep_hint;
+static __thread ep_hint ep_hint_add, ep_hint_drop;
+
+static rs_episode_entry *ep_hinted(const ep_hint *h, rs_episode_entry *em, uint32_t cap, uint64_t ep) {
+  if (h->em != em || h->cap != cap || h->slot >= cap) return NULL;
+  rs_episode_entry *e = &em[h->slot];
+  return e->count && e->episode_id == ep ? e : NULL;
+}
+
+static void ep_remember(ep_hint *h, rs_episode_entry *em, uint32_t cap, const rs_episode_entry *e) {
+  if (!e) return;
+  h->em = em;
+  h->cap = cap;
+  h->slot = (uint32_t)(e - em);
+}
+
 /* Counts the episodes of an item that the map does not hold yet, each once: the chunks of one
  * episode (one per column) need one new entry, not one each. Past EP_NEW_SEEN distinct new
  * episodes the rest are counted per chunk (an overestimate: the capacity check stays safe). */
 static void ep_count_new(void *c, uint64_t ep) {
   ep_new_ctx *x = c;
-  if (rs_epmap_find(x->c.em, x->c.th->episodes_cap, ep)) return;
+  uint32_t cap = x->c.th->episodes_cap;
+  if (ep_hinted(&ep_hint_add, x->c.em, cap, ep)) return;
+  rs_episode_entry *e = rs_epmap_find(x->c.em, cap, ep);
+  if (e) {
+    ep_remember(&ep_hint_add, x->c.em, cap, e);
+    return;
+  }
   for (uint32_t i = 0; i < x->nseen; i++)
     if (x->seen[i] == ep) return;
   if (x->nseen < EP_NEW_SEEN) x->seen[x->nseen++] = ep;
@@ -449,12 +478,26 @@ static void ep_count_new(void *c, uint64_t ep) {
 
 static void ep_add(void *c, uint64_t ep) {
   ep_ctx *x = c;
-  if (rs_epmap_incr(x->em, x->th->episodes_cap, ep) == 1) x->th->num_episodes++;
+  uint32_t cap = x->th->episodes_cap;
+  rs_episode_entry *e = ep_hinted(&ep_hint_add, x->em, cap, ep);
+  if (e) {
+    e->count++;
+    return;
+  }
+  if (rs_epmap_incr(x->em, cap, ep) == 1) x->th->num_episodes++;
+  ep_remember(&ep_hint_add, x->em, cap, rs_epmap_find(x->em, cap, ep));
 }
 
 static void ep_drop(void *c, uint64_t ep) {
   ep_ctx *x = c;
-  if (rs_epmap_decr(x->em, x->th->episodes_cap, ep) == 1) {
+  uint32_t cap = x->th->episodes_cap;
+  rs_episode_entry *e = ep_hinted(&ep_hint_drop, x->em, cap, ep);
+  if (!e) ep_remember(&ep_hint_drop, x->em, cap, e = rs_epmap_find(x->em, cap, ep));
+  if (e && e->count > 1) {   /* (the last reference removes the entry: rs_epmap_decr) */
+    e->count--;
+    return;
+  }
+  if (rs_epmap_decr(x->em, cap, ep) == 1) {
     x->th->num_episodes--;
     x->th->num_deleted_episodes++;
   }
@@ -760,10 +803,11 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
   op_init(&op, base, table, "insert", &th->inserting_ns, &th->waiting_for_sampling_ns, deadline_ns,
           slice_ns);
   op.c = rs_counters_row(base, slot, table);
+  /* Each key's index probe is a cache miss in a large table: request them all at once, before
+   * the lock (the index's place and size never change), so that they overlap taking it. */
+  rs_index_prefetch(rs_tindex(base, th), th->index_cap, n < 256 ? n : 256, keys);
   rc = op_lock(&op);
   uint32_t done = 0;
-  /* Each key's index probe is a cache miss in a large table: request them all at once. */
-  if (rc == RS_OK) rs_index_prefetch(rs_tindex(base, th), th->index_cap, n < 256 ? n : 256, keys);
   evicted ev = {0};
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     /* One insertion time for the items of one lock hold (they become visible together). */
