@@ -355,18 +355,19 @@ static void decref_chunk_cb(void *base, uint64_t chunk_off, void *arg) {
 
 static void incref_chunk_cb(void *base, uint64_t chunk_off, void *arg) {
   (void)arg;
-  blk(base, chunk_off - RS_ALIGN)->refcount++;
+  /* (atomic: rs_insert's validation reads chunk refcounts before it takes any lock, is_block) */
+  __atomic_add_fetch(&blk(base, chunk_off - RS_ALIGN)->refcount, 1, __ATOMIC_RELAXED);
 }
 
 /* Drop one reference to the block whose payload is at `off`; free it at zero (a descriptor first
  * drops its chunk references). Caller holds the arena lock. */
 static void decref(void *base, uint64_t off) {
   rs_blk *b = blk(base, off - RS_ALIGN);
-  if (b->refcount == 0) {           /* cannot happen unless counts are already off */
+  if (__atomic_load_n(&b->refcount, __ATOMIC_RELAXED) == 0) {   /* only if counts are off */
     rs_seg(base)->refcounts_suspect = 1;
     return;
   }
-  if (--b->refcount) return;
+  if (__atomic_sub_fetch(&b->refcount, 1, __ATOMIC_RELAXED)) return;   /* (atomic: see incref_chunk_cb) */
   if (btype(b) == RS_BLOCK_DESC &&
       for_each_chunk(base, rs_desc_blob(base, off), decref_chunk_cb, NULL) != 0)
     rs_seg(base)->refcounts_suspect = 1;   /* out of memory: recount will free the chunks */
