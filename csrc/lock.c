@@ -85,14 +85,6 @@ void rs_futex_wake_bits(uint32_t *word, uint32_t bits) {
   syscall(SYS_futex, word, FUTEX_WAKE_BITSET, INT_MAX, NULL, NULL, bits);
 }
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
-
 /* A held table lock is waited for by spinning while its hold is young, then by sleeping in
  * the kernel (pthread_mutex_lock). Holds of inserts and samples of tens of items last ~5-20 us,
  * while a sleeper wakes ~50-100 us after the unlock on a virtual machine (the woken thread's
@@ -119,7 +111,7 @@ static int tlock_spin(rs_table_hdr *th) {
   int64_t t0 = rs_now_ns(), now = t0;
   while (now - t0 < TLOCK_SPIN_NS &&
          now - __atomic_load_n(&th->locked_at_ns, __ATOMIC_RELAXED) < TLOCK_YOUNG_NS) {
-    for (int i = 0; i < 16; i++) cpu_relax();
+    for (int i = 0; i < 16; i++) rs_cpu_relax();
     now = rs_now_ns();
     if (tlock_held(&th->lock)) continue;
     rc = pthread_mutex_trylock(&th->lock);

@@ -227,6 +227,15 @@ typedef struct rs_table_hdr {
                                       register without the lock, so they are always woken */
 } rs_table_hdr;
 
+/* A spin-wait loop's pause (lets the sibling hyperthread run; saves power). */
+static inline void rs_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
 static inline rs_seg_hdr *rs_seg(void *base) { return (rs_seg_hdr *)base; }
 static inline rs_table_hdr *rs_table(void *base, uint32_t t) {
   uint64_t *offs = (uint64_t *)rs_at(base, rs_seg(base)->tables_off);

@@ -31,14 +31,6 @@
 #define SAMPLE_ROUND 256             /* items sampled (and pinned) per arena-lock acquisition */
 #define SPIN_NS 4000                 /* re-read seq this long before sleeping in the kernel */
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
-
 /* ================================================================== region layout */
 
 static int kind_ok(int32_t k) { return k >= RS_SEL_UNIFORM && k <= RS_SEL_MAXHEAP; }
@@ -406,7 +398,7 @@ static int op_wait(op_t *op) {
   int rc = RS_OK;
   int64_t t0 = rs_now_ns();
   while (__atomic_load_n(&th->seq, __ATOMIC_ACQUIRE) == seen && rs_now_ns() - t0 < SPIN_NS)
-    cpu_relax();
+    rs_cpu_relax();
   if (__atomic_load_n(&th->seq, __ATOMIC_ACQUIRE) == seen)
     rc = rs_futex_wait_bits(&th->seq, seen, until, kind);
   __atomic_sub_fetch(&th->waiters, WAITER_ONE(kind), __ATOMIC_ACQ_REL);
