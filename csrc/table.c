@@ -740,10 +740,15 @@ static uint64_t shared_run_ref(const shared_run *run, const shift_groups *g, uin
 }
 
 /* Item i has just been inserted with a block found or made for it (the table's newest record):
- * take references to that block for the later items of its group when their shifts fit. */
+ * take references to that block for the later items of its group when their shifts fit. The
+ * references left of an earlier group (its items were existing keys) join `ev` to be released. */
 static void shared_run_take(void *base, rs_table_hdr *th, shared_run *run, const shift_groups *g,
-                            uint32_t i, const uint8_t *blob, const uint64_t *offs) {
+                            uint32_t i, const uint8_t *blob, const uint64_t *offs, evicted *ev) {
   if (!g->grp) return;
+  for (; run->held; run->held--) {
+    if (ev->n == EVICT_BATCH) evicted_release(base, ev);
+    ev->descs[ev->n++] = run->ref;
+  }
   uint32_t end = i + 1, far = i;
   int32_t lo = g->shift[i], hi = g->shift[i];
   for (; end < g->n && g->grp[end] == g->grp[i]; end++) {
@@ -815,7 +820,7 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
       if (rc) break;
       if (used_held) run.held--;
       else if (!held && th->inserts != inserts0)   /* a block found or made here: share it on */
-        shared_run_take(base, th, &run, &g, done, blob, blob_offs);
+        shared_run_take(base, th, &run, &g, done, blob, blob_offs, &ev);
       if (th->inserts != inserts0) {
         op.c->inserts++;
         op.c->insert_bytes += rs_desc_bytes(base, (const rs_desc_hdr *)(blob + blob_offs[done]));

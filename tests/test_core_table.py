@@ -492,6 +492,19 @@ def test_insert_of_successive_rows_shares_one_block_with_exact_counts():
     assert (info.num_descs, info.arena_used) == (descs0, used0)
 
 
+def test_insert_of_repeated_key_then_another_group_leaks_no_reference():
+    """A reference taken for a later item of a group that turns out to be an existing key (the
+    same key twice in one call) is given back when the next group takes its own (found by the
+    core fuzzer: the next group's references replaced it, leaking one)."""
+    seg = Segment(max_size=10, remover=FIFO)
+    a, b = seg.chunk(1, rows=4), seg.chunk(2, rows=4)
+    (ra, oa), (rb, ob) = rows_blobs(seg, a, [0, 0]), rows_blobs(seg, b, [1, 1])
+    blobs = (np.concatenate([ra, rb]), np.concatenate([oa, ob[1:] + oa[-1]]))
+    insert_ok(seg, [7, 7, 8, 9], blobs=blobs)
+    assert seg.keys() == [7, 8, 9]
+    seg.check()
+
+
 def test_max_times_sampled_reports_pre_removal_size_and_keeps_data_alive():
     seg = Segment(sampler=FIFO, max_times_sampled=2)
     insert_ok(seg, [1, 2], episodes=[11, 12])
