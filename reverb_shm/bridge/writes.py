@@ -240,9 +240,9 @@ class WriteSession:
       for i, start in enumerate(starts):
         batch = _Batch(next(self._seqs), table, key_bytes[8 * i:8 * i + 8],
                        prio_bytes[8 * i:8 * i + 8], 1)
-        item = []
+        item, sent = [], []   # (the op's descriptor is built in the same pass: see _items_op)
         for slices, squeeze in chunks.decode_descriptor(blob, start):
-          column = []
+          column, sent_column = [], []
           for off, row, nrows in slices:
             chunk = current.get(off)
             if chunk is None or chunk.rows < row + nrows:
@@ -250,10 +250,13 @@ class WriteSession:
             else:
               batch.chunks[id(chunk)] = chunk
             column.append((chunk, row, nrows))
+            sent_column.append([chunk.cid, row, nrows])
           item.append((column, squeeze))
+          sent.append([sent_column, squeeze])
         batch.descs.append(item)
         in_use.update(batch.chunks)
-        ops.append(_items_op(batch))
+        ops.append({"op": "items", "seq": batch.seq, "table": table, "keys": batch.keys,
+                    "prios": batch.prios, "descs": [sent], "timeout_ms": None})
         batches.append(batch)
       self._evict(ops, in_use)
       with self._cond:
