@@ -342,6 +342,13 @@ class StreamCall:
     except ConnectionError:
       pass
 
+  def half_close(self) -> None:
+    """Ends the requests of a call made with requests=None (the bridge sees their end)."""
+    try:
+      self._dealer.send(wire.ZMQ_EOF)
+    except ConnectionError:
+      pass
+
   def _send_all(self, requests) -> None:
     dealer = self._dealer
     try:
