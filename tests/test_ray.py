@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -148,6 +149,10 @@ def test_split_batch_is_multinomial_over_masses():
   assert (counts.sum(axis=1) == 10).all()
   assert (counts[:, 2] == 0).all()
   np.testing.assert_allclose(counts.mean(axis=0), [1.0, 3.0, 0.0, 6.0], atol=0.05)
+  # `size` independent splits at once (a prefetched group), the same distribution.
+  group = split_batch(10, masses, rng, size=20000)
+  assert group.shape == (20000, 4) and (group.sum(axis=1) == 10).all()
+  np.testing.assert_allclose(group.mean(axis=0), [1.0, 3.0, 0.0, 6.0], atol=0.05)
   with pytest.raises(ValueError, match="mass 0"):
     split_batch(4, [0.0, 0.0], rng)
   with pytest.raises(ValueError, match="finite and >= 0"):
@@ -186,6 +191,24 @@ def test_prefetched_batches_share_one_answer_per_bridge_in_slices():
   for a in (0, 2):
     with pytest.raises(ValueError, match="node gone"):
       sampling._Slice(broken, a, 2)()  # pylint: disable=protected-access
+
+
+def test_sampled_keys_are_remembered_within_key_memory():
+  """Keys are logged per answer and filed only when a lookup needs them; about the last
+  key_memory keys drawn are remembered (a key drawn again keeps its first place)."""
+  from reverb_shm.ray.sampling import ClusterClient  # pylint: disable=g-import-not-at-top
+  cc = ClusterClient(types.SimpleNamespace(entries=[], num_shards=0), key_memory=5)
+  cc._log_keys(np.array([1, 2, 3], np.uint64), 0)  # pylint: disable=protected-access
+  cc._log_keys(np.array([4, 5], np.uint64), 2)  # pylint: disable=protected-access
+  assert [cc.shard_of(k) for k in (1, 2, 3, 4, 5, 6)] == [0, 0, 0, 2, 2, None]
+  cc._log_keys(np.array([6, 1, 7], np.uint64), 0)  # pylint: disable=protected-access
+  # filed: 1..7 (1 kept its place), 7 > 5 keys: the two filed first (1, 2) are forgotten
+  assert [cc.shard_of(k) for k in (1, 2, 3, 6, 7)] == [None, None, 0, 0, 0]
+  for k in range(10, 16):   # 6 keys drawn without a lookup: only the last 5 are kept
+    cc._log_keys(np.array([k], np.uint64), 1)  # pylint: disable=protected-access
+  assert [cc.shard_of(k) for k in (3, 7, 10, 11, 15)] == [None, None, None, 1, 1]
+  assert len(cc._filed_keys()) == 5  # pylint: disable=protected-access
+  cc.close()
 
 
 # ---- on the cluster
@@ -348,6 +371,26 @@ def test_priority_updates_reach_the_shard_holding_the_key(filled):
   assert cc.mutate_priorities("prio", updates={key: old}) == (1, 0)
   assert _mass(handle, a) == pytest.approx(before[a], rel=1e-12)
   cc.close()
+
+  # A prefetching learner's batches (the bridges' parts cut from shared answers) route the
+  # same way.
+  pf = handle.global_client(seed=7, timeout_s=10, prefetch=4)
+  pf.sample_batch("prio", 200, rate_limiter_timeout_ms=10_000)
+  batch = pf.sample_batch("prio", 200, rate_limiter_timeout_ms=10_000)
+  labels = list(PRIOS)   # values written on node i are 100 * i + position
+  writer = [_shard(handle, local, labels[v // 100])
+            for v in np.asarray(batch.data[0]).reshape(-1).tolist()]
+  assert [pf.shard_of(k) for k in batch.info.key.tolist()] == writer
+  i = writer.index(a)
+  key, old = int(batch.info.key[i]), float(batch.info.priority[i])
+  before = [_mass(handle, s) for s in range(3)]
+  assert pf.mutate_priorities("prio", updates={key: 40.0}) == (1, 0)
+  after = [_mass(handle, s) for s in range(3)]
+  assert after[a] == pytest.approx(before[a] - old ** EXPONENT + 40.0 ** EXPONENT, rel=1e-12)
+  assert [m for s, m in enumerate(after) if s != a] == [m for s, m in enumerate(before)
+                                                          if s != a]
+  assert pf.mutate_priorities("prio", updates={key: old}) == (1, 0)
+  pf.close()
 
 
 def test_a_stalled_node_is_dropped_within_the_deadline_and_rejoins(filled):
