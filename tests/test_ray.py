@@ -71,6 +71,21 @@ def cluster(tmp_path_factory):
     local.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def _ray_logs_on_failure(request):
+  """A test on the cluster that failed keeps the cluster's logs (temp dir) and shows their
+  tails: which node Ray declared dead, and why, is only in them."""
+  failed = request.session.testsfailed
+  yield
+  if request.session.testsfailed > failed and "cluster" in request.fixturenames:
+    local, _ = request.getfixturevalue("cluster")
+    local.keep_logs = True
+    report = local.log_report()
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+      print(f"\n{request.node.nodeid} failed; {report}", file=sys.stderr, flush=True)
+
+
 def _on(label):
   return {"resources": {label: 0.01}}
 
@@ -183,6 +198,30 @@ def test_prefetched_batches_share_one_answer_per_bridge_in_slices():
   assert b0.info.key.tolist() == [0, 1, 2] and b0.data[0].tolist() == [[0, 1], [2, 3], [4, 5]]
   assert b1.info.key.tolist() == [3, 4] and b1.info.probability.tolist() == [0.3, 0.4]
   assert b2 is None
+
+  # A shard's share above 1024 items goes out as several messages (a bridge pins one
+  # message's items at once), joined in order into one answer.
+  sizes = []
+
+  class _FakeBridge:
+    def sample_batch_async(self, table, n, timeout_ms, rpc_timeout):
+      sizes.append(n)
+      base, part = sum(sizes[:-1]), len(sizes)
+      def call():
+        keys = np.arange(base, base + n, dtype=np.uint64)
+        info = SampleInfo(keys, keys / 10.0, np.full(n, 9, np.int64), keys * 1.0,
+                          np.zeros(n, np.int32))
+        return ReplaySample(info, [keys.reshape(n, 1) * 2]), {"size": 9, "part": part}
+      call.cancel = lambda: None
+      return call
+  cc = sampling.ClusterClient(types.SimpleNamespace(entries=[], num_shards=0))
+  cc._clients = {1: _FakeBridge()}  # pylint: disable=protected-access
+  pending, failed = cc._send_remote([1], "t", {1: 2500}, None)  # pylint: disable=protected-access
+  assert sizes == [833, 833, 834] and not failed
+  batch, stats = pending[1]()
+  assert batch.info.key.tolist() == list(range(2500)) and stats["part"] == 3
+  assert batch.data[0][:, 0].tolist() == [2 * k for k in range(2500)]
+  cc.close()
 
   def fail():
     raise ValueError("node gone")
@@ -434,6 +473,7 @@ def test_node_failure_checkpoint_and_restore(filled):
   cc = handle.global_client(seed=4, timeout_s=10, revive_after_s=1e9)
   assert len(cc.sample("prio", 64, rate_limiter_timeout_ms=10_000)) == 64
 
+  node_a = local.node_id("nodeA")
   local.kill_raylet("nodeA")
   t0 = time.monotonic()
   with pytest.warns(RuntimeWarning, match=f"shard {a} .* dropped"):
@@ -459,6 +499,11 @@ def test_node_failure_checkpoint_and_restore(filled):
   with pytest.warns(UserWarning, match=f"shard {a} .* did not checkpoint"):
     paths2 = handle.checkpoint(timeout_s=20)
   assert paths2[a] is None and paths2[b] is not None
+
+  # Ray declares node A dead (its raylet refuses the health checks) within the deadline.
+  while any(n["NodeID"] == node_a and n.get("Alive") for n in ray.nodes()):
+    assert time.monotonic() - t0 < CALL_S * 2, "Ray still counts node A alive"
+    time.sleep(0.5)
 
   # A replacement node (node C, which had no server) restores node A's shard from its last
   # checkpoint.

@@ -85,6 +85,10 @@ def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator,
 # bytes of columns, in all (one request and one answer per bridge for the whole group).
 _GROUP_ITEMS = 4096
 _GROUP_BYTES = 16 << 20
+# Items per SampleBatch message: a bridge pins the items of one message at once, and a server
+# whose max_bytes is taken by its arena cannot grow a process's pin log past its first 1024
+# pins. A larger share is asked for in several messages, answered in order on one stream.
+_MESSAGE_ITEMS = 1024
 
 
 @dataclasses.dataclass
@@ -125,6 +129,28 @@ class _Shared:
 
   def cancel(self) -> None:
     self._call.cancel()
+
+
+class _Joined:
+  """SampleBatch calls in flight of one shard, answered as one (batch, stats): their batches
+  concatenated (None when all are empty), the stats of the last answer."""
+
+  def __init__(self, calls):
+    self._calls = calls
+
+  def __call__(self):
+    answers = [call() for call in self._calls]
+    batches = [b for b, _ in answers if b is not None]
+    stats = answers[-1][1]
+    if len(batches) <= 1:
+      return (batches[0] if batches else None), stats
+    info = SampleInfo(*[np.concatenate([b.info[f] for b in batches]) for f in range(5)])
+    return ReplaySample(info, [np.concatenate(c) for c in zip(*[b.data for b in batches])]), \
+        stats
+
+  def cancel(self) -> None:
+    for call in self._calls:
+      call.cancel()
 
 
 class _Slice:
@@ -374,10 +400,12 @@ class ClusterClient:
     With `prefetch` > 0, whenever fewer than `prefetch` further batches (same table, size and
     timeout) are in flight, the bridges' parts of the next ones are requested before this one
     is gathered, split by the masses known then, with one request per bridge for up to
-    `prefetch` batches of at most 4096 items (and about 16 MiB) in all; each batch takes its
-    slice of the answer. Their items are drawn on the remote shards before this call returns
+    `prefetch` batches of at most 4096 items (and about 16 MiB) in all (sent as messages of at
+    most 1024 items); each batch takes its slice of the answer. Their items are drawn on the remote shards before this call returns
     (as Reverb's in-flight samples), so a priority update sent meanwhile reaches them only
-    from the batches after. The local shard's part is drawn when its batch is returned. A call
+    from the batches after. This node's shard's parts of a group are drawn together when the
+    group's first batch is returned (what its rate limiter admits then; a batch whose part it
+    did not admit draws its missing items again, as does one whose bridge admitted fewer). A call
     with other arguments, or close(), drops the requests in flight (their items count as
     sampled on their shards). Prefetching is what makes a learner fast across nodes: a round
     trip per bridge for every `prefetch` batches instead of one per batch (bench/ray_r1.py
@@ -440,6 +468,10 @@ class ClusterClient:
                 for row in splits.tolist()]
     k_of = dict(zip(shards, splits.sum(axis=0).tolist()))
     pending, failed = self._send_remote(shards, table, k_of, timeout_ms)
+    if group > 1:   # this node's share of the whole group: one C gather at its first use
+      for s in shards:
+        if s in self._local and k_of[s]:
+          pending[s] = self._local_call(s, table, k_of[s])
     for s, call in pending.items():
       shared, start = _Shared(call, self._adopter(table, s, scale[s], total_size)), 0
       for r in requests:
@@ -450,11 +482,13 @@ class ClusterClient:
     return requests
 
   def _adopter(self, table: str, shard: int, scale: float, total_size: int):
-    """What a bridge's answer becomes once (see _Shared): its shard's mass goes to the cache,
-    its items get the global probability (times `scale` = W_s / W) and table_size."""
+    """What a shard's answer to a group becomes once (see _Shared): its shard's mass goes to
+    the cache (a bridge's answer), its items get the global probability (times `scale` =
+    W_s / W) and table_size."""
     def adopt(answer):
       batch, stats = answer
-      self._mass_cache.setdefault(table, {})[shard] = (_mass_of(stats), time.monotonic())
+      if stats is not None:
+        self._mass_cache.setdefault(table, {})[shard] = (_mass_of(stats), time.monotonic())
       if batch is not None:
         i = batch.info
         n = len(i.key)
@@ -468,8 +502,20 @@ class ClusterClient:
       return batch, stats
     return adopt
 
+  def _local_call(self, shard: int, table: str, k: int):
+    """A call drawing up to k items of this node's `shard` that its rate limiter admits at once
+    (None when it admits none now: the batches concerned draw their missing items again)."""
+    def call():
+      try:
+        return self._draw_local(shard, table, k, 0, with_stats=False)
+      except errors.DeadlineExceededError:
+        return None, None
+    call.cancel = lambda: None   # type: ignore[attr-defined]
+    return call
+
   def _collect(self, request: "_Request") -> List[ReplaySample]:
-    """The parts of an issued request (local shard drawn now), with global probabilities."""
+    """The parts of an issued request (a local shard's drawn now unless its group drew it),
+    with global probabilities."""
     table, _, timeout_ms = request.args
     shards = sorted(request.k_of)
     answers = self._finish_draws(shards, table, request.k_of, timeout_ms, request.pending,
@@ -478,7 +524,7 @@ class ClusterClient:
     for s, (batch, _) in sorted(answers.items()):
       if batch is None:
         continue
-      if s in self._local:   # (SharedTable.sample_batch's info has the global dtypes)
+      if s in self._local and s not in request.pending:   # (global dtypes already)
         i = batch.info
         batch = ReplaySample(SampleInfo(
             i.key, i.probability * request.scale[s],
@@ -539,22 +585,31 @@ class ClusterClient:
     pending, failed = {}, {}
     for s in shards:
       if s not in self._local:
+        k = int(k_of[s])
+        messages = max(1, -(-k // _MESSAGE_ITEMS))
+        calls = []
         try:
-          pending[s] = self._clients[s].sample_batch_async(table, int(k_of[s]), timeout_ms,
-                                                           rpc_timeout)
+          for m in range(messages):   # (sizes as equal as can be)
+            calls.append(self._clients[s].sample_batch_async(
+                table, (k * (m + 1)) // messages - (k * m) // messages, timeout_ms,
+                rpc_timeout))
         except _NODE_ERRORS as e:
+          for call in calls:
+            call.cancel()
           failed[s] = e
+        else:
+          pending[s] = calls[0] if len(calls) == 1 else _Joined(calls)
     return pending, failed
 
   def _finish_draws(self, shards, table: str, k_of: Dict[int, int], timeout_ms: Optional[int],
                     pending, failed, local_stats: bool = True):
-    """Draws on the local shards (with their stats after the draw, or None without
-    `local_stats`), then waits for the remote calls `pending`; shards failing with a node
-    error are probed and dropped if dead (else the error is raised)."""
+    """Draws on the local shards that have no call in `pending` (with their stats after the
+    draw, or None without `local_stats`), then waits for the calls `pending`; shards failing
+    with a node error are probed and dropped if dead (else the error is raised)."""
     out = {}
     failed = dict(failed)
     for s in shards:
-      if s in self._local and s in self._clients:
+      if s in self._local and s in self._clients and s not in pending:
         try:
           out[s] = self._draw_local(s, table, int(k_of[s]), timeout_ms, local_stats)
         except _NODE_ERRORS as e:
