@@ -215,9 +215,8 @@ class ClusterHandle:
     returns the new entry.
 
     The old actor counts as alive when it answers within min(10, timeout_s) seconds; one that
-    does not (its node died or stalls) is killed first. A new actor that Ray fails with
-    another, dead node (its lease went there while Ray still counted that node alive) is
-    started again while `node_id` lives, within `timeout_s`.
+    does not (its node died or stalls) is killed first. A new actor that Ray fails before it
+    runs while `node_id` lives is started again, within `timeout_s`.
 
     Raises:
       ValueError: the shard's old actor is still alive (stop it first) or a bad shard index;
@@ -284,13 +283,12 @@ def _start_shard(handle: ClusterHandle, shard: int, node_id: str, timeout_s: flo
 
 def _start_shard_retrying(handle: ClusterHandle, shard: int, node_id: str,
                           timeout_s: float) -> ShardEntry:
-  """_start_shard, started again while the new actor dies before it runs but its node lives.
+  """_start_shard, started again while the new actor dies before it runs but `node_id` lives.
 
-  Ray's GCS sends the lease of an actor that needs no resources to a node it picks at random
-  among those it believes alive, and a node whose raylet just died counts as alive until its
-  health checks have failed enough times; the actor then dies with that node (its error
-  names the dead node), although it was pinned to a live one. Replacing a dead node's shard
-  runs into exactly that window.
+  Right after a node died, Ray may still count it alive (until its health checks have failed
+  enough times), and Ray versions that send an actor's lease to a node picked among those
+  (rather than straight to its affinity node) then fail the new actor when that node is
+  declared dead, with that node's death as the cause.
   """
   deadline = time.monotonic() + timeout_s
   while True:

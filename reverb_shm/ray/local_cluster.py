@@ -16,6 +16,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -228,34 +229,38 @@ class LocalRayCluster:
     with open(os.path.join(self.temp_dir, f"{label}.log"), "rb") as f:
       return f.read().decode("utf-8", "replace")
 
-  def log_report(self, tail_lines: int = 15, max_matches: int = 25) -> str:
+  def log_report(self, tail_lines: int = 12, max_matches: int = 40) -> str:
     """What to show when a test on this cluster failed: the temp dir, each node's `ray start`
-    output tail, and from the Ray session logs (GCS, raylets) the lines about node health and
-    deaths plus each log's tail. Bounded (a few hundred lines)."""
+    output tail, and from the Ray session logs (GCS, raylets) the warnings and errors, the
+    lines about node health, deaths and actor leases, and each log's tail. Bounded (a few
+    hundred lines)."""
     kept = "" if self.keep_logs else " (removed at shutdown)"
     out = [f"ray cluster logs: {self.temp_dir}{kept}"]
     for label in self.nodes:
       try:
-        tail = self.log(label).splitlines()[-tail_lines:]
+        tail = self.log(label).splitlines()[-4:]
       except OSError as e:
         tail = [repr(e)]
       out += [f"--- node {label} (`ray start` pid {self.nodes[label].pid}, exit "
               f"{self.nodes[label].poll()}):"] + tail
-    words = ("health", "heartbeat", "dead", "died", "death", "kill", "oom", "memory",
-             "error", "timeout", "timed out")
+    # Ray's log lines: "[date time LEVEL pid tid] ..."; warnings, errors and deaths matter.
+    # (and where the GCS sends each actor's lease: a node it still counts alive may be dead)
+    notable = re.compile(r"^\[\S+ \S+ [WEF] |health check|heartbeat|\bdead\b|died|death|"
+                         r"killed|\boom\b|leasing worker", re.IGNORECASE)
     for path in sorted(glob.glob(os.path.join(self.temp_dir, "session_*", "logs", "*"))):
       name = os.path.basename(path)
-      if not (name.startswith(("gcs_server", "raylet", "monitor")) and
-              name.endswith((".out", ".err", ".log"))):
+      if not (name.startswith(("gcs_server", "raylet")) and name.endswith((".out", ".err"))):
         continue
       try:
         with open(path, "rb") as f:
-          lines = f.read().decode("utf-8", "replace").splitlines()
+          lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines()
+                   if ln.strip() and not ln.startswith(("[state-dump]", "\t"))]
       except OSError:
         continue
-      hits = [ln for ln in lines if any(w in ln.lower() for w in words)][-max_matches:]
-      if hits or lines:
-        out += [f"--- {name}: lines about health/deaths (last {max_matches}):"] + hits
+      hits = [ln for ln in lines if notable.search(ln)][-max_matches:]
+      if hits:
+        out += [f"--- {name}: warnings, errors, deaths (last {max_matches}):"] + hits
+      if lines:
         out += [f"--- {name}: tail:"] + lines[-tail_lines:]
     return "\n".join(out)
 
