@@ -21,6 +21,7 @@ import reverb_shm  # noqa: E402
 from reverb_shm import rate_limiters, selectors  # noqa: E402
 from reverb_shm.ray import ReplayCluster, split_batch  # noqa: E402
 from reverb_shm.ray.local_cluster import LocalRayCluster  # noqa: E402
+from conftest import unique_server_name  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -247,6 +248,42 @@ def test_sampled_keys_are_remembered_within_key_memory():
     cc._log_keys(np.array([k], np.uint64), 1)  # pylint: disable=protected-access
   assert [cc.shard_of(k) for k in (3, 7, 10, 11, 15)] == [None, None, None, 1, 1]
   assert len(cc._filed_keys()) == 5  # pylint: disable=protected-access
+  cc.close()
+
+
+def test_prefetch_draws_the_local_share_per_group_within_the_rate_limiter(server_factory):
+  """This node's share of a prefetched group is one C gather at the group's first use, of
+  what the shard's rate limiter admits then: batches it leaves short draw their missing items
+  again (waiting for the limiter, within the call's timeout). One local shard, no Ray."""
+  from reverb_shm.ray.cluster import ClusterHandle, ShardEntry  # pylint: disable=g-import-not-at-top
+  name = unique_server_name("ray")
+  table = reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 1000,
+                           rate_limiters.SampleToInsertRatio(1.0, 1, (0.0, 10_000.0)))
+  server = server_factory([table], name=name)
+  client = reverb_shm.Client(f"shm://{name}")
+  for i in range(100):
+    client.insert(np.array([i], np.int64), {"t": 1.0})
+  generation = int(client._segment().info()["generation"])  # pylint: disable=protected-access
+  handle = ClusterHandle("unit", [ShardEntry(0, "n0", name, server.port, "", generation, "a0")],
+                         "token", "/tmp", [table], {})
+  cc = handle.global_client(prefetch=4)
+  assert cc.live_shards == [0] and cc.is_local(0)
+  st = client.shared_table("t")
+  # 100 samples admitted: the first batch (drawn alone), then a group of 4 x 30 gets 70 at
+  # its first use.
+  for samples in (30, 100, 100):
+    batch = cc.sample_batch("t", 30, rate_limiter_timeout_ms=50)
+    assert len(batch.info.key) == 30 and st.stats()["samples"] == samples
+    np.testing.assert_array_equal(batch.info.probability, np.full(30, 1 / 100))
+    assert (batch.info.table_size == 100).all()
+  with pytest.raises(reverb_shm.errors.DeadlineExceededError):
+    cc.sample_batch("t", 30, rate_limiter_timeout_ms=50)   # 10 in its slice, 20 refused
+  for i in range(100, 200):
+    client.insert(np.array([i], np.int64), {"t": 1.0})
+  batch = cc.sample_batch("t", 30, rate_limiter_timeout_ms=1000)   # empty slice: drawn anew
+  assert len(batch.info.key) == 30 and (batch.info.table_size == 200).all()
+  np.testing.assert_array_equal(batch.info.probability, np.full(30, 1 / 200))
+  assert cc.shard_of(int(batch.info.key[0])) == 0
   cc.close()
 
 

@@ -50,7 +50,6 @@ from reverb_shm.selectors import PRIORITIZED
 
 __all__ = ["ClusterClient", "split_batch"]
 
-_INFO_DTYPES = (np.uint64, np.float64, np.int64, np.float64, np.int32)
 
 _NODE_ERRORS = (errors.ServerUnavailableError, errors.DeadOwnerError, errors.TableClosedError,
                 errors.DeadlineExceededError, ConnectionError, OSError)
