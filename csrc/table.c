@@ -1364,6 +1364,59 @@ static sample_info sample_info_at(void *info, uint32_t n) {
 }
 
 
+/* Rows of at least GATHER_PAGE bytes (frames) are copied page by page with the copy of each page
+ * requesting the first PAGE_LINES lines of the page PAGE_AHEAD pages further on, over the round's
+ * large rows in copy order. Shared-memory mappings have 4 KiB pages (no transparent huge pages
+ * for shmem here): the hardware prefetchers stop at every 4 KiB boundary and a page's first
+ * access is a TLB miss, so each page of a random row starts with a full miss. Requesting pages
+ * ahead starts those misses (page walk, first lines) early. Measured on W5's 84x84x4 frames
+ * (4 KiB-paged /dev/shm source, loaded machine): 7.1 -> 10.4 GB/s (p90 of 40 rounds) for 3 pages
+ * ahead x 8 lines; 1 page or 4 lines were slower, 16 lines or 4-6 pages the same. */
+#define GATHER_PAGE 4096u
+#define PAGE_AHEAD 3
+#define PAGE_LINES 8
+
+/* The next page start to request among rows [i, n) x columns of the round's large single-slice
+ * rows (src[i * ncols + c] non-NULL and cols[c].col_bytes >= GATHER_PAGE), in copy order. */
+typedef struct page_cursor {
+  const char *const *src;
+  const rs_gather_col *cols;
+  uint32_t n, ncols, i, c;
+  const char *at, *end;   /* next page start to request in row (i, c), end of that row */
+} page_cursor;
+
+static void cursor_start(page_cursor *pc, const char *const *src, const rs_gather_col *cols,
+                         uint32_t first, uint32_t n, uint32_t ncols) {
+  pc->src = src, pc->cols = cols, pc->n = n, pc->ncols = ncols, pc->i = first, pc->c = 0;
+  pc->at = pc->end = NULL;
+}
+
+/* Requests the next page of the cursor (nothing once past the last large row). */
+static inline void request_page(page_cursor *pc) {
+  while (pc->at >= pc->end) {   /* on to the next large row */
+    if (pc->i >= pc->n) return;
+    uint32_t i = pc->i, c = pc->c;
+    if (++pc->c == pc->ncols) pc->c = 0, pc->i++;
+    const char *s = pc->src[i * pc->ncols + c];
+    if (s && pc->cols[c].col_bytes >= GATHER_PAGE) pc->at = s, pc->end = s + pc->cols[c].col_bytes;
+  }
+  for (uint32_t l = 0; l < PAGE_LINES && pc->at + l * RS_ALIGN < pc->end; l++)
+    __builtin_prefetch(pc->at + l * RS_ALIGN, 0, 1);
+  pc->at = (const char *)(((uintptr_t)pc->at & ~(uintptr_t)(GATHER_PAGE - 1)) + GATHER_PAGE);
+}
+
+/* memcpy of a large row, one source page at a time, each page requesting one more ahead. */
+static void copy_paged(uint8_t *dst, const char *s, uint64_t nb, page_cursor *pc) {
+  const char *end = s + nb;
+  while (s < end) {
+    const char *next = (const char *)(((uintptr_t)s & ~(uintptr_t)(GATHER_PAGE - 1)) + GATHER_PAGE);
+    uint64_t len = (uint64_t)((next < end ? next : end) - s);
+    request_page(pc);
+    memcpy(dst, s, len);
+    dst += len, s += len;
+  }
+}
+
 static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
                          uint32_t ncols, const rs_gather_col *cols, const sample_info *info,
                          const gather_memo *memo) {
@@ -1402,6 +1455,9 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
       if (keep) src[i * ncols + c] = dc[c].nslices == 1 ? p : NULL;
     }
   }
+  page_cursor pc;
+  cursor_start(&pc, src, cols, 0, keep ? n : 0, ncols);
+  for (int a = 0; a < PAGE_AHEAD; a++) request_page(&pc);
   for (uint32_t i = 0; i < n; i++) {
     uint64_t row = (uint64_t)first + i;
     uint64_t shift = rs_ref_shift(recs[i].desc_off);
@@ -1409,7 +1465,10 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
     for (uint32_t c = 0; c < ncols; c++) {
       uint8_t *dst = cols[c].out + row * cols[c].stride;
       if (keep && src[i * ncols + c]) {   /* one slice of exactly col_bytes */
-        copy_row(dst, src[i * ncols + c], cols[c].col_bytes);
+        if (cols[c].col_bytes >= GATHER_PAGE)
+          copy_paged(dst, src[i * ncols + c], cols[c].col_bytes, &pc);
+        else
+          copy_row(dst, src[i * ncols + c], cols[c].col_bytes);
         continue;
       }
       if (!d) d = rs_desc_blob(base, recs[i].desc_off);
