@@ -1417,6 +1417,56 @@ static void copy_paged(uint8_t *dst, const char *s, uint64_t nb, page_cursor *pc
   }
 }
 
+/* The copy of one gather round, shared by rs_run_units between the caller and the helper. */
+typedef struct gather_job {
+  void *base;
+  const rs_sample_rec *recs;
+  uint32_t first, ncols, keep;
+  const rs_gather_col *cols;
+  const char *const *src;   /* src[i * ncols + c]: row of a single-slice column (keep only) */
+} gather_job;
+
+/* Copies every column of the round's items [begin, end) to their rows. */
+static void gather_items(void *arg, uint32_t begin, uint32_t end) {
+  const gather_job *g = arg;
+  void *base = g->base;
+  const rs_gather_col *cols = g->cols;
+  uint32_t ncols = g->ncols;
+  page_cursor pc;
+  cursor_start(&pc, g->src, cols, begin, g->keep ? end : begin, ncols);
+  for (int a = 0; a < PAGE_AHEAD; a++) request_page(&pc);
+  for (uint32_t i = begin; i < end; i++) {
+    uint64_t row = (uint64_t)g->first + i;
+    uint64_t shift = rs_ref_shift(g->recs[i].desc_off);
+    const rs_desc_hdr *d = NULL;
+    for (uint32_t c = 0; c < ncols; c++) {
+      uint8_t *dst = cols[c].out + row * cols[c].stride;
+      const char *src = g->keep ? g->src[i * ncols + c] : NULL;
+      if (src) {   /* one slice of exactly col_bytes */
+        if (cols[c].col_bytes >= GATHER_PAGE)
+          copy_paged(dst, src, cols[c].col_bytes, &pc);
+        else
+          copy_row(dst, src, cols[c].col_bytes);
+        continue;
+      }
+      if (!d) d = rs_desc_blob(base, g->recs[i].desc_off);
+      const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
+      const rs_desc_slice *s = rs_desc_slices(d);
+      for (uint32_t j = dc[c].first_slice, e = j + dc[c].nslices; j < e; j++) {
+        uint64_t nb;
+        const char *p = slice_src(base, &s[j], shift, &nb);
+        copy_row(dst, p, nb);
+        dst += nb;
+      }
+    }
+  }
+}
+
+/* Rounds of at least this many bytes (of rows in memory, not in disk-tier files) are shared with
+ * the gather helper thread, GATHER_GRAIN_BYTES of items per claim (at least one item). */
+#define GATHER_SHARE_BYTES (256u << 10)
+#define GATHER_GRAIN_BYTES (64u << 10)
+
 static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
                          uint32_t ncols, const rs_gather_col *cols, const sample_info *info,
                          const gather_memo *memo) {
@@ -1455,32 +1505,17 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
       if (keep) src[i * ncols + c] = dc[c].nslices == 1 ? p : NULL;
     }
   }
-  page_cursor pc;
-  cursor_start(&pc, src, cols, 0, keep ? n : 0, ncols);
-  for (int a = 0; a < PAGE_AHEAD; a++) request_page(&pc);
+  gather_job job = {base, recs, first, ncols, (uint32_t)keep, cols, src};
+  uint64_t item_bytes = 0;
+  for (uint32_t c = 0; c < ncols; c++) item_bytes += cols[c].col_bytes;
+  if (!disk && item_bytes * n >= GATHER_SHARE_BYTES) {
+    uint64_t grain = item_bytes ? GATHER_GRAIN_BYTES / item_bytes : n;
+    rs_run_units(gather_items, &job, n, grain ? (uint32_t)(grain < n ? grain : n) : 1);
+  } else {
+    gather_items(&job, 0, n);
+  }
   for (uint32_t i = 0; i < n; i++) {
     uint64_t row = (uint64_t)first + i;
-    uint64_t shift = rs_ref_shift(recs[i].desc_off);
-    const rs_desc_hdr *d = NULL;
-    for (uint32_t c = 0; c < ncols; c++) {
-      uint8_t *dst = cols[c].out + row * cols[c].stride;
-      if (keep && src[i * ncols + c]) {   /* one slice of exactly col_bytes */
-        if (cols[c].col_bytes >= GATHER_PAGE)
-          copy_paged(dst, src[i * ncols + c], cols[c].col_bytes, &pc);
-        else
-          copy_row(dst, src[i * ncols + c], cols[c].col_bytes);
-        continue;
-      }
-      if (!d) d = rs_desc_blob(base, recs[i].desc_off);
-      const rs_desc_col *dc = (const rs_desc_col *)(d + 1);
-      const rs_desc_slice *s = rs_desc_slices(d);
-      for (uint32_t j = dc[c].first_slice, end = j + dc[c].nslices; j < end; j++) {
-        uint64_t nb;
-        const char *p = slice_src(base, &s[j], shift, &nb);
-        copy_row(dst, p, nb);
-        dst += nb;
-      }
-    }
     info->key[row] = recs[i].key;
     info->probability[row] = recs[i].probability;
     info->table_size[row] = recs[i].table_size;
