@@ -429,5 +429,8 @@ void rs_copy_stream(void *dst, const void *src, uint64_t n);
  * units. */
 typedef void (*rs_units_fn)(void *ctx, uint32_t begin, uint32_t end);
 void rs_run_units(rs_units_fn fn, void *ctx, uint32_t n, uint32_t grain);
+/* Wakes the gather helper, if it sleeps and no job has it, to wait briefly for a job that the
+ * caller is about to hand over: its wake-up overlaps the caller's work before the copy. */
+void rs_gather_prewake(void);
 
 #endif

@@ -1549,6 +1549,10 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
 
   rs_sample_rec recs[SAMPLE_ROUND];
   gather_memo memo_space, *memo = ncols <= GATHER_COLS ? &memo_space : NULL;
+  uint64_t item_bytes = 0, first_round = n - *got_io < SAMPLE_ROUND ? n - *got_io : SAMPLE_ROUND;
+  for (uint32_t c = 0; c < ncols; c++) item_bytes += cols[c].col_bytes;
+  if (!rs_seg(base)->arena_file && item_bytes * first_round >= GATHER_SHARE_BYTES)
+    rs_gather_prewake();   /* it wakes while this thread samples */
   sample_info si = sample_info_at(info, n);
   op_t op;
   op_init(&op, base, table, "sample", &th->sampling_ns, &th->waiting_for_inserts_ns, deadline_ns,
