@@ -1422,6 +1422,7 @@ typedef struct gather_job {
   void *base;
   const rs_sample_rec *recs;
   uint32_t first, ncols, keep;
+  uint32_t paged;           /* keep, and some column has rows of >= GATHER_PAGE bytes */
   const rs_gather_col *cols;
   const char *const *src;   /* src[i * ncols + c]: row of a single-slice column (keep only) */
 } gather_job;
@@ -1433,8 +1434,9 @@ static void gather_items(void *arg, uint32_t begin, uint32_t end) {
   const rs_gather_col *cols = g->cols;
   uint32_t ncols = g->ncols;
   page_cursor pc;
-  cursor_start(&pc, g->src, cols, begin, g->keep ? end : begin, ncols);
-  for (int a = 0; a < PAGE_AHEAD; a++) request_page(&pc);
+  cursor_start(&pc, g->src, cols, begin, g->paged ? end : begin, ncols);
+  if (g->paged)
+    for (int a = 0; a < PAGE_AHEAD; a++) request_page(&pc);
   for (uint32_t i = begin; i < end; i++) {
     uint64_t row = (uint64_t)g->first + i;
     uint64_t shift = rs_ref_shift(g->recs[i].desc_off);
@@ -1505,9 +1507,12 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
       if (keep) src[i * ncols + c] = dc[c].nslices == 1 ? p : NULL;
     }
   }
-  gather_job job = {base, recs, first, ncols, (uint32_t)keep, cols, src};
+  gather_job job = {base, recs, first, ncols, (uint32_t)keep, 0, cols, src};
   uint64_t item_bytes = 0;
-  for (uint32_t c = 0; c < ncols; c++) item_bytes += cols[c].col_bytes;
+  for (uint32_t c = 0; c < ncols; c++) {
+    item_bytes += cols[c].col_bytes;
+    if (keep && cols[c].col_bytes >= GATHER_PAGE) job.paged = 1;
+  }
   if (!disk && item_bytes * n >= GATHER_SHARE_BYTES) {
     uint64_t grain = item_bytes ? GATHER_GRAIN_BYTES / item_bytes : n;
     rs_run_units(gather_items, &job, n, grain ? (uint32_t)(grain < n ? grain : n) : 1);
