@@ -1425,9 +1425,10 @@ typedef struct gather_job {
   uint32_t paged;           /* keep, and some column has rows of >= GATHER_PAGE bytes */
   const rs_gather_col *cols;
   const char *const *src;   /* src[i * ncols + c]: row of a single-slice column (keep only) */
+  const sample_info *info;
 } gather_job;
 
-/* Copies every column of the round's items [begin, end) to their rows. */
+/* Copies every column and the info of the round's items [begin, end) to their rows. */
 static void gather_items(void *arg, uint32_t begin, uint32_t end) {
   const gather_job *g = arg;
   void *base = g->base;
@@ -1461,6 +1462,12 @@ static void gather_items(void *arg, uint32_t begin, uint32_t end) {
         dst += nb;
       }
     }
+    const sample_info *info = g->info;
+    info->key[row] = g->recs[i].key;
+    info->probability[row] = g->recs[i].probability;
+    info->table_size[row] = g->recs[i].table_size;
+    info->priority[row] = g->recs[i].priority;
+    info->times_sampled[row] = g->recs[i].times_sampled;
   }
 }
 
@@ -1507,7 +1514,7 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
       if (keep) src[i * ncols + c] = dc[c].nslices == 1 ? p : NULL;
     }
   }
-  gather_job job = {base, recs, first, ncols, (uint32_t)keep, 0, cols, src};
+  gather_job job = {base, recs, first, ncols, (uint32_t)keep, 0, cols, src, info};
   uint64_t item_bytes = 0;
   for (uint32_t c = 0; c < ncols; c++) {
     item_bytes += cols[c].col_bytes;
@@ -1518,14 +1525,6 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
     rs_run_units(gather_items, &job, n, grain ? (uint32_t)(grain < n ? grain : n) : 1);
   } else {
     gather_items(&job, 0, n);
-  }
-  for (uint32_t i = 0; i < n; i++) {
-    uint64_t row = (uint64_t)first + i;
-    info->key[row] = recs[i].key;
-    info->probability[row] = recs[i].probability;
-    info->table_size[row] = recs[i].table_size;
-    info->priority[row] = recs[i].priority;
-    info->times_sampled[row] = recs[i].times_sampled;
   }
 }
 
