@@ -1428,15 +1428,16 @@ typedef struct gather_job {
   const sample_info *info;
 } gather_job;
 
-/* Copies every column and the info of the round's items [begin, end) to their rows. */
-static void gather_items(void *arg, uint32_t begin, uint32_t end) {
-  const gather_job *g = arg;
+/* Copies every column and the info of the round's items [begin, end) to their rows; `paged`
+ * is g->paged (a constant where inlined: rounds of small rows get a loop without the cursor). */
+static inline __attribute__((always_inline)) void copy_items(const gather_job *g, uint32_t begin,
+                                                             uint32_t end, int paged) {
   void *base = g->base;
   const rs_gather_col *cols = g->cols;
   uint32_t ncols = g->ncols;
   page_cursor pc;
-  cursor_start(&pc, g->src, cols, begin, g->paged ? end : begin, ncols);
-  if (g->paged)
+  cursor_start(&pc, g->src, cols, begin, paged ? end : begin, ncols);
+  if (paged)
     for (int a = 0; a < PAGE_AHEAD; a++) request_page(&pc);
   for (uint32_t i = begin; i < end; i++) {
     uint64_t row = (uint64_t)g->first + i;
@@ -1446,7 +1447,7 @@ static void gather_items(void *arg, uint32_t begin, uint32_t end) {
       uint8_t *dst = cols[c].out + row * cols[c].stride;
       const char *src = g->keep ? g->src[i * ncols + c] : NULL;
       if (src) {   /* one slice of exactly col_bytes */
-        if (cols[c].col_bytes >= GATHER_PAGE)
+        if (paged && cols[c].col_bytes >= GATHER_PAGE)
           copy_paged(dst, src, cols[c].col_bytes, &pc);
         else
           copy_row(dst, src, cols[c].col_bytes);
@@ -1469,6 +1470,12 @@ static void gather_items(void *arg, uint32_t begin, uint32_t end) {
     info->priority[row] = g->recs[i].priority;
     info->times_sampled[row] = g->recs[i].times_sampled;
   }
+}
+
+/* copy_items as an rs_units_fn (rs_run_units). */
+static void gather_items(void *arg, uint32_t begin, uint32_t end) {
+  const gather_job *g = arg;
+  copy_items(g, begin, end, (int)g->paged);
 }
 
 /* Rounds of at least this many bytes (of rows in memory, not in disk-tier files) are shared with
@@ -1524,7 +1531,10 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
     uint64_t grain = item_bytes ? GATHER_GRAIN_BYTES / item_bytes : n;
     rs_run_units(gather_items, &job, n, grain ? (uint32_t)(grain < n ? grain : n) : 1);
   } else {
-    gather_items(&job, 0, n);
+    if (job.paged)
+      copy_items(&job, 0, n, 1);
+    else
+      copy_items(&job, 0, n, 0);
   }
 }
 
