@@ -933,7 +933,9 @@ static int memo_layout_ok(void *base, gather_memo *m, uint64_t ref, uint32_t nco
   const rs_desc_slice *sl = rs_desc_slices(d);
   uint64_t max_shift = UINT64_MAX;   /* rows stay within every chunk's capacity */
   for (uint32_t k = 0; k < d->nslices; k++) {
-    uint64_t room = rs_chunk(base, sl[k].chunk_off)->capacity - ((uint64_t)sl[k].row_offset + sl[k].nrows);
+    /* (capacity may shrink concurrently, rs_chunk_shrink, never below published rows) */
+    uint64_t room = __atomic_load_n(&rs_chunk(base, sl[k].chunk_off)->capacity, __ATOMIC_RELAXED) -
+                    ((uint64_t)sl[k].row_offset + sl[k].nrows);
     if (room < max_shift) max_shift = room;   /* (layout_ok checked row_offset + nrows <= capacity) */
   }
   if (rs_ref_shift(ref) > max_shift) return -1;
