@@ -28,6 +28,7 @@
  *      writer_items.c  window item descriptors of a trajectory writer
  *      extent.c    reserving a growable segment's extents (pages, or disk-tier file blocks)
  *      liveness.c  liveness locks: the owner's and each slot's process's, across pid namespaces
+ *      layout_cache.c  per-thread cache of checked item layouts across sample rounds
  *   2  selectors.c Uniform/Prioritized/Fifo/Lifo/MinHeap/MaxHeap
  *      arena.c     block allocator, chunks, descriptors, refcounts
  *      counters.c  per-slot operation counters (merged lock-free on read), process list
@@ -104,7 +105,8 @@ typedef struct rs_seg_hdr {
   uint32_t arena_file;            /* 1: the arena is a file mapped over its range (disk tier) */
   uint32_t _pad2;
   uint64_t counters_off;          /* rs_tcounters[(max_procs + 1) * num_tables] (counters.h) */
-  uint64_t reserved[9];
+  uint64_t frees;                 /* block frees and chunk shrinks so far (layout_cache.h) */
+  uint64_t reserved[8];
 } rs_seg_hdr;
 
 typedef struct rs_slot {
