@@ -23,12 +23,12 @@
  *                  load time (rs_lock_register_repairs): the one call that goes upward.
  *      sumtree.c   float64 sum tree, exact recompute along the path (Schaul et al. 2016)
  *      index.c     key -> record hash (open addressing, backward-shift delete), episode map
+ *      layout_cache.c  per-thread cache of checked item layouts across sample rounds
  *      limiter.c   Reverb's rate limiter: samples_per_insert, min_size_to_sample and the
  *                  [min_diff, max_diff] window on inserts * samples_per_insert - samples
  *      writer_items.c  window item descriptors of a trajectory writer
  *      extent.c    reserving a growable segment's extents (pages, or disk-tier file blocks)
  *      liveness.c  liveness locks: the owner's and each slot's process's, across pid namespaces
- *      layout_cache.c  per-thread cache of checked item layouts across sample rounds
  *   2  selectors.c Uniform/Prioritized/Fifo/Lifo/MinHeap/MaxHeap
  *      arena.c     block allocator, chunks, descriptors, refcounts
  *      counters.c  per-slot operation counters (merged lock-free on read), process list

@@ -1517,12 +1517,12 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
 
   rs_sample_rec recs[SAMPLE_ROUND];
   gather_memo memo_space, *memo = ncols <= GATHER_COLS ? &memo_space : NULL;
-  if (memo) memo->lc = rs_lcache_for(base, ncols, cols);
   sample_info si = sample_info_at(info, n);
   op_t op;
   op_init(&op, base, table, "sample", &th->sampling_ns, &th->waiting_for_inserts_ns, deadline_ns,
           slice_ns);
   op.c = rs_counters_row(base, slot, table);
+  if (memo) memo->lc = rs_lcache_for(base, ncols, cols);
   rc = op_lock(&op);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     int took = sample_round(&op, slot, n - *got_io, recs, ncols, cols, memo);
