@@ -1,4 +1,4 @@
-"""Same-run A/B of two builds of reverb_shm on the W1-W4 loops (bench/shm_workloads.py).
+"""Same-run A/B of two builds of reverb_shm on the W1-W5 loops (bench/shm_workloads.py).
 
   python bench/ab_builds.py A_ROOT B_ROOT [--rounds 15] [--duration 0.4] [--items 200000]
 
@@ -28,20 +28,74 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOOPS = ("W1 Client.insert", "W1 step_inserter", "W1 SharedTable.insert 1 step",
          "W2 append+create_item", "W2 extend+create_window_items", "W3 Client.sample(256)",
-         "W3 sample_batch(256)", "W4 Client.sample+mutate", "W4 sample_batch+update")
+         "W3 sample_batch(256)", "W4 Client.sample+mutate", "W4 sample_batch+update",
+         "W5 sample_batch(64) frames", "W5 np.copyto 64 MiB (control)")
 
 
-def worker(root: str, items: int, count_loop=None, iterations: int = 0) -> None:
+def selected(loops) -> list:
+  """The LOOPS that the --loops substrings select (all without)."""
+  return [loop for loop in LOOPS if not loops or any(part in loop for part in loops)]
+
+
+def w5_ops(w, reverb, np, frames: int = 4_000):
+  """W5's sampling loop (bench/shm_workloads.py: sample_batch(64, out=) of 84x84x4 uint8 frames
+  from a table of `frames` frames) and its numpy copy reference (64 MiB, the same in both builds:
+  a noise control). Returns (ops, server)."""
+  from _timing import FRAME_SHAPE  # pylint: disable=import-outside-toplevel
+  srv = w.server(reverb.selectors.Uniform(), frames, int(np.prod(FRAME_SHAPE)))
+  table = srv.shared_table(w.TABLE)
+  one = {"frame": np.random.default_rng(0).integers(0, 256, (1,) + FRAME_SHAPE, dtype=np.uint8)}
+  while table.size < frames:
+    table.insert(one, 1.0)
+  out = [np.empty((64,) + FRAME_SHAPE, np.uint8)]
+  src, dst = np.ones(64 << 20, np.uint8), np.empty(64 << 20, np.uint8)
+
+  def copy():
+    np.copyto(dst, src)
+    return src.nbytes // out[0][0].nbytes
+  return {"W5 sample_batch(64) frames": lambda: len(table.sample_batch(64, out=out).info.key),
+          "W5 np.copyto 64 MiB (control)": copy}, srv
+
+
+def worker(root: str, items: int, count_loop=None, iterations: int = 0, loops=None) -> None:
   """Serves timing requests on stdin/stdout for the build in `root`; with count_loop, runs
-  that loop `iterations` times instead and exits."""
+  that loop `iterations` times instead and exits. Prepares only what the selected loops need."""
   sys.path.insert(0, root)
   sys.path.insert(1, HERE)
   import numpy as np  # pylint: disable=import-outside-toplevel
   import reverb_shm as reverb  # pylint: disable=import-outside-toplevel
   import shm_workloads as w  # pylint: disable=import-outside-toplevel
-  from _timing import pair_items_op, timed  # pylint: disable=import-outside-toplevel
+  from _timing import timed  # pylint: disable=import-outside-toplevel
   assert os.path.dirname(os.path.dirname(reverb.__file__)) == root, reverb.__file__
+  wanted = selected([count_loop] if count_loop else loops)
+  ops, servers, closers = {}, [], []
+  if any(not loop.startswith("W5") for loop in wanted):
+    ops, servers, closers = base_ops(w, reverb, np, items)
+  if any(loop.startswith("W5") for loop in wanted):
+    more, srv = w5_ops(w, reverb, np)
+    ops.update(more)
+    servers.append(srv)
+  if count_loop is not None:
+    op = ops[count_loop]
+    for _ in range(20 + iterations):
+      op()
+    os._exit(0)  # pylint: disable=protected-access
+  sys.stdout.write("ready\n")
+  sys.stdout.flush()
+  for line in sys.stdin:
+    loop, duration = line.rstrip("\n").rsplit(" ", 1)
+    rate = timed(ops[loop], float(duration), 0.05)[0]
+    sys.stdout.write(f"{rate}\n")
+    sys.stdout.flush()
+  for close in closers:
+    close()
+  for srv in servers:
+    srv.stop()
 
+
+def base_ops(w, reverb, np, items: int):
+  """The W1-W4 loops. Returns (ops, servers, closers)."""
+  from _timing import pair_items_op  # pylint: disable=import-outside-toplevel
   ins_srv = w.server(reverb.selectors.Uniform(), 1_000_000)
   client, table = ins_srv.localhost_client(), ins_srv.shared_table(w.TABLE)
   data, one = w.step(1), w.steps(1)
@@ -92,21 +146,7 @@ def worker(root: str, items: int, count_loop=None, iterations: int = 0) -> None:
       w.fastest_op(samplers["W3"].shared_table(w.TABLE), False),
       api_sample(samplers["W4"], True),
       w.fastest_op(samplers["W4"].shared_table(w.TABLE), True))))
-  if count_loop is not None:
-    op = ops[count_loop]
-    for _ in range(20 + iterations):
-      op()
-    os._exit(0)  # pylint: disable=protected-access
-  sys.stdout.write("ready\n")
-  sys.stdout.flush()
-  for line in sys.stdin:
-    loop, duration = line.rstrip("\n").rsplit(" ", 1)
-    rate = timed(ops[loop], float(duration), 0.05)[0]
-    sys.stdout.write(f"{rate}\n")
-    sys.stdout.flush()
-  inserter.close()
-  for srv in [ins_srv, *samplers.values()]:
-    srv.stop()
+  return ops, [ins_srv, *samplers.values()], [inserter.close]
 
 
 def _core_instructions(root: str, loop: str, n: int, items: int) -> int:
@@ -131,9 +171,7 @@ def _core_instructions(root: str, loop: str, n: int, items: int) -> int:
 
 def count_instructions(args) -> None:
   results = []
-  for loop in LOOPS:
-    if args.loops and not any(part in loop for part in args.loops):
-      continue
+  for loop in selected(args.loops):
     row = {"loop": loop}
     for label, root in (("a", args.a_root), ("b", args.b_root)):
       once = _core_instructions(root, loop, args.instructions, args.items)
@@ -160,7 +198,7 @@ def main() -> None:
   p.add_argument("--count-loop", help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.worker:
-    worker(args.worker, args.items, args.count_loop, args.instructions)
+    worker(args.worker, args.items, args.count_loop, args.instructions, args.loops)
     return
   if args.instructions:
     count_instructions(args)
@@ -169,7 +207,7 @@ def main() -> None:
   for label, root in (("A", args.a_root), ("B", args.b_root)):
     procs[label] = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), args.a_root, args.b_root, "--items",
-         str(args.items), "--worker", os.path.abspath(root)],
+         str(args.items), "--worker", os.path.abspath(root)] + (["--loops", *args.loops] if args.loops else []),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
   for proc in procs.values():
     assert proc.stdout.readline().strip() == "ready"
@@ -181,9 +219,7 @@ def main() -> None:
     return float(proc.stdout.readline())
 
   results = []
-  for loop in LOOPS:
-    if args.loops and not any(part in loop for part in args.loops):
-      continue
+  for loop in selected(args.loops):
     rates = {"A": [], "B": []}
     ratios = []
     for r in range(args.rounds):

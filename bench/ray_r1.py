@@ -9,10 +9,12 @@ Rows (one RESULTS line):
   R1_sample reverb_shm   items/s of the learner (driver, head node) drawing 256 per call with
                          ClusterClient.sample_batch across the 3 nodes' servers (global uniform
                          split by the masses of earlier answers, max_mass_age_s=0.1; the
-                         bridges' parts of the next 4 batches requested ahead, together,
-                         prefetch=4);
-                         variants reverb_shm_mass_cache (no prefetch) and reverb_shm_sync
-                         (masses read before each draw, no prefetch)
+                         bridges' parts of the next 32 batches requested ahead, 16 batches
+                         (4096 items) per request and bridge, prefetch=32: the documented
+                         setting for a learner across nodes);
+                         variants reverb_shm_prefetch4 (prefetch=4), reverb_shm_mass_cache (no
+                         prefetch) and reverb_shm_sync (masses read before each draw, no
+                         prefetch)
   R1_cross  same_node / cross_node   items/s of batches of 256 drawn from the driver on the
                          head node's server (shared memory) and on a worker node's (bridge)
 """
@@ -71,7 +73,9 @@ def r1(args):
 
     cc = handle.global_client(timeout_s=10)
     variants = (
-        ("reverb_shm", {"max_mass_age_s": 0.1, "prefetch": 4},
+        ("reverb_shm", {"max_mass_age_s": 0.1, "prefetch": 32},
+         "ClusterClient.sample_batch(256) across 3 nodes, prefetch=32, max_mass_age_s=0.1"),
+        ("reverb_shm_prefetch4", {"max_mass_age_s": 0.1, "prefetch": 4},
          "ClusterClient.sample_batch(256) across 3 nodes, prefetch=4, max_mass_age_s=0.1"),
         ("reverb_shm_mass_cache", {"max_mass_age_s": 0.1},
          "ClusterClient.sample_batch(256) across 3 nodes, max_mass_age_s=0.1, no prefetch"),

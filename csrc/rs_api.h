@@ -390,6 +390,16 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
                      int64_t deadline_ns, int64_t slice_ns, uint32_t ncols,
                      const rs_gather_col *cols, void *info, uint32_t *got_io);
 
+/* Threads that this process's large gathers use (rs_sample_gather rounds of >= 256 KiB copied
+ * from memory: frames): 1, the calling thread only; 2, shared with one helper thread per process,
+ * started by the first such gather. `threads` 0 only reports the setting in *previous (when
+ * non-NULL); 1 stops and joins the helper (after a gather in flight); 2 lets the next large
+ * gather start it. The default is REVERB_SHM_GATHER_THREADS (1 or 2) when set, else 2 when the
+ * process may run on >= 2 CPUs. RS_EINVAL for threads > 2. */
+int rs_set_gather_threads(uint32_t threads, uint32_t *previous);
+/* 1 while this process's gather helper thread exists, else 0. */
+int rs_gather_helper_running(void);
+
 /* rs_insert of n items whose every column is a single slice: column c of item i is
  * slices[i * ncols + c], squeezed (no time dim) when col_flags[c] & 1. The descriptors are built
  * in C; validation, blocking and *done_out as rs_insert. keys NULL: random keys (rs_rand_u64). */

@@ -29,6 +29,7 @@
  *      writer_items.c  window item descriptors of a trajectory writer
  *      extent.c    reserving a growable segment's extents (pages, or disk-tier file blocks)
  *      liveness.c  liveness locks: the owner's and each slot's process's, across pid namespaces
+ *      gather_thread.c  the per-process helper thread that shares large gathers (rs_run_units)
  *   2  selectors.c Uniform/Prioritized/Fifo/Lifo/MinHeap/MaxHeap
  *      arena.c     block allocator, chunks, descriptors, refcounts
  *      counters.c  per-slot operation counters (merged lock-free on read), process list
@@ -422,5 +423,16 @@ int rs_table_layout_check(void *base, uint32_t t);
  * RS_STREAM_MIN_BYTES on, the 64-byte-aligned part of dst is written with non-temporal stores
  * (the destination lines are neither read first nor kept in the cache), then fenced. */
 void rs_copy_stream(void *dst, const void *src, uint64_t n);
+
+/* gather_thread.c: runs fn(ctx, begin, end) over the units [0, n), in grains of `grain` units
+ * (the last may be shorter), shared between the calling thread and the process's gather helper
+ * thread when it is enabled and free; otherwise one call fn(ctx, 0, n) on the calling thread.
+ * Returns when every unit is done. fn must be safe to run on two threads at once for distinct
+ * units. */
+typedef void (*rs_units_fn)(void *ctx, uint32_t begin, uint32_t end);
+void rs_run_units(rs_units_fn fn, void *ctx, uint32_t n, uint32_t grain);
+/* Wakes the gather helper, if it sleeps and no job has it, to wait briefly for a job that the
+ * caller is about to hand over: its wake-up overlaps the caller's work before the copy. */
+void rs_gather_prewake(void);
 
 #endif

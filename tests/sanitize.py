@@ -42,7 +42,7 @@ ASAN_TESTS = [
     "tests/test_step_inserter.py", "tests/test_column_writer.py", "tests/test_legacy_writer.py",
     "tests/test_gc_race.py", "tests/test_client.py", "tests/test_server.py",
     "tests/test_differential.py", "tests/test_structured_writer.py", "tests/test_metadata.py",
-    "tests/test_corrupt_segment.py", "tests/test_fuzz_core.py",
+    "tests/test_corrupt_segment.py", "tests/test_fuzz_core.py", "tests/test_gather_copy.py",
 ]
 # The short run of the default suite: a few files over the core, under two minutes here.
 ASAN_QUICK = ["tests/test_core_arena.py", "tests/test_batched_core.py",
@@ -53,7 +53,7 @@ ASAN_QUICK = ["tests/test_core_arena.py", "tests/test_batched_core.py",
 TSAN_TESTS = [
     "tests/test_core_table.py", "tests/test_batched_core.py", "tests/test_shared_table.py",
     "tests/test_trajectory_writer.py", "tests/test_hot_insert.py", "tests/test_server.py",
-    "tests/test_tsan_threads.py",
+    "tests/test_tsan_threads.py", "tests/test_gather_copy.py",
 ]
 TSAN_QUICK = ["tests/test_tsan_threads.py"]
 # Timing assertions do not hold under instrumentation (ASan's checks, TSan's shadow memory).
@@ -65,6 +65,7 @@ DESELECT["tsan"] = DESELECT["asan"] + [
     "tests/test_hot_insert.py::test_forked_child_makes_its_own_plan",
     "tests/test_hot_insert.py::test_plan_declines_after_a_fork_without_python_hooks",
     "tests/test_shared_table.py::test_four_writer_processes_and_a_verifying_sampler",
+    "tests/test_gather_copy.py::test_forked_child_starts_its_own_helper",
     "tests/test_server.py::test_stale_segment_of_dead_owner_is_reclaimed",
     # timing: a writer's __del__ after stop must return in < 2 s (TSan slows it past that)
     "tests/test_trajectory_writer.py::test_del_after_server_stop_returns_promptly",

@@ -7,6 +7,7 @@ chunks) against the general path.
 import os
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -418,3 +419,79 @@ def test_the_zmq_port_cancels_the_calls_of_a_killed_client(server_factory):
   server.localhost_client().insert(np.int32(7), {"queue": 1.0})
   reader.join(timeout=10)
   assert [int(s.data[0][0]) for s in got] == [7]
+
+
+def test_inserts_without_polling_for_replies_give_the_same_results(server_factory,
+                                                                   monkeypatch):
+  """REVERB_SHM_BRIDGE_SPIN_US=0: the client blocks for each reply at once and the bridge
+  for each next message; same outcomes and contents as with the default polling."""
+  with_spin = _scenario(server_factory)
+  monkeypatch.setattr(zmq_client, "SPIN_S", 0.0)
+  from reverb_shm.bridge import zmq_port  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(zmq_port, "_SPIN_S", 0.0)
+  assert _scenario(server_factory) == with_spin
+
+
+@pytest.mark.parametrize("value", ["fast", "-1", "nan"])
+def test_a_bad_spin_setting_is_refused_with_its_name(value):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run([sys.executable, "-c", "import reverb_shm.bridge.remote"],
+                        capture_output=True,
+                        text=True, timeout=60,
+                        env=dict(os.environ, REVERB_SHM_BRIDGE_SPIN_US=value))
+  assert proc.returncode != 0
+  assert (f"REVERB_SHM_BRIDGE_SPIN_US must be a number of microseconds >= 0, got {value!r}"
+          in proc.stderr)
+
+
+def test_a_bridge_polling_for_back_to_back_inserts_still_serves_other_calls(server_factory):
+  """A client process inserts back to back through a bridge process that polls 50 ms for each
+  next insert: the bridge's loop still answers another client's calls (it polls for at most
+  a few ms at a time), and every insert is in the table."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  server = server_factory([reverb_shm.Table("t", selectors.Fifo(), selectors.Fifo(), 10**6,
+                                            rate_limiters.MinSize(1))])
+  env = dict(os.environ, REVERB_SHM_BRIDGE_SPIN_US="50000")
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  bridge = subprocess.Popen([sys.executable, "-m", "reverb_shm.cli", "bridge", server.name,
+                             "--port", str(port)], stdout=subprocess.PIPE, text=True, env=env,
+                            cwd=os.path.dirname(os.path.dirname(reverb_shm.__file__)))
+  inserter = None
+  try:
+    assert "listening" in bridge.stdout.readline()
+    address = f"127.0.0.1:{port}"
+    code = ("import sys, time, numpy as np, reverb_shm.bridge as b\n"
+            "c = b.RemoteClient(sys.argv[1])\n"
+            "c.insert(np.int32(0), {'t': 1.0})\n"
+            "print('inserting', flush=True)\n"
+            "n, end = 1, time.monotonic() + 6\n"
+            "while time.monotonic() < end:\n"
+            "  c.insert(np.int32(n), {'t': 1.0}); n += 1\n"
+            "print(n, time.monotonic(), flush=True)\n")
+    inserter = subprocess.Popen([sys.executable, "-c", code, address], stdout=subprocess.PIPE,
+                                text=True, env=env)
+    assert inserter.stdout.readline().strip() == "inserting"
+    other = RemoteClient(address, reconnect_timeout_s=5.0)
+    sizes = []
+    for _ in range(5):
+      sizes.append(other.server_info(timeout=10)["t"].current_size)
+      got = list(other.sample("t", 2, emit_timesteps=False, rate_limiter_timeout_ms=5000))
+      assert len(got) == 2
+      time.sleep(0.2)
+    answered = time.monotonic()   # (CLOCK_MONOTONIC: comparable with the inserter's)
+    n, inserted = inserter.communicate(timeout=60)[0].split()
+    assert inserter.returncode == 0
+  finally:
+    if inserter is not None and inserter.poll() is None:
+      inserter.kill()
+      inserter.wait(timeout=10)
+    bridge.terminate()
+    bridge.wait(timeout=10)
+  # (a loop held by the polling would answer only once the inserter stopped)
+  assert answered < float(inserted), (answered, inserted)
+  assert sizes == sorted(sizes) and sizes[-1] > sizes[0]   # answered while it inserted
+  assert server.localhost_client().server_info()["t"].current_size == int(n)

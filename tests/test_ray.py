@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import reverb_shm  # noqa: E402
 from reverb_shm import rate_limiters, selectors  # noqa: E402
 from reverb_shm.ray import ReplayCluster, split_batch  # noqa: E402
 from reverb_shm.ray.local_cluster import LocalRayCluster  # noqa: E402
+from conftest import unique_server_name  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -68,6 +70,21 @@ def cluster(tmp_path_factory):
     if ray.is_initialized():
       ray.shutdown()
     local.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _ray_logs_on_failure(request):
+  """A test on the cluster that failed keeps the cluster's logs (temp dir) and shows their
+  tails: which node Ray declared dead, and why, is only in them."""
+  failed = request.session.testsfailed
+  yield
+  if request.session.testsfailed > failed and "cluster" in request.fixturenames:
+    local, _ = request.getfixturevalue("cluster")
+    local.keep_logs = True
+    report = local.log_report()
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+      print(f"\n{request.node.nodeid} failed; {report}", file=sys.stderr, flush=True)
 
 
 def _on(label):
@@ -148,6 +165,10 @@ def test_split_batch_is_multinomial_over_masses():
   assert (counts.sum(axis=1) == 10).all()
   assert (counts[:, 2] == 0).all()
   np.testing.assert_allclose(counts.mean(axis=0), [1.0, 3.0, 0.0, 6.0], atol=0.05)
+  # `size` independent splits at once (a prefetched group), the same distribution.
+  group = split_batch(10, masses, rng, size=20000)
+  assert group.shape == (20000, 4) and (group.sum(axis=1) == 10).all()
+  np.testing.assert_allclose(group.mean(axis=0), [1.0, 3.0, 0.0, 6.0], atol=0.05)
   with pytest.raises(ValueError, match="mass 0"):
     split_batch(4, [0.0, 0.0], rng)
   with pytest.raises(ValueError, match="finite and >= 0"):
@@ -179,6 +200,30 @@ def test_prefetched_batches_share_one_answer_per_bridge_in_slices():
   assert b1.info.key.tolist() == [3, 4] and b1.info.probability.tolist() == [0.3, 0.4]
   assert b2 is None
 
+  # A shard's share above 1024 items goes out as several messages (a bridge pins one
+  # message's items at once), joined in order into one answer.
+  sizes = []
+
+  class _FakeBridge:
+    def sample_batch_async(self, table, n, timeout_ms, rpc_timeout):
+      sizes.append(n)
+      base, part = sum(sizes[:-1]), len(sizes)
+      def call():
+        keys = np.arange(base, base + n, dtype=np.uint64)
+        info = SampleInfo(keys, keys / 10.0, np.full(n, 9, np.int64), keys * 1.0,
+                          np.zeros(n, np.int32))
+        return ReplaySample(info, [keys.reshape(n, 1) * 2]), {"size": 9, "part": part}
+      call.cancel = lambda: None
+      return call
+  cc = sampling.ClusterClient(types.SimpleNamespace(entries=[], num_shards=0))
+  cc._clients = {1: _FakeBridge()}  # pylint: disable=protected-access
+  pending, failed = cc._send_remote([1], "t", {1: 2500}, None)  # pylint: disable=protected-access
+  assert sizes == [833, 833, 834] and not failed
+  batch, stats = pending[1]()
+  assert batch.info.key.tolist() == list(range(2500)) and stats["part"] == 3
+  assert batch.data[0][:, 0].tolist() == [2 * k for k in range(2500)]
+  cc.close()
+
   def fail():
     raise ValueError("node gone")
   fail.cancel = lambda: None
@@ -186,6 +231,60 @@ def test_prefetched_batches_share_one_answer_per_bridge_in_slices():
   for a in (0, 2):
     with pytest.raises(ValueError, match="node gone"):
       sampling._Slice(broken, a, 2)()  # pylint: disable=protected-access
+
+
+def test_sampled_keys_are_remembered_within_key_memory():
+  """Keys are logged per answer and filed only when a lookup needs them; about the last
+  key_memory keys drawn are remembered (a key drawn again keeps its first place)."""
+  from reverb_shm.ray.sampling import ClusterClient  # pylint: disable=g-import-not-at-top
+  cc = ClusterClient(types.SimpleNamespace(entries=[], num_shards=0), key_memory=5)
+  cc._log_keys(np.array([1, 2, 3], np.uint64), 0)  # pylint: disable=protected-access
+  cc._log_keys(np.array([4, 5], np.uint64), 2)  # pylint: disable=protected-access
+  assert [cc.shard_of(k) for k in (1, 2, 3, 4, 5, 6)] == [0, 0, 0, 2, 2, None]
+  cc._log_keys(np.array([6, 1, 7], np.uint64), 0)  # pylint: disable=protected-access
+  # filed: 1..7 (1 kept its place), 7 > 5 keys: the two filed first (1, 2) are forgotten
+  assert [cc.shard_of(k) for k in (1, 2, 3, 6, 7)] == [None, None, 0, 0, 0]
+  for k in range(10, 16):   # 6 keys drawn without a lookup: only the last 5 are kept
+    cc._log_keys(np.array([k], np.uint64), 1)  # pylint: disable=protected-access
+  assert [cc.shard_of(k) for k in (3, 7, 10, 11, 15)] == [None, None, None, 1, 1]
+  assert len(cc._filed_keys()) == 5  # pylint: disable=protected-access
+  cc.close()
+
+
+def test_prefetch_draws_the_local_share_per_group_within_the_rate_limiter(server_factory):
+  """This node's share of a prefetched group is one C gather at the group's first use, of
+  what the shard's rate limiter admits then: batches it leaves short draw their missing items
+  again (waiting for the limiter, within the call's timeout). One local shard, no Ray."""
+  from reverb_shm.ray.cluster import ClusterHandle, ShardEntry  # pylint: disable=g-import-not-at-top
+  name = unique_server_name("ray")
+  table = reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 1000,
+                           rate_limiters.SampleToInsertRatio(1.0, 1, (0.0, 10_000.0)))
+  server = server_factory([table], name=name)
+  client = reverb_shm.Client(f"shm://{name}")
+  for i in range(100):
+    client.insert(np.array([i], np.int64), {"t": 1.0})
+  generation = int(client._segment().info()["generation"])  # pylint: disable=protected-access
+  handle = ClusterHandle("unit", [ShardEntry(0, "n0", name, server.port, "", generation, "a0")],
+                         "token", "/tmp", [table], {})
+  cc = handle.global_client(prefetch=4)
+  assert cc.live_shards == [0] and cc.is_local(0)
+  st = client.shared_table("t")
+  # 100 samples admitted: the first batch (drawn alone), then a group of 4 x 30 gets 70 at
+  # its first use.
+  for samples in (30, 100, 100):
+    batch = cc.sample_batch("t", 30, rate_limiter_timeout_ms=50)
+    assert len(batch.info.key) == 30 and st.stats()["samples"] == samples
+    np.testing.assert_array_equal(batch.info.probability, np.full(30, 1 / 100))
+    assert (batch.info.table_size == 100).all()
+  with pytest.raises(reverb_shm.errors.DeadlineExceededError):
+    cc.sample_batch("t", 30, rate_limiter_timeout_ms=50)   # 10 in its slice, 20 refused
+  for i in range(100, 200):
+    client.insert(np.array([i], np.int64), {"t": 1.0})
+  batch = cc.sample_batch("t", 30, rate_limiter_timeout_ms=1000)   # empty slice: drawn anew
+  assert len(batch.info.key) == 30 and (batch.info.table_size == 200).all()
+  np.testing.assert_array_equal(batch.info.probability, np.full(30, 1 / 200))
+  assert cc.shard_of(int(batch.info.key[0])) == 0
+  cc.close()
 
 
 # ---- on the cluster
@@ -349,6 +448,26 @@ def test_priority_updates_reach_the_shard_holding_the_key(filled):
   assert _mass(handle, a) == pytest.approx(before[a], rel=1e-12)
   cc.close()
 
+  # A prefetching learner's batches (the bridges' parts cut from shared answers) route the
+  # same way.
+  pf = handle.global_client(seed=7, timeout_s=10, prefetch=4)
+  pf.sample_batch("prio", 200, rate_limiter_timeout_ms=10_000)
+  batch = pf.sample_batch("prio", 200, rate_limiter_timeout_ms=10_000)
+  labels = list(PRIOS)   # values written on node i are 100 * i + position
+  writer = [_shard(handle, local, labels[v // 100])
+            for v in np.asarray(batch.data[0]).reshape(-1).tolist()]
+  assert [pf.shard_of(k) for k in batch.info.key.tolist()] == writer
+  i = writer.index(a)
+  key, old = int(batch.info.key[i]), float(batch.info.priority[i])
+  before = [_mass(handle, s) for s in range(3)]
+  assert pf.mutate_priorities("prio", updates={key: 40.0}) == (1, 0)
+  after = [_mass(handle, s) for s in range(3)]
+  assert after[a] == pytest.approx(before[a] - old ** EXPONENT + 40.0 ** EXPONENT, rel=1e-12)
+  assert [m for s, m in enumerate(after) if s != a] == [m for s, m in enumerate(before)
+                                                          if s != a]
+  assert pf.mutate_priorities("prio", updates={key: old}) == (1, 0)
+  pf.close()
+
 
 def test_a_stalled_node_is_dropped_within_the_deadline_and_rejoins(filled):
   local, handle = filled
@@ -391,6 +510,7 @@ def test_node_failure_checkpoint_and_restore(filled):
   cc = handle.global_client(seed=4, timeout_s=10, revive_after_s=1e9)
   assert len(cc.sample("prio", 64, rate_limiter_timeout_ms=10_000)) == 64
 
+  node_a = local.node_id("nodeA")
   local.kill_raylet("nodeA")
   t0 = time.monotonic()
   with pytest.warns(RuntimeWarning, match=f"shard {a} .* dropped"):
@@ -416,6 +536,11 @@ def test_node_failure_checkpoint_and_restore(filled):
   with pytest.warns(UserWarning, match=f"shard {a} .* did not checkpoint"):
     paths2 = handle.checkpoint(timeout_s=20)
   assert paths2[a] is None and paths2[b] is not None
+
+  # Ray declares node A dead (its raylet refuses the health checks) within the deadline.
+  while any(n["NodeID"] == node_a and n.get("Alive") for n in ray.nodes()):
+    assert time.monotonic() - t0 < CALL_S * 2, "Ray still counts node A alive"
+    time.sleep(0.5)
 
   # A replacement node (node C, which had no server) restores node A's shard from its last
   # checkpoint.

@@ -12,7 +12,9 @@ a gone client fail, ROUTER_MANDATORY) and the calls of gone clients are cancelle
 import asyncio
 import collections
 import logging
+import os
 import threading
+import time
 from typing import Any, Callable, Dict, Optional
 
 import grpc
@@ -25,6 +27,9 @@ __all__ = ["ZmqPort"]
 
 _log = logging.getLogger(__name__)
 _PROBE_AFTER_S = (0.1, 2.0)   # pings after a connection closed (the router drops it meanwhile)
+EVENTS, POLLIN = zmq_client.EVENTS, zmq_client.POLLIN
+_SPIN_S = zmq_client.SPIN_S
+_SPIN_BUDGET_S = 0.002   # the most one drain spins for inserts before the loop's other work runs
 
 
 class ZmqPort:
@@ -64,6 +69,7 @@ class ZmqPort:
     self._sock = sock
     self._calls: Dict[bytes, Any] = {}   # routing id -> _StreamContext or _InsertConn
     self._closed = False
+    self._answered = False   # the last message handled was an insert answered at once
     self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
     self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._read_monitor)
     # (the descriptors signal edges: whatever came before they were watched is read now)
@@ -82,7 +88,7 @@ class ZmqPort:
     except zmq.ZMQError:   # EHOSTUNREACH: the client's connection is gone
       sent = False
     # A send (also a failed one) may take in messages without the descriptor signalling.
-    if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    if self._sock.getsockopt(EVENTS) & POLLIN:
       self._loop.call_soon(self._drain)
     if not sent:
       self._drop(ident)
@@ -90,7 +96,14 @@ class ZmqPort:
 
   def _drain(self) -> None:
     sock = self._sock
-    while not self._closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    spin_until = None   # (after an insert answered at once: see _next_insert)
+    while not self._closed:
+      if not sock.getsockopt(EVENTS) & POLLIN:
+        if not self._answered or not self._next_insert(spin_until):
+          break
+        if spin_until is None:
+          spin_until = time.perf_counter() + _SPIN_BUDGET_S
+      self._answered = False
       frames = sock.recv_multipart(zmq.NOBLOCK)
       try:
         self._dispatch(frames[0], *wire.zmq_message(frames[1:]))
@@ -99,6 +112,27 @@ class ZmqPort:
       except Exception:  # pylint: disable=broad-except  (one bad message ends only its call)
         _log.exception("bridge: ZeroMQ message")
         self._drop(frames[0])
+
+  def _next_insert(self, spin_until: Optional[float]) -> bool:
+    """After an insert answered at once, polls for the next message for up to SPIN_S (its
+    client sends the next insert soon, mostly), yielding the CPU between polls, so that this
+    CPU does not go idle in between (see zmq_client.SPIN_S). The loop's other work waits
+    meanwhile: one drain spins for at most _SPIN_BUDGET_S in all, then lets it run and goes on
+    after it. True: a message is waiting."""
+    self._answered = False
+    now = time.perf_counter()
+    if spin_until is not None and now >= spin_until:
+      self._answered = True
+      self._loop.call_soon(self._drain)
+      return False
+    end = now + _SPIN_S if spin_until is None else min(now + _SPIN_S, spin_until)
+    sock = self._sock
+    while True:
+      os.sched_yield()
+      if sock.getsockopt(EVENTS) & POLLIN:
+        return True
+      if time.perf_counter() >= end:
+        return False
 
   def _dispatch(self, ident: bytes, kind: bytes, payload: bytes) -> None:
     call = self._calls.get(ident)
@@ -157,7 +191,7 @@ class ZmqPort:
   def _read_monitor(self) -> None:
     closed = False
     monitor = self._monitor
-    while not self._closed and monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    while not self._closed and monitor.getsockopt(EVENTS) & POLLIN:
       event = zmq_monitor.parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
       closed = closed or bool(event["event"] & zmq.EVENT_DISCONNECTED)
     if closed:
@@ -192,7 +226,7 @@ class ZmqPort:
       return
     seq = self._step_at_once(msg)
     if seq is not None:
-      self.send(conn.ident, wire.ZMQ_MSG, self._ack(seq))
+      self._answered = self.send(conn.ident, wire.ZMQ_MSG, self._ack(seq)) and _SPIN_S > 0
       return
     conn.task = self._loop.create_task(self._insert_general(conn, msg))
 

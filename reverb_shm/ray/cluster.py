@@ -17,6 +17,7 @@ import dataclasses
 import os
 import secrets
 import tempfile
+import time
 import warnings
 import zlib
 from typing import List, Optional, Sequence
@@ -214,7 +215,8 @@ class ClusterHandle:
     returns the new entry.
 
     The old actor counts as alive when it answers within min(10, timeout_s) seconds; one that
-    does not (its node died or stalls) is killed first.
+    does not (its node died or stalls) is killed first. A new actor that Ray fails before it
+    runs while `node_id` lives is started again, within `timeout_s`.
 
     Raises:
       ValueError: the shard's old actor is still alive (stop it first) or a bad shard index;
@@ -237,7 +239,7 @@ class ClusterHandle:
         raise ValueError(f"shard {shard}'s server (actor {old.actor_name!r} on node "
                          f"{old.node_id}) is still alive: stop it before replacing it")
       ray.kill(actor, no_restart=True)   # a dead node's actor may still be registered
-    entry = _start_shard(self, shard, node_id, timeout_s)
+    entry = _start_shard_retrying(self, shard, node_id, timeout_s)
     self.entries[shard] = entry
     return entry
 
@@ -258,10 +260,14 @@ class ClusterHandle:
       ray.kill(actor, no_restart=True)
 
 
+def _actor_name(handle: ClusterHandle, shard: int) -> str:
+  return f"{handle.cluster_id}.shard{shard}"
+
+
 def _start_shard(handle: ClusterHandle, shard: int, node_id: str, timeout_s: float,
                  ref_only: bool = False):
   server_name = f"rvray_{handle.cluster_id}_{shard}_{secrets.token_hex(3)}"
-  actor_name = f"{handle.cluster_id}.shard{shard}"
+  actor_name = _actor_name(handle, shard)
   actor = _actor_class().options(
       name=actor_name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=0,
       max_concurrency=4,
@@ -273,6 +279,30 @@ def _start_shard(handle: ClusterHandle, shard: int, node_id: str, timeout_s: flo
   if ref_only:
     return actor_name, ref
   return _entry(shard, actor_name, ray.get(ref, timeout=timeout_s))
+
+
+def _start_shard_retrying(handle: ClusterHandle, shard: int, node_id: str,
+                          timeout_s: float) -> ShardEntry:
+  """_start_shard, started again while the new actor dies before it runs but `node_id` lives.
+
+  Right after a node died, Ray may still count it alive (until its health checks have failed
+  enough times), and Ray versions that send an actor's lease to a node picked among those
+  (rather than straight to its affinity node) then fail the new actor when that node is
+  declared dead, with that node's death as the cause.
+  """
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      return _start_shard(handle, shard, node_id, max(1.0, deadline - time.monotonic()))
+    except ray.exceptions.RayActorError:
+      if time.monotonic() >= deadline or node_id not in alive_node_ids():
+        raise
+      try:
+        ray.kill(ray.get_actor(_actor_name(handle, shard), namespace=NAMESPACE),
+                 no_restart=True)
+      except ValueError:   # (gone already)
+        pass
+      time.sleep(0.5)
 
 
 def _entry(shard: int, actor_name: str, info: dict) -> ShardEntry:

@@ -7,10 +7,16 @@ the other nodes' shared-memory segments nor theirs: as on separate hosts, "same 
 be decided by trying to attach. The head node stays in the caller's namespace.
 
 Each worker node has a custom resource `node_label` (1 unit) to find it by: node_id(label).
+
+Every node logs under the cluster's temp dir (Ray puts a worker node's session logs in the
+head's): shutdown() removes it unless `keep_logs` is set (or RVRAY_KEEP is in the environment);
+log_report() gives the tails a failed test should show.
 """
+import glob
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -78,6 +84,7 @@ class LocalRayCluster:
     self.address = f"127.0.0.1:{self.port}"
     self.nodes: Dict[str, subprocess.Popen] = {}
     self._logs: list = []
+    self.keep_logs = bool(os.environ.get("RVRAY_KEEP"))   # shutdown() leaves temp_dir
 
   def _common(self, label: str):
     # Nodes on one host must not share a port: each gets its own (Ray's defaults are fixed).
@@ -100,7 +107,8 @@ class LocalRayCluster:
     self._logs.append(log)
     # A loaded machine registers a node slowly, and a busy node answers health checks late:
     # give it minutes rather than Ray's defaults (which declare a node dead after ~15 s
-    # without an answer, taking its actors with it).
+    # without an answer, taking its actors with it). (A node whose raylet is gone refuses the
+    # checks at once: it is declared dead after 12 checks, ~40 s.)
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="300",
                RAY_health_check_timeout_ms="20000", RAY_health_check_failure_threshold="12",
                RAY_worker_register_timeout_seconds="180",
@@ -219,15 +227,51 @@ class LocalRayCluster:
     with open(os.path.join(self.temp_dir, f"{label}.log"), "rb") as f:
       return f.read().decode("utf-8", "replace")
 
+  def log_report(self, tail_lines: int = 12, max_matches: int = 40) -> str:
+    """What to show when a test on this cluster failed: the temp dir, each node's `ray start`
+    output tail, and from the Ray session logs (GCS, raylets) the warnings and errors, the
+    lines about node health, deaths and actor leases, and each log's tail. Bounded (a few
+    hundred lines)."""
+    kept = "" if self.keep_logs else " (removed at shutdown)"
+    out = [f"ray cluster logs: {self.temp_dir}{kept}"]
+    for label in self.nodes:
+      try:
+        tail = self.log(label).splitlines()[-4:]
+      except OSError as e:
+        tail = [repr(e)]
+      out += [f"--- node {label} (`ray start` pid {self.nodes[label].pid}, exit "
+              f"{self.nodes[label].poll()}):"] + tail
+    # Ray's log lines: "[date time LEVEL pid tid] ..."; warnings, errors and deaths matter.
+    # (and where the GCS sends each actor's lease: a node it still counts alive may be dead)
+    notable = re.compile(r"^\[\S+ \S+ [WEF] |health check|heartbeat|\bdead\b|died|death|"
+                         r"killed|\boom\b|leasing worker", re.IGNORECASE)
+    for path in sorted(glob.glob(os.path.join(self.temp_dir, "session_*", "logs", "*"))):
+      name = os.path.basename(path)
+      if not (name.startswith(("gcs_server", "raylet")) and name.endswith((".out", ".err"))):
+        continue
+      try:
+        with open(path, "rb") as f:
+          lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines()
+                   if ln.strip() and not ln.startswith(("[state-dump]", "\t"))]
+      except OSError:
+        continue
+      hits = [ln for ln in lines if notable.search(ln)][-max_matches:]
+      if hits:
+        out += [f"--- {name}: warnings, errors, deaths (last {max_matches}):"] + hits
+      if lines:
+        out += [f"--- {name}: tail:"] + lines[-tail_lines:]
+    return "\n".join(out)
+
   def shutdown(self) -> None:
-    """Kills every node (workers first, then the head) and removes the temp dir."""
+    """Kills every node (workers first, then the head) and removes the temp dir (kept, with
+    every node's logs, when keep_logs is set)."""
     for label in [lab for lab in self.nodes if lab != "head"] + ["head"]:
       if label in self.nodes:
         self.kill_node(label)
     # Processes a node left in its session (workers re-parented elsewhere) are in its group.
     for log in self._logs:
       log.close()
-    if not os.environ.get("RVRAY_KEEP"):
+    if not self.keep_logs:
       shutil.rmtree(self.temp_dir, ignore_errors=True)
 
   def __enter__(self):

@@ -17,9 +17,10 @@ split by item counts; their order is per shard.
 
 Keys. Item keys are random 64-bit integers drawn independently by every writer, so they are
 unique across shards with overwhelming probability (a collision among n items has probability
-about n**2 / 2**65). The client remembers which shard returned each key it sampled (the last
-`key_memory` keys) and sends an update or delete of such a key to that shard only; keys it has
-not sampled go to every live shard (unknown keys are ignored there).
+about n**2 / 2**65). The client remembers which shard returned each key it sampled (about the
+last `key_memory` keys drawn; it files them only when an update or `shard_of` needs them) and
+sends an update or delete of such a key to that shard only; keys it has not sampled go to every
+live shard (unknown keys are ignored there).
 
 Rate limiters are per shard: a shard's limiter counts the inserts and samples made on that shard
 (the global counts are the sums in server_info()). A sample of k items on a shard waits for that
@@ -49,7 +50,6 @@ from reverb_shm.selectors import PRIORITIZED
 
 __all__ = ["ClusterClient", "split_batch"]
 
-_INFO_DTYPES = (np.uint64, np.float64, np.int64, np.float64, np.int32)
 
 _NODE_ERRORS = (errors.ServerUnavailableError, errors.DeadOwnerError, errors.TableClosedError,
                 errors.DeadlineExceededError, ConnectionError, OSError)
@@ -63,11 +63,13 @@ def _mass_of(stats: dict) -> Tuple[float, int, int]:
   return mass, size, kind
 
 
-def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator) -> np.ndarray:
+def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator,
+                size: Optional[int] = None) -> np.ndarray:
   """Multinomial split of `n` draws over shards with masses `masses` (>= 0, finite).
 
-  Returns an int64 array of counts summing to n. All masses 0 -> ValueError (the caller falls
-  back to item counts).
+  Returns an int64 array of counts summing to n, of shape (len(masses),), or (size,
+  len(masses)) for `size` independent splits. All masses 0 -> ValueError (the caller falls back
+  to item counts).
   """
   m = np.asarray(masses, np.float64)
   if m.ndim != 1 or not np.all(np.isfinite(m)) or np.any(m < 0):
@@ -75,11 +77,17 @@ def split_batch(n: int, masses: Sequence[float], rng: np.random.Generator) -> np
   total = m.sum()
   if not total > 0:
     raise ValueError("every shard has mass 0")
-  return rng.multinomial(n, m / total).astype(np.int64)
+  return rng.multinomial(n, m / total, size=size).astype(np.int64)
 
 
-# Prefetched batches requested together hold at most this many items in all.
-_GROUP_ITEMS = 1024
+# Prefetched batches requested together hold at most this many items, and about this many
+# bytes of columns, in all (one request and one answer per bridge for the whole group).
+_GROUP_ITEMS = 4096
+_GROUP_BYTES = 16 << 20
+# Items per SampleBatch message: a bridge pins the items of one message at once, and a server
+# whose max_bytes is taken by its arena cannot grow a process's pin log past its first 1024
+# pins. A larger share is asked for in several messages, answered in order on one stream.
+_MESSAGE_ITEMS = 1024
 
 
 @dataclasses.dataclass
@@ -94,10 +102,14 @@ class _Request:
 
 
 class _Shared:
-  """A bridge's SampleBatch call whose answer prefetched requests share, a slice each."""
+  """A bridge's SampleBatch call whose answer prefetched requests share, a slice each.
 
-  def __init__(self, call):
+  `adopt`, if given, is applied once to the call's (batch, stats) answer and its result is what
+  the slices cut (ClusterClient: global probabilities and table_size, the shard's mass)."""
+
+  def __init__(self, call, adopt=None):
     self._call = call
+    self._adopt = adopt
     self._lock = threading.Lock()
     self._result: Any = None
     self._error: Optional[BaseException] = None
@@ -106,7 +118,8 @@ class _Shared:
     with self._lock:
       if self._result is None and self._error is None:
         try:
-          self._result = self._call()
+          result = self._call()
+          self._result = result if self._adopt is None else self._adopt(result)
         except Exception as e:  # pylint: disable=broad-except  (each sharer re-raises it)
           self._error = e
       if self._error is not None:
@@ -115,6 +128,28 @@ class _Shared:
 
   def cancel(self) -> None:
     self._call.cancel()
+
+
+class _Joined:
+  """SampleBatch calls in flight of one shard, answered as one (batch, stats): their batches
+  concatenated (None when all are empty), the stats of the last answer."""
+
+  def __init__(self, calls):
+    self._calls = calls
+
+  def __call__(self):
+    answers = [call() for call in self._calls]
+    batches = [b for b, _ in answers if b is not None]
+    stats = answers[-1][1]
+    if len(batches) <= 1:
+      return (batches[0] if batches else None), stats
+    info = SampleInfo(*[np.concatenate([b.info[f] for b in batches]) for f in range(5)])
+    return ReplaySample(info, [np.concatenate(c) for c in zip(*[b.data for b in batches])]), \
+        stats
+
+  def cancel(self) -> None:
+    for call in self._calls:
+      call.cancel()
 
 
 class _Slice:
@@ -169,7 +204,12 @@ class ClusterClient:
     self._key_memory = int(key_memory)
     self._rng = np.random.default_rng(seed)
     self._lock = threading.Lock()
-    self._keys: Dict[int, int] = {}   # key -> shard, in the order first sampled
+    self._keys: Dict[int, int] = {}   # key -> shard, in the order first filed
+    # Sampled (keys array, shard) not filed in _keys yet, oldest first, and their key count.
+    self._key_log: collections.deque = collections.deque()
+    self._key_log_n = 0
+    self._local: set = set()           # shards reached through shared memory
+    self._item_bytes: Dict[str, float] = {}   # table -> column bytes per item (last answer)
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=max(2, handle.num_shards), thread_name_prefix="reverb_shm-ray-sample")
     self.failures = 0                  # shards dropped since this client was made
@@ -190,6 +230,10 @@ class ClusterClient:
     local = self._handle.attach_local(shard)
     self._clients[shard] = (local if local is not None else
                             self._handle.remote_client(shard, reconnect_timeout_s=self._timeout_s))
+    if local is None:
+      self._local.discard(shard)
+    else:
+      self._local.add(shard)
     self._generations[shard] = self._handle.entries[shard].generation
 
   @property
@@ -198,8 +242,7 @@ class ClusterClient:
 
   def is_local(self, shard: int) -> bool:
     """Whether `shard` is reached through shared memory from this process."""
-    from reverb_shm.bridge.remote import RemoteClient  # pylint: disable=g-import-not-at-top
-    return not isinstance(self._clients[shard], RemoteClient)
+    return shard in self._local
 
   def _drop(self, shard: int, exc: BaseException) -> None:
     with self._lock:
@@ -345,22 +388,27 @@ class ClusterClient:
     list of columns) of (B, ...) arrays, grouped by shard.
 
     One call per shard and batch, in parallel: a C gather on this node's shard, one SampleBatch
-    round trip to each other node's bridge; each answer carries the shard's mass after the
-    draw, which the next call splits by when it is at most `max_mass_age_s` old and no priority
-    update went through this client since (else the masses are read first). The reported
-    probability is exactly that of the draw made: (W_s / W) of the masses split by, times the
-    shard's own w_i / W_s at the draw, which is w_i / W whenever the masses did not change in
-    between (always, for a table nobody writes to meanwhile).
+    round trip to each other node's bridge. The batch is split by the shards' masses: this
+    node's shard's read at the split, the bridges' from their last answers (each answer carries
+    its shard's mass after the draw) when at most `max_mass_age_s` old and no priority update
+    went through this client since (else read first, one empty SampleBatch per bridge). The
+    reported probability is exactly that of the draw made: (W_s / W) of the masses split by,
+    times the shard's own w_i / W_s at the draw, which is w_i / W whenever the masses did not
+    change in between (always, for a table nobody writes to meanwhile).
 
     With `prefetch` > 0, whenever fewer than `prefetch` further batches (same table, size and
-    timeout) are in flight, the bridges' parts of the next ones are requested before this one
-    is gathered, split by the masses known then, with one request per bridge for up to
-    `prefetch` batches of at most 1024 items in all (each batch takes its slice of the
-    answer); their items are drawn on the remote
-    shards before this call returns (as Reverb's in-flight samples), so a priority update sent
-    meanwhile reaches them only from the batches after. The local shard's part is drawn when
-    its batch is returned. A call with other arguments, or close(), drops the requests in
-    flight (their items count as sampled on their shards).
+    timeout) are in flight, the next ones are requested before this one is gathered, split by
+    the masses known then, in groups: one request per bridge for up to `prefetch` batches of
+    at most 4096 items (and about 16 MiB) in all, sent as messages of at most 1024 items, each
+    batch taking its slice of the answer. Their items are drawn on the remote shards before
+    this call returns (as Reverb's in-flight samples), so a priority update sent meanwhile
+    reaches them only from the batches after. This node's shard's parts of a group are drawn
+    together when the group's first batch is returned (what its rate limiter admits then; a
+    batch whose part it did not admit draws its missing items again, as does one whose bridge
+    admitted fewer). A call with other arguments, or close(), drops the requests in flight
+    (their items count as sampled on their shards). Prefetching is what makes a learner fast
+    across nodes: a round trip per bridge for many batches instead of one per batch
+    (bench/ray_r1.py measures prefetch 0, 4 and 32).
 
     Raises:
       ValueError: num_samples < 1, or items of different column layouts.
@@ -372,26 +420,36 @@ class ClusterClient:
     args = (table, num_samples, rate_limiter_timeout_ms)
     if self._pending and self._pending[0].args != args:
       self._drop_pending()
-    parts = []
+    parts: List[ReplaySample] = []
     got = 0
     while got < num_samples:
       if got == 0 and self._pending:
         request = self._pending.popleft()
       else:
         request = self._issue(table, num_samples - got, rate_limiter_timeout_ms)[0]
-      if got == 0:
-        # (a group's answers pin its items on the bridges at once: at most _GROUP_ITEMS)
-        group = max(1, min(self._prefetch, _GROUP_ITEMS // num_samples))
+      if got == 0 and len(self._pending) < self._prefetch:
+        group = self._group_size(table, num_samples)
         while len(self._pending) < self._prefetch:
           self._pending.extend(self._issue(table, num_samples, rate_limiter_timeout_ms, group))
       for part in self._collect(request):
         parts.append(part)
         got += len(part.info.key)
-    info = SampleInfo(*[np.concatenate([p.info[f] for p in parts]).astype(dtype, copy=False)
-                        for f, dtype in enumerate(_INFO_DTYPES)])
-    cols = [np.concatenate(c) for c in zip(*[p.data for p in parts])]
+    if len(parts) == 1:
+      info, cols = parts[0].info, list(parts[0].data)
+    else:
+      info = SampleInfo(*[np.concatenate([p.info[f] for p in parts]) for f in range(5)])
+      cols = [np.concatenate(c) for c in zip(*[p.data for p in parts])]
     treedef = self._treedef(table)
     return ReplaySample(info, cols if treedef is None else structure.unflatten(treedef, cols))
+
+  def _group_size(self, table: str, num_samples: int) -> int:
+    """How many prefetched batches of `num_samples` one request per bridge carries: at most
+    `prefetch`, _GROUP_ITEMS items and (once an answer told the item size) _GROUP_BYTES."""
+    items = _GROUP_ITEMS
+    item_bytes = self._item_bytes.get(table)
+    if item_bytes:
+      items = min(items, int(_GROUP_BYTES // item_bytes))
+    return max(1, min(self._prefetch, items // num_samples))
 
   def _issue(self, table: str, n: int, timeout_ms: Optional[int],
              group: int = 1) -> List["_Request"]:
@@ -402,18 +460,19 @@ class ClusterClient:
       raise errors.ServerUnavailableError(
           f"no live shard left to sample {table!r} from (dropped: {self.dead})")
     shards, weights, total_size = self._weights(table, masses)
-    total_w = float(sum(weights))
-    scale = {s: w / total_w for s, w in zip(shards, weights)}
-    requests = [_Request((table, n, timeout_ms), scale,
-                         dict(zip(shards, split_batch(n, weights, self._rng).tolist())),
-                         total_size) for _ in range(group)]
-    k_of = {s: sum(r.k_of[s] for r in requests) for s in shards}
+    w = np.asarray(weights, np.float64)
+    scale = dict(zip(shards, (w / w.sum()).tolist()))
+    splits = split_batch(n, weights, self._rng, size=group)   # (group, shards)
+    requests = [_Request((table, n, timeout_ms), scale, dict(zip(shards, row)), total_size)
+                for row in splits.tolist()]
+    k_of = dict(zip(shards, splits.sum(axis=0).tolist()))
     pending, failed = self._send_remote(shards, table, k_of, timeout_ms)
-    if group == 1:
-      requests[0].pending, requests[0].failed = pending, failed
-      return requests
+    if group > 1:   # this node's share of the whole group: one C gather at its first use
+      for s in shards:
+        if s in self._local and k_of[s]:
+          pending[s] = self._local_call(s, table, k_of[s])
     for s, call in pending.items():
-      shared, start = _Shared(call), 0
+      shared, start = _Shared(call, self._adopter(table, s, scale[s], total_size)), 0
       for r in requests:
         r.pending[s] = _Slice(shared, start, r.k_of[s])
         start += r.k_of[s]
@@ -421,25 +480,57 @@ class ClusterClient:
       r.failed = dict(failed)
     return requests
 
+  def _adopter(self, table: str, shard: int, scale: float, total_size: int):
+    """What a shard's answer to a group becomes once (see _Shared): its shard's mass goes to
+    the cache (a bridge's answer), its items get the global probability (times `scale` =
+    W_s / W) and table_size."""
+    def adopt(answer):
+      batch, stats = answer
+      if stats is not None:
+        self._mass_cache.setdefault(table, {})[shard] = (_mass_of(stats), time.monotonic())
+      if batch is not None:
+        i = batch.info
+        n = len(i.key)
+        self._item_bytes[table] = sum(c.nbytes for c in batch.data) / max(n, 1)
+        keys = i.key.astype(np.uint64, copy=False)
+        batch = ReplaySample(SampleInfo(
+            keys, i.probability * scale, np.full(n, total_size, np.int64),
+            i.priority.astype(np.float64, copy=False),
+            i.times_sampled.astype(np.int32, copy=False)), batch.data)
+        self._log_keys(keys, shard)   # (the whole answer at once: its items are drawn)
+      return batch, stats
+    return adopt
+
+  def _local_call(self, shard: int, table: str, k: int):
+    """A call drawing up to k items of this node's `shard` that its rate limiter admits at once
+    (None when it admits none now: the batches concerned draw their missing items again)."""
+    def call():
+      try:
+        return self._draw_local(shard, table, k, 0, with_stats=False)
+      except errors.DeadlineExceededError:
+        return None, None
+    call.cancel = lambda: None   # type: ignore[attr-defined]
+    return call
+
   def _collect(self, request: "_Request") -> List[ReplaySample]:
-    """The parts of an issued request (local shard drawn now), with global probabilities."""
+    """The parts of an issued request (a local shard's drawn now unless its group drew it),
+    with global probabilities."""
     table, _, timeout_ms = request.args
     shards = sorted(request.k_of)
     answers = self._finish_draws(shards, table, request.k_of, timeout_ms, request.pending,
-                                 request.failed)
-    now = time.monotonic()
-    cache = self._mass_cache.setdefault(table, {})
+                                 request.failed, local_stats=False)
     parts = []
-    for s, (batch, stats) in sorted(answers.items()):
-      cache[s] = (_mass_of(stats), now)
+    for s, (batch, _) in sorted(answers.items()):
       if batch is None:
         continue
-      i = batch.info
-      parts.append(ReplaySample(SampleInfo(
-          i.key, i.probability * request.scale[s],
-          np.full(len(i.key), request.total_size, np.int64), i.priority, i.times_sampled),
-          batch.data))
-      self._remember(zip(i.key.tolist(), [s] * len(i.key)))
+      if s in self._local and s not in request.pending:   # (global dtypes already)
+        i = batch.info
+        batch = ReplaySample(SampleInfo(
+            i.key, i.probability * request.scale[s],
+            np.full(len(i.key), request.total_size, np.int64), i.priority, i.times_sampled),
+            batch.data)
+        self._log_keys(i.key, s)
+      parts.append(batch)
     return parts
 
   def _drop_pending(self) -> None:
@@ -449,19 +540,22 @@ class ClusterClient:
         cancel.cancel()
 
   def _cached_masses(self, table: str) -> Dict[int, Tuple[float, int, int]]:
-    """{shard: (mass, size, kind)}: from the shards' last answers when fresh enough, else
-    read now (one SampleBatch of 0 items per bridge, in parallel)."""
+    """{shard: (mass, size, kind)} of the live shards: this node's read now (a few
+    microseconds); the bridges' from their last answers when fresh enough, else read now (one
+    SampleBatch of 0 items per bridge, in parallel)."""
     if self.dead:
       self._revive()
     cache = self._mass_cache.setdefault(table, {})
     now = time.monotonic()
     live = self.live_shards
-    if not all(s in cache and now - cache[s][1] <= self._max_mass_age_s for s in live):
-      answers = self._draw_all(live, table, dict.fromkeys(live, 0), None)
+    stale = [s for s in live if s in self._local or s not in cache
+             or now - cache[s][1] > self._max_mass_age_s]
+    if stale:
+      answers = self._draw_all(stale, table, dict.fromkeys(stale, 0), None)
       now = time.monotonic()
       for s, (_, stats) in answers.items():
         cache[s] = (_mass_of(stats), now)
-      live = sorted(answers)
+      live = self.live_shards
     return {s: cache[s][0] for s in live}
 
   @staticmethod
@@ -489,24 +583,34 @@ class ClusterClient:
       rpc_timeout = timeout_ms / 1000 + self._timeout_s
     pending, failed = {}, {}
     for s in shards:
-      if not self.is_local(s):
+      if s not in self._local:
+        k = int(k_of[s])
+        messages = max(1, -(-k // _MESSAGE_ITEMS))
+        calls = []
         try:
-          pending[s] = self._clients[s].sample_batch_async(table, int(k_of[s]), timeout_ms,
-                                                           rpc_timeout)
+          for m in range(messages):   # (sizes as equal as can be)
+            calls.append(self._clients[s].sample_batch_async(
+                table, (k * (m + 1)) // messages - (k * m) // messages, timeout_ms,
+                rpc_timeout))
         except _NODE_ERRORS as e:
+          for call in calls:
+            call.cancel()
           failed[s] = e
+        else:
+          pending[s] = calls[0] if len(calls) == 1 else _Joined(calls)
     return pending, failed
 
   def _finish_draws(self, shards, table: str, k_of: Dict[int, int], timeout_ms: Optional[int],
-                    pending, failed):
-    """Draws on the local shards, then waits for the remote calls `pending`; shards failing
+                    pending, failed, local_stats: bool = True):
+    """Draws on the local shards that have no call in `pending` (with their stats after the
+    draw, or None without `local_stats`), then waits for the calls `pending`; shards failing
     with a node error are probed and dropped if dead (else the error is raised)."""
     out = {}
     failed = dict(failed)
     for s in shards:
-      if s in self._clients and self.is_local(s):
+      if s in self._local and s in self._clients and s not in pending:
         try:
-          out[s] = self._draw_local(s, table, int(k_of[s]), timeout_ms)
+          out[s] = self._draw_local(s, table, int(k_of[s]), timeout_ms, local_stats)
         except _NODE_ERRORS as e:
           failed[s] = e
     for s, result in pending.items():
@@ -520,7 +624,8 @@ class ClusterClient:
       self._drop(s, err)
     return out
 
-  def _draw_local(self, shard: int, table: str, k: int, timeout_ms: Optional[int]):
+  def _draw_local(self, shard: int, table: str, k: int, timeout_ms: Optional[int],
+                  with_stats: bool = True):
     st = self._local_tables.get((shard, table))
     if st is None:
       st = self._local_tables[(shard, table)] = self._clients[shard].shared_table(table)
@@ -528,7 +633,7 @@ class ClusterClient:
     if k:
       b = st.sample_batch(k, timeout_ms=timeout_ms)
       batch = ReplaySample(b.info, structure.flatten(b.data)[0])
-    return batch, st.stats()
+    return batch, (st._open_stats() if with_stats else None)  # pylint: disable=protected-access
 
   def _treedef(self, table: str):
     """The treedef of `table`'s signature (from any live shard), None without one."""
@@ -542,21 +647,44 @@ class ClusterClient:
       self._treedefs[table] = None if signature is None else structure.flatten(signature)[1]
     return self._treedefs[table]
 
-  def _remember(self, pairs) -> None:
-    """Records key -> shard; beyond key_memory keys the oldest recorded are forgotten (a key
-    sampled again keeps its first place: routing only needs the shard, which never changes)."""
+  def _log_keys(self, keys: np.ndarray, shard: int) -> None:
+    """Notes that `shard` returned `keys` (a (B,) array); they are filed in _keys only when a
+    lookup needs them, so a learner that never updates priorities does not pay for it."""
     with self._lock:
-      keys = self._keys
-      keys.update(pairs)
-      excess = len(keys) - self._key_memory
-      if excess > 0:
-        for k in list(itertools.islice(iter(keys), excess)):
-          del keys[k]
+      log = self._key_log
+      log.append((keys, shard))
+      self._key_log_n += len(keys)
+      # The newest key_memory logged keys are kept; older ones, and every key filed before
+      # them, are forgotten.
+      while self._key_log_n - len(log[0][0]) >= self._key_memory:
+        self._key_log_n -= len(log.popleft()[0])
+        self._keys.clear()
+
+  def _filed_keys(self) -> Dict[int, int]:
+    """_keys (key -> shard) with the logged keys filed; call under _lock. Beyond key_memory
+    keys the oldest filed are forgotten (a key sampled again keeps its first place: routing
+    only needs the shard, which never changes)."""
+    keys = self._keys
+    while self._key_log:
+      arr, shard = self._key_log.popleft()
+      keys.update(zip(arr.tolist(), itertools.repeat(shard)))
+    self._key_log_n = 0
+    excess = len(keys) - self._key_memory
+    if excess > 0:
+      for k in list(itertools.islice(iter(keys), excess)):
+        del keys[k]
+    return keys
+
+  def _remember(self, pairs) -> None:
+    """Files (key, shard) pairs at once (see _filed_keys)."""
+    with self._lock:
+      self._filed_keys().update(pairs)
+      self._filed_keys()
 
   def shard_of(self, key: int) -> Optional[int]:
     """The shard that returned `key` in a sample (if still remembered), else None."""
     with self._lock:
-      return self._keys.get(int(key))
+      return self._filed_keys().get(int(key))
 
   # ---- priorities
   def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,
@@ -566,12 +694,13 @@ class ClusterClient:
     live = self.live_shards
     per: Dict[int, Tuple[dict, list]] = {s: ({}, []) for s in live}
     with self._lock:
+      filed = self._filed_keys()
       for k, p in (updates or {}).items():
-        s = self._keys.get(int(k))
+        s = filed.get(int(k))
         for t in ([s] if s in per else live):
           per[t][0][k] = p
       for k in (deletes or ()):
-        s = self._keys.get(int(k))
+        s = filed.get(int(k))
         for t in ([s] if s in per else live):
           per[t][1].append(k)
     busy = [s for s in live if per[s][0] or per[s][1]]
