@@ -260,9 +260,14 @@ static uint64_t block_alloc(void *base, uint64_t need, uint32_t type, int32_t ow
 
 /* Return an allocated block to the free space, merging with free neighbours. Returns the header
  * offset of the resulting free block. Caller holds the arena lock. */
+/* One more block free or chunk shrink (caller holds the arena lock): the bytes at an offset may
+ * no longer be those a reader cached (layout_cache.h). */
+static void count_free(rs_seg_hdr *h) { __atomic_store_n(&h->frees, h->frees + 1, __ATOMIC_RELEASE); }
+
 static uint64_t block_free(void *base, uint64_t off) {
   rs_seg_hdr *h = rs_seg(base);
   rs_blk *b = blk(base, off);
+  count_free(h);
   uint64_t size = bsize(b), start = off, total = size, next = off + size, absorbed_next = 0;
   account(h, btype(b), size, -1);
   if (next < arena_end(h) && btype(blk(base, next)) == RS_BLOCK_FREE) {
@@ -819,6 +824,7 @@ int rs_chunk_shrink(void *base, uint64_t chunk_off, uint32_t rows) {
   uint64_t size = bsize(b);
   uint64_t nbytes = c->row_bytes ? c->row_bytes * rows : c->nbytes;   /* object chunks keep bytes */
   uint64_t keep = rs_align_up(RS_ALIGN + c->data_offset + nbytes, RS_ALIGN);
+  count_free(h);
   __atomic_store_n(&c->capacity, rows, __ATOMIC_RELAXED);   /* read unlocked by rs_chunk_rows_ok */
   __atomic_store_n(&c->nbytes, nbytes, __ATOMIC_RELAXED);
   if (keep < size && size - keep >= RS_ALIGN) {
@@ -845,6 +851,7 @@ uint64_t rs_arena_min_size(void) { return 4096; }
 
 void rs_arena_init(void *base) {
   rs_seg_hdr *h = rs_seg(base);
+  count_free(h);
   memset(h->free_heads, 0, sizeof h->free_heads);
   h->arena_used = h->num_chunks = h->num_descs = 0;
   h->refcounts_suspect = 0;
@@ -855,6 +862,7 @@ void rs_arena_init(void *base) {
 
 void rs_arena_repair(void *base) {
   rs_seg_hdr *h = rs_seg(base);
+  count_free(h);
   uint64_t end = arena_end(h), prev = 0, prev_size = 0;
   memset(h->free_heads, 0, sizeof h->free_heads);
   h->arena_used = h->num_chunks = h->num_descs = 0;

@@ -9,6 +9,7 @@ from cffi import FFI
 HERE = pathlib.Path(__file__).resolve().parent
 SOURCES = ["util.c", "lock.c", "layout.c", "slots.c", "arena.c", "index.c", "sumtree.c",
            "selectors.c", "limiter.c", "table.c", "table_check.c", "check.c", "snapshot.c",
+           "layout_cache.c",
            "fastpath.c", "writer_items.c", "bridge_layout.c", "extent.c", "liveness.c", "counters.c",
            "table_wait.c", "gather_thread.c"]
 

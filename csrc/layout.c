@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "counters.h"
+#include "layout_cache.h"
 #include "rs_internal.h"
 
 #define MAX_TABLES 1024u
@@ -149,6 +150,7 @@ static int segment_init(void *base, uint64_t size, const rs_table_config *cfgs, 
   if (!base || size < p.total)
     return rs_set_error(RS_EINVAL, "segment of %llu bytes, expected at least %llu for this configuration",
                         (unsigned long long)size, (unsigned long long)p.total);
+  rs_lcache_forget();
   rs_seg_hdr *h = rs_seg(base);
   h->magic = RS_MAGIC;
   h->layout_version = RS_LAYOUT_VERSION;
@@ -225,6 +227,7 @@ static int inside(uint64_t off, uint64_t len, uint64_t total) { return off <= to
 
 int rs_segment_validate(void *base, uint64_t size) {
   rs_seg_hdr *h = rs_seg(base);
+  rs_lcache_forget();   /* (another segment, or damaged bytes, may now be at a mapping seen before) */
   if (!base || size < sizeof *h)
     return rs_set_error(RS_ECORRUPT, "segment of %llu bytes is smaller than its %zu-byte header",
                         (unsigned long long)size, sizeof *h);

@@ -23,6 +23,7 @@
  *                  load time (rs_lock_register_repairs): the one call that goes upward.
  *      sumtree.c   float64 sum tree, exact recompute along the path (Schaul et al. 2016)
  *      index.c     key -> record hash (open addressing, backward-shift delete), episode map
+ *      layout_cache.c  per-thread cache of checked item layouts across sample rounds
  *      limiter.c   Reverb's rate limiter: samples_per_insert, min_size_to_sample and the
  *                  [min_diff, max_diff] window on inserts * samples_per_insert - samples
  *      writer_items.c  window item descriptors of a trajectory writer
@@ -105,7 +106,8 @@ typedef struct rs_seg_hdr {
   uint32_t arena_file;            /* 1: the arena is a file mapped over its range (disk tier) */
   uint32_t _pad2;
   uint64_t counters_off;          /* rs_tcounters[(max_procs + 1) * num_tables] (counters.h) */
-  uint64_t reserved[9];
+  uint64_t frees;                 /* block frees and chunk shrinks so far (layout_cache.h) */
+  uint64_t reserved[8];
 } rs_seg_hdr;
 
 typedef struct rs_slot {

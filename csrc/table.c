@@ -22,6 +22,7 @@
 
 #include "counters.h"
 #include "index.h"
+#include "layout_cache.h"
 #include "limiter.h"
 #include "selectors.h"
 #include "sumtree.h"
@@ -895,6 +896,7 @@ static int layout_ok(void *base, uint64_t desc_off, uint32_t ncols, const rs_gat
 
 #define GATHER_COLS 8   /* up to this many columns, gathers remember where each row starts */
 #define MEMO_WAYS 16     /* item blobs a gather round remembers (direct-mapped) */
+_Static_assert(GATHER_COLS <= RS_LC_COLS, "a memo way must fit a cross-round cache entry");
 
 /* One round of rs_sample_gather (up to GATHER_COLS columns): the item blobs (one blob serves
  * every item of a descriptor block, each at its own row shift) already checked against cols,
@@ -909,6 +911,7 @@ typedef struct gather_memo {
   uint32_t npins;
   uint64_t pin_descs[SAMPLE_ROUND];
   uint32_t pins[SAMPLE_ROUND];
+  rs_lcache *lc;   /* this thread's cache of blobs checked in earlier rounds, or NULL */
 } gather_memo;
 
 static inline uint32_t memo_way(uint64_t blob) {
@@ -918,6 +921,32 @@ static inline uint32_t memo_way(uint64_t blob) {
 static inline const char *slice_src(void *base, const rs_desc_slice *sl, uint64_t shift,
                                     uint64_t *nb);
 
+/* Keeps memo way w (just checked) in the cross-round cache, unless a size does not fit it. */
+static void lc_store(rs_lcache *lc, void *base, const gather_memo *m, uint32_t w, uint32_t ncols) {
+  if (m->max_shift[w] > UINT32_MAX) return;
+  for (uint32_t c = 0; c < ncols; c++)
+    if (m->row_bytes[w][c] > UINT32_MAX) return;
+  rs_lc_entry *e = rs_lc_slot(lc, m->blob[w]);
+  e->blob = m->blob[w];
+  e->frees = lc->frees;
+  e->version = lc->version;
+  e->max_shift = (uint32_t)m->max_shift[w];
+  for (uint32_t c = 0; c < ncols; c++) {
+    e->col[c].row0 = m->row0[w][c] ? (uint64_t)(m->row0[w][c] - (const char *)base) : 0;
+    e->col[c].row_bytes = (uint32_t)m->row_bytes[w][c];
+  }
+}
+
+/* Fills memo way w from cross-round cache entry e of the same blob. */
+static void memo_from_lc(void *base, gather_memo *m, uint32_t w, const rs_lc_entry *e, uint32_t ncols) {
+  m->max_shift[w] = e->max_shift;
+  for (uint32_t c = 0; c < ncols; c++) {
+    m->row0[w][c] = e->col[c].row0 ? (const char *)rs_at(base, e->col[c].row0) : NULL;
+    m->row_bytes[w][c] = e->col[c].row_bytes;
+  }
+  m->blob[w] = e->blob;
+}
+
 /* Is the blob of item reference `ref` known to have cols' layout? Checks and remembers it (and
  * lists it for pinning) if not. 0: it has another layout; -1: its rows (at the reference's
  * row shift) or its descriptor lie outside the arena (rs_item_in_arena). */
@@ -926,6 +955,13 @@ static int memo_layout_ok(void *base, gather_memo *m, uint64_t ref, uint32_t nco
   uint64_t blob = rs_ref_off(ref);
   uint32_t w = memo_way(blob);
   if (m->blob[w] == blob) return rs_ref_shift(ref) <= m->max_shift[w] ? 1 : -1;
+  const rs_lc_entry *e = m->lc ? rs_lc_find(m->lc, base, blob) : NULL;
+  if (e) {   /* checked in an earlier round, nothing freed since */
+    if (rs_ref_shift(ref) > e->max_shift) return -1;
+    memo_from_lc(base, m, w, e, ncols);
+    m->pin_descs[m->npins++] = blob;
+    return 1;
+  }
   int ok = layout_ok(base, blob, ncols, cols);
   if (ok <= 0) return ok;
   const rs_desc_hdr *d = rs_desc_blob(base, blob);
@@ -949,6 +985,7 @@ static int memo_layout_ok(void *base, gather_memo *m, uint64_t ref, uint32_t nco
   }
   m->blob[w] = blob;
   m->pin_descs[m->npins++] = blob;   /* (a blob evicted and met again is pinned twice: fine) */
+  if (m->lc) lc_store(m->lc, base, m, w, ncols);
   return 1;
 }
 
@@ -994,6 +1031,16 @@ static inline void prefetch_item_rows(void *base, uint64_t ref) {
   }
 }
 
+/* Stages 2-4 at once for an item whose blob the cross-round cache holds (rs_lc_find bounded its
+ * rows up to max_shift): request the first line of each single-slice column's rows. */
+static inline void prefetch_cached_rows(void *base, const rs_lc_entry *e, uint32_t ncols, uint64_t ref) {
+  uint64_t shift = rs_ref_shift(ref);
+  if (shift > e->max_shift) return;
+  for (uint32_t c = 0; c < ncols; c++)
+    if (e->col[c].row0)
+      __builtin_prefetch((const char *)rs_at(base, e->col[c].row0) + shift * e->col[c].row_bytes, 0, 1);
+}
+
 /* Take up to `want` samples now (no waiting) into out[]; returns the number taken (0 when the
  * limiter blocks) or a negative error code. With `cols` (rs_sample_gather), only
  * items of that layout are taken: the round stops before the first other one, which stays
@@ -1023,10 +1070,13 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
   uint64_t descs[SAMPLE_ROUND], doomed[SAMPLE_ROUND];
   uint32_t k = 0, ndoomed = 0;
   rs_rec *recs = rs_recs(base, th);
+  rs_lcache *lc = memo ? memo->lc : NULL;
+  uint8_t cached[SAMPLE_ROUND];   /* pick j's blob is in the cross-round cache (stage 2) */
   if (memo) {
     memset(memo->blob, 0, sizeof memo->blob);
     memo->npins = 0;
   }
+  if (lc) lc->frees = rs_lcache_frees(base);   /* (under the table lock: see layout_cache.h) */
   int32_t mts = th->max_times_sampled;
 
   /* Without max_times_sampled nothing leaves the table while sampling: pick the whole run at
@@ -1045,6 +1095,12 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
     for (uint32_t j = k; j < k + m; j++) {
       uint64_t d = recs[picks[j]].desc_off;
       __builtin_prefetch(rs_at(base, rs_ref_off(d) - RS_ALIGN), 1);
+      const rs_lc_entry *e = lc ? rs_lc_find(lc, base, rs_ref_off(d)) : NULL;
+      cached[j] = e != NULL;
+      if (e) {   /* (its descriptor and chunk headers are not read: its rows can be requested now) */
+        prefetch_cached_rows(base, e, ncols, d);
+        continue;
+      }
       __builtin_prefetch(rs_desc_blob(base, d), 0);
       __builtin_prefetch((const char *)rs_desc_blob(base, d) + RS_ALIGN, 0);
     }
@@ -1058,7 +1114,8 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
           rs_prefetch_file_rows(rs_at(base, off), sizeof(rs_desc_hdr));
       }
     if (cols)
-      for (uint32_t j = k; j < k + m; j++) prefetch_chunk_hdrs(base, recs[picks[j]].desc_off);
+      for (uint32_t j = k; j < k + m; j++)
+        if (!lc || !cached[j]) prefetch_chunk_hdrs(base, recs[picks[j]].desc_off);
     int other_layout = 0;
     if (cols) {
       uint32_t good = 0;
@@ -1083,8 +1140,10 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
                               (unsigned long long)recs[picks[k]].key, ncols);
       }
     }
-    if (cols)   /* (every item up to k + m passed the layout check) */
-      for (uint32_t j = k; j < k + m; j++) prefetch_item_rows(base, recs[picks[j]].desc_off);
+    if (cols)   /* (every item up to k + m passed the layout check; a blob not cached in stage 2
+                 * was checked in this round) */
+      for (uint32_t j = k; j < k + m; j++)
+        if (!lc || !cached[j]) prefetch_item_rows(base, recs[picks[j]].desc_off);
     for (uint32_t j = k; j < k + m; j++) {
       rs_rec *rec = &recs[picks[j]];
       rec->times_sampled++;
@@ -1660,12 +1719,15 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
   for (uint32_t i = 0; i < n; i++) {
     uint64_t blob = rs_ref_off(recs[i].desc_off);
     uint32_t w = memo_way(blob);
-    if (memo && memo->blob[w] == blob) {
+    const rs_lc_entry *e = memo && memo->blob[w] != blob && memo->lc ?   /* (evicted from the memo) */
+        rs_lc_find(memo->lc, base, blob) : NULL;
+    if (e && rs_ref_shift(recs[i].desc_off) > e->max_shift) e = NULL;
+    if (e || (memo && memo->blob[w] == blob)) {
       uint64_t shift = rs_ref_shift(recs[i].desc_off);
       for (uint32_t c = 0; c < ncols; c++) {
-        const char *p = memo->row0[w][c];
+        const char *p = !e ? memo->row0[w][c] : e->col[c].row0 ? (const char *)rs_at(base, e->col[c].row0) : NULL;
         if (p) {
-          p += shift * memo->row_bytes[w][c];
+          p += shift * (e ? e->col[c].row_bytes : memo->row_bytes[w][c]);
           __builtin_prefetch(p, 0, 1);
           if (disk) rs_prefetch_file_rows(p, cols[c].col_bytes);
         }
@@ -1736,6 +1798,7 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
   op_init(&op, base, table, "sample", &th->sampling_ns, &th->waiting_for_inserts_ns, deadline_ns,
           slice_ns);
   op.c = rs_counters_row(base, slot, table);
+  if (memo) memo->lc = rs_lcache_for(base, ncols, cols);
   rc = op_lock(&op);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
     int took = sample_round(&op, slot, n - *got_io, recs, ncols, cols, memo);

@@ -184,3 +184,41 @@ def test_random_bytes_never_crash_a_reader(target, kind):
     answers.add(target.read_in_worker(kind).split(" reads=")[0])
   # Some damage is caught (the rest may be in bytes no invariant constrains, e.g. payload).
   assert any("=-6" in a for a in answers) or kind == "arena", answers
+
+
+def test_a_gather_trusts_no_layout_it_cached_past_a_damaged_arena_end(target):
+  """Gathers keep each item blob's checked layout for later rounds (csrc/layout_cache.h). An
+  entry is used only while its rows lie inside the arena's current bounds: once the header's
+  arena size is damaged after the entries were made (no attach or check in between), sampling
+  reports the damage (the round's layout check, RS_ECORRUPT) instead of reading rows the arena
+  no longer holds (or failing later, at pinning, with another error)."""
+  target.apply([])
+  base = target.base
+  assert lib.rs_segment_validate(base, target.size) == lib.RS_OK
+  slot = ffi.new("uint32_t *")
+  pid = os.getpid()
+  assert lib.rs_proc_register(base, pid, lib.rs_proc_start_time(pid), slot) == lib.RS_OK
+  dst = ffi.new("uint8_t[]", 16 * 64)
+  cols = ffi.new("rs_gather_col[2]")
+  for c, (size, dtype, shape) in enumerate(((8, b"<i8", ()), (24, b"<f4", (3, 2)))):   # act, obs
+    cols[c].out, cols[c].stride, cols[c].col_bytes, cols[c].dtype = dst + 32 * c, 64, size, dtype
+    cols[c].ndim = len(shape)
+    for k, s in enumerate(shape):
+      cols[c].shape[k] = s
+  info, got = ffi.new("uint64_t[]", 16 * 5), ffi.new("uint32_t *")
+
+  def gather():
+    got[0] = 0
+    return lib.rs_sample_gather(base, slot[0], 0, 16, 0, lib.rs_now_ns(), 0, 2, cols, info, got)
+  try:
+    # Table 0 also holds items of another layout: a round stops before the first of those.
+    codes = [gather() for _ in range(50)]
+    assert lib.RS_OK in codes and set(codes) <= {lib.RS_OK, lib.RS_EINVAL}, codes
+    at, fmt = HDR_FIELD["arena_size"]
+    target.mm[at:at + 8] = struct.pack(fmt, 64)   # every item's blocks now lie past the arena
+    codes = [gather() for _ in range(20)]
+    assert codes == [lib.RS_ECORRUPT] * 20, codes
+    assert "outside the shared-memory arena" in ffi.string(lib.rs_last_error()).decode()
+  finally:
+    target.apply([])
+    lib.rs_proc_unregister(base, slot[0])

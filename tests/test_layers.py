@@ -264,6 +264,7 @@ def test_import_reverb_shm_imports_no_optional_extra():
 
 C_LAYERS = {
     "util.c": 0,
+    "layout_cache.c": 1,
     "lock.c": 1, "sumtree.c": 1, "index.c": 1, "limiter.c": 1, "writer_items.c": 1, "extent.c": 1,
     "liveness.c": 1, "gather_thread.c": 1,
     "selectors.c": 2, "arena.c": 2, "counters.c": 2,

@@ -560,11 +560,14 @@ def test_every_batch_has_a_data_dict_of_its_own(server_factory):
   with BatchIterator(st, batch_size=4, prefetch=1, mask_key="action", timeout_ms=5000) as it:
     first = next(it)
     first.data.pop("action")   # the consumer edits its batch's dict
-    later = [next(it) for _ in range(4)]   # (gathered into the first batch's buffer again)
+    later = []
+    for _ in range(4):   # (gathered into the first batch's buffer again)
+      later.append(next(it))
+      # (checked before the next batch: keep=1 hands this one's buffer back to the sampler then)
+      _assert_rows_consistent(later[-1])
     for batch in later:
       assert sorted(batch.data) == ["action", "obs", "reward"]
       assert batch.data is not first.data
-      _assert_rows_consistent(batch)
     pointers = {b.data["obs"].__array_interface__["data"][0] for b in later}
     assert len(pointers) <= 2   # still views of the ring buffers
 
