@@ -749,16 +749,38 @@ def _batch_scheduled_threads() -> int:
   return count
 
 
+def _settled_batch_threads(timeout_s=5.0) -> int:
+  """_batch_scheduled_threads once two reads 50 ms apart agree (or at timeout_s)."""
+  deadline, last = time.monotonic() + timeout_s, -1
+  while True:
+    now = _batch_scheduled_threads()
+    if now == last or time.monotonic() > deadline:
+      return now
+    last = now
+    time.sleep(0.05)
+
+
+def _batch_threads_reach(count, timeout_s=5.0) -> bool:
+  """Whether _batch_scheduled_threads equals count within timeout_s (a thread that ended its
+  work leaves /proc/self/task a little later)."""
+  deadline = time.monotonic() + timeout_s
+  while _batch_scheduled_threads() != count:
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.01)
+  return True
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
 def test_native_threads_run_as_sched_batch_and_end_at_close(server_factory):
   server = server_factory([_table()])
   st = server.shared_table("t")
   _fill(st, np.arange(16))
-  before = _batch_scheduled_threads()
+  before = _settled_batch_threads()   # (threads of earlier tests' iterators may be ending)
   with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=5000) as it:
     next(it)
     next(it)
     assert it._native_sampling
-    assert _batch_scheduled_threads() == before + 2   # the sampler and the updater
+    assert _batch_threads_reach(before + 2)   # the sampler and the updater
   assert _threads_ended(it)
-  assert _batch_scheduled_threads() == before
+  assert _batch_threads_reach(before), (_batch_scheduled_threads(), before)
