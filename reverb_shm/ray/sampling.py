@@ -130,6 +130,13 @@ class _Shared:
     self._call.cancel()
 
 
+def _concat_samples(samples) -> ReplaySample:
+  """One ReplaySample of flat columns holding `samples`' rows in order (each info field and
+  each column concatenated along axis 0)."""
+  info = SampleInfo(*[np.concatenate([b.info[f] for b in samples]) for f in range(5)])
+  return ReplaySample(info, [np.concatenate(c) for c in zip(*[b.data for b in samples])])
+
+
 class _Joined:
   """SampleBatch calls in flight of one shard, answered as one (batch, stats): their batches
   concatenated (None when all are empty), the stats of the last answer."""
@@ -143,9 +150,7 @@ class _Joined:
     stats = answers[-1][1]
     if len(batches) <= 1:
       return (batches[0] if batches else None), stats
-    info = SampleInfo(*[np.concatenate([b.info[f] for b in batches]) for f in range(5)])
-    return ReplaySample(info, [np.concatenate(c) for c in zip(*[b.data for b in batches])]), \
-        stats
+    return _concat_samples(batches), stats
 
   def cancel(self) -> None:
     for call in self._calls:
@@ -434,11 +439,8 @@ class ClusterClient:
       for part in self._collect(request):
         parts.append(part)
         got += len(part.info.key)
-    if len(parts) == 1:
-      info, cols = parts[0].info, list(parts[0].data)
-    else:
-      info = SampleInfo(*[np.concatenate([p.info[f] for p in parts]) for f in range(5)])
-      cols = [np.concatenate(c) for c in zip(*[p.data for p in parts])]
+    joined = parts[0] if len(parts) == 1 else _concat_samples(parts)
+    info, cols = joined.info, list(joined.data)
     treedef = self._treedef(table)
     return ReplaySample(info, cols if treedef is None else structure.unflatten(treedef, cols))
 
