@@ -58,12 +58,6 @@ static void futex_wake_private(uint32_t *word) {
   syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 }
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 /* Claims and runs grains of job generation `gen` until none is left. */
 static void take_units(uint32_t gen) {
   for (;;) {
@@ -96,7 +90,7 @@ static void *helper_main(void *arg) {
     uint32_t g;
     for (uint32_t spins = 0; (g = __atomic_load_n(&pool.gen, __ATOMIC_SEQ_CST)) == seen; spins++) {
       if (spins % 64 || rs_now_ns() < spin_end) {
-        cpu_relax();
+        rs_cpu_relax();
         continue;
       }
       __atomic_store_n(&pool.sleeping, 1, __ATOMIC_SEQ_CST);
@@ -192,7 +186,7 @@ void rs_run_units(rs_units_fn fn, void *ctx, uint32_t n, uint32_t grain) {
   take_units(gen);
   /* Only grains the helper claimed are left: wait for it to finish them. */
   for (uint32_t spins = 0; __atomic_load_n(&pool.done, __ATOMIC_SEQ_CST) < grains; spins++) {
-    if (spins < 4096) cpu_relax();
+    if (spins < 4096) rs_cpu_relax();
     else sched_yield();   /* the helper was descheduled mid-unit: let it run */
   }
   __atomic_store_n(&pool.busy, 0, __ATOMIC_SEQ_CST);
