@@ -11,8 +11,10 @@ Each runs through (a) reverb_shm's local shared memory, (b) reverb_shm's gRPC br
 127.0.0.1 in the benchmark's process (like dm-reverb's in-process server, but sharing the
 client's GIL), (c) the bridge as its own process (`reverb-shm bridge NAME`, the deployed
 form) and (d) dm-reverb's own gRPC path in a subprocess of the reverb peer venv's python
-(skipped when absent); (c) again on gRPC only. Rates are items/s. Remote calls take the
-bridge's ZeroMQ port; REVERB_SHM_BRIDGE_ZMQ=0 measures them on gRPC instead.
+(skipped when absent); (c) again with Client.insert on the ZeroMQ port
+(REVERB_SHM_BRIDGE_DIRECT=0), and on gRPC only. Rates are items/s. Remote calls take what a
+RemoteClient takes by default: Client.insert the bridge's direct port, streams its ZeroMQ port;
+REVERB_SHM_BRIDGE_ZMQ=0 measures everything on gRPC instead.
 """
 import argparse
 import json
@@ -102,7 +104,7 @@ def _bridge_process(name: str):
 def _reverb_shm(seconds: float) -> dict:
   import reverb_shm as reverb  # pylint: disable=g-import-not-at-top
   from reverb_shm.bridge import BridgeConfig, RemoteClient, writes  # pylint: disable=g-import-not-at-top
-  enabled = writes.ZMQ_ENABLED
+  enabled, direct = writes.ZMQ_ENABLED, writes.DIRECT_ENABLED
   scope = {}
   exec(_WORKLOADS, scope)  # pylint: disable=exec-used
   table = reverb.Table("bench", reverb.selectors.Uniform(), reverb.selectors.Fifo(), 100000,
@@ -114,17 +116,19 @@ def _reverb_shm(seconds: float) -> dict:
     proc, address = _bridge_process(server.name)
     try:
       own = scope["run_all"](reverb, RemoteClient(address), seconds)
-      writes.ZMQ_ENABLED = False   # (read when a client learns the bridge's ports)
-      try:
+      try:   # (read when a client learns the bridge's ports)
+        writes.DIRECT_ENABLED = False
+        own_zmq = scope["run_all"](reverb, RemoteClient(address), seconds)
+        writes.ZMQ_ENABLED = False
         own_grpc = scope["run_all"](reverb, RemoteClient(address), seconds)
       finally:
-        writes.ZMQ_ENABLED = enabled
+        writes.ZMQ_ENABLED, writes.DIRECT_ENABLED = enabled, direct
     finally:
       proc.terminate()
       proc.wait(timeout=30)
   finally:
     server.stop()
-  return {"local": local, "bridge": remote, "own": own, "own_grpc": own_grpc}
+  return {"local": local, "bridge": remote, "own": own, "own_zmq": own_zmq, "own_grpc": own_grpc}
 
 
 def _dm_reverb(seconds: float):
@@ -150,21 +154,25 @@ def main() -> None:
     rounds.append((_reverb_shm(args.seconds), _dm_reverb(args.seconds)))
   med = lambda values: float(np.median(values))  # pylint: disable=unnecessary-lambda-assignment
   nan = float("nan")
-  print(f"{'workload':10} {'shm local':>10} {'bridge':>10} {'bridge/own':>10} {'own, gRPC':>10} "
-        f"{'dm-reverb':>10} {'bridge/dm':>10} {'own/dm':>8} {'gRPC/dm':>8} {'hop cost':>9}")
+  print(f"{'workload':10} {'shm local':>10} {'bridge':>10} {'bridge/own':>10} {'own, ZMQ':>10} "
+        f"{'own, gRPC':>10} {'dm-reverb':>10} {'bridge/dm':>10} {'own/dm':>8} {'ZMQ/dm':>8} "
+        f"{'gRPC/dm':>8} {'hop cost':>9}")
   for w in ("insert", "writer", "sample"):
-    local, bridge, own, own_grpc = (med([ours[k][w] for ours, _ in rounds])
-                                    for k in ("local", "bridge", "own", "own_grpc"))
+    local, bridge, own, own_zmq, own_grpc = (
+        med([ours[k][w] for ours, _ in rounds])
+        for k in ("local", "bridge", "own", "own_zmq", "own_grpc"))
     dm = med([ref[w] if ref else nan for _, ref in rounds])
     # ratios: the median of each round's ratio (both measured back to back)
-    bridge_dm = med([ours["bridge"][w] / (ref[w] if ref else nan) for ours, ref in rounds])
-    own_dm = med([ours["own"][w] / (ref[w] if ref else nan) for ours, ref in rounds])
-    grpc_dm = med([ours["own_grpc"][w] / (ref[w] if ref else nan) for ours, ref in rounds])
-    print(f"{w:10} {local:10.0f} {bridge:10.0f} {own:10.0f} {own_grpc:10.0f} {dm:10.0f} "
-          f"{bridge_dm:9.2f}x {own_dm:7.2f}x {grpc_dm:7.2f}x {local / bridge:8.1f}x")
+    bridge_dm, own_dm, zmq_dm, grpc_dm = (
+        med([ours[k][w] / (ref[w] if ref else nan) for ours, ref in rounds])
+        for k in ("bridge", "own", "own_zmq", "own_grpc"))
+    print(f"{w:10} {local:10.0f} {bridge:10.0f} {own:10.0f} {own_zmq:10.0f} {own_grpc:10.0f} "
+          f"{dm:10.0f} {bridge_dm:9.2f}x {own_dm:7.2f}x {zmq_dm:7.2f}x {grpc_dm:7.2f}x "
+          f"{local / bridge:8.1f}x")
   print(f"rates in items/s (medians of {args.rounds} rounds); bridge = in this process, "
-        "bridge/own = `reverb-shm bridge` process (ZeroMQ port),\n"
-        "own, gRPC = the same with REVERB_SHM_BRIDGE_ZMQ=0 (grpcio's public API); "
+        "bridge/own = `reverb-shm bridge` process (defaults: Client.insert on the direct port,\n"
+        "streams on the ZeroMQ port), own, ZMQ = the same with REVERB_SHM_BRIDGE_DIRECT=0, "
+        "own, gRPC = with REVERB_SHM_BRIDGE_ZMQ=0 (grpcio's public API);\n"
         "hop cost = local shared memory rate / in-process bridge rate")
 
 

@@ -1,6 +1,7 @@
-"""Remote Client.insert on both transports: the bridge's ZeroMQ port
-(zmq_client.InsertConnection) and the Insert stream through grpcio's public API (without the
-port: TLS, or REVERB_SHM_BRIDGE_ZMQ=0); each scenario runs on both and must give the same results
+"""Remote Client.insert on its three transports: the bridge's direct port
+(direct_client.InsertConnection), its ZeroMQ port (zmq_client.InsertConnection, with
+REVERB_SHM_BRIDGE_DIRECT=0) and the Insert stream through grpcio's public API (without the
+ports: TLS, or REVERB_SHM_BRIDGE_ZMQ=0); each scenario runs on each and must give the same results
 and errors. Also the bridge's end of it: its one-call insert path (remembered step layout, open
 chunks) against the general path.
 """
@@ -26,22 +27,23 @@ from conftest import bridge_process
 
 pytestmark = pytest.mark.timeout(120)
 
-TRANSPORTS = ("zmq", "grpc")
+TRANSPORTS = ("direct", "zmq", "grpc")
 
 
 @pytest.fixture
 def use_transport(monkeypatch):
   """use(name): later remote clients insert over that transport."""
   def use(name):
-    monkeypatch.setattr(writes, "ZMQ_ENABLED", name == "zmq")
+    monkeypatch.setattr(writes, "ZMQ_ENABLED", name != "grpc")
+    monkeypatch.setattr(writes, "DIRECT_ENABLED", name == "direct")
   return use
 
 
 def _stream_kinds(client: RemoteClient) -> set:
-  """The transports of the client's idle insert connections ({"zmq"}, {"grpc"} or both)."""
+  """The transports of the client's idle insert connections (a subset of TRANSPORTS)."""
   conn = client._connection()  # pylint: disable=protected-access
-  return ({"zmq"} if conn.zmq_inserts else set()) | (
-      {"grpc"} if conn.insert_streams else set())
+  return ({"direct"} if conn.direct_inserts else set()) | (
+      {"zmq"} if conn.zmq_inserts else set()) | ({"grpc"} if conn.insert_streams else set())
 
 
 def _outcome(fn, address: str = ""):
@@ -92,22 +94,24 @@ def _scenario(server_factory) -> tuple:
   return outcomes, contents, kinds
 
 
-def test_inserts_give_the_same_results_and_errors_on_both_transports(server_factory,
-                                                                     use_transport):
+def test_inserts_give_the_same_results_and_errors_on_every_transport(server_factory,
+                                                                      use_transport):
   results = {}
   for transport in TRANSPORTS:
     use_transport(transport)
     results[transport] = _scenario(server_factory)
-  (outcomes, contents, kinds), (outcomes2, contents2, kinds2) = results.values()
-  assert kinds == {"zmq"} and kinds2 == {"grpc"}   # each took the transport it was given
-  assert outcomes == outcomes2
+  for transport, (_, _, kinds) in results.items():
+    assert kinds == {transport}   # each took the transport it was given
+  (outcomes, contents, _), *others = results.values()
+  for outcomes2, contents2, _ in others:
+    assert outcomes == outcomes2
+    assert contents == contents2
   assert outcomes[:2] == ["ok", "ok"] and outcomes[5] == "ok" and outcomes[9] == "ok"
   assert [o[0] for o in outcomes[2:5]] == ["ValueError", "ValueError",   # checked locally
                                           "UnknownTableError"]
   assert [o[0] for o in outcomes[6:9]] == ["DeadlineExceededError", "DeadlineExceededError",
                                           "InvalidArgumentError"]
   assert outcomes[10][0] == "DeadlineExceededError"   # "p" took it, the full queue did not
-  assert contents == contents2
   assert [c[0] for c in contents["p"]] == [0.25, 0.5]
   assert contents["p"][1][1][0] == [np.arange(len(contents["p"][1][1][0][0])).tolist()]
   assert len(contents["p"][1][1][0][0]) == (wire.FRAME_BYTES // 4) * 2 + 5

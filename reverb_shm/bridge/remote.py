@@ -121,6 +121,10 @@ class _Connection:
     self.port_asked = False
     self.zmq_inserts: list = []
     self.zmq_max_bytes: Optional[int] = None   # the bridge's max_message_bytes
+    # The bridge's direct port for Client.insert (None: not offered, not known yet, or not to
+    # be used) and the idle connections to it (direct_client.InsertConnection).
+    self.direct_port: Optional[int] = None
+    self.direct_inserts: list = []
     self.zmq_calls: weakref.WeakSet = weakref.WeakSet()   # stream calls on the ZeroMQ port
     self.closed = False
 
@@ -134,7 +138,7 @@ class _Connection:
     UNAVAILABLE, and the next call asks the bridge for its port again."""
     if not self.port_asked and not self.closed:
       try:
-        self.learn_zmq_port(self.unary("ServerInfo", {}))
+        self.learn_ports(self.unary("ServerInfo", {}))
       except (errors.ReverbError, PermissionError, ValueError):
         pass   # (the gRPC call reports the bridge's state)
     if self.zmq_port is not None and not self.closed:
@@ -150,25 +154,33 @@ class _Connection:
   def _forget_port(self) -> None:
     self.port_asked = False
 
-  def learn_zmq_port(self, info: dict) -> None:
-    """Records the ZeroMQ port (and its largest message) a ServerInfo reply offered (see
-    zmq_client)."""
-    port, limit = info.get("zmq_port"), info.get("max_message_bytes")
-    usable = (writes.ZMQ_ENABLED and not self.creds.tls and type(port) is int
-              and 0 < port < 65536)
+  def learn_ports(self, info: dict) -> None:
+    """Records the ZeroMQ and direct ports (and their largest message) a ServerInfo reply
+    offered (see zmq_client, direct_client); idle connections to ports that changed are
+    closed."""
+    limit = info.get("max_message_bytes")
     self.port_asked = True
     self.zmq_max_bytes = limit if type(limit) is int and limit > 0 else None
-    if (port if usable else None) != self.zmq_port:
-      while self.zmq_inserts:
-        self.zmq_inserts.pop().close()
-      self.zmq_port = port if usable else None
+    zmq_port = self._usable(info.get("zmq_port"), writes.ZMQ_ENABLED)
+    if zmq_port != self.zmq_port:
+      _close_all(self.zmq_inserts)
+      self.zmq_port = zmq_port
+    direct = self._usable(info.get("direct_port"), writes.ZMQ_ENABLED and writes.DIRECT_ENABLED)
+    if direct != self.direct_port:
+      _close_all(self.direct_inserts)
+      self.direct_port = direct
+
+  def _usable(self, port: Any, enabled: bool) -> Optional[int]:
+    """`port` if it is a port number to use (no TLS: side ports are plain), else None."""
+    return port if (enabled and not self.creds.tls and type(port) is int
+                    and 0 < port < 65536) else None
 
   def close(self) -> None:
     self.closed = True
     while self.insert_streams:
       self.insert_streams.pop().close()
-    while self.zmq_inserts:
-      self.zmq_inserts.pop().close()
+    _close_all(self.zmq_inserts)
+    _close_all(self.direct_inserts)
     for call in list(self.zmq_calls):
       call.cancel()
     if self.batch_stream is not None:
@@ -207,6 +219,12 @@ class _Connection:
           raise rpc_error(e, self.address) from None
       time.sleep(backoff)
       backoff = min(2 * backoff, writes.BACKOFF_MAX_S)
+
+
+def _close_all(connections: list) -> None:
+  """Closes and forgets idle insert connections."""
+  while connections:
+    connections.pop().close()
 
 
 class _RemoteTable:
@@ -548,7 +566,7 @@ class RemoteClient(client_lib.Client):
   def _fetch_tables(self, timeout: Optional[float] = None, wait: bool = False) -> list:
     conn = self._connection()
     reply = conn.unary("ServerInfo", {}, timeout=timeout, wait_for_ready=wait)
-    conn.learn_zmq_port(reply)
+    conn.learn_ports(reply)
     tables = reply.get("tables")
     if not isinstance(tables, list):
       raise errors.ReverbError(f"bridge {self.server_address} sent a malformed ServerInfo")

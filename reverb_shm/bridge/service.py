@@ -52,7 +52,7 @@ from reverb_shm import errors, specs
 from reverb_shm._internal import chunks, hot_plans, shm, structure, timeouts
 from reverb_shm._internal import columns as columns_lib
 from reverb_shm._internal._lib import check, ffi, lib
-from reverb_shm.bridge import security, wire, zmq_client
+from reverb_shm.bridge import direct_port, security, wire, zmq_client
 from reverb_shm.shared_table import SharedTable
 
 __all__ = ["Bridge", "BridgeConfig"]
@@ -146,7 +146,10 @@ class Bridge:
     self._seg = shm.Segment.attach(name)
     self._tables: Dict[str, SharedTable] = {}
     self._layouts: Dict[tuple, _StepLayout] = {}
-    self._step_buffers = (ffi.new("uint64_t[1]"), ffi.new("double[1]"))   # used on the loop only
+    # The step layouts, their open chunks and the one-call insert's buffers are used by the
+    # event loop and by the direct port's connection threads: under this lock.
+    self._step_lock = threading.RLock()
+    self._step_buffers = (ffi.new("uint64_t[1]"), ffi.new("double[1]"))
     # ("cols" of a step op, its _StepLayout) of the last step op
     self._last_step_layout: Tuple[Any, Any] = (None, None)
     # _OpenRows holding chunks (<= _MAX_OPEN_SETS)
@@ -231,8 +234,15 @@ class Bridge:
            "Insert": self._insert},
           lambda msg: self._step_at_once(msg), lambda seq: self._ack_frame(seq)[1:],
           self._insert_general)
+    self._direct = None
+    if config.tls is None:   # (plain TCP: offered without TLS only, as the ZeroMQ port)
+      self._direct = direct_port.DirectPort(
+          config.host, config.token, config.max_message_bytes, config.max_concurrent_rpcs,
+          self._direct_insert)
     started.set_result(port)
     grace = await self._stop_request.get()
+    if self._direct is not None:
+      self._direct.close()
     if self._zmq is not None:
       self._zmq.close()
     await self._grpc.stop(grace)
@@ -278,6 +288,10 @@ class Bridge:
   # ---- helpers
   def _column_writer(self, cols) -> "_StepLayout":
     """The cached _StepLayout of a "step" op's [[dtype, shape], ...] (validated once)."""
+    with self._step_lock:
+      return self._column_writer_locked(cols)
+
+  def _column_writer_locked(self, cols) -> "_StepLayout":
     try:
       key = tuple((d, tuple(s)) for d, s in cols)
       layout = self._layouts.get(key)
@@ -297,11 +311,12 @@ class Bridge:
 
   def _release_layouts(self) -> None:
     """Forgets the cached step layouts, releasing the chunks they hold open."""
-    layouts, self._layouts = self._layouts, {}
-    self._last_step_layout = (None, None)
-    for layout in layouts.values():
-      if layout.open_rows is not None:
-        layout.open_rows.release()
+    with self._step_lock:
+      layouts, self._layouts = self._layouts, {}
+      self._last_step_layout = (None, None)
+      for layout in layouts.values():
+        if layout.open_rows is not None:
+          layout.open_rows.release()
 
   def _table(self, name: str) -> SharedTable:
     st = self._tables.get(name)
@@ -386,6 +401,9 @@ class Bridge:
       out = {"tables": tables}
       if self._zmq is not None:
         out["zmq_port"] = self._zmq.port
+      if self._direct is not None:
+        out["direct_port"] = self._direct.port
+      if self._zmq is not None or self._direct is not None:
         out["max_message_bytes"] = self._config.max_message_bytes
       return out
     return await self._unary(request, context, body)
@@ -447,8 +465,12 @@ class Bridge:
 
     Returns None, having changed nothing, for anything else (another message, an invalid or
     unusual field, a full arena, a limiter that holds the item back): the general path then
-    validates, waits and reports errors exactly as before.
+    validates, waits and reports errors exactly as before. Thread-safe.
     """
+    with self._step_lock:
+      return self._step_at_once_locked(msg)
+
+  def _step_at_once_locked(self, msg: dict) -> Optional[int]:
     ops = msg.get("ops")
     if len(msg) != 1 or type(ops) is not list or len(ops) != 1:
       return None
@@ -472,7 +494,7 @@ class Bridge:
     last_cols, layout = self._last_step_layout
     if cols != last_cols:   # (a client sends steps of one layout, mostly)
       try:
-        layout = self._column_writer(cols)
+        layout = self._column_writer_locked(cols)
       except wire.BadMessage:
         return None
       self._last_step_layout = (cols, layout)
@@ -491,6 +513,14 @@ class Bridge:
     except errors.ReverbError:
       return None   # nothing inserted (n = 1): the general path waits or reports the error
     return seq
+
+  def _direct_insert(self, msg: dict, cancelled: threading.Event):
+    """One message of a direct port's insert connection (on its thread): the packed ack of a
+    one-call insert, else a future of the general path's ack (on the event loop)."""
+    seq = self._step_at_once(msg)
+    if seq is not None:
+      return self._ack_frame(seq)[1:]
+    return asyncio.run_coroutine_threadsafe(self._insert_general(msg, cancelled), self._loop)
 
   def _ack_frame(self, seq: int) -> bytes:
     """The one-frame Insert ack of items ops up to `seq`, none failed (cached)."""
@@ -855,7 +885,7 @@ class _OpenRows:
   the client's key) instead of getting chunks of its own, so an item costs its row's bytes plus
   a few. A full set is released (its pins dropped) and a new one opened; the chunks get a random
   episode id with one episode per row (RS_ROWS_RANDOM_EPISODE), as a local Client.insert's.
-  Used on the event loop only; `release` when the bridge stops or forgets the layout.
+  Used under the bridge's step lock; `release` when the bridge stops or forgets the layout.
   """
 
   def __init__(self, seg: shm.Segment, columns: chunks.ColumnWriter, capacity: int,

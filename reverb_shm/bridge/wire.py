@@ -261,3 +261,14 @@ def make_error(name: Any, message: Any, **kwargs) -> errors.ReverbError:
   if cls is errors.DeadlineExceededError:
     return cls(text, inserted=int(kwargs.get("inserted", 0)))
   return cls(text)
+
+
+def fatal_error(reply: dict) -> Optional[errors.ReverbError]:
+  """The error of an insert connection's reply {"fatal": [class, message]} (the bridge could
+  not handle the message and ended the connection), else None."""
+  fatal = reply.get("fatal")
+  if fatal is None:
+    return None
+  if isinstance(fatal, list) and len(fatal) == 2:
+    return make_error(*fatal)
+  return errors.ReverbError(f"the bridge sent a malformed error {fatal!r}")

@@ -23,14 +23,14 @@ import sys
 import threading
 import time
 import warnings
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import grpc
 import numpy as np
 
 from reverb_shm import errors
 from reverb_shm._internal import chunks
-from reverb_shm.bridge import watchdog, wire, zmq_client
+from reverb_shm.bridge import direct_client, watchdog, wire, zmq_client
 
 __all__ = ["WriteSession"]
 
@@ -38,6 +38,10 @@ __all__ = ["WriteSession"]
 # one (no TLS) and pyzmq is installed; REVERB_SHM_BRIDGE_ZMQ=0 (or ZMQ_ENABLED = False) keeps
 # everything on gRPC.
 ZMQ_ENABLED = zmq_client.AVAILABLE and os.environ.get("REVERB_SHM_BRIDGE_ZMQ", "1") != "0"
+# Client.insert takes the bridge's direct port when it offers one (no TLS) and ZMQ_ENABLED
+# (which says whether to leave gRPC at all); REVERB_SHM_BRIDGE_DIRECT=0 (or DIRECT_ENABLED =
+# False) keeps it on the ZeroMQ port.
+DIRECT_ENABLED = os.environ.get("REVERB_SHM_BRIDGE_DIRECT", "1") != "0"
 StreamError = zmq_client.StreamError
 
 BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
@@ -629,12 +633,13 @@ class OneMessageInserter:
     while True:
       conn = self._connection()
       if not conn.port_asked:
-        conn.learn_zmq_port(conn.unary("ServerInfo", {}))
-      if conn.zmq_port is not None:
-        ack = self._send_zmq(conn, payload, timeout_ms, answer_s, give_up)
+        conn.learn_ports(conn.unary("ServerInfo", {}))
+      path = next((p for p in _PORT_PATHS if p.port(conn) is not None), None)
+      if path is not None:
+        ack = self._send_port(conn, path, payload, timeout_ms, answer_s, give_up)
         if ack is not None:
           break
-        continue   # the ZeroMQ port went away: over gRPC (which learns the new port)
+        continue   # the port went away: another one, or gRPC (which learns the new ports)
       idle = conn.insert_streams
       stream, token = None, None
       try:
@@ -677,12 +682,12 @@ class OneMessageInserter:
       if isinstance(err, list) and len(err) == 4:
         raise wire.make_error(err[2], err[3], inserted=err[1])
 
-  def _send_zmq(self, conn, payload: bytes, timeout_ms: Optional[int],
-                answer_s: Optional[float], give_up: float) -> Optional[dict]:
-    """One message over an insert connection to the ZeroMQ port of `conn` (idle, or new); its
+  def _send_port(self, conn, path: "_PortPath", payload: bytes, timeout_ms: Optional[int],
+                 answer_s: Optional[float], give_up: float) -> Optional[dict]:
+    """One message over an insert connection to the `path` port of `conn` (idle, or new); its
     ack. A bridge that is unreachable is tried again with backoff until `give_up`; None once
-    its ZeroMQ port is gone (the caller goes on over gRPC, whose ServerInfo tells the new
-    port)."""
+    that port is gone (the caller goes on over another, or gRPC, whose ServerInfo tells the
+    new ports)."""
     limit = conn.zmq_max_bytes
     if limit is not None and len(payload) > limit:   # (the port would drop the connection)
       raise wire.BadMessage(f"message of {len(payload)} bytes exceeds the bridge's "
@@ -690,20 +695,20 @@ class OneMessageInserter:
     backoff = BACKOFF_START_S
     while True:
       sock = None
+      idle = path.idle(conn)
       try:
         try:
-          sock = conn.zmq_inserts.pop()
+          sock = idle.pop()
         except IndexError:
-          sock = zmq_client.InsertConnection(
-              zmq_client.split_host(conn.address), conn.zmq_port, conn.creds.token,
-              max(0.1, give_up - time.monotonic()))
+          sock = path.connect(zmq_client.split_host(conn.address), path.port(conn),
+                              conn.creds.token, max(0.1, give_up - time.monotonic()))
         ack = sock.round_trip(payload, answer_s)
       except TimeoutError:
         if sock is not None:
           sock.close()
         if sock is None or answer_s is None:   # (connecting timed out)
           raise errors.ServerUnavailableError(
-              f"could not connect to bridge {self._address}'s ZeroMQ port within "
+              f"could not connect to bridge {self._address}'s {path.name} port within "
               f"reconnect_timeout_s={self._reconnect_s}") from None
         raise errors.DeadlineExceededError(
             f"bridge {self._address} did not answer an insert within timeout_ms={timeout_ms} "
@@ -719,11 +724,11 @@ class OneMessageInserter:
           raise errors.ServerUnavailableError(
               f"could not insert into bridge {self._address} within reconnect_timeout_s="
               f"{self._reconnect_s}") from None
-        try:   # a bridge that restarted listens on another ZeroMQ port
-          conn.learn_zmq_port(conn.unary("ServerInfo", {}))
+        try:   # a bridge that restarted listens on other ports
+          conn.learn_ports(conn.unary("ServerInfo", {}))
         except errors.ServerUnavailableError:
           pass
-        if conn.zmq_port is None:
+        if path.port(conn) is None:
           return None
         time.sleep(min(backoff, max(0.0, give_up - now)))
         backoff = min(2 * backoff, BACKOFF_MAX_S)
@@ -735,8 +740,27 @@ class OneMessageInserter:
         error = sock.fatal(ack)
         if error is not None:
           raise error
-        conn.zmq_inserts.append(sock)
+        idle.append(sock)
         return ack
+
+
+class _PortPath(NamedTuple):
+  """A port Client.insert may take: its name (for messages), its number on a connection
+  (None: not to be used), the connection's idle insert connections to it, and
+  connect(host, port, token, timeout_s) making a new one."""
+  name: str
+  port: Callable
+  idle: Callable
+  connect: Callable
+
+
+# Client.insert's ports, the first one offered is taken.
+_PORT_PATHS = (
+    _PortPath("direct", lambda conn: conn.direct_port, lambda conn: conn.direct_inserts,
+              direct_client.InsertConnection),
+    _PortPath("ZeroMQ", lambda conn: conn.zmq_port, lambda conn: conn.zmq_inserts,
+              zmq_client.InsertConnection),
+)
 
 
 def _items_op(batch: _Batch) -> dict:

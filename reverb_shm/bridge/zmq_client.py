@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional, Tuple
 
 import grpc
 
-from reverb_shm import errors
 from reverb_shm.bridge import wire
 
 try:
@@ -284,13 +283,10 @@ class InsertConnection:
   def fatal(self, reply: dict) -> Optional[Exception]:
     """The error of a reply that ended the connection (the bridge could not handle the
     message), else None."""
-    fatal = reply.get("fatal")
-    if fatal is None:
-      return None
-    self.close()
-    if isinstance(fatal, list) and len(fatal) == 2:
-      return wire.make_error(*fatal)
-    return errors.ReverbError(f"the bridge sent a malformed error {fatal!r}")
+    error = wire.fatal_error(reply)
+    if error is not None:
+      self.close()
+    return error
 
   def close(self) -> None:
     """Ends the connection; the bridge stops waiting for an insert still in progress."""
