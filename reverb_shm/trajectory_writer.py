@@ -64,6 +64,9 @@ _MAX_PENDING = 1024
 CLOSE_TIMEOUT_MS = 5000
 # Window items batched by create_item before they are inserted with one C call.
 _BATCH_ITEMS = 256
+# ... before a bridge client's writer sends them: fewer, so that the bridge handles a batch
+# while the writer makes the next one (measured: 32 beats 16, 64 and 256 on 2 CPUs).
+_REMOTE_BATCH_ITEMS = 32
 # Distinct validated item kinds (table, column windows) remembered per writer.
 _MAX_KINDS = 4096
 _TABLE_KINDS = 4   # kinds per table create_item's C fast path tries after the last one
@@ -148,17 +151,20 @@ class TrajectoryWriter(hot.WriterBase):
     num_keep_alive_refs: steps each column keeps referenceable (>= 1).
     validate_items: check items against their table's signature in `create_item`.
     item_batch_size: window items `create_item` batches before inserting them with one C
-      call, or (a bridge client's writer) sending them in one message (reverb_shm extension;
-      1 inserts or sends every item at once).
+      call (default 256), or (a bridge client's writer) sending them in one message (default
+      32) (reverb_shm extension; 1 inserts or sends every item at once).
 
   Raises:
     ValueError: `num_keep_alive_refs < 1` or `item_batch_size < 1`.
   """
 
   def __init__(self, client, num_keep_alive_refs: int, *, validate_items: bool = True,
-               item_batch_size: int = _BATCH_ITEMS):
+               item_batch_size: Optional[int] = None):
     self._closed = True   # until fully constructed (so __del__ is harmless)
     num_keep_alive_refs = check_positive_int(num_keep_alive_refs, "num_keep_alive_refs")
+    remote = hasattr(client, "writer_session")
+    if item_batch_size is None:
+      item_batch_size = _REMOTE_BATCH_ITEMS if remote else _BATCH_ITEMS
     self._item_batch_size = check_positive_int(item_batch_size, "item_batch_size")
     self._client = _writer_client(client)
     self._segment = client._segment()  # pylint: disable=protected-access
@@ -185,7 +191,7 @@ class TrajectoryWriter(hot.WriterBase):
     self._last_deadline_error = None
     # Batches and items held back by a rate limiter are delivered by a background thread when
     # the owner makes no further call (local tables only; a bridge client's writer sends them).
-    self._background = not hasattr(client, "writer_session")
+    self._background = not remote
     self._closed = False
 
   # ---- background delivery (reverb_shm/_internal/delivery.py)

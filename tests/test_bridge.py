@@ -289,8 +289,9 @@ _keys = st.sampled_from(["op", "id", "table", "n", "credit", "keys", "prios", "d
                          "upd_keys", "upd_prios", "del_keys"])
 _messages = st.one_of(
     st.binary(max_size=64),
-    st.dictionaries(_keys, _values | st.sampled_from(["items", "chunk", "rows", "obj", "drop", "step",
-                                                      "no_such_table", "<f4", "|O"]), max_size=8)
+    st.dictionaries(_keys, _values | st.sampled_from(["items", "itemrun", "chunk", "rows", "obj",
+                                                      "drop", "step", "no_such_table", "<f4",
+                                                      "|O"]), max_size=8)
     .map(lambda m: b"\x00" + wire.pack(m)))
 
 

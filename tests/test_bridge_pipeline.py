@@ -424,12 +424,16 @@ def test_remote_writer_batches_items_as_a_local_writer_does(server_factory, monk
   items_ops = []
   original = service._WriteStream.handle_message  # pylint: disable=protected-access
 
-  def spy(self, msg):
+  def spy(self, msg):   # (items per message)
     ops = [msg] if "op" in msg else msg["ops"]
-    items_ops.append(sum(op["op"] == "items" for op in ops))
+    items_ops.append(sum(len(op["descs"]) for op in ops if op["op"] in ("items", "itemrun")))
     return original(self, msg)
   monkeypatch.setattr(service._WriteStream, "handle_message", spy)  # pylint: disable=protected-access
-  writer = _remote(server).trajectory_writer(2)    # item_batch_size 256, as a local writer
+  default = _remote(server).trajectory_writer(2)   # a remote writer sends batches of 32
+  assert default._item_batch_size == 32  # pylint: disable=protected-access
+  default.close()
+  # item_batch_size 256, as a local writer's
+  writer = reverb_shm.TrajectoryWriter(_remote(server), 2, item_batch_size=256)
   for i in range(300):
     writer.append({"x": np.full(2, i, np.float32)})
     if i:
@@ -531,3 +535,44 @@ def test_remote_writer_and_insert_carry_zero_element_columns(server_factory):
   seen = {(s.data[0].shape, str(s.data[1].tolist())) for s in
           server.shared_table("dist").sample(60)}     # P(an item unseen) < 1e-7
   assert seen == {((1, 0, 3), "[7]"), ((2, 0, 3), "[0, 1]"), ((2, 0, 3), "[1, 2]")}
+
+
+def _write_stream(server, ops_per_message: list) -> tuple:
+  """Sends raw Write messages, then half-closes; returns (acks, status code)."""
+  frames = [f for ops in ops_per_message for f in wire.frames(wire.pack({"ops": ops}))]
+  acks = []
+  with grpc.insecure_channel(server.bridge_address) as channel:
+    call = channel.stream_stream(f"/{wire.SERVICE}/Write")(iter(frames), timeout=10)
+    try:
+      for reply in call:
+        acks.append(wire.unpack(reply[1:]))
+      return acks, grpc.StatusCode.OK
+    except grpc.RpcError as e:
+      return acks, e.code()
+
+
+def test_an_itemrun_op_confirms_and_fails_its_items_one_by_one(server_factory):
+  server = server_factory([reverb_shm.Table.queue("queue", 3)], bridge=BridgeConfig())
+  chunk = {"op": "chunk", "id": 1, "d": "<i4", "s": [], "cap": 8, "ep": 1, "step": 0,
+           "b": np.arange(8, dtype=np.int32).tobytes()}
+
+  def run(seq, rows, table="queue"):
+    return {"op": "itemrun", "seq": seq, "table": table,
+            "keys": np.arange(100 + seq, 100 + seq + len(rows), dtype="<u8").tobytes(),
+            "prios": np.ones(len(rows), "<f8").tobytes(),
+            "descs": [[[[[1, row, 1]], True]] for row in rows]}
+  # Two items in, an unknown table (each of its items fails), then two more of which the full
+  # queue admits one: the other fails once the client closed its side.
+  acks, code = _write_stream(server, [[chunk, run(1, [0, 1]), run(3, [2, 3], "nope"),
+                                       run(5, [4, 5]), {"op": "sync"}]])
+  assert code is grpc.StatusCode.OK
+  errs = [e for ack in acks for e in ack["errs"]]
+  assert acks[-1]["upto"] == 6
+  assert [(e[0], e[2]) for e in errs] == [(3, "UnknownTableError"), (4, "UnknownTableError"),
+                                          (6, "DeadlineExceededError")]
+  local = server.localhost_client()
+  assert [int(s.data[0]) for s in local.sample("queue", 3, emit_timesteps=False)] == [0, 1, 4]
+  # An item over rows that were never sent ends the stream: nothing of that message goes in.
+  acks, code = _write_stream(server, [[chunk, run(1, [0]), run(2, [9])]])
+  assert code is grpc.StatusCode.INVALID_ARGUMENT
+  assert local.server_info()["queue"].current_size == 0

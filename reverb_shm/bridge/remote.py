@@ -6,9 +6,10 @@ outlives the process) and `_RemoteTable` handles whose `insert_descriptors` forw
 a pipelined Write stream (writes.py): each TrajectoryWriter has a stream of its own, whose items
 are confirmed asynchronously (flush / end_episode / close wait for them); Client.insert sends
 everything of one call as one message (a "step" op for numeric data) and waits for its
-confirmation. Without TLS, the bridge also serves its streams on a ZeroMQ port (zmq_client.py):
-the client then uses it for every stream and for Client.insert (one send and one receive in
-the calling thread), else gRPC (Client.insert: a persistent Insert stream).
+confirmation. Without TLS, the bridge also serves its streams on a ZeroMQ port (zmq_client.py)
+and Client.insert on a direct TCP port (direct_client.py): the client then uses the ZeroMQ
+port for every stream and the direct port for Client.insert (one send and one receive in the
+calling thread), else gRPC (Client.insert: a persistent Insert stream).
 
 Sampling streams grant the bridge credits for `max_in_flight_samples` samples, refilled when
 half of them were consumed; the bridge sends samples in batches and never samples further

@@ -4,7 +4,7 @@ The bridge attaches to the server's segment like any client process; tables neve
 it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm.Bridge`:
 
   ServerInfo  unary           {} -> {"tables": [{"name", "stats", "signature"}], "zmq_port",
-                              "max_message_bytes"} (the last two without TLS)
+                              "direct_port", "max_message_bytes"} (the last three without TLS)
   Mutate      unary           {"table", "upd_keys", "upd_prios", "del_keys"}
                               -> {"updated", "deleted"}
   Reset       unary           {"table"} -> {}
@@ -19,8 +19,9 @@ it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm
                               {"n", "keys", "probs", "sizes", "prios", "times", "cols"|"items"}
                               for samples of one column layout (cols: one array per column),
                               else {"n", "parts": [that map + "pos" (uint32 positions), ...]}
-  Write       stream-stream   chunk / rows / obj / drop / items / step (see _WriteStream._step)
-                              ops, one per message or several as {"ops": [...]}; items ops are
+  Write       stream-stream   chunk / rows / obj / drop / items / itemrun / step (see
+                              _WriteStream._step, _prepare_run) ops, one per message or
+                              several as {"ops": [...]}; items ops are
                               confirmed in batches: one {"upto": seq, "errs": [[seq, n, error
                               class, message], ...]} covers every items op up to seq; it goes
                               out after a "sync" op, every 512 items or 20 ms, before an insert
@@ -28,7 +29,9 @@ it (a dying bridge's pins are reaped by the server). RPCs of service `reverb_shm
 
 The server is a grpc.aio one on an event loop thread of its own (see Bridge). Without TLS, the
 same streams are also served on a ZeroMQ port (zmq_port.py; its number is ServerInfo's
-"zmq_port"), which the remote clients prefer: fewer copies and thread handoffs per message.
+"zmq_port"), which the remote clients prefer: fewer copies and thread handoffs per message;
+and Client.insert's messages on a direct TCP port (direct_port.py, "direct_port"), each
+connection on a thread of its own that inserts without a hop through the event loop.
 Every request is validated before it touches a table (wire.py); errors travel as gRPC status
 codes with the reverb_shm error class in the `rs-error` trailing metadata (Write replies carry
 them in-band).
@@ -43,7 +46,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import grpc
 import numpy as np
@@ -944,6 +947,12 @@ class _OpenRows:
       release(tuple(self._offs[0:n]), tuple(self._pins[0:n]), self._row, self._capacity)
 
 
+class _Failed(NamedTuple):
+  """An item op (or an item of an "itemrun" op) that cannot be inserted: its seq and why."""
+  seq: int
+  error: Exception
+
+
 class _WriteStream:
   """State of one Write stream: the chunks it wrote, by the client's chunk ids, and the
   outcome of the "items" ops since the last acknowledgement."""
@@ -983,17 +992,21 @@ class _WriteStream:
       if not isinstance(op, dict):
         raise wire.BadMessage(f"Write ops must be maps, got {type(op).__name__}")
       kind = wire.get_str(op, "op")
-      if kind == "items":
-        prepared = self._prepare_items(op)
-        if prepared is None:
-          continue
-        if run and (prepared[1] is not run[0][1] or prepared[5] is not None):
-          yield from self._items_run(run)
-          run = []
-        if prepared[5] is None:
-          run.append(prepared)
-        else:
-          yield from self._items(prepared)
+      if kind == "items" or kind == "itemrun":
+        for prepared in ((self._prepare_items(op),) if kind == "items" else
+                         self._prepare_run(op)):
+          failed = type(prepared) is _Failed
+          if run and (failed or prepared[1] is not run[0][1] or prepared[5] is not None):
+            yield from self._items_run(run)   # (before a failure: acks stay in seq order)
+            run = []
+          if failed:
+            self._upto = prepared.seq
+            self._errs.append([prepared.seq, 0, wire.error_name(prepared.error),
+                               str(prepared.error)])
+          elif prepared[5] is None:
+            run.append(prepared)
+          else:
+            yield from self._items(prepared)
         continue
       if kind in ("drop", "step") and run:   # a drop may release chunks of the run's items
         yield from self._items_run(run)
@@ -1117,25 +1130,55 @@ class _WriteStream:
     self._chunks[cid] = chunks.object_chunk(self._seg, values, episode_id=episode,
                                             start_step=step)
 
-  def _prepare_items(self, msg: dict) -> Optional[tuple]:
+  def _prepare_items(self, msg: dict):
     """(seq, table, keys, priorities, descriptors, timeout_ms) of a validated "items" op, or
-    None after recording its error (BadMessage propagates)."""
+    its _Failed (BadMessage propagates)."""
     seq = wire.get_int(msg, "seq", 0, 2**63)
     try:
-      st = self._bridge._table(wire.get_str(msg, "table"))  # pylint: disable=protected-access
-      keys = wire.u64_array(msg, "keys", _MAX_ITEMS_PER_OP)
-      prios = wire.f64_array(msg, "prios", len(keys))
-      descs = wire.get_list(msg, "descs", _MAX_ITEMS_PER_OP)
-      if len(descs) != len(keys):
-        raise wire.BadMessage(f"{len(keys)} keys for {len(descs)} item descriptors")
+      st, keys, prios, descs = self._items_fields(msg)
       timeout_ms = wire.timeout_field(msg)
       return seq, st, keys, prios, [self._descriptor(d) for d in descs], timeout_ms
     except wire.BadMessage:
       raise
     except (errors.ReverbError, ValueError, TypeError) as e:
-      self._upto = seq
-      self._errs.append([seq, 0, wire.error_name(e), str(e)])
-      return None
+      return _Failed(seq, e)
+
+  def _prepare_run(self, msg: dict):
+    """The prepared items (as _prepare_items', one item each) of an "itemrun" op, or the
+    _Failed of each item that cannot be inserted, in order (BadMessage propagates).
+
+    {"op": "itemrun", "seq", "table", "keys", "prios", "descs"}: n items of one table with no
+    timeout, as n "items" ops of one item whose seqs are seq, seq + 1, ... (each confirmed on
+    its own) in one op: validated once, not per item.
+    """
+    seq = wire.get_int(msg, "seq", 0, 2**63 - _MAX_ITEMS_PER_OP)
+    try:
+      st, keys, prios, descs = self._items_fields(msg)
+    except wire.BadMessage:
+      raise
+    except (errors.ReverbError, ValueError, TypeError) as e:
+      n = len(wire.get_list(msg, "descs", _MAX_ITEMS_PER_OP))
+      yield from (_Failed(seq + i, e) for i in range(n))
+      return
+    for i, desc in enumerate(descs):
+      try:
+        encoded = self._descriptor(desc)
+      except wire.BadMessage:
+        raise
+      except (errors.ReverbError, ValueError, TypeError) as e:
+        yield _Failed(seq + i, e)
+        continue
+      yield seq + i, st, keys[i:i + 1], prios[i:i + 1], [encoded], None
+
+  def _items_fields(self, msg: dict) -> tuple:
+    """(table, keys, priorities, descriptor list) of an "items" or "itemrun" op."""
+    st = self._bridge._table(wire.get_str(msg, "table"))  # pylint: disable=protected-access
+    keys = wire.u64_array(msg, "keys", _MAX_ITEMS_PER_OP)
+    prios = wire.f64_array(msg, "prios", len(keys))
+    descs = wire.get_list(msg, "descs", _MAX_ITEMS_PER_OP)
+    if len(descs) != len(keys):
+      raise wire.BadMessage(f"{len(keys)} keys for {len(descs)} item descriptors")
+    return st, keys, prios, descs
 
   def _items(self, prepared: tuple, start: int = 0):
     """Inserts the items [start:] of a prepared "items" op; yields the pending ack first if it

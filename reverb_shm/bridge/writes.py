@@ -247,9 +247,11 @@ class WriteSession:
       elif stream is None or stream.ended or self._error is not None or self._stale:
         # (re)connects; raises a pending error (ready at once: never times out)
         self._wait(lambda: True, deadline_ns, errors.DeadlineExceededError)
-      # One "items" op per item, so that the bridge confirms each as soon as it is in (a
-      # batch of them is inserted with one call there while the limiter admits them).
+      # One "itemrun" op for the n items, each with a seq of its own, so that the bridge
+      # confirms each as soon as it is in (they are inserted with one call there while the
+      # limiter admits them).
       ops: list = []
+      descs: list = []
       batches: list = []
       in_use: dict = {}
       staging = self._staging()
@@ -274,9 +276,11 @@ class WriteSession:
           sent.append([sent_column, squeeze])
         batch.descs.append(item)
         in_use.update(batch.chunks)
-        ops.append({"op": "items", "seq": batch.seq, "table": table, "keys": batch.keys,
-                    "prios": batch.prios, "descs": [sent], "timeout_ms": None})
+        descs.append(sent)
         batches.append(batch)
+      if batches:
+        ops.append({"op": "itemrun", "seq": batches[0].seq, "table": table, "keys": key_bytes,
+                    "prios": prio_bytes, "descs": descs})
       self._evict(ops, in_use)
       with self._cond:
         for batch in batches:
