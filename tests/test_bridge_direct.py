@@ -1,6 +1,6 @@
 """The bridge's direct port (direct_port.DirectPort, direct_client.InsertConnection): results
-read back, the token, fatal replies, clients that die or misbehave, a bridge killed mid-call,
-and what close() releases."""
+read back, clients that die or misbehave, a bridge killed mid-call, and what close() releases
+(the token and fatal replies: test_bridge_insert.py, with the ZeroMQ port's)."""
 import os
 import signal
 import socket
@@ -14,16 +14,12 @@ import pytest
 grpc = pytest.importorskip("grpc")
 
 import reverb_shm  # pylint: disable=g-bad-import-order
-from reverb_shm import errors, rate_limiters, selectors
-from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteClient,
-                               direct_client, frames, wire)
+from reverb_shm import errors
+from reverb_shm.bridge import Bridge, BridgeConfig, RemoteClient, direct_client, frames, wire
 
 from conftest import bridge_process
 
 pytestmark = pytest.mark.timeout(120)
-
-_STEP_OP = {"op": "step", "cols": [["<i4", []]], "ep": 7, "timeout_ms": None,
-            "b": np.int32(5).tobytes(), "items": [[1, "queue", 42, 1.0]]}
 
 
 def _direct_threads() -> list:
@@ -78,36 +74,6 @@ def test_inserts_and_a_writer_read_back_over_the_direct_port(server_factory):
   assert [float(s.info.priority) for s in samples[:50]] == [float(i + 1) for i in range(50)]
   assert all(np.ravel(s.data[1]).tolist() == [i] * 3 for i, s in enumerate(samples))
   client.close()
-
-
-def test_the_direct_port_refuses_a_wrong_token_and_reports_fatal_errors(server_factory):
-  server = server_factory([reverb_shm.Table.queue("queue", 10)])
-  bridge = Bridge(server.name, BridgeConfig(token="s3cret"))
-  try:
-    client = RemoteClient(bridge.address, ClientCredentials(token="s3cret"))
-    client.insert(np.int32(0), {"queue": 1.0})
-    port = client._connection().direct_port  # pylint: disable=protected-access
-    assert port and port != bridge.port
-    with pytest.raises(PermissionError, match="token"):
-      direct_client.InsertConnection("127.0.0.1", port, "nope", 5.0)
-    with pytest.raises(PermissionError, match="token"):
-      direct_client.InsertConnection("127.0.0.1", port, None, 5.0)
-    wrong = RemoteClient(bridge.address, ClientCredentials(token="nope"))
-    wrong._table_handle = lambda name: RemoteClient._table_handle(client, name)  # pylint: disable=protected-access
-    with pytest.raises(PermissionError, match="token"):
-      wrong.insert(np.int32(1), {"queue": 1.0})
-    sock = direct_client.InsertConnection("127.0.0.1", port, "s3cret", 5.0)
-    error = sock.fatal(sock.round_trip(wire.pack({"ops": [{"op": "bogus"}]}), 5.0))
-    assert isinstance(error, errors.InvalidArgumentError), error
-    with pytest.raises(ConnectionError):   # the bridge ended that connection
-      sock.round_trip(wire.pack({"ops": [_STEP_OP]}), 5.0)
-    sock = direct_client.InsertConnection("127.0.0.1", port, "s3cret", 5.0)
-    assert sock.round_trip(wire.pack({"ops": [_STEP_OP]}), 5.0) == {"upto": 1, "errs": []}
-    sock.close()
-    client.close()
-  finally:
-    bridge.stop()
-  assert server.localhost_client().server_info()["queue"].current_size == 2
 
 
 def test_garbage_oversized_and_dying_clients_do_not_wedge_the_bridge(server_factory,

@@ -20,7 +20,7 @@ grpc = pytest.importorskip("grpc")
 import reverb_shm  # pylint: disable=g-bad-import-order
 from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteClient,
-                               ServerTLS, service, wire, writes, zmq_client)
+                               ServerTLS, direct_client, service, wire, writes, zmq_client)
 from reverb_shm.specs import TensorSpec
 
 from conftest import bridge_process
@@ -185,23 +185,29 @@ def test_an_interrupted_insert_cancels_its_stream(server_factory, use_transport,
   assert _stream_kinds(client) == {transport}
 
 
-def test_the_zmq_port_refuses_a_wrong_token_and_reports_fatal_errors(server_factory):
+@pytest.mark.parametrize("port_name,connection", [
+    ("direct_port", direct_client.InsertConnection), ("zmq_port", zmq_client.InsertConnection)])
+def test_a_port_refuses_a_wrong_token_and_reports_fatal_errors(server_factory, port_name,
+                                                               connection):
   server = server_factory([reverb_shm.Table.queue("queue", 10)])
   bridge = Bridge(server.name, BridgeConfig(token="s3cret"))
   try:
     client = RemoteClient(bridge.address, ClientCredentials(token="s3cret"))
     client.insert(np.int32(0), {"queue": 1.0})
-    port = client._connection().zmq_port  # pylint: disable=protected-access
+    port = getattr(client._connection(), port_name)  # pylint: disable=protected-access
     assert port and port != bridge.port
-    with pytest.raises(PermissionError, match="token"):
-      zmq_client.InsertConnection("127.0.0.1", port, "nope", 5.0)
-    sock = zmq_client.InsertConnection("127.0.0.1", port, "s3cret", 5.0)
+    for token in ("nope", None):
+      with pytest.raises(PermissionError, match="token"):
+        connection("127.0.0.1", port, token, 5.0)
+    sock = connection("127.0.0.1", port, "s3cret", 5.0)
     bad = {"ops": [{"op": "bogus"}]}
     error = sock.fatal(sock.round_trip(wire.pack(bad), 5.0))
     assert isinstance(error, errors.InvalidArgumentError), error
     ok = {"ops": [{"op": "step", "cols": [["<i4", []]], "ep": 7, "timeout_ms": None,
                    "b": np.int32(5).tobytes(), "items": [[1, "queue", 42, 1.0]]}]}
-    sock = zmq_client.InsertConnection("127.0.0.1", port, "s3cret", 5.0)
+    with pytest.raises(ConnectionError):   # that connection ended
+      sock.round_trip(wire.pack(ok), 5.0)
+    sock = connection("127.0.0.1", port, "s3cret", 5.0)
     assert sock.round_trip(wire.pack(ok), 5.0) == {"upto": 1, "errs": []}
     sock.close()
     client.close()

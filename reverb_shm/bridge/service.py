@@ -467,7 +467,8 @@ class Bridge:
     _WriteStream._step), whose rate limiter admits it at once. Returns the item's seq.
 
     Returns None, having changed nothing, for anything else (another message, an invalid or
-    unusual field, a full arena, a limiter that holds the item back): the general path then
+    unusual field, a full arena, a limiter that holds the item back, a bridge stopping: its
+    open chunks are released once it stopped): the general path then
     validates, waits and reports errors exactly as before. Thread-safe.
     """
     with self._step_lock:
@@ -475,7 +476,7 @@ class Bridge:
 
   def _step_at_once_locked(self, msg: dict) -> Optional[int]:
     ops = msg.get("ops")
-    if len(msg) != 1 or type(ops) is not list or len(ops) != 1:
+    if self._stopped or len(msg) != 1 or type(ops) is not list or len(ops) != 1:
       return None
     op = ops[0]
     if type(op) is not dict or op.get("op") != "step":
