@@ -11,7 +11,7 @@ SOURCES = ["util.c", "lock.c", "layout.c", "slots.c", "arena.c", "index.c", "sum
            "selectors.c", "limiter.c", "table.c", "table_check.c", "check.c", "snapshot.c",
            "layout_cache.c",
            "fastpath.c", "writer_items.c", "bridge_layout.c", "extent.c", "liveness.c", "counters.c",
-           "table_wait.c", "gather_thread.c"]
+           "table_wait.c", "gather_thread.c", "fd_spin.c"]
 
 ffibuilder = FFI()
 ffibuilder.cdef((HERE / "rs_api.h").read_text())

@@ -571,3 +571,10 @@ int rs_table_seq(void *base, uint32_t table, uint32_t *seq_out);
  * wake-up: read it again) or until deadline_ns (CLOCK_MONOTONIC; -1: none): RS_ETIMEDOUT.
  * Takes no lock and changes nothing; the caller keeps the segment mapped meanwhile. */
 int rs_table_wait_change(void *base, uint32_t table, uint32_t seen, int64_t deadline_ns);
+
+/* ---- polling a descriptor (fd_spin.c) ---- */
+/* 1 once descriptor fd has an event (readable, hung up or in error) within spin_ns
+ * nanoseconds, polled without blocking and yielding the CPU between polls; else 0 (also when
+ * a signal interrupted a poll). Never blocks: the bridge's direct port polls for a reply due
+ * soon with this (the GIL released) before it blocks in a poll of its own. */
+int rs_spin_readable(int fd, int64_t spin_ns);

@@ -30,6 +30,7 @@
  *      extent.c    reserving a growable segment's extents (pages, or disk-tier file blocks)
  *      liveness.c  liveness locks: the owner's and each slot's process's, across pid namespaces
  *      gather_thread.c  the per-process helper thread that shares large gathers (rs_run_units)
+ *      fd_spin.c   polling a descriptor briefly for a reply due soon (the bridge's direct port)
  *   2  selectors.c Uniform/Prioritized/Fifo/Lifo/MinHeap/MaxHeap
  *      arena.c     block allocator, chunks, descriptors, refcounts
  *      counters.c  per-slot operation counters (merged lock-free on read), process list

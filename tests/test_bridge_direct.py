@@ -228,3 +228,18 @@ def test_frames_keep_pipelined_frames_and_time_out():
   with pytest.raises(ConnectionError):
     b.recv(5.0)
   b.close()
+
+
+def test_spin_readable_polls_without_blocking():
+  from reverb_shm._internal._lib import lib  # pylint: disable=g-import-not-at-top
+  with socket.create_server(("127.0.0.1", 0)) as listener:
+    left = socket.create_connection(listener.getsockname())
+    right, _ = listener.accept()
+  start = time.monotonic()
+  assert lib.rs_spin_readable(right.fileno(), 2_000_000) == 0     # nothing within 2 ms
+  assert 0.002 <= time.monotonic() - start < 1.0
+  left.sendall(b"x")
+  assert lib.rs_spin_readable(right.fileno(), 1_000_000_000) == 1
+  left.close()
+  assert right.recv(1) == b"x" and lib.rs_spin_readable(right.fileno(), 0) == 1   # hung up
+  right.close()

@@ -266,7 +266,7 @@ C_LAYERS = {
     "util.c": 0,
     "layout_cache.c": 1,
     "lock.c": 1, "sumtree.c": 1, "index.c": 1, "limiter.c": 1, "writer_items.c": 1, "extent.c": 1,
-    "liveness.c": 1, "gather_thread.c": 1,
+    "liveness.c": 1, "gather_thread.c": 1, "fd_spin.c": 1,
     "selectors.c": 2, "arena.c": 2, "counters.c": 2,
     "slots.c": 3, "bridge_layout.c": 3,
     "table.c": 4, "table_check.c": 4,

@@ -2,16 +2,17 @@
 
 A frame is an 8-byte little-endian payload length, then the payload (one msgpack message of
 wire.py). Nothing else: no kinds, no pickle. A `FrameSocket` is used by one thread at a time;
-reads may poll briefly before blocking (see `recv`), which is what keeps a round trip free of
-thread wake-ups on a quiet machine.
+reads may poll briefly before blocking (see `recv`; in C, the GIL released), which is what keeps
+a round trip free of thread wake-ups on a quiet machine.
 """
 import math
-import os
 import select
 import socket
 import struct
 import time
 from typing import Optional
+
+from reverb_shm._internal._lib import lib
 
 __all__ = ["FrameSocket", "FrameError", "configure"]
 
@@ -52,8 +53,9 @@ class FrameSocket:
     self.sock = sock
     self._max = max_bytes
     self._buf = bytearray()     # bytes received and not returned yet
+    self._fd = sock.fileno()
     self._poll = select.poll()
-    self._poll.register(sock.fileno(), select.POLLIN)
+    self._poll.register(self._fd, select.POLLIN)
     self._out_poll = select.poll()
     self._out_poll.register(sock.fileno(), select.POLLOUT)
 
@@ -123,13 +125,10 @@ class FrameSocket:
     return payload
 
   def _spin(self, seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while True:
-      if self._read_now(_READ_BYTES):
-        return
-      if time.perf_counter() >= end:
-        return
-      os.sched_yield()
+    # (in C with the GIL released: other threads of this process, such as a bridge in it,
+    # run meanwhile instead of contending for the GIL with a Python loop)
+    if lib.rs_spin_readable(self._fd, int(seconds * 1e9)):
+      self._read_now(_READ_BYTES)
 
   def _read_now(self, want: int) -> bool:
     """Appends what the kernel holds (up to `want` bytes, at least _READ_BYTES asked);
