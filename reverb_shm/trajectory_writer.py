@@ -65,8 +65,9 @@ CLOSE_TIMEOUT_MS = 5000
 # Window items batched by create_item before they are inserted with one C call.
 _BATCH_ITEMS = 256
 # ... before a bridge client's writer sends them: fewer, so that the bridge handles a batch
-# while the writer makes the next one (measured: 32 beats 16, 64 and 256 on 2 CPUs).
-_REMOTE_BATCH_ITEMS = 32
+# while the writer makes the next one (measured on 2 CPUs: 64 items/s beat 256's by ~20% when
+# the bridge has a CPU of its own, and trail them by ~15% when the CPUs are shared).
+_REMOTE_BATCH_ITEMS = 64
 # Distinct validated item kinds (table, column windows) remembered per writer.
 _MAX_KINDS = 4096
 _TABLE_KINDS = 4   # kinds per table create_item's C fast path tries after the last one
@@ -152,7 +153,7 @@ class TrajectoryWriter(hot.WriterBase):
     validate_items: check items against their table's signature in `create_item`.
     item_batch_size: window items `create_item` batches before inserting them with one C
       call (default 256), or (a bridge client's writer) sending them in one message (default
-      32) (reverb_shm extension; 1 inserts or sends every item at once).
+      64) (reverb_shm extension; 1 inserts or sends every item at once).
 
   Raises:
     ValueError: `num_keep_alive_refs < 1` or `item_batch_size < 1`.

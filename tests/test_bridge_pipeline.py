@@ -429,8 +429,8 @@ def test_remote_writer_batches_items_as_a_local_writer_does(server_factory, monk
     items_ops.append(sum(len(op["descs"]) for op in ops if op["op"] in ("items", "itemrun")))
     return original(self, msg)
   monkeypatch.setattr(service._WriteStream, "handle_message", spy)  # pylint: disable=protected-access
-  default = _remote(server).trajectory_writer(2)   # a remote writer sends batches of 32
-  assert default._item_batch_size == 32  # pylint: disable=protected-access
+  default = _remote(server).trajectory_writer(2)   # a remote writer sends batches of 64
+  assert default._item_batch_size == 64  # pylint: disable=protected-access
   default.close()
   # item_batch_size 256, as a local writer's
   writer = reverb_shm.TrajectoryWriter(_remote(server), 2, item_batch_size=256)

@@ -71,15 +71,22 @@ class _SentChunk:
 
 
 class _Batch:
-  """Items sent with one "items" op and not confirmed yet."""
+  """Items sent with one "itemrun" op (seqs seq .. seq + n - 1) and not confirmed yet; the
+  items confirmed first leave its front (`confirm`)."""
 
   __slots__ = ("seq", "table", "keys", "prios", "descs", "chunks", "n", "nbytes")
 
-  def __init__(self, seq, table, keys, prios, n):
+  def __init__(self, seq, table, keys: bytes, prios: bytes, n: int):
     self.seq, self.table, self.keys, self.prios, self.n = seq, table, keys, prios, n
-    self.descs = []          # per item, per column: [[(_SentChunk, row, nrows), ...], squeeze]
-    self.chunks = {}         # id(_SentChunk) -> _SentChunk referenced
-    self.nbytes = 0
+    self.descs: list = []    # per item, per column: [[(_SentChunk, row, nrows), ...], squeeze]
+    self.chunks: dict = {}   # id(_SentChunk) -> _SentChunk referenced
+    self.nbytes = 0          # bytes of chunks first sent with these items
+
+  def confirm(self, k: int) -> None:
+    """Drops the first k (< n) items, which were confirmed (the chunks stay referenced)."""
+    self.seq, self.n = self.seq + k, self.n - k
+    self.keys, self.prios = self.keys[8 * k:], self.prios[8 * k:]
+    del self.descs[:k]
 
 
 class _Stream:
@@ -186,10 +193,10 @@ class WriteSession:
     self._stream: Optional[_Stream] = None
     self._gens = itertools.count()
     self._ids = itertools.count(1)
-    self._seqs = itertools.count(1)
+    self._next_seq = 1
     self._sent: collections.OrderedDict[int, _SentChunk] = collections.OrderedDict()
     self._sent_bytes = 0
-    self._unconfirmed: collections.OrderedDict[int, _Batch] = collections.OrderedDict()
+    self._unconfirmed: collections.deque = collections.deque()   # _Batch, in seq order
     self._in_flight_items = 0
     self._in_flight_bytes = 0
     self._error: Optional[Exception] = None
@@ -250,17 +257,17 @@ class WriteSession:
       # One "itemrun" op for the n items, each with a seq of its own, so that the bridge
       # confirms each as soon as it is in (they are inserted with one call there while the
       # limiter admits them).
+      if not n:
+        return 0
       ops: list = []
       descs: list = []
-      batches: list = []
-      in_use: dict = {}
+      batch = _Batch(self._next_seq, table, key_bytes, prio_bytes, n)
+      self._next_seq += n
       staging = self._staging()
       # Chunks brought up to date by this call: the writer (this thread) adds no rows during
       # it, so each chunk is read once per call.
       current: dict = {}
-      for i, start in enumerate(starts):
-        batch = _Batch(next(self._seqs), table, key_bytes[8 * i:8 * i + 8],
-                       prio_bytes[8 * i:8 * i + 8], 1)
+      for start in starts:
         item, sent = [], []   # (the op's descriptor is built in the same pass: see _items_op)
         for slices, squeeze in chunks.decode_descriptor(blob, start):
           column, sent_column = [], []
@@ -275,17 +282,13 @@ class WriteSession:
           item.append((column, squeeze))
           sent.append([sent_column, squeeze])
         batch.descs.append(item)
-        in_use.update(batch.chunks)
         descs.append(sent)
-        batches.append(batch)
-      if batches:
-        ops.append({"op": "itemrun", "seq": batches[0].seq, "table": table, "keys": key_bytes,
-                    "prios": prio_bytes, "descs": descs})
-      self._evict(ops, in_use)
+      ops.append({"op": "itemrun", "seq": batch.seq, "table": table, "keys": key_bytes,
+                  "prios": prio_bytes, "descs": descs})
+      self._evict(ops, batch.chunks)
       with self._cond:
-        for batch in batches:
-          self._unconfirmed[batch.seq] = batch
-          self._in_flight_bytes += batch.nbytes
+        self._unconfirmed.append(batch)
+        self._in_flight_bytes += batch.nbytes
         self._in_flight_items += n
       self._live.send(ops)
       return n
@@ -422,7 +425,7 @@ class WriteSession:
     self._sent_bytes = 0
     ops: list = []
     with self._cond:
-      batches = list(self._unconfirmed.values())
+      batches = list(self._unconfirmed)
     for batch in batches:
       for chunk in batch.chunks.values():
         if chunk.gen != self._stream.gen:
@@ -489,7 +492,7 @@ class WriteSession:
 
   def _waiting_tables(self) -> str:
     with self._cond:
-      tables = list(dict.fromkeys(batch.table for batch in self._unconfirmed.values()))
+      tables = list(dict.fromkeys(batch.table for batch in self._unconfirmed))
     return "; ".join(filter(None, map(self._describe, tables)))
 
   def has_error(self) -> bool:
@@ -518,21 +521,24 @@ class WriteSession:
       if stream is not self._stream or not isinstance(upto, int):
         return
       while self._unconfirmed:
-        seq, batch = next(iter(self._unconfirmed.items()))
-        if seq > upto:
+        batch = self._unconfirmed[0]
+        if batch.seq > upto:
           break
-        del self._unconfirmed[seq]
-        self._in_flight_items -= batch.n
-        self._in_flight_bytes -= batch.nbytes
-        err = errs.get(seq)
-        if err is None:
-          continue
-        inserted, name, text = err
-        if self._closing:
-          self._dropped += batch.n - int(inserted)
-        elif self._error is None:
-          self._error = wire.make_error(name, text, inserted=inserted)
-        self._stale.extend(batch.chunks.values())   # re-sent if needed again
+        done = min(batch.n, upto - batch.seq + 1)
+        failed = [errs[s] for s in range(batch.seq, batch.seq + done) if s in errs] if errs else ()
+        if done == batch.n:
+          self._unconfirmed.popleft()
+          self._in_flight_bytes -= batch.nbytes
+        else:
+          batch.confirm(done)
+        self._in_flight_items -= done
+        for inserted, name, text in failed:   # (items of one item each: inserted is 0 or 1)
+          if self._closing:
+            self._dropped += 1 - int(inserted)
+          elif self._error is None:
+            self._error = wire.make_error(name, text, inserted=inserted)
+        if failed:
+          self._stale.extend(batch.chunks.values())   # re-sent if needed again
       self._give_up = None
       self._cond.notify_all()
 
@@ -768,8 +774,8 @@ _PORT_PATHS = (
 
 
 def _items_op(batch: _Batch) -> dict:
-  """The "items" op of `batch`, naming its chunks by their ids on the current stream."""
+  """The "itemrun" op of `batch`, naming its chunks by their ids on the current stream."""
   descs = [[[[[chunk.cid, row, nrows] for chunk, row, nrows in column], squeeze]
             for column, squeeze in item] for item in batch.descs]
-  return {"op": "items", "seq": batch.seq, "table": batch.table, "keys": batch.keys,
-          "prios": batch.prios, "descs": descs, "timeout_ms": None}
+  return {"op": "itemrun", "seq": batch.seq, "table": batch.table, "keys": batch.keys,
+          "prios": batch.prios, "descs": descs}
