@@ -576,3 +576,29 @@ def test_an_itemrun_op_confirms_and_fails_its_items_one_by_one(server_factory):
   acks, code = _write_stream(server, [[chunk, run(1, [0]), run(2, [9])]])
   assert code is grpc.StatusCode.INVALID_ARGUMENT
   assert local.server_info()["queue"].current_size == 0
+
+
+def test_a_partly_confirmed_batch_is_resent_whole_after_a_bridge_restart(server_factory):
+  """Six items leave as one batch; the full queue admits three (confirmed from the batch's
+  front); the bridge restarts; the other three are re-sent (with their keys) and inserted."""
+  server = server_factory([reverb_shm.Table.queue("queue", 3)])
+  bridge = Bridge(server.name)
+  port = bridge.port
+  writer = RemoteClient(bridge.address, reconnect_timeout_s=10.0).trajectory_writer(1)
+  try:
+    for i in range(6):
+      writer.append({"x": np.int32(i)})
+      writer.create_item("queue", 1.0, {"x": writer.history["x"][-1]})
+    with pytest.raises(errors.DeadlineExceededError):
+      writer.flush(timeout_ms=300)
+    assert writer.num_pending_items == 3
+    bridge.stop()
+    bridge = Bridge(server.name, BridgeConfig(port=port))
+    local = server.localhost_client()
+    first = [int(s.data[0]) for s in local.sample("queue", 3, emit_timesteps=False)]
+    writer.flush(timeout_ms=10_000)
+    rest = [int(s.data[0]) for s in local.sample("queue", 3, emit_timesteps=False)]
+    assert first + rest == list(range(6))
+  finally:
+    writer.close()
+    bridge.stop()
