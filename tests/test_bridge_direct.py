@@ -243,3 +243,41 @@ def test_spin_readable_polls_without_blocking():
   left.close()
   assert right.recv(1) == b"x" and lib.rs_spin_readable(right.fileno(), 0) == 1   # hung up
   right.close()
+
+
+def test_a_long_wait_at_the_bridge_is_kept_alive_by_heartbeats(server_factory, monkeypatch):
+  """An insert without a timeout waits at the bridge (full queue) far beyond the heartbeat
+  timeout: the bridge's heartbeats keep it, and it completes once there is room."""
+  monkeypatch.setattr(frames, "HEARTBEAT_S", 0.05)
+  monkeypatch.setattr(frames, "HEARTBEAT_TIMEOUT_S", 0.3)
+  server = server_factory([reverb_shm.Table.queue("queue", 1)], bridge=BridgeConfig())
+  client = RemoteClient(server.bridge_address, reconnect_timeout_s=0.5)
+  client.insert(np.int32(0), {"queue": 1.0})
+  outcome = []
+  thread = threading.Thread(target=lambda: outcome.append(
+      client.insert(np.int32(1), {"queue": 1.0})), daemon=True)
+  thread.start()
+  time.sleep(1.5)
+  assert not outcome and thread.is_alive()
+  local = server.localhost_client()
+  assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 0
+  thread.join(timeout=10)
+  assert outcome == [None]
+  assert int(next(local.sample("queue", emit_timesteps=False)).data[0][0]) == 1
+
+
+def test_an_insert_without_timeout_ends_when_a_stopped_bridge_sends_no_heartbeat(
+    server_factory, monkeypatch):
+  """A bridge process stopped (SIGSTOP) keeps its connections (its kernel answers TCP
+  keepalive): an insert without a timeout ends with ServerUnavailableError once no heartbeat
+  came for HEARTBEAT_TIMEOUT_S."""
+  monkeypatch.setattr(frames, "HEARTBEAT_TIMEOUT_S", 1.0)
+  server = server_factory([reverb_shm.Table.queue("queue", 10)])
+  with bridge_process(server) as (proc, address):
+    client = RemoteClient(address, reconnect_timeout_s=0.5)
+    client.insert(np.int32(0), {"queue": 1.0})
+    os.kill(proc.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(errors.ServerUnavailableError):
+      client.insert(np.int32(1), {"queue": 1.0})
+    assert 1.0 <= time.monotonic() - start < 1.0 + 10.0

@@ -5,11 +5,13 @@ connections carry length-framed msgpack messages (frames.py): the client's hello
 {"token": str or None}, answered {"ok": true} or {"err": [class, message]}; then one Insert
 message (as on the Insert stream: {"ops": [...]}) per Client.insert, answered by its ack
 {"upto", "errs"} or {"fatal": [class, message]} (the bridge could not handle the message and
-closes the connection). The calling thread sends and receives itself, polling briefly for the
-reply before it blocks, and the bridge serves each connection on a thread of its own: no
-other thread is woken on either side (see zmq_client.SPIN_S).
+closes the connection); while an insert waits there (for its rate limiter), the bridge sends
+an empty frame every frames.HEARTBEAT_S seconds. The calling thread sends and receives itself,
+polling briefly for the reply before it blocks, and the bridge serves each connection on a
+thread of its own: no other thread is woken on either side (see zmq_client.SPIN_S).
 """
 import socket
+import time
 from typing import Optional
 
 from reverb_shm.bridge import frames, wire, zmq_client
@@ -53,12 +55,27 @@ class InsertConnection:
 
   def round_trip(self, payload: bytes, timeout_s: Optional[float]) -> dict:
     """Sends one encoded message; returns the reply. TimeoutError when no reply came within
-    `timeout_s` (None: wait as long as the connection lives); ConnectionError when the
-    connection broke; BadMessage when the reply is malformed."""
+    `timeout_s` (None: wait as long as the bridge lives); ConnectionError when the connection
+    broke or the bridge sent nothing, not even a heartbeat, for frames.HEARTBEAT_TIMEOUT_S;
+    BadMessage when the reply is malformed."""
     sock = self._sock
     sock.send(payload, timeout_s)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     spin = zmq_client.SPIN_S if timeout_s is None else min(zmq_client.SPIN_S, timeout_s)
-    return wire.unpack(sock.recv(timeout_s, spin))
+    while True:
+      wait = frames.HEARTBEAT_TIMEOUT_S
+      if deadline is not None:
+        wait = min(wait, max(0.0, deadline - time.monotonic()))
+      try:
+        reply = sock.recv(wait, spin)
+      except TimeoutError:
+        if deadline is not None and time.monotonic() >= deadline:
+          raise
+        raise ConnectionError(f"the bridge sent nothing for {frames.HEARTBEAT_TIMEOUT_S:g} s "
+                              "(stopped, or cut off without its connection closing?)") from None
+      if reply:   # (else a heartbeat: the bridge works on it)
+        return wire.unpack(reply)
+      spin = 0.0
 
   def fatal(self, reply: dict) -> Optional[Exception]:
     """The error of a reply that ended the connection, else None."""

@@ -14,6 +14,7 @@ import math
 import select
 import socket
 import threading
+import time
 from typing import Callable, Optional, Set
 
 from reverb_shm import errors
@@ -181,9 +182,10 @@ class DirectPort:
   def _await(self, conn: frames.FrameSocket, future: concurrent.futures.Future,
              cancelled: threading.Event) -> Optional[bytes]:
     """The packed reply of `future`; None (the insert cancelled) once the client hung up or
-    the port closed."""
+    the port closed. Sends a heartbeat (an empty frame) every frames.HEARTBEAT_S meanwhile."""
     poll = select.poll()
     poll.register(conn.sock.fileno(), _HANGUP)
+    beat = time.monotonic() + frames.HEARTBEAT_S
     while True:
       try:
         return wire.pack(future.result(_WAIT_SLICE_S))
@@ -195,3 +197,6 @@ class DirectPort:
         cancelled.set()
         future.cancel()
         return None
+      if time.monotonic() >= beat:   # (the client tells a waiting bridge from a stopped one)
+        conn.send(b"", _SEND_TIMEOUT_S)
+        beat = time.monotonic() + frames.HEARTBEAT_S

@@ -14,13 +14,17 @@ from typing import Optional
 
 from reverb_shm._internal._lib import lib
 
-__all__ = ["FrameSocket", "FrameError", "configure"]
+__all__ = ["FrameSocket", "FrameError", "configure", "HEARTBEAT_S", "HEARTBEAT_TIMEOUT_S"]
 
 _HEADER = struct.Struct("<Q")
 _READ_BYTES = 1 << 16          # bytes asked of the kernel per read
 _INLINE_BYTES = 1 << 16        # payloads below this are sent in one buffer with their header
 # TCP keepalive on idle connections: a peer host that vanished is noticed within ~25 s.
 _KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+# A peer working on a request for long (a rate limiter's wait) sends an empty frame every
+# HEARTBEAT_S seconds; a requester that hears nothing for HEARTBEAT_TIMEOUT_S seconds takes the
+# peer for stopped or cut off (which TCP keepalive, answered by the peer's kernel, misses).
+HEARTBEAT_S, HEARTBEAT_TIMEOUT_S = 5.0, 20.0
 
 
 class FrameError(ConnectionError):
