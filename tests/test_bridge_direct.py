@@ -109,6 +109,10 @@ def test_garbage_oversized_and_dying_clients_do_not_wedge_the_bridge(server_fact
   no_hello = _raw(port, hello=False)          # garbage instead of a hello
   no_hello.sendall(struct.pack("<Q", 3) + b"abc")
   assert "err" in _read_frame(no_hello)
+  big_hello = _raw(port, hello=False)         # a hello is small: refused before it is read
+  big_hello.sendall(struct.pack("<Q", 1 << 20))
+  assert "exceeds the limit" in _read_frame(big_hello)["err"][1]
+  assert _read_frame(big_hello) is None
 
   stalled = _raw(port)                        # half a frame, then nothing
   stalled.sendall(struct.pack("<Q", 100) + b"x" * 10)
@@ -124,7 +128,7 @@ def test_garbage_oversized_and_dying_clients_do_not_wedge_the_bridge(server_fact
   assert _read_frame(stalled) is None          # dropped after the frame timeout
   assert _read_frame(silent) is None           # and the hello timeout
   _wait_for(lambda: served.connections() == 1, "misbehaving connections were kept")
-  for sock in (garbage, oversized, not_a_map, no_hello, stalled, silent):
+  for sock in (garbage, oversized, not_a_map, no_hello, big_hello, stalled, silent):
     sock.close()
   local = server.localhost_client()
   assert [int(s.data[0][0]) for s in local.sample("queue", 20, emit_timesteps=False)] == \

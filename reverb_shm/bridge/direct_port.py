@@ -28,6 +28,7 @@ _FRAME_TIMEOUT_S = 30.0     # a frame that began must be complete within this
 _SEND_TIMEOUT_S = 30.0      # a reply must be taken by the client within this
 _WAIT_SLICE_S = 0.1         # a waiting insert checks for its client's hang-up this often
 _JOIN_S = 2.0               # close() waits this long for the connection threads
+_HELLO_BYTES = 1 << 12      # largest hello
 _HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 
@@ -94,7 +95,11 @@ class DirectPort:
         _log.warning("bridge: direct port accept failed: %s", e)
         threading.Event().wait(0.05)   # (out of descriptors: try again shortly)
         continue
-      conn = frames.FrameSocket(sock, max(self._max_bytes, 1 << 12))
+      try:
+        conn = frames.FrameSocket(sock, max(self._max_bytes, _HELLO_BYTES))
+      except OSError:   # (the client is gone already)
+        sock.close()
+        continue
       with self._lock:
         refused = self._closed or len(self._conns) >= self._max_conns
         if not refused:
@@ -105,7 +110,13 @@ class DirectPort:
       if refused:
         self._refuse(conn)
         continue
-      thread.start()
+      try:
+        thread.start()
+      except RuntimeError:   # (no thread to be had: served as a refused one)
+        with self._lock:
+          self._conns.discard(conn)
+          self._threads.discard(thread)
+        self._refuse(conn)
 
   def _refuse(self, conn: frames.FrameSocket) -> None:
     try:
@@ -136,8 +147,8 @@ class DirectPort:
   def _greet(self, conn: frames.FrameSocket) -> bool:
     """Reads the hello and answers it; whether the token was right."""
     try:
-      hello = wire.unpack(conn.recv(_HELLO_TIMEOUT_S), 1 << 12)
-    except wire.BadMessage as e:
+      hello = wire.unpack(conn.recv(_HELLO_TIMEOUT_S, max_bytes=_HELLO_BYTES), _HELLO_BYTES)
+    except (wire.BadMessage, frames.FrameError) as e:
       conn.send(wire.pack({"err": [wire.error_name(e), str(e)]}), _SEND_TIMEOUT_S)
       return False
     token = hello.get("token")

@@ -94,7 +94,7 @@ class FrameSocket:
       _wait(self._out_poll, _left(deadline), "the peer took no data")
 
   def recv(self, timeout_s: Optional[float], spin_s: float = 0.0,
-           idle_s: Optional[float] = None) -> bytes:
+           idle_s: Optional[float] = None, max_bytes: Optional[int] = None) -> bytes:
     """The next frame's payload.
 
     Args:
@@ -103,6 +103,7 @@ class FrameSocket:
         polls (a reply due soon comes without the wake-up of a blocked thread).
       idle_s: instead of timeout_s until the frame's first byte arrives (None: timeout_s;
         math.inf: no limit); from then on the frame may take timeout_s.
+      max_bytes: a lower limit than the socket's for this frame (e.g. a hello's).
 
     Raises:
       TimeoutError: nothing (or not the whole frame) in time. ConnectionError: the peer closed
@@ -112,15 +113,16 @@ class FrameSocket:
       self._spin(spin_s)
     if not self._buf and idle_s is not None:
       self._read(None if idle_s == math.inf else idle_s)
-    return self._recv_by(None if timeout_s is None else time.monotonic() + timeout_s)
+    limit = self._max if max_bytes is None else min(max_bytes, self._max)
+    return self._recv_by(None if timeout_s is None else time.monotonic() + timeout_s, limit)
 
-  def _recv_by(self, deadline: Optional[float]) -> bytes:
+  def _recv_by(self, deadline: Optional[float], limit: int) -> bytes:
     buf = self._buf
     while len(buf) < _HEADER.size:
       self._read(_left(deadline))
     (size,) = _HEADER.unpack_from(buf)
-    if size > self._max:
-      raise FrameError(f"a frame of {size} bytes exceeds the limit of {self._max} bytes")
+    if size > limit:
+      raise FrameError(f"a frame of {size} bytes exceeds the limit of {limit} bytes")
     end = _HEADER.size + size
     while len(buf) < end:
       self._read(_left(deadline), end - len(buf))
