@@ -115,6 +115,26 @@ def run_threads(fn, n: int, timeout: float = 120) -> None:
   assert not failures and not any(th.is_alive() for th in threads), failures
 
 
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+  """Sends SIGSTOP to `pid` and returns once every one of its threads has stopped: kill()
+  only queues the signal, and a thread running on another CPU (a vCPU the host has not
+  scheduled) can go on answering for a while after it returns."""
+  os.kill(pid, signal.SIGSTOP)
+  deadline = time.monotonic() + timeout
+  while True:
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+      try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+          states.append(f.read().rsplit(")", 1)[1].split()[0])
+      except OSError:
+        pass   # (a thread that ended meanwhile)
+    if states and all(s in "tT" for s in states):
+      return
+    assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {states}"
+    time.sleep(0.001)
+
+
 @contextlib.contextmanager
 def bridge_process(server):
   """A `reverb-shm bridge` process serving `server` on a free loopback port: yields (its Popen,

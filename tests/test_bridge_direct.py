@@ -17,7 +17,7 @@ import reverb_shm  # pylint: disable=g-bad-import-order
 from reverb_shm import errors
 from reverb_shm.bridge import Bridge, BridgeConfig, RemoteClient, direct_client, frames, wire
 
-from conftest import bridge_process
+from conftest import bridge_process, stop_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -280,7 +280,7 @@ def test_an_insert_without_timeout_ends_when_a_stopped_bridge_sends_no_heartbeat
   with bridge_process(server) as (proc, address):
     client = RemoteClient(address, reconnect_timeout_s=0.5)
     client.insert(np.int32(0), {"queue": 1.0})
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop_process(proc.pid)
     start = time.monotonic()
     with pytest.raises(errors.ServerUnavailableError):
       client.insert(np.int32(1), {"queue": 1.0})

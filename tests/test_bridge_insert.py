@@ -23,7 +23,7 @@ from reverb_shm.bridge import (Bridge, BridgeConfig, ClientCredentials, RemoteCl
                                ServerTLS, direct_client, service, wire, writes, zmq_client)
 from reverb_shm.specs import TensorSpec
 
-from conftest import bridge_process
+from conftest import bridge_process, stop_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -365,7 +365,7 @@ def test_an_insert_with_a_timeout_ends_when_a_stopped_bridge_does_not_answer(
   with bridge_process(server) as (proc, address):
     client = RemoteClient(address, reconnect_timeout_s=0.5)
     client.insert(np.ones(2), {"t": 1.0}, timeout_ms=100)   # a stream open, the layout known
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop_process(proc.pid)
     start = time.monotonic()
     with pytest.raises(errors.DeadlineExceededError, match="did not answer an insert"):
       client.insert(np.ones(2), {"t": 1.0}, timeout_ms=100)
@@ -383,7 +383,7 @@ def test_a_sample_with_a_timeout_ends_when_a_stopped_bridge_does_not_answer(serv
   with bridge_process(server) as (proc, address):
     client = RemoteClient(address, reconnect_timeout_s=0.5)
     assert len(list(client.sample("t", 2, emit_timesteps=False))) == 2
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop_process(proc.pid)
     start = time.monotonic()
     with pytest.raises(errors.DeadlineExceededError, match="sent no sample"):
       list(client.sample("t", 2, emit_timesteps=False, rate_limiter_timeout_ms=100))

@@ -21,7 +21,7 @@ import reverb_shm  # noqa: E402
 from reverb_shm import rate_limiters, selectors  # noqa: E402
 from reverb_shm.ray import ReplayCluster, split_batch  # noqa: E402
 from reverb_shm.ray.local_cluster import LocalRayCluster  # noqa: E402
-from conftest import unique_server_name  # noqa: E402
+from conftest import stop_process, unique_server_name  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -475,7 +475,7 @@ def test_a_stalled_node_is_dropped_within_the_deadline_and_rejoins(filled):
   cc = handle.global_client(seed=5, timeout_s=2, revive_after_s=0.5)
   assert len(cc.sample("prio", 32, rate_limiter_timeout_ms=10_000)) == 32
   pid = handle.entries[b].pid
-  os.kill(pid, signal.SIGSTOP)   # the server process (and its bridge) stops answering
+  stop_process(pid)   # the server process (and its bridge) stops answering
   try:
     t0 = time.monotonic()
     with pytest.warns(RuntimeWarning, match=f"shard {b} .* dropped"):
