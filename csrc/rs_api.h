@@ -399,6 +399,11 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
 int rs_set_gather_threads(uint32_t threads, uint32_t *previous);
 /* 1 while this process's gather helper thread exists, else 0. */
 int rs_gather_helper_running(void);
+/* Rounds of 128-256 KiB are shared with the helper too when the calling thread's recent rounds
+ * copied slowly enough that the round is expected to take at least `ns` nanoseconds (rows that
+ * miss the caches; default 20000). 0 shares every such round, UINT32_MAX none. The previous
+ * value goes to *previous (when non-NULL). Process-wide; always RS_OK. */
+int rs_set_gather_share_ns(uint32_t ns, uint32_t *previous);
 
 /* rs_insert of n items whose every column is a single slice: column c of item i is
  * slices[i * ncols + c], squeezed (no time dim) when col_flags[c] & 1. The descriptors are built
