@@ -1739,8 +1739,11 @@ static void gather_items(void *arg, uint32_t begin, uint32_t end) {
                            * fewer leave one thread waiting for the other's last grain */
 
 /* This thread's copy time per KiB of its gather rounds of >= GATHER_SHARE_MIN_BYTES in memory
- * (ns, a moving average over ~8 rounds; of a shared round, the time until the round was done
- * per KiB this thread copied itself); 0 until one was timed. */
+ * (ns; of a shared round, the time until the round was done per KiB this thread copied itself);
+ * 0 until one was timed. A moving average that follows faster rounds at once (halfway) and
+ * slower ones over ~16 rounds: a round slowed by preemption or a busy machine (the copy of rows
+ * in the cache taking 2x) moves it little, rounds that are all slow (rows that miss) move it
+ * all the way. */
 static __thread uint32_t copy_ns_per_kib;
 
 static uint32_t share_ns = GATHER_SHARE_NS;   /* rs_set_gather_share_ns */
@@ -1763,8 +1766,8 @@ static void note_copy_rate(uint64_t bytes, int64_t ns) {
   if (bytes < 1024 || ns <= 0) return;
   uint64_t sample = (uint64_t)ns * 1024 / bytes;
   if (sample > UINT32_MAX / 2) sample = UINT32_MAX / 2;
-  int64_t now = copy_ns_per_kib;
-  copy_ns_per_kib = now ? (uint32_t)(now + ((int64_t)sample - now) / 8) : (uint32_t)sample;
+  int64_t now = copy_ns_per_kib, diff = (int64_t)sample - now;
+  copy_ns_per_kib = now ? (uint32_t)(now + (diff < 0 ? diff / 2 : diff / 16)) : (uint32_t)sample;
 }
 
 /* Whether a round of up to `want` items of cols' layout (<= GATHER_COLS columns) is expected to
