@@ -1073,6 +1073,7 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
   rs_rec *recs = rs_recs(base, th);
   rs_lcache *lc = memo ? memo->lc : NULL;
   uint8_t cached[SAMPLE_ROUND];   /* pick j's blob is in the cross-round cache (stage 2) */
+  const int defer_rows = memo && memo->defer_rows;
   if (memo) {
     memset(memo->blob, 0, sizeof memo->blob);
     memo->npins = 0;
@@ -1099,7 +1100,7 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
       const rs_lc_entry *e = lc ? rs_lc_find(lc, base, rs_ref_off(d)) : NULL;
       cached[j] = e != NULL;
       if (e) {   /* (its descriptor and chunk headers are not read: its rows can be requested now) */
-        if (!memo->defer_rows) prefetch_cached_rows(base, e, ncols, d);
+        if (!defer_rows) prefetch_cached_rows(base, e, ncols, d);
         continue;
       }
       __builtin_prefetch(rs_desc_blob(base, d), 0);
@@ -1141,9 +1142,8 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
                               (unsigned long long)recs[picks[k]].key, ncols);
       }
     }
-    if (cols && !(memo && memo->defer_rows))   /* (every item up to k + m passed the layout
-                                                 * check; a blob not cached in stage 2 was
-                                                 * checked in this round) */
+    if (cols && !defer_rows)   /* (every item up to k + m passed the layout check; a blob not
+                                * cached in stage 2 was checked in this round) */
       for (uint32_t j = k; j < k + m; j++)
         if (!lc || !cached[j]) prefetch_item_rows(base, recs[picks[j]].desc_off);
     for (uint32_t j = k; j < k + m; j++) {
@@ -1782,25 +1782,18 @@ static int spread_round(void *base, uint32_t ncols, const rs_gather_col *cols, u
   return !rs_seg(base)->arena_file && share_round(item_bytes * (want < SAMPLE_ROUND ? want : SAMPLE_ROUND));
 }
 
-static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
-                         uint32_t ncols, const rs_gather_col *cols, const sample_info *info,
-                         const gather_memo *memo) {
-  /* Rows of random items are cache misses: request the first row of every column of every item
-   * up front, keeping where the single-slice columns' rows are (from the memo of the item's blob
-   * when it has one). Every item's layout was checked against cols by sample_round (descriptors
-   * and chunk headers never change once written). */
-  const char *src[SAMPLE_ROUND * GATHER_COLS];
-  int keep = ncols <= GATHER_COLS;
-  int disk = rs_seg(base)->arena_file;   /* disk tier: also ask the kernel to read the rows now */
-  gather_job job = {base, recs, first, ncols, (uint32_t)keep, 0, 0, cols, src, info};
-  uint64_t item_bytes = 0;
-  for (uint32_t c = 0; c < ncols; c++) {
-    item_bytes += cols[c].col_bytes;
-    if (keep && cols[c].col_bytes >= GATHER_PAGE) job.paged = 1;
-  }
-  uint64_t bytes = item_bytes * n;
-  int share = !disk && share_round(bytes);
-  job.spread = share && keep && !job.paged;
+/* Where the rows of the round's items are: src[i * ncols + c] for a single-slice column of item i
+ * when `keep` (from the memo of the item's blob when it has one), NULL for one of several slices.
+ * Every item's layout was checked against cols by sample_round (descriptors and chunk headers
+ * never change once written). Rows of random items are cache misses: with `request` (a
+ * constant where inlined) the first line of every row is requested here, up front; without,
+ * only the first slice of a column of several (the copy requests the others: gather_job.spread).
+ * `disk`: also asks the kernel to read the rows now. */
+static inline __attribute__((always_inline)) void find_rows(void *base, const rs_sample_rec *recs,
+                                                            uint32_t n, uint32_t ncols,
+                                                            const rs_gather_col *cols,
+                                                            const gather_memo *memo, int keep,
+                                                            int disk, const char **src, int request) {
   for (uint32_t i = 0; i < n; i++) {
     uint64_t blob = rs_ref_off(recs[i].desc_off);
     uint32_t w = memo_way(blob);
@@ -1813,7 +1806,7 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
         const char *p = !e ? memo->row0[w][c] : e->col[c].row0 ? (const char *)rs_at(base, e->col[c].row0) : NULL;
         if (p) {
           p += shift * (e ? e->col[c].row_bytes : memo->row_bytes[w][c]);
-          if (!job.spread) __builtin_prefetch(p, 0, 1);
+          if (request) __builtin_prefetch(p, 0, 1);
           if (disk) rs_prefetch_file_rows(p, cols[c].col_bytes);
         }
         src[i * ncols + c] = p;
@@ -1827,12 +1820,33 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
     for (uint32_t c = 0; c < ncols; c++) {
       uint64_t nb;
       const char *p = slice_src(base, &s[dc[c].first_slice], shift, &nb);
-      if (!job.spread || dc[c].nslices != 1)
+      if (request || dc[c].nslices != 1)
         __builtin_prefetch(p, 0, 1);   /* hint L2: measured ~5% faster than L1 on W3 here */
       if (disk) rs_prefetch_file_rows(p, nb);
       if (keep) src[i * ncols + c] = dc[c].nslices == 1 ? p : NULL;
     }
   }
+}
+
+static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
+                         uint32_t ncols, const rs_gather_col *cols, const sample_info *info,
+                         const gather_memo *memo) {
+  const char *src[SAMPLE_ROUND * GATHER_COLS];
+  int keep = ncols <= GATHER_COLS;
+  int disk = rs_seg(base)->arena_file;
+  gather_job job = {base, recs, first, ncols, (uint32_t)keep, 0, 0, cols, src, info};
+  uint64_t item_bytes = 0;
+  for (uint32_t c = 0; c < ncols; c++) {
+    item_bytes += cols[c].col_bytes;
+    if (keep && cols[c].col_bytes >= GATHER_PAGE) job.paged = 1;
+  }
+  uint64_t bytes = item_bytes * n;
+  int share = !disk && share_round(bytes);
+  job.spread = share && keep && !job.paged;
+  if (job.spread)
+    find_rows(base, recs, n, ncols, cols, memo, keep, disk, src, 0);
+  else
+    find_rows(base, recs, n, ncols, cols, memo, keep, disk, src, 1);
   int timed = !disk && bytes >= GATHER_SHARE_MIN_BYTES;
   int64_t t0 = timed ? rs_now_ns() : 0;
   uint32_t mine = n;   /* items this thread copied */
