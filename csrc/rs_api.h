@@ -391,7 +391,7 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
                      const rs_gather_col *cols, void *info, uint32_t *got_io);
 
 /* Threads that this process's large gathers use (rs_sample_gather rounds of >= 256 KiB copied
- * from memory: frames): 1, the calling thread only; 2, shared with one helper thread per process,
+ * from memory: frames; of 128-256 KiB that copy slowly: rs_set_gather_share_ns): 1, the calling thread only; 2, shared with one helper thread per process,
  * started by the first such gather. `threads` 0 only reports the setting in *previous (when
  * non-NULL); 1 stops and joins the helper (after a gather in flight); 2 lets the next large
  * gather start it. The default is REVERB_SHM_GATHER_THREADS (1 or 2) when set, else 2 when the
@@ -399,6 +399,11 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
 int rs_set_gather_threads(uint32_t threads, uint32_t *previous);
 /* 1 while this process's gather helper thread exists, else 0. */
 int rs_gather_helper_running(void);
+/* Rounds of 128-256 KiB are shared with the helper too when the calling thread's recent rounds
+ * copied slowly enough that the round is expected to take at least `ns` nanoseconds (rows that
+ * miss the caches; default 20000). 0 shares every such round, UINT32_MAX none. The previous
+ * value goes to *previous (when non-NULL). Process-wide; always RS_OK. */
+int rs_set_gather_share_ns(uint32_t ns, uint32_t *previous);
 
 /* rs_insert of n items whose every column is a single slice: column c of item i is
  * slices[i * ncols + c], squeezed (no time dim) when col_flags[c] & 1. The descriptors are built

@@ -454,10 +454,11 @@ void rs_copy_stream(void *dst, const void *src, uint64_t n);
 /* gather_thread.c: runs fn(ctx, begin, end) over the units [0, n), in grains of `grain` units
  * (the last may be shorter), shared between the calling thread and the process's gather helper
  * thread when it is enabled and free; otherwise one call fn(ctx, 0, n) on the calling thread.
- * Returns when every unit is done. fn must be safe to run on two threads at once for distinct
- * units. */
+ * Returns when every unit is done: the number of units the calling thread ran itself. fn must be
+ * safe to run on two threads at once for distinct units. linger_ns > 0: afterwards the helper
+ * waits up to that long for the next job (yielding its CPU) instead of sleeping at once. */
 typedef void (*rs_units_fn)(void *ctx, uint32_t begin, uint32_t end);
-void rs_run_units(rs_units_fn fn, void *ctx, uint32_t n, uint32_t grain);
+uint32_t rs_run_units(rs_units_fn fn, void *ctx, uint32_t n, uint32_t grain, uint32_t linger_ns);
 /* Wakes the gather helper, if it sleeps and no job has it, to wait briefly for a job that the
  * caller is about to hand over: its wake-up overlaps the caller's work before the copy. */
 void rs_gather_prewake(void);

@@ -912,6 +912,7 @@ typedef struct gather_memo {
   uint64_t pin_descs[SAMPLE_ROUND];
   uint32_t pins[SAMPLE_ROUND];
   rs_lcache *lc;   /* this thread's cache of blobs checked in earlier rounds, or NULL */
+  int defer_rows;  /* the round's rows are requested by the threads that copy them, not here */
 } gather_memo;
 
 static inline uint32_t memo_way(uint64_t blob) {
@@ -1072,6 +1073,7 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
   rs_rec *recs = rs_recs(base, th);
   rs_lcache *lc = memo ? memo->lc : NULL;
   uint8_t cached[SAMPLE_ROUND];   /* pick j's blob is in the cross-round cache (stage 2) */
+  const int defer_rows = memo && memo->defer_rows;
   if (memo) {
     memset(memo->blob, 0, sizeof memo->blob);
     memo->npins = 0;
@@ -1098,7 +1100,7 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
       const rs_lc_entry *e = lc ? rs_lc_find(lc, base, rs_ref_off(d)) : NULL;
       cached[j] = e != NULL;
       if (e) {   /* (its descriptor and chunk headers are not read: its rows can be requested now) */
-        prefetch_cached_rows(base, e, ncols, d);
+        if (!defer_rows) prefetch_cached_rows(base, e, ncols, d);
         continue;
       }
       __builtin_prefetch(rs_desc_blob(base, d), 0);
@@ -1140,8 +1142,8 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
                               (unsigned long long)recs[picks[k]].key, ncols);
       }
     }
-    if (cols)   /* (every item up to k + m passed the layout check; a blob not cached in stage 2
-                 * was checked in this round) */
+    if (cols && !defer_rows)   /* (every item up to k + m passed the layout check; a blob not
+                                * cached in stage 2 was checked in this round) */
       for (uint32_t j = k; j < k + m; j++)
         if (!lc || !cached[j]) prefetch_item_rows(base, recs[picks[j]].desc_off);
     for (uint32_t j = k; j < k + m; j++) {
@@ -1640,12 +1642,23 @@ static void copy_paged(uint8_t *dst, const char *s, uint64_t nb, page_cursor *pc
   }
 }
 
+/* Requests the first line of a row of `nb` (< GATHER_PAGE) bytes at `src` (NULL: none) and, if
+ * it runs into the next page, that page's first line (its TLB miss starts now, too). */
+static inline void request_row(const char *src, uint64_t nb) {
+  if (!src) return;
+  __builtin_prefetch(src, 0, 1);
+  const char *next = (const char *)(((uintptr_t)src & ~(uintptr_t)(GATHER_PAGE - 1)) + GATHER_PAGE);
+  if (next < src + nb) __builtin_prefetch(next, 0, 1);
+}
+
 /* The copy of one gather round, shared by rs_run_units between the caller and the helper. */
 typedef struct gather_job {
   void *base;
   const rs_sample_rec *recs;
   uint32_t first, ncols, keep;
   uint32_t paged;           /* keep, and some column has rows of >= GATHER_PAGE bytes */
+  uint32_t spread;          /* keep, shared, not paged: each range requests its own rows (the
+                             * misses of a round start on both cores, not all on the caller's) */
   const rs_gather_col *cols;
   const char *const *src;   /* src[i * ncols + c]: row of a single-slice column (keep only) */
   const sample_info *info;
@@ -1662,6 +1675,9 @@ static inline __attribute__((always_inline)) void copy_items(const gather_job *g
   cursor_start(&pc, g->src, cols, begin, paged ? end : begin, ncols);
   if (paged)
     for (int a = 0; a < PAGE_AHEAD; a++) request_page(&pc);
+  if (!paged && g->spread)
+    for (uint32_t i = begin; i < end; i++)
+      for (uint32_t c = 0; c < ncols; c++) request_row(g->src[i * ncols + c], cols[c].col_bytes);
   for (uint32_t i = begin; i < end; i++) {
     uint64_t row = (uint64_t)g->first + i;
     uint64_t shift = rs_ref_shift(g->recs[i].desc_off);
@@ -1701,21 +1717,83 @@ static void gather_items(void *arg, uint32_t begin, uint32_t end) {
   copy_items(g, begin, end, (int)g->paged);
 }
 
-/* Rounds of at least this many bytes (of rows in memory, not in disk-tier files) are shared with
- * the gather helper thread, GATHER_GRAIN_BYTES of items per claim (at least one item). */
+/* A round of rows in memory (not in disk-tier files) is shared with the gather helper thread,
+ * GATHER_GRAIN_BYTES of items per claim (at least one item), when its copy is expected to take
+ * long enough to repay handing work over (waking the helper, claiming grains): from
+ * GATHER_SHARE_BYTES on, and from GATHER_SHARE_MIN_BYTES on when this thread's recent rounds
+ * copied slowly enough that this one is expected to take GATHER_SHARE_NS or more. Rows that
+ * miss every cache (a large table on 4 KiB pages: a TLB miss and a DRAM latency per row, the
+ * misses in flight bounded by one core's fill buffers and page walkers) copy several times
+ * slower than rows in the cache, and a second core nearly doubles the misses in flight.
+ * Measured on L2 (64 windows of 80 steps, 225 KB a round; 2-core VM, loaded): sharing every
+ * round was 1.20x the speed at 1e7 table steps (copy ~150 ns/KiB alone) but 0.91x at 1e5
+ * (rows in the cache, ~52 ns/KiB: the hand-over cost more than it saved). Rounds shared for
+ * being slow ask the helper to linger GATHER_LINGER_NS for the next one (gather_thread.c), and
+ * have their rows requested by the thread that copies them (gather_job.spread). */
 #define GATHER_SHARE_BYTES (256u << 10)
+#define GATHER_SHARE_MIN_BYTES (128u << 10)
+#define GATHER_SHARE_NS 20000u
+#define GATHER_LINGER_NS 60000u
 #define GATHER_GRAIN_BYTES (64u << 10)
+#define GATHER_GRAINS 8   /* grains per shared round at least (when it has that many items):
+                           * fewer leave one thread waiting for the other's last grain */
 
-static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
-                         uint32_t ncols, const rs_gather_col *cols, const sample_info *info,
-                         const gather_memo *memo) {
-  /* Rows of random items are cache misses: request the first row of every column of every item
-   * up front, keeping where the single-slice columns' rows are (from the memo of the item's blob
-   * when it has one). Every item's layout was checked against cols by sample_round (descriptors
-   * and chunk headers never change once written). */
-  const char *src[SAMPLE_ROUND * GATHER_COLS];
-  int keep = ncols <= GATHER_COLS;
-  int disk = rs_seg(base)->arena_file;   /* disk tier: also ask the kernel to read the rows now */
+/* This thread's copy time per KiB of its gather rounds of >= GATHER_SHARE_MIN_BYTES in memory
+ * (ns; of a shared round, the time until the round was done per KiB this thread copied itself);
+ * 0 until one was timed. A moving average that follows faster rounds at once (halfway) and
+ * slower ones over ~16 rounds: a round slowed by preemption or a busy machine (the copy of rows
+ * in the cache taking 2x) moves it little, rounds that are all slow (rows that miss) move it
+ * all the way. */
+static __thread uint32_t copy_ns_per_kib;
+
+static uint32_t share_ns = GATHER_SHARE_NS;   /* rs_set_gather_share_ns */
+
+int rs_set_gather_share_ns(uint32_t ns, uint32_t *previous) {
+  uint32_t was = __atomic_exchange_n(&share_ns, ns, __ATOMIC_RELAXED);
+  if (previous) *previous = was;
+  return RS_OK;
+}
+
+/* Whether a round of `bytes` bytes of rows in memory is shared with the gather helper. */
+static inline int share_round(uint64_t bytes) {
+  if (bytes >= GATHER_SHARE_BYTES) return 1;
+  uint32_t ns = __atomic_load_n(&share_ns, __ATOMIC_RELAXED);
+  return bytes >= GATHER_SHARE_MIN_BYTES && ns != UINT32_MAX && (bytes >> 10) * copy_ns_per_kib >= ns;
+}
+
+/* Folds a timed round into copy_ns_per_kib: `bytes` copied by this thread in `ns`. */
+static void note_copy_rate(uint64_t bytes, int64_t ns) {
+  if (bytes < 1024 || ns <= 0) return;
+  uint64_t sample = (uint64_t)ns * 1024 / bytes;
+  if (sample > UINT32_MAX / 2) sample = UINT32_MAX / 2;
+  int64_t now = copy_ns_per_kib, diff = (int64_t)sample - now;
+  copy_ns_per_kib = now ? (uint32_t)(now + (diff < 0 ? diff / 2 : diff / 16)) : (uint32_t)sample;
+}
+
+/* Whether a round of up to `want` items of cols' layout (<= GATHER_COLS columns) is expected to
+ * be shared with rows smaller than GATHER_PAGE: its rows are then requested by the thread that
+ * copies them (gather_job.spread), not by sample_round. */
+static int spread_round(void *base, uint32_t ncols, const rs_gather_col *cols, uint32_t want) {
+  uint64_t item_bytes = 0;
+  for (uint32_t c = 0; c < ncols; c++) {
+    if (cols[c].col_bytes >= GATHER_PAGE) return 0;
+    item_bytes += cols[c].col_bytes;
+  }
+  return !rs_seg(base)->arena_file && share_round(item_bytes * (want < SAMPLE_ROUND ? want : SAMPLE_ROUND));
+}
+
+/* Where the rows of the round's items are: src[i * ncols + c] for a single-slice column of item i
+ * when `keep` (from the memo of the item's blob when it has one), NULL for one of several slices.
+ * Every item's layout was checked against cols by sample_round (descriptors and chunk headers
+ * never change once written). Rows of random items are cache misses: with `request` (a
+ * constant where inlined) the first line of every row is requested here, up front; without,
+ * only the first slice of a column of several (the copy requests the others: gather_job.spread).
+ * `disk`: also asks the kernel to read the rows now. */
+static inline __attribute__((always_inline)) void find_rows(void *base, const rs_sample_rec *recs,
+                                                            uint32_t n, uint32_t ncols,
+                                                            const rs_gather_col *cols,
+                                                            const gather_memo *memo, int keep,
+                                                            int disk, const char **src, int request) {
   for (uint32_t i = 0; i < n; i++) {
     uint64_t blob = rs_ref_off(recs[i].desc_off);
     uint32_t w = memo_way(blob);
@@ -1728,7 +1806,7 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
         const char *p = !e ? memo->row0[w][c] : e->col[c].row0 ? (const char *)rs_at(base, e->col[c].row0) : NULL;
         if (p) {
           p += shift * (e ? e->col[c].row_bytes : memo->row_bytes[w][c]);
-          __builtin_prefetch(p, 0, 1);
+          if (request) __builtin_prefetch(p, 0, 1);
           if (disk) rs_prefetch_file_rows(p, cols[c].col_bytes);
         }
         src[i * ncols + c] = p;
@@ -1742,26 +1820,48 @@ static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint
     for (uint32_t c = 0; c < ncols; c++) {
       uint64_t nb;
       const char *p = slice_src(base, &s[dc[c].first_slice], shift, &nb);
-      __builtin_prefetch(p, 0, 1);   /* hint L2: measured ~5% faster than L1 on W3 here */
+      if (request || dc[c].nslices != 1)
+        __builtin_prefetch(p, 0, 1);   /* hint L2: measured ~5% faster than L1 on W3 here */
       if (disk) rs_prefetch_file_rows(p, nb);
       if (keep) src[i * ncols + c] = dc[c].nslices == 1 ? p : NULL;
     }
   }
-  gather_job job = {base, recs, first, ncols, (uint32_t)keep, 0, cols, src, info};
+}
+
+static void gather_round(void *base, const rs_sample_rec *recs, uint32_t n, uint32_t first,
+                         uint32_t ncols, const rs_gather_col *cols, const sample_info *info,
+                         const gather_memo *memo) {
+  const char *src[SAMPLE_ROUND * GATHER_COLS];
+  int keep = ncols <= GATHER_COLS;
+  int disk = rs_seg(base)->arena_file;
+  gather_job job = {base, recs, first, ncols, (uint32_t)keep, 0, 0, cols, src, info};
   uint64_t item_bytes = 0;
   for (uint32_t c = 0; c < ncols; c++) {
     item_bytes += cols[c].col_bytes;
     if (keep && cols[c].col_bytes >= GATHER_PAGE) job.paged = 1;
   }
-  if (!disk && item_bytes * n >= GATHER_SHARE_BYTES) {
+  uint64_t bytes = item_bytes * n;
+  int share = !disk && share_round(bytes);
+  job.spread = share && keep && !job.paged;
+  if (job.spread)
+    find_rows(base, recs, n, ncols, cols, memo, keep, disk, src, 0);
+  else
+    find_rows(base, recs, n, ncols, cols, memo, keep, disk, src, 1);
+  int timed = !disk && bytes >= GATHER_SHARE_MIN_BYTES;
+  int64_t t0 = timed ? rs_now_ns() : 0;
+  uint32_t mine = n;   /* items this thread copied */
+  if (share) {
     uint64_t grain = item_bytes ? GATHER_GRAIN_BYTES / item_bytes : n;
-    rs_run_units(gather_items, &job, n, grain ? (uint32_t)(grain < n ? grain : n) : 1);
+    if (grain > n / GATHER_GRAINS) grain = n / GATHER_GRAINS;
+    mine = rs_run_units(gather_items, &job, n, grain ? (uint32_t)(grain < n ? grain : n) : 1,
+                        bytes >= GATHER_SHARE_BYTES ? 0 : GATHER_LINGER_NS);
   } else {
     if (job.paged)
       copy_items(&job, 0, n, 1);
     else
       copy_items(&job, 0, n, 0);
   }
+  if (timed) note_copy_rate(item_bytes * mine, rs_now_ns() - t0);
 }
 
 int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint32_t wait_n,
@@ -1791,7 +1891,7 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
   gather_memo memo_space, *memo = ncols <= GATHER_COLS ? &memo_space : NULL;
   uint64_t item_bytes = 0, first_round = n - *got_io < SAMPLE_ROUND ? n - *got_io : SAMPLE_ROUND;
   for (uint32_t c = 0; c < ncols; c++) item_bytes += cols[c].col_bytes;
-  if (!rs_seg(base)->arena_file && item_bytes * first_round >= GATHER_SHARE_BYTES)
+  if (!rs_seg(base)->arena_file && share_round(item_bytes * first_round))
     rs_gather_prewake();   /* it wakes while this thread samples */
   sample_info si = sample_info_at(info, n);
   op_t op;
@@ -1801,6 +1901,7 @@ int rs_sample_gather(void *base, uint32_t slot, uint32_t table, uint32_t n, uint
   if (memo) memo->lc = rs_lcache_for(base, ncols, cols);
   rc = op_lock(&op);
   while (rc == RS_OK && (rc = op_check_open(&op)) == RS_OK) {
+    if (memo) memo->defer_rows = spread_round(base, ncols, cols, n - *got_io);
     int took = sample_round(&op, slot, n - *got_io, recs, ncols, cols, memo);
     if (took == 0 && *got_io >= wait_n) { /* enough: take no more than what is ready */
       op_unlock(&op);

@@ -1,6 +1,6 @@
 """The copy loop of sample_batch's gather (rs_sample_gather): rows of >= 4 KiB copied page by page
-with the pages ahead requested, and rounds of >= 256 KiB shared with the process's gather helper
-thread. Every batch is checked byte for byte against the data inserted."""
+with the pages ahead requested, and rounds of >= 256 KiB (or of 128-256 KiB that copy slowly)
+shared with the process's gather helper thread. Every batch is checked byte for byte against the data inserted."""
 import os
 import threading
 
@@ -51,6 +51,19 @@ def gather_threads():
   check(lib.rs_set_gather_threads(prev[0], ffi.NULL))
 
 
+@pytest.fixture
+def share_slow_rounds():
+  """Sets the expected copy time from which rounds of 128-256 KiB are shared (0: every one) for
+  a test; restores it after."""
+  prev = ffi.new("uint32_t *")
+  check(lib.rs_set_gather_share_ns(0, prev))
+
+  def set_ns(ns):
+    check(lib.rs_set_gather_share_ns(ns, ffi.NULL))
+  yield set_ns
+  check(lib.rs_set_gather_share_ns(prev[0], ffi.NULL))
+
+
 def _fill(st, nbytes, items, per_call):
   """Inserts `items` items {id: int64, small: float32[3], big: uint8[nbytes]}, `per_call` per
   insert (items of one call are rows of one chunk: row shifts, unaligned sources)."""
@@ -90,6 +103,29 @@ def test_large_rows_of_odd_sizes_equal_the_inserted_bytes(server_factory, gather
   assert _helper_threads() == (1 if threads == 2 and 100 * nbytes >= 256 << 10 else 0)
 
 
+@pytest.mark.parametrize("nbytes", [1_000, 3_000, 4_095])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rounds_shared_for_copying_slowly_equal_the_inserted_bytes(server_factory, gather_threads,
+                                                                   share_slow_rounds, nbytes,
+                                                                   threads):
+  """Rounds of 128-256 KiB of rows under 4 KiB, shared as rounds that copy slowly are (each
+  thread requests the rows of the items it copies), also when the helper is off."""
+  gather_threads(threads)
+  share_slow_rounds(0)
+  st = server_factory([_table()]).shared_table("t")
+  _fill(st, nbytes, 600, per_call=7)
+  n = (192 << 10) // (nbytes + 20)
+  out = {"id": np.empty(n, np.int64), "small": np.empty((n, 3), np.float32),
+         "big": np.empty((n, nbytes), np.uint8)}
+  st.sample_batch(1)
+  for _ in range(5):
+    _verify(st.sample_batch(n, out=out), nbytes)
+    _verify(st.sample_batch(n), nbytes)
+  assert _helper_threads() == (1 if threads == 2 else 0)
+  share_slow_rounds(2**32 - 1)   # never: the same rounds copied by the calling thread alone
+  _verify(st.sample_batch(n, out=out), nbytes)
+
+
 def test_unaligned_destination(server_factory, gather_threads):
   gather_threads(2)
   nbytes = 28_224
@@ -104,12 +140,16 @@ def test_unaligned_destination(server_factory, gather_threads):
     _verify(st.sample_batch(64, out=out), nbytes)
 
 
-def test_items_of_several_chunks_per_column(server_factory, gather_threads):
+@pytest.mark.parametrize("nbytes", [6_001, 1_500])
+def test_items_of_several_chunks_per_column(server_factory, gather_threads, share_slow_rounds,
+                                            nbytes):
   """Items of 2 steps whose steps lie in different chunks: columns of 2 slices (the copy that
-  reads the descriptor), in rounds the helper shares."""
+  reads the descriptor), in rounds the helper shares (of small rows: as rounds that copy
+  slowly)."""
   gather_threads(2)
+  share_slow_rounds(0)
   server = server_factory([_table()])
-  client, nbytes = server.localhost_client(), 6_001
+  client = server.localhost_client()
   with client.trajectory_writer(num_keep_alive_refs=2) as writer:
     for i in range(150):
       writer.append({"id": np.int64(i), "big": _payload(i, nbytes)})
@@ -150,9 +190,9 @@ def test_small_rounds_never_start_the_helper(server_factory, gather_threads):
   gather_threads(1)
   gather_threads(2)
   st = server_factory([_table()]).shared_table("t")
-  _fill(st, 1_000, 300, per_call=50)   # 256 x ~1 KiB < 256 KiB
+  _fill(st, 1_000, 300, per_call=50)
   st.sample_batch(1)
-  _verify(st.sample_batch(200), 1_000)
+  _verify(st.sample_batch(120), 1_000)   # 120 x ~1 KiB < 128 KiB: never shared
   assert lib.rs_gather_helper_running() == 0
 
 
