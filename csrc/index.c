@@ -37,7 +37,14 @@ void rs_index_find_many(const rs_index_entry *ix, uint32_t cap, uint32_t n, cons
 }
 
 void rs_index_prefetch(const rs_index_entry *ix, uint32_t cap, uint32_t n, const uint64_t *keys) {
-  for (uint32_t i = 0; i < n; i++) __builtin_prefetch(&ix[home_of(keys[i], cap)], 1);
+  /* Two lines: at load 0.75 a probe run (and the run a removal shifts back) is ~8 entries of
+   * 12 bytes, past the home entry's line more often than not. (A prefetch past the array's end
+   * is harmless: it never faults.) */
+  for (uint32_t i = 0; i < n; i++) {
+    const char *home = (const char *)&ix[home_of(keys[i], cap)];
+    __builtin_prefetch(home, 1);
+    __builtin_prefetch(home + 64, 1);
+  }
 }
 
 int rs_index_put(rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t rec) {
