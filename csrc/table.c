@@ -12,9 +12,12 @@
  * Blocking (DESIGN.md "Concurrency and speed rules"): a caller that cannot progress reads the
  * table's `seq` word under the mutex, registers in `waiters`, unlocks, spins briefly re-reading
  * `seq`, then futex-waits on it (as an inserter or a sampler: a futex bitset) until its deadline
- * or slice ends. Anything that may unblock others bumps `seq` and wakes only the kind of waiter
- * whose limiter condition now holds, skipping the system call when none of them waits. */
+ * or slice ends. Anything that may unblock others bumps `seq` and wakes one waiter of the kind
+ * whose limiter condition now holds (op_publish), skipping the system call when none of them
+ * waits or one of them is already on its way; that waiter, once it holds the lock again, takes
+ * what it can and its own publish wakes the next one while the condition still holds. */
 #define _GNU_SOURCE
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -285,6 +288,7 @@ typedef struct op {
   int64_t locked_at;
   rs_tcounters *c;         /* the caller's counter row for this table (counters.h) */
   int dirty;               /* made a change that may unblock a waiter */
+  int woke;                /* holds the lock again after waiting (op_wait): passes a wake-up on */
   int64_t deadline, slice_end; /* monotonic ns, < 0 = none */
 } op_t;
 
@@ -311,30 +315,46 @@ static int op_lock(op_t *op) {
 /* Kinds of waiters on a table's seq word (futex bitset bits) and their shares of `waiters`. */
 #define WAIT_INSERT 1u
 #define WAIT_SAMPLE 2u
+#define WAKE_ALL 4u    /* (op_publish's answer) wake every waiter of the kinds, not one of each */
 #define WAITER_ONE(kind) ((kind) == WAIT_INSERT ? 1u : 1u << 16)
 
-/* Bump seq if something changed; returns the kinds of waiters to wake (0: none). A kind is woken
- * only when some of its waiters sleep and its limiter condition now holds (an inserter can add
- * one item; a sampler can take one), so a sample never wakes a sampler, an insert never wakes
- * an inserter, and nobody is woken only to find the limiter still closed. Waiters register under
- * the lock, so the counts read here include everyone who may sleep on the old seq. */
+/* Bump seq if something changed; returns the kinds of waiters to wake (0: none) and WAKE_ALL.
+ * A kind is woken only when some of its waiters sleep and its limiter condition now holds (an
+ * inserter can add one item; a sampler can take one), so a sample never wakes a sampler, an
+ * insert never wakes an inserter, and nobody is woken only to find the limiter still closed.
+ * Waiters register under the lock, so the counts read here include everyone who may sleep on
+ * the old seq.
+ *
+ * One waiter of a kind is woken at a time (a chain): the publisher marks the kind in `woken`
+ * (under the lock) until a waiter of it holds the lock again (op_wait clears the mark), and
+ * publishers skip the kind meanwhile; that waiter takes what it can, and its own publish wakes
+ * the next one if the condition still holds. Waking them all let every writer of a pipeline
+ * wake for the room one sample makes, all but one only to sleep again, each wake-up a context
+ * switch (~40 us to wake an idle vCPU here) that could preempt the process doing the work.
+ * Every waiter counted when the mark is made registered on an older seq, so one of them comes
+ * back to the lock after it (woken, or finding seq changed) and clears it; a mark left by a
+ * process that died between marking and waking, or after being woken, holds the kind's
+ * sleepers to their slice (op_wait), the first of them back clears it. A woken waiter that
+ * made no change still passes the wake-up on here, without bumping seq (what it was woken for
+ * may still hold for the next one: a sampler that stopped at an item of another layout).
+ * Waiters that register without the lock (rs_table_wait_change, counted in change_waiters)
+ * are woken all at once, with every inserter. */
 static uint32_t op_publish(op_t *op) {
-  if (!op->dirty) return 0;
-  op->dirty = 0;
+  if (!op->dirty && !op->woke) return 0;
   rs_table_hdr *th = op->th;
-  __atomic_add_fetch(&th->seq, 1, __ATOMIC_RELEASE);
+  if (op->dirty) __atomic_add_fetch(&th->seq, 1, __ATOMIC_RELEASE);
+  op->dirty = op->woke = 0;
   uint32_t w = __atomic_load_n(&th->waiters, __ATOMIC_ACQUIRE);
   if (w == 0) return 0;
-  if (is_closed(op->base, th)) return WAIT_INSERT | WAIT_SAMPLE;
+  if (is_closed(op->base, th)) return WAIT_INSERT | WAIT_SAMPLE | WAKE_ALL;
   uint32_t kinds = 0;
   if ((w & 0xffffu) && rs_limiter_can_insert(th, 1)) kinds |= WAIT_INSERT;
   if ((w >> 16) && th->size > 0 && rs_limiter_can_sample(th, 1)) kinds |= WAIT_SAMPLE;
-  /* A kind already woken, with no waiter of it registered since (under the lock, op_wait),
-   * needs no second wake-up: every one of its sleepers was woken then or saw seq change before
-   * sleeping. Waiters that register without the lock (rs_table_wait_change) are always woken. */
-  uint32_t again = __atomic_fetch_or(&th->woken, kinds, __ATOMIC_SEQ_CST);
-  if (__atomic_load_n(&th->change_waiters, __ATOMIC_SEQ_CST)) again &= ~WAIT_INSERT;
-  return kinds & ~again;
+  if (!kinds) return 0;
+  uint32_t on_way = __atomic_fetch_or(&th->woken, kinds, __ATOMIC_SEQ_CST);
+  if ((kinds & WAIT_INSERT) && __atomic_load_n(&th->change_waiters, __ATOMIC_SEQ_CST))
+    return kinds | WAKE_ALL;
+  return kinds & ~on_way;
 }
 
 static void op_release(op_t *op, uint32_t wake) {
@@ -342,7 +362,13 @@ static void op_release(op_t *op, uint32_t wake) {
   if (op->held_ns) *op->held_ns += held;
   rs_counters_hold(op->c, held);
   rs_tunlock(op->base, op->t);
-  if (wake) rs_futex_wake_bits(&op->th->seq, wake);
+  if (!wake) return;
+  if (wake & WAKE_ALL) {
+    rs_futex_wake_bits(&op->th->seq, wake & (WAIT_INSERT | WAIT_SAMPLE), INT_MAX);
+    return;
+  }
+  for (uint32_t kind = WAIT_INSERT; kind <= WAIT_SAMPLE; kind <<= 1)
+    if (wake & kind) rs_futex_wake_bits(&op->th->seq, kind, 1);
 }
 
 static void op_unlock(op_t *op) { op_release(op, op_publish(op)); }
@@ -391,7 +417,6 @@ static int op_wait(op_t *op) {
   uint32_t wake = op_publish(op);
   uint32_t seen = __atomic_load_n(&th->seq, __ATOMIC_ACQUIRE);
   __atomic_add_fetch(&th->waiters, WAITER_ONE(kind), __ATOMIC_ACQ_REL);
-  __atomic_and_fetch(&th->woken, ~kind, __ATOMIC_SEQ_CST);   /* this sleeper needs a wake-up */
   op_release(op, wake);
   uint32_t *blocked = inserter ? &op->c->blocked_inserters : &op->c->blocked_samplers;
   __atomic_add_fetch(blocked, 1, __ATOMIC_RELAXED);
@@ -408,6 +433,10 @@ static int op_wait(op_t *op) {
   if (rc == RS_ESYS) return rc;
   rc = op_lock(op);
   if (rc) return rc;
+  /* Back under the lock: a wake-up of this kind is no longer on its way (op_publish); this
+   * waiter's own publish wakes the next one if what it leaves still admits one. */
+  __atomic_and_fetch(&th->woken, ~kind, __ATOMIC_SEQ_CST);
+  op->woke = 1;
   *op->waited_ns += waited;
   return RS_OK;
 }
@@ -1557,6 +1586,7 @@ void rs_table_repair(void *base, uint32_t t) {
   if (th->inserts < th->size) th->inserts = th->size; /* died between commit and inserts++ */
   th->deletes = th->inserts - th->size;
   if (th->samples < 0) th->samples = 0;
+  th->woken = 0;   /* (a dead owner's mark of a wake-up on its way: op_publish) */
   /* died between committing an overflow insert and the remover's deletion: finish it */
   while ((uint64_t)th->size > th->max_size) {
     uint32_t victim;
