@@ -525,11 +525,12 @@ static void ep_drop(void *c, uint64_t ep) {
   }
 }
 
-/* Link a committed record into the index, dense array, order list, selectors and episode map. */
-static void item_link(void *base, rs_table_hdr *th, uint32_t r) {
+/* Link a committed record into the index (at index slot `slot`, rs_index_find_slot's), dense
+ * array, order list, selectors and episode map. */
+static void item_link(void *base, rs_table_hdr *th, uint32_t r, uint32_t slot) {
   rs_rec *recs = rs_recs(base, th);
   rs_rec *rec = &recs[r];
-  rs_index_put(rs_tindex(base, th), th->index_cap, rec->key, r);
+  rs_index_put_at(rs_tindex(base, th), th->index_cap, slot, rec->key, r);
   uint32_t *dense = rs_dense(base, th);
   rec->dense_pos = (uint32_t)th->size;
   dense[th->size] = r;
@@ -594,7 +595,12 @@ typedef struct evicted {
 
 static void evicted_release(void *base, evicted *ev) {
   if ((ev->n || ev->spare_n) && rs_alock(base) == RS_OK) {
-    for (uint32_t i = 0; i < ev->n; i++) rs_desc_release(base, ev->descs[i], 1);
+    /* Items evicted in a row were mostly inserted together, holding one block: one release of
+     * each run of references to the same block. */
+    for (uint32_t i = 0, j; i < ev->n; i = j) {
+      for (j = i + 1; j < ev->n && rs_ref_off(ev->descs[j]) == rs_ref_off(ev->descs[i]); j++) {}
+      rs_desc_release_n(base, ev->descs[i], j - i);
+    }
     rs_desc_release_n(base, ev->spare_ref, ev->spare_n);
     rs_aunlock(base);
   }
@@ -630,7 +636,8 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
                       const uint8_t *blob, uint32_t len, int64_t now_ns, evicted *ev, uint64_t held,
                       int *used_held) {
   *used_held = 0;
-  uint32_t r = rs_index_find(rs_tindex(base, th), th->index_cap, key);
+  uint32_t slot;   /* where the key goes (nothing below changes the index before item_link) */
+  uint32_t r = rs_index_find_slot(rs_tindex(base, th), th->index_cap, key, &slot);
   if (r != RS_NONE) { /* existing key: priority update, no counter change, descriptor unused */
     update_priority(base, th, r, priority);
     return RS_OK;
@@ -690,7 +697,7 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
   rec->next_free = RS_NONE;
   if (th->aux_off) rs_aux(base, th)[r] = (rs_heap_aux){th->next_update_seq++, {RS_NONE, RS_NONE}};
   __atomic_store_n(&rec->valid, 1, __ATOMIC_RELEASE); /* commit */
-  item_link(base, th, r);
+  item_link(base, th, r, slot);
 
   if ((uint64_t)th->size > th->max_size) {
     uint32_t victim;
