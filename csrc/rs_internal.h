@@ -208,8 +208,9 @@ typedef struct rs_table_hdr {
   uint32_t waiters;                /* threads inside a futex wait on seq: blocked inserters in
                                       the low 16 bits, blocked samplers from bit 16 (table.c) */
   uint32_t woken;                  /* kinds of waiters (table.c WAIT_*) with a woken waiter on
-                                      its way back to the lock: later publishers skip waking
-                                      that kind (the woken one wakes the next: op_publish) */
+                                      its way back to the lock and none registered since:
+                                      publishers skip waking that kind meanwhile (the woken
+                                      one wakes the next: op_publish) */
   uint32_t change_waiters;         /* threads in rs_table_wait_change (also in `waiters`): they
                                       register without the lock, so they are always woken */
   /* arrays */

@@ -332,17 +332,18 @@ static int op_lock(op_t *op) {
  * wake for the room one sample makes, all but one only to sleep again, each wake-up a context
  * switch (~40 us to wake an idle vCPU here) that could preempt the process doing the work.
  * Every waiter counted when the mark is made registered on an older seq, so one of them comes
- * back to the lock after it (woken, or finding seq changed) and clears it; a mark left by a
- * process that died between marking and waking, or after being woken, holds the kind's
- * sleepers to their slice (op_wait), the first of them back clears it. A woken waiter that
- * made no change still passes the wake-up on here, without bumping seq (what it was woken for
- * may still hold for the next one: a sampler that stopped at an item of another layout).
- * Waiters that register without the lock (rs_table_wait_change, counted in change_waiters)
- * are woken all at once, with every inserter. */
+ * back to the lock after it (woken, or finding seq changed) and clears it, and a waiter that
+ * registers later clears it too (op_wait): a mark whose waiter never comes back (a process
+ * that died between marking and waking, or after being woken) only holds the sleepers counted
+ * with it to their slice. A woken waiter that made no change still passes the wake-up on here
+ * (what it was woken for may still hold for the next one: a sampler that stopped at an item
+ * of another layout). Waiters that register without the lock (rs_table_wait_change, counted
+ * in change_waiters) are woken all at once, with every inserter, and leave no mark. */
 static uint32_t op_publish(op_t *op) {
   if (!op->dirty && !op->woke) return 0;
   rs_table_hdr *th = op->th;
-  if (op->dirty) __atomic_add_fetch(&th->seq, 1, __ATOMIC_RELEASE);
+  int changed = op->dirty;
+  if (changed) __atomic_add_fetch(&th->seq, 1, __ATOMIC_RELEASE);
   op->dirty = op->woke = 0;
   uint32_t w = __atomic_load_n(&th->waiters, __ATOMIC_ACQUIRE);
   if (w == 0) return 0;
@@ -351,9 +352,11 @@ static uint32_t op_publish(op_t *op) {
   if ((w & 0xffffu) && rs_limiter_can_insert(th, 1)) kinds |= WAIT_INSERT;
   if ((w >> 16) && th->size > 0 && rs_limiter_can_sample(th, 1)) kinds |= WAIT_SAMPLE;
   if (!kinds) return 0;
-  uint32_t on_way = __atomic_fetch_or(&th->woken, kinds, __ATOMIC_SEQ_CST);
+  /* (a pass-on bumps seq too: a waiter between registering and sleeping then sees it) */
+  if (!changed) __atomic_add_fetch(&th->seq, 1, __ATOMIC_RELEASE);
   if ((kinds & WAIT_INSERT) && __atomic_load_n(&th->change_waiters, __ATOMIC_SEQ_CST))
-    return kinds | WAKE_ALL;
+    return kinds | WAKE_ALL;   /* (everyone is woken: nothing to mark) */
+  uint32_t on_way = __atomic_fetch_or(&th->woken, kinds, __ATOMIC_SEQ_CST);
   return kinds & ~on_way;
 }
 
@@ -417,6 +420,9 @@ static int op_wait(op_t *op) {
   uint32_t wake = op_publish(op);
   uint32_t seen = __atomic_load_n(&th->seq, __ATOMIC_ACQUIRE);
   __atomic_add_fetch(&th->waiters, WAITER_ONE(kind), __ATOMIC_ACQ_REL);
+  /* A new sleeper needs a wake-up of its own: a mark made before it registered (whose waiter
+   * may have died, or been a change waiter that left) must not keep publishers from waking it. */
+  __atomic_and_fetch(&th->woken, ~kind, __ATOMIC_SEQ_CST);
   op_release(op, wake);
   uint32_t *blocked = inserter ? &op->c->blocked_inserters : &op->c->blocked_samplers;
   __atomic_add_fetch(blocked, 1, __ATOMIC_RELAXED);
