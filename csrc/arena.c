@@ -550,12 +550,20 @@ int rs_desc_add_refs(void *base, uint64_t ref, uint32_t n, const uint8_t *blob, 
 
 void rs_desc_release_n(void *base, uint64_t ref, uint32_t n) {
   uint64_t off = rs_ref_off(ref);
-  for (uint32_t i = 0; i < n; i++) {
+  while (n) {
     if (!is_block(base, off, RS_BLOCK_DESC, 1)) {
       rs_seg(base)->refcounts_suspect = 1;
       return;
     }
+    /* The block keeps other references: drop these n at once (the caller holds the arena lock,
+     * which every decrement takes: the count cannot fall meanwhile). */
+    rs_blk *b = blk(base, off - RS_ALIGN);
+    if (__atomic_load_n(&b->refcount, __ATOMIC_RELAXED) > n) {
+      __atomic_sub_fetch(&b->refcount, n, __ATOMIC_RELAXED);
+      return;
+    }
     decref(base, off);
+    n--;
   }
 }
 

@@ -19,6 +19,9 @@ static inline uint64_t rs_mix64(uint64_t x) {
 
 /* key -> record id. Empty entry: rec_plus1 == 0. */
 uint32_t rs_index_find(const rs_index_entry *ix, uint32_t cap, uint64_t key); /* RS_NONE if absent */
+/* rs_index_find that also tells where an absent key would go: *empty is the empty slot its probe
+ * ended at (cap: none), for rs_index_put_at while the index has not changed since. */
+uint32_t rs_index_find_slot(const rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t *empty);
 /* rs_index_find of n keys into out[], their probes' first cache misses all in flight at once. */
 void rs_index_find_many(const rs_index_entry *ix, uint32_t cap, uint32_t n, const uint64_t *keys,
                         uint32_t *out);
@@ -26,6 +29,9 @@ void rs_index_find_many(const rs_index_entry *ix, uint32_t cap, uint32_t n, cons
 void rs_index_prefetch(const rs_index_entry *ix, uint32_t cap, uint32_t n, const uint64_t *keys);
 /* key absent; returns 1, or 0 (nothing written) when no slot is empty. */
 int rs_index_put(rs_index_entry *ix, uint32_t cap, uint64_t key, uint32_t rec);
+/* rs_index_put of a key whose empty slot rs_index_find_slot found (one probe instead of two);
+ * a slot out of range or taken meanwhile falls back to rs_index_put. */
+int rs_index_put_at(rs_index_entry *ix, uint32_t cap, uint32_t slot, uint64_t key, uint32_t rec);
 int rs_index_remove(rs_index_entry *ix, uint32_t cap, uint64_t key);            /* 1 if removed */
 void rs_index_clear(rs_index_entry *ix, uint32_t cap);
 

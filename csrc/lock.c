@@ -81,8 +81,8 @@ int rs_futex_wait_bits(uint32_t *word, uint32_t expected, int64_t deadline_ns, u
 
 void rs_futex_wake_all(uint32_t *word) { syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); }
 
-void rs_futex_wake_bits(uint32_t *word, uint32_t bits) {
-  syscall(SYS_futex, word, FUTEX_WAKE_BITSET, INT_MAX, NULL, NULL, bits);
+void rs_futex_wake_bits(uint32_t *word, uint32_t bits, int n) {
+  syscall(SYS_futex, word, FUTEX_WAKE_BITSET, n, NULL, NULL, bits);
 }
 
 /* A held table lock is waited for by spinning while its hold is young, then by sleeping in

@@ -57,7 +57,7 @@
 #include "rs_api.h"
 
 #define RS_MAGIC 0x3130304d48535652ULL /* "RVSHM001" little-endian */
-#define RS_LAYOUT_VERSION 4ULL
+#define RS_LAYOUT_VERSION 5ULL
 #define RS_ALIGN 64u
 #define RS_NONE 0xFFFFFFFFu
 #define RS_MAX_NDIM 8
@@ -198,10 +198,22 @@ typedef struct rs_table_hdr {
   uint32_t free_rec_head;          /* RS_NONE if no free record */
   uint32_t order_head, order_tail; /* oldest / newest in insertion order, RS_NONE if empty */
   int32_t closed;
-  pthread_mutex_t lock;            /* robust, process-shared */
-  uint32_t seq;                    /* futex word: bumped by anything that may unblock waiters */
+  /* Lines of their own for what waiters poll (rs_tlock spins reading the lock's line, op_wait
+   * reading seq's): the fields a lock holder writes for every item (free_rec_head, order_*,
+   * size, ...) sharing a polled line took the holder a cache miss at each write after a poll. */
+  pthread_mutex_t lock __attribute__((aligned(64)));   /* robust, process-shared */
+  int64_t locked_at_ns;            /* when the lock's holder took it (rs_now_ns; a hint for
+                                      rs_tlock's spinning, written by each holder) */
+  uint32_t seq __attribute__((aligned(64)));   /* futex word: bumped by anything that may
+                                                  unblock waiters */
   uint32_t waiters;                /* threads inside a futex wait on seq: blocked inserters in
                                       the low 16 bits, blocked samplers from bit 16 (table.c) */
+  uint32_t woken;                  /* kinds of waiters (table.c WAIT_*) with a woken waiter on
+                                      its way back to the lock and none registered since:
+                                      publishers skip waking that kind meanwhile (the woken
+                                      one wakes the next: op_publish) */
+  uint32_t change_waiters;         /* threads in rs_table_wait_change (also in `waiters`): they
+                                      register without the lock, so they are always woken */
   /* arrays */
   uint64_t recs_off;               /* rs_rec[cap] */
   uint64_t index_off;              /* rs_index_entry[index_cap] */
@@ -222,13 +234,6 @@ typedef struct rs_table_hdr {
    * so that writers inserting in turn (several processes' open chunks) each keep sharing theirs.
    * Hints only: a candidate counts only while its record is valid. */
   uint32_t recent_recs[RS_RECENT_TEMPLATES];
-  int64_t locked_at_ns;            /* when the lock's holder took it (rs_now_ns; a hint for
-                                      rs_tlock's spinning, written by each holder) */
-  uint32_t woken;                  /* kinds of waiters (table.c WAIT_*) woken since one of
-                                      that kind last registered: later publishers skip the
-                                      wake-up system call (the woken recheck on their own) */
-  uint32_t change_waiters;         /* threads in rs_table_wait_change (also in `waiters`): they
-                                      register without the lock, so they are always woken */
 } rs_table_hdr;
 
 /* A spin-wait loop's pause (lets the sibling hyperthread run; saves power). */
@@ -285,8 +290,8 @@ int rs_futex_wait(uint32_t *word, uint32_t expected, int64_t deadline_ns);
  * rs_futex_wake_all) reach it. */
 int rs_futex_wait_bits(uint32_t *word, uint32_t expected, int64_t deadline_ns, uint32_t bits);
 void rs_futex_wake_all(uint32_t *word);
-/* Wakes every waiter on word whose kind shares a bit with `bits`. */
-void rs_futex_wake_bits(uint32_t *word, uint32_t bits);
+/* Wakes up to n (>= 1; INT_MAX: every) waiters on word whose kind shares a bit with `bits`. */
+void rs_futex_wake_bits(uint32_t *word, uint32_t bits, int n);
 /* The repairs rs_tlock / rs_alock run after a dead lock owner. lock.c is below table.c and
  * arena.c: they reach it only through this registration, made once by layout.c at load time. */
 typedef void (*rs_table_repair_fn)(void *base, uint32_t t);

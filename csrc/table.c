@@ -12,9 +12,12 @@
  * Blocking (DESIGN.md "Concurrency and speed rules"): a caller that cannot progress reads the
  * table's `seq` word under the mutex, registers in `waiters`, unlocks, spins briefly re-reading
  * `seq`, then futex-waits on it (as an inserter or a sampler: a futex bitset) until its deadline
- * or slice ends. Anything that may unblock others bumps `seq` and wakes only the kind of waiter
- * whose limiter condition now holds, skipping the system call when none of them waits. */
+ * or slice ends. Anything that may unblock others bumps `seq` and wakes one waiter of the kind
+ * whose limiter condition now holds (op_publish), skipping the system call when none of them
+ * waits or one of them is already on its way; that waiter, once it holds the lock again, takes
+ * what it can and its own publish wakes the next one while the condition still holds. */
 #define _GNU_SOURCE
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -285,6 +288,7 @@ typedef struct op {
   int64_t locked_at;
   rs_tcounters *c;         /* the caller's counter row for this table (counters.h) */
   int dirty;               /* made a change that may unblock a waiter */
+  int woke;                /* holds the lock again after waiting (op_wait): passes a wake-up on */
   int64_t deadline, slice_end; /* monotonic ns, < 0 = none */
 } op_t;
 
@@ -311,30 +315,49 @@ static int op_lock(op_t *op) {
 /* Kinds of waiters on a table's seq word (futex bitset bits) and their shares of `waiters`. */
 #define WAIT_INSERT 1u
 #define WAIT_SAMPLE 2u
+#define WAKE_ALL 4u    /* (op_publish's answer) wake every waiter of the kinds, not one of each */
 #define WAITER_ONE(kind) ((kind) == WAIT_INSERT ? 1u : 1u << 16)
 
-/* Bump seq if something changed; returns the kinds of waiters to wake (0: none). A kind is woken
- * only when some of its waiters sleep and its limiter condition now holds (an inserter can add
- * one item; a sampler can take one), so a sample never wakes a sampler, an insert never wakes
- * an inserter, and nobody is woken only to find the limiter still closed. Waiters register under
- * the lock, so the counts read here include everyone who may sleep on the old seq. */
+/* Bump seq if something changed; returns the kinds of waiters to wake (0: none) and WAKE_ALL.
+ * A kind is woken only when some of its waiters sleep and its limiter condition now holds (an
+ * inserter can add one item; a sampler can take one), so a sample never wakes a sampler, an
+ * insert never wakes an inserter, and nobody is woken only to find the limiter still closed.
+ * Waiters register under the lock, so the counts read here include everyone who may sleep on
+ * the old seq.
+ *
+ * One waiter of a kind is woken at a time (a chain): the publisher marks the kind in `woken`
+ * (under the lock) until a waiter of it holds the lock again (op_wait clears the mark), and
+ * publishers skip the kind meanwhile; that waiter takes what it can, and its own publish wakes
+ * the next one if the condition still holds. Waking them all let every writer of a pipeline
+ * wake for the room one sample makes, all but one only to sleep again, each wake-up a context
+ * switch (~40 us to wake an idle vCPU here) that could preempt the process doing the work.
+ * Every waiter counted when the mark is made registered on an older seq, so one of them comes
+ * back to the lock after it (woken, or finding seq changed) and clears it, and a waiter that
+ * registers later clears it too (op_wait): a mark whose waiter never comes back (a process
+ * that died between marking and waking, or after being woken) only holds the sleepers counted
+ * with it to their slice. A woken waiter that made no change still passes the wake-up on here
+ * (what it was woken for may still hold for the next one: a sampler that stopped at an item
+ * of another layout). Waiters that register without the lock (rs_table_wait_change, counted
+ * in change_waiters) are woken all at once, with every inserter, and leave no mark. */
 static uint32_t op_publish(op_t *op) {
-  if (!op->dirty) return 0;
-  op->dirty = 0;
+  if (!op->dirty && !op->woke) return 0;
   rs_table_hdr *th = op->th;
-  __atomic_add_fetch(&th->seq, 1, __ATOMIC_RELEASE);
+  int changed = op->dirty;
+  if (changed) __atomic_add_fetch(&th->seq, 1, __ATOMIC_RELEASE);
+  op->dirty = op->woke = 0;
   uint32_t w = __atomic_load_n(&th->waiters, __ATOMIC_ACQUIRE);
   if (w == 0) return 0;
-  if (is_closed(op->base, th)) return WAIT_INSERT | WAIT_SAMPLE;
+  if (is_closed(op->base, th)) return WAIT_INSERT | WAIT_SAMPLE | WAKE_ALL;
   uint32_t kinds = 0;
   if ((w & 0xffffu) && rs_limiter_can_insert(th, 1)) kinds |= WAIT_INSERT;
   if ((w >> 16) && th->size > 0 && rs_limiter_can_sample(th, 1)) kinds |= WAIT_SAMPLE;
-  /* A kind already woken, with no waiter of it registered since (under the lock, op_wait),
-   * needs no second wake-up: every one of its sleepers was woken then or saw seq change before
-   * sleeping. Waiters that register without the lock (rs_table_wait_change) are always woken. */
-  uint32_t again = __atomic_fetch_or(&th->woken, kinds, __ATOMIC_SEQ_CST);
-  if (__atomic_load_n(&th->change_waiters, __ATOMIC_SEQ_CST)) again &= ~WAIT_INSERT;
-  return kinds & ~again;
+  if (!kinds) return 0;
+  /* (a pass-on bumps seq too: a waiter between registering and sleeping then sees it) */
+  if (!changed) __atomic_add_fetch(&th->seq, 1, __ATOMIC_RELEASE);
+  if ((kinds & WAIT_INSERT) && __atomic_load_n(&th->change_waiters, __ATOMIC_SEQ_CST))
+    return kinds | WAKE_ALL;   /* (everyone is woken: nothing to mark) */
+  uint32_t on_way = __atomic_fetch_or(&th->woken, kinds, __ATOMIC_SEQ_CST);
+  return kinds & ~on_way;
 }
 
 static void op_release(op_t *op, uint32_t wake) {
@@ -342,7 +365,13 @@ static void op_release(op_t *op, uint32_t wake) {
   if (op->held_ns) *op->held_ns += held;
   rs_counters_hold(op->c, held);
   rs_tunlock(op->base, op->t);
-  if (wake) rs_futex_wake_bits(&op->th->seq, wake);
+  if (!wake) return;
+  if (wake & WAKE_ALL) {
+    rs_futex_wake_bits(&op->th->seq, wake & (WAIT_INSERT | WAIT_SAMPLE), INT_MAX);
+    return;
+  }
+  for (uint32_t kind = WAIT_INSERT; kind <= WAIT_SAMPLE; kind <<= 1)
+    if (wake & kind) rs_futex_wake_bits(&op->th->seq, kind, 1);
 }
 
 static void op_unlock(op_t *op) { op_release(op, op_publish(op)); }
@@ -391,7 +420,9 @@ static int op_wait(op_t *op) {
   uint32_t wake = op_publish(op);
   uint32_t seen = __atomic_load_n(&th->seq, __ATOMIC_ACQUIRE);
   __atomic_add_fetch(&th->waiters, WAITER_ONE(kind), __ATOMIC_ACQ_REL);
-  __atomic_and_fetch(&th->woken, ~kind, __ATOMIC_SEQ_CST);   /* this sleeper needs a wake-up */
+  /* A new sleeper needs a wake-up of its own: a mark made before it registered (whose waiter
+   * may have died, or been a change waiter that left) must not keep publishers from waking it. */
+  __atomic_and_fetch(&th->woken, ~kind, __ATOMIC_SEQ_CST);
   op_release(op, wake);
   uint32_t *blocked = inserter ? &op->c->blocked_inserters : &op->c->blocked_samplers;
   __atomic_add_fetch(blocked, 1, __ATOMIC_RELAXED);
@@ -408,6 +439,10 @@ static int op_wait(op_t *op) {
   if (rc == RS_ESYS) return rc;
   rc = op_lock(op);
   if (rc) return rc;
+  /* Back under the lock: a wake-up of this kind is no longer on its way (op_publish); this
+   * waiter's own publish wakes the next one if what it leaves still admits one. */
+  __atomic_and_fetch(&th->woken, ~kind, __ATOMIC_SEQ_CST);
+  op->woke = 1;
   *op->waited_ns += waited;
   return RS_OK;
 }
@@ -496,11 +531,12 @@ static void ep_drop(void *c, uint64_t ep) {
   }
 }
 
-/* Link a committed record into the index, dense array, order list, selectors and episode map. */
-static void item_link(void *base, rs_table_hdr *th, uint32_t r) {
+/* Link a committed record into the index (at index slot `slot`, rs_index_find_slot's), dense
+ * array, order list, selectors and episode map. */
+static void item_link(void *base, rs_table_hdr *th, uint32_t r, uint32_t slot) {
   rs_rec *recs = rs_recs(base, th);
   rs_rec *rec = &recs[r];
-  rs_index_put(rs_tindex(base, th), th->index_cap, rec->key, r);
+  rs_index_put_at(rs_tindex(base, th), th->index_cap, slot, rec->key, r);
   uint32_t *dense = rs_dense(base, th);
   rec->dense_pos = (uint32_t)th->size;
   dense[th->size] = r;
@@ -565,7 +601,12 @@ typedef struct evicted {
 
 static void evicted_release(void *base, evicted *ev) {
   if ((ev->n || ev->spare_n) && rs_alock(base) == RS_OK) {
-    for (uint32_t i = 0; i < ev->n; i++) rs_desc_release(base, ev->descs[i], 1);
+    /* Items evicted in a row were mostly inserted together, holding one block: one release of
+     * each run of references to the same block. */
+    for (uint32_t i = 0, j; i < ev->n; i = j) {
+      for (j = i + 1; j < ev->n && rs_ref_off(ev->descs[j]) == rs_ref_off(ev->descs[i]); j++) {}
+      rs_desc_release_n(base, ev->descs[i], j - i);
+    }
     rs_desc_release_n(base, ev->spare_ref, ev->spare_n);
     rs_aunlock(base);
   }
@@ -601,7 +642,8 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
                       const uint8_t *blob, uint32_t len, int64_t now_ns, evicted *ev, uint64_t held,
                       int *used_held) {
   *used_held = 0;
-  uint32_t r = rs_index_find(rs_tindex(base, th), th->index_cap, key);
+  uint32_t slot;   /* where the key goes (nothing below changes the index before item_link) */
+  uint32_t r = rs_index_find_slot(rs_tindex(base, th), th->index_cap, key, &slot);
   if (r != RS_NONE) { /* existing key: priority update, no counter change, descriptor unused */
     update_priority(base, th, r, priority);
     return RS_OK;
@@ -661,7 +703,7 @@ static int insert_one(void *base, rs_table_hdr *th, uint64_t key, double priorit
   rec->next_free = RS_NONE;
   if (th->aux_off) rs_aux(base, th)[r] = (rs_heap_aux){th->next_update_seq++, {RS_NONE, RS_NONE}};
   __atomic_store_n(&rec->valid, 1, __ATOMIC_RELEASE); /* commit */
-  item_link(base, th, r);
+  item_link(base, th, r, slot);
 
   if ((uint64_t)th->size > th->max_size) {
     uint32_t victim;
@@ -1559,6 +1601,7 @@ void rs_table_repair(void *base, uint32_t t) {
   if (th->inserts < th->size) th->inserts = th->size; /* died between commit and inserts++ */
   th->deletes = th->inserts - th->size;
   if (th->samples < 0) th->samples = 0;
+  th->woken = 0;   /* (a dead owner's mark of a wake-up on its way: op_publish) */
   /* died between committing an overflow insert and the remover's deletion: finish it */
   while ((uint64_t)th->size > th->max_size) {
     uint32_t victim;

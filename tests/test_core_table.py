@@ -367,6 +367,42 @@ def test_blocked_insert_wakes_on_sample_and_partial_progress_is_reported():
     assert seg.keys() == [3, 4]
 
 
+def _blocked_threads(target, n):
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    time.sleep(0.2)
+    assert all(th.is_alive() for th in threads)
+    return threads
+
+
+def test_every_blocked_inserter_is_woken_when_one_sample_makes_room_for_all():
+    # One waiter of a kind is woken at a time and passes the wake-up on: with no deadline and
+    # no slice, an inserter the chain missed would sleep for good (the join would time out).
+    seg = Segment(sampler=FIFO, remover=FIFO, max_size=100, min_diff=-FLT_MAX, max_diff=2.0)
+    insert_ok(seg, [100, 101])
+    result = {}
+    threads = _blocked_threads(lambda i: result.setdefault(i, seg.insert([i], [1.0], timeout=None)), 4)
+    sample_ok(seg, 4)
+    for th in threads:
+        th.join(timeout=10)
+    assert not any(th.is_alive() for th in threads)
+    assert result == {i: (0, 1) for i in range(4)}
+    assert sorted(seg.keys()) == [0, 1, 2, 3, 100, 101]
+
+
+def test_every_blocked_sampler_is_woken_by_one_insert():
+    seg = Segment(min_size=1)
+    result = {}
+    threads = _blocked_threads(lambda i: result.setdefault(i, seg.sample(1, timeout=None)), 3)
+    insert_ok(seg, [7])
+    for th in threads:
+        th.join(timeout=10)
+    assert not any(th.is_alive() for th in threads)
+    assert all(rc == 0 and [r["key"] for r in res] == [7] for rc, res in result.values())
+    assert len(result) == 3
+
+
 def test_timeout_with_partial_batch_and_slice_expiry():
     seg = Segment(min_size=1, spi=1.0, min_diff=-2.0, max_diff=FLT_MAX)
     insert_ok(seg, [1])

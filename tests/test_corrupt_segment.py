@@ -33,10 +33,10 @@ HDR_NAMES = ["magic", "layout_version", "total_size", "generation", "owner_pid",
 HDR_FIELD = {name: (struct.calcsize("<" + HDR_FORMAT[:i]), "<" + HDR_FORMAT[i])
              for i, name in enumerate(HDR_NAMES)}
 # rs_table_hdr: name[64], max_size u64 @64, ..., sel[0] (kind i32 @80, exponent @88, heap_off
-# @96, tree_off @104), ..., free_rec_head @264, order_head @268, ..., recs_off @328.
+# @96, tree_off @104), ..., free_rec_head @264, order_head @268, ..., recs_off @400.
 TABLE_FIELD = {"max_size": (64, "<Q", 1 << 20), "sampler_kind": (80, "<i", 17),
                "tree_off": (104, "<Q", 64), "order_head": (268, "<I", 1 << 20),
-               "recs_off": (328, "<Q", 64)}
+               "recs_off": (400, "<Q", 64)}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_a_damaged_header_is_refused_at_attach(target, field, value, message):
 
 def test_table_field_offsets_match_the_layout(target):
   off, _ = target.regions["table"][0]
-  assert struct.unpack_from("<Q", target.pristine, off + 328)[0] == target.regions["arrays"][0][0]
+  assert struct.unpack_from("<Q", target.pristine, off + 400)[0] == target.regions["arrays"][0][0]
   assert struct.unpack_from("<Q", target.pristine, off + 64)[0] == 40       # "prio" max_size
   assert struct.unpack_from("<i", target.pristine, off + 80)[0] == lib.RS_SEL_PRIORITIZED
   assert struct.unpack_from("<Q", target.pristine, off + 104)[0] > off      # its sum tree
