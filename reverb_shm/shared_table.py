@@ -737,6 +737,34 @@ class SharedTable:
       check(rc, f"sampling from table {self._name!r}")
     return info
 
+  def gather_admitted(self, n: int) -> Optional[Tuple[SampleInfo, List[np.ndarray]]]:
+    """Up to n items that the rate limiter admits now, sampled and gathered by one C call into
+    new flat (B, ...) columns, once the items' column layout is known (learnt by sample_batch
+    or learn_layout); None while it is not.
+
+    B < n when the limiter admits fewer, or before an item of another layout: that item stays
+    unsampled and the layout is forgotten (B may then be 0; later calls return None until a
+    layout is learnt again).
+
+    Returns:
+      (SampleInfo of arrays of length B as sample_batch's, list of (B, ...) column arrays).
+
+    Raises:
+      DeadlineExceededError: the limiter admits no item now. TableClosedError: the server
+      stopped.
+    """
+    return self._gather_fresh(n, n, timeouts.deadline_from_ms(0), 0)
+
+  def gather_layout_known(self) -> bool:
+    """Whether gather_admitted gathers in C now (a column layout is known)."""
+    return self._gather_layout is not None
+
+  def learn_layout(self, columns: Sequence[Tuple[np.dtype, tuple]]) -> None:
+    """Remembers the column layout of the table's items for sample_batch / gather_admitted:
+    (dtype, per-item shape) of each column. Object columns are never gathered in C: a layout
+    with one is not remembered. An item of another layout is still detected when sampled."""
+    self._learn_layout([(np.dtype(d), tuple(shape)) for d, shape in columns])
+
   def _learn_layout(self, columns: Sequence[Tuple[np.dtype, tuple]]) -> None:
     """Remembers the (dtype, item shape, bytes) of each column of a sampled item, unless a
     column holds objects (those items are never gathered in C)."""

@@ -391,6 +391,31 @@ def test_fifo_order_is_kept_across_layouts_in_one_reply(server_factory):
   assert [int(np.asarray(v).reshape(-1)[0]) for v in got] == list(range(30))
 
 
+def test_a_c_gather_that_meets_another_layout_ends_and_the_rest_follows_in_order(
+    server_factory, monkeypatch):
+  """Once a one-layout reply taught the bridge the table's layout, replies are gathered in C;
+  an item of another layout ends that gather and the rest of the reply is encoded layout by
+  layout after it, in the sampler's order."""
+  server = server_factory([reverb_shm.Table.queue("queue", 100)], bridge=BridgeConfig())
+  local = server.localhost_client()
+  joined = []
+  original = service._joined_replies  # pylint: disable=protected-access
+  monkeypatch.setattr(service, "_joined_replies",
+                      lambda a, b: joined.append((a["n"], b["n"])) or original(a, b))
+  for i in range(4):
+    local.insert(np.full(2, i, np.float32), {"queue": 1.0})
+  remote = _remote(server)
+  first = [int(s.data[0][0, 0]) for s in remote.sample("queue", 2, emit_timesteps=False)]
+  values = [np.full(2, 4, np.float32), np.full(2, 5, np.float32), np.full(3, 6),
+            np.float32(7), np.full(2, 8, np.float32), "9"]
+  for v in values:
+    local.insert(v, {"queue": 1.0})
+  got = [s.data[0][0] for s in remote.sample("queue", 8, emit_timesteps=False)]
+  assert first == [0, 1]
+  assert [int(np.asarray(v).reshape(-1)[0]) for v in got] == list(range(2, 10))
+  assert joined and server.localhost_client().server_info()["queue"].current_size == 0
+
+
 def test_writer_items_are_confirmed_without_flush(server_factory, monkeypatch):
   server = server_factory([_uniform()], bridge=BridgeConfig())
   acks = []

@@ -251,6 +251,45 @@ def test_sampled_keys_are_remembered_within_key_memory():
   cc.close()
 
 
+def test_group_answers_put_every_shards_rows_in_batch_order_or_decline():
+  """A prefetched group's answers are assembled once: batch j holds its rows of shard 0, then
+  of shard 1 (the order of the per-batch cut); a failed shard, a short answer or a shard
+  without a call but with items leave the batches to be cut one by one (None)."""
+  from reverb_shm.ray._group import GroupAnswers, batch_order  # pylint: disable=g-import-not-at-top
+  from reverb_shm.replay_sample import ReplaySample, SampleInfo  # pylint: disable=g-import-not-at-top
+  counts = np.array([[2, 1], [0, 3], [1, 1]])
+  assert batch_order(counts).tolist() == [0, 1, 3, 4, 5, 6, 2, 7]
+
+  class _Answer:
+    def __init__(self, keys, error=None):
+      self.keys, self.error, self.gets = np.asarray(keys, np.uint64), error, 0
+
+    def get(self):
+      self.gets += 1
+      if self.error is not None:
+        raise self.error
+      k = self.keys
+      info = SampleInfo(k, k / 10.0, np.full(len(k), 9, np.int64), k * 1.0,
+                        np.zeros(len(k), np.int32))
+      return ReplaySample(info, [np.stack([k, k + 1], axis=1)]), {"size": 9}
+
+  a, b = _Answer([10, 11, 12]), _Answer([20, 21, 22, 23, 24])
+  group = GroupAnswers([a, b], counts)
+  batches = [group.batch(j) for j in range(3)]
+  assert [x.info.key.tolist() for x in batches] == [[10, 11, 20], [21, 22, 23], [12, 24]]
+  assert batches[1].data[0].tolist() == [[21, 22], [22, 23], [23, 24]]
+  assert batches[2].info.probability.tolist() == [1.2, 2.4]
+  assert a.gets == b.gets == 1   # (assembled once)
+  # A shard that drew nothing in the whole group needs no call.
+  only = GroupAnswers([None, _Answer([1, 2])], np.array([[0, 1], [0, 1]]))
+  assert only.batch(1).info.key.tolist() == [2]
+  for calls in ([a, _Answer([20, 21, 22, 23])],                     # short answer
+                [a, _Answer([], error=ConnectionError("gone"))],   # failed shard
+                [None, b]):                                       # no call for shard 0's items
+    declined = GroupAnswers(calls, counts)
+    assert declined.batch(0) is None and declined.batch(2) is None
+
+
 def test_prefetch_draws_the_local_share_per_group_within_the_rate_limiter(server_factory):
   """This node's share of a prefetched group is one C gather at the group's first use, of
   what the shard's rate limiter admits then: batches it leaves short draw their missing items

@@ -637,12 +637,30 @@ class Bridge:
     return None if got is None else self._encode_samples(*got)
 
   def _sample_now(self, st: SharedTable, k: int) -> Optional[dict]:
-    """The reply of up to k samples the limiter admits at once, or None."""
+    """The reply of up to k samples the limiter admits at once, or None.
+
+    Once the table's column layout is known (learnt from a reply of one layout), the items are
+    sampled and gathered by one C call; an item of another layout ends that gather, and the
+    rest of the k are sampled and encoded layout by layout (the reply then has parts)."""
     try:
-      recs, pins = st.sample_records(k, 0)
+      gathered = st.gather_admitted(k)
     except errors.DeadlineExceededError:
       return None
-    return self._encode_samples(recs, pins)
+    first = None
+    if gathered is not None:
+      info, cols = gathered
+      first = _gathered_reply(info, cols) if len(info.key) else None
+      if st.gather_layout_known() or (first is not None and first["n"] == k):
+        return first   # (fewer than k: what the limiter admits now)
+    rest = k - (0 if first is None else first["n"])
+    try:
+      recs, pins = st.sample_records(rest, 0)
+    except errors.DeadlineExceededError:
+      return first
+    reply = self._encode_samples(recs, pins)
+    if "cols" in reply:   # one layout without objects: gathered in C from now on
+      st.learn_layout([(c["d"], c["s"][1:]) for c in reply["cols"]])
+    return reply if first is None else _joined_replies(first, reply)
 
   @staticmethod
   def _sample_wait(st: SharedTable, timeout_ms: Optional[int], deadline: Optional[float],
@@ -698,9 +716,7 @@ class Bridge:
     with `pins`, of items encoded one by one instead (object columns)."""
     if idx is not None:
       recs, desc = recs[idx], desc[idx]
-    part: Dict[str, Any] = {"n": len(desc)}
-    for field, key, dtype in _INFO_FIELDS:
-      part[key] = np.ascontiguousarray(recs[field], dtype).tobytes()
+    part = _info_part([recs[field] for field, _, _ in _INFO_FIELDS])
     if idx is not None:
       part["pos"] = idx.astype("<u4").tobytes()
     if pins is None:
@@ -743,6 +759,33 @@ class Bridge:
 _INFO_FIELDS = (("key", "keys", "<u8"), ("probability", "probs", "<f8"),
                 ("table_size", "sizes", "<i8"), ("priority", "prios", "<f8"),
                 ("times_sampled", "times", "<i8"))
+
+
+def _info_part(fields) -> Dict[str, Any]:
+  """The reply map {"n", "keys", "probs", ...} of the info `fields` (arrays of n values, in
+  _INFO_FIELDS order)."""
+  part: Dict[str, Any] = {"n": len(fields[0])}
+  for value, (_, key, dtype) in zip(fields, _INFO_FIELDS):
+    part[key] = np.ascontiguousarray(value, dtype).tobytes()
+  return part
+
+
+def _gathered_reply(info, cols) -> dict:
+  """The reply of items gathered in C: SampleInfo of arrays and their (B, ...) columns."""
+  part = _info_part(list(info))
+  part["cols"] = [wire.encode_array(c) for c in cols]
+  return part
+
+
+def _joined_replies(first: dict, rest: dict) -> dict:
+  """One reply {"n", "parts"} of a one-layout reply `first` followed by the reply `rest`."""
+  b = first["n"]
+  parts = [dict(first, pos=np.arange(b, dtype="<u4").tobytes())]
+  for part in rest.get("parts", [rest]):
+    pos = (np.frombuffer(part["pos"], "<u4") if "pos" in part else
+           np.arange(part["n"], dtype="<u4"))
+    parts.append(dict(part, pos=(pos + b).astype("<u4").tobytes()))
+  return {"n": b + rest["n"], "parts": parts}
 
 
 def _credits(msgs) -> int:

@@ -45,6 +45,7 @@ import numpy as np
 
 from reverb_shm import errors, specs
 from reverb_shm._internal import structure
+from reverb_shm.ray._group import GroupAnswers
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
 
@@ -99,6 +100,7 @@ class _Request:
   total_size: int                 # global table_size reported
   pending: Dict[int, Any] = dataclasses.field(default_factory=dict)   # remote calls
   failed: Dict[int, BaseException] = dataclasses.field(default_factory=dict)
+  group: Optional[Tuple[GroupAnswers, int]] = None   # its group's answers and its index there
 
 
 class _Shared:
@@ -473,13 +475,18 @@ class ClusterClient:
       for s in shards:
         if s in self._local and k_of[s]:
           pending[s] = self._local_call(s, table, k_of[s])
-    for s, call in pending.items():
-      shared, start = _Shared(call, self._adopter(table, s, scale[s], total_size)), 0
+    shared = {s: _Shared(call, self._adopter(table, s, scale[s], total_size))
+              for s, call in pending.items()}
+    for s, answer in shared.items():
+      start = 0
       for r in requests:
-        r.pending[s] = _Slice(shared, start, r.k_of[s])
+        r.pending[s] = _Slice(answer, start, r.k_of[s])
         start += r.k_of[s]
-    for r in requests:
+    answers = GroupAnswers([shared.get(s) for s in shards], splits) if group > 1 else None
+    for j, r in enumerate(requests):
       r.failed = dict(failed)
+      if answers is not None and not failed:
+        r.group = (answers, j)
     return requests
 
   def _adopter(self, table: str, shard: int, scale: float, total_size: int):
@@ -517,6 +524,10 @@ class ClusterClient:
   def _collect(self, request: "_Request") -> List[ReplaySample]:
     """The parts of an issued request (a local shard's drawn now unless its group drew it),
     with global probabilities."""
+    if request.group is not None:   # (None: the batch is cut from each answer below)
+      whole = request.group[0].batch(request.group[1])
+      if whole is not None:
+        return [whole]
     table, _, timeout_ms = request.args
     shards = sorted(request.k_of)
     answers = self._finish_draws(shards, table, request.k_of, timeout_ms, request.pending,
