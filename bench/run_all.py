@@ -346,10 +346,11 @@ def main(argv=None):
                  help="directory on the disk D1 measures (every runner's files go there)")
   p.add_argument("--d1-limit-mib", type=int, default=None,
                  help="D1's memory cgroup limit (default 256 MiB, 64 with --quick)")
-  p.add_argument("--reverb-python", default=os.environ.get("REVERB_PYTHON",
-                                                           "/tmp/refvenv/bin/python"))
-  p.add_argument("--cpprb-python", default=os.environ.get("CPPRB_PYTHON",
-                                                          "/tmp/refvenv/bin/python"))
+  # (dm-reverb and cpprb: the reverb peer venv holds both; /tmp/refvenv is
+  # bench/make_peer_venvs.sh's default)
+  ref = peer_python("reverb") or "/tmp/refvenv/bin/python"
+  p.add_argument("--reverb-python", default=os.environ.get("REVERB_PYTHON", ref))
+  p.add_argument("--cpprb-python", default=os.environ.get("CPPRB_PYTHON", ref))
   p.add_argument("--torchrl-ray-python", default=os.environ.get("TORCHRL_RAY_PYTHON"),
                  help="python of the torchrl_ray peer venv (default: tests/peers/venv.sh "
                       "torchrl_ray, built on first use)")
