@@ -750,8 +750,8 @@ class SharedTable:
       (SampleInfo of arrays of length B as sample_batch's, list of (B, ...) column arrays).
 
     Raises:
-      DeadlineExceededError: the limiter admits no item now. TableClosedError: the server
-      stopped.
+      DeadlineExceededError: the limiter admits no item now.
+      TableClosedError: the server stopped.
     """
     return self._gather_fresh(n, n, timeouts.deadline_from_ms(0), 0)
 
