@@ -149,9 +149,17 @@ def bridge_process(server):
     assert "listening" in proc.stdout.readline()
     yield proc, f"127.0.0.1:{port}"
   finally:
-    os.kill(proc.pid, signal.SIGCONT)
-    proc.terminate()
-    proc.wait(timeout=10)
+    if proc.poll() is None:
+      os.kill(proc.pid, signal.SIGCONT)
+      proc.terminate()
+    try:
+      proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:   # (its threads' stacks on stderr, then the failure)
+      os.kill(proc.pid, signal.SIGUSR1)
+      time.sleep(1)
+      proc.kill()
+      proc.wait(timeout=10)
+      raise
 
 
 def run_in_private_shm(code: str, size_mib: int = 64, timeout: float = 120, args=()) -> str:

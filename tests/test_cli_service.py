@@ -311,6 +311,24 @@ def test_info_and_checkpoint_work_through_a_bridge_address(server_factory, capsy
 
 
 @needs_protobuf
+def test_a_bridge_stopped_past_its_wait_ends_at_sigterm_after_sigcont(server_factory):
+  """SIGTERM right after SIGCONT, to a `reverb-shm bridge` process stopped longer than its
+  serving loop's 0.5 s wait: the process resumes inside that wait, and the stop signal lands
+  there. A handler that set a threading.Event deadlocked on the Event's own lock (the process
+  never ended); the process must end, with status 0, every time."""
+  pytest.importorskip("grpc")
+  from conftest import bridge_process, stop_process  # pylint: disable=import-outside-toplevel
+  server = server_factory([reverb_shm.Table.queue("queue", 10)])
+  for _ in range(3):
+    with bridge_process(server) as (proc, _):
+      stop_process(proc.pid)
+      time.sleep(0.7)
+      os.kill(proc.pid, signal.SIGCONT)
+      os.kill(proc.pid, signal.SIGTERM)
+      assert proc.wait(timeout=15) == 0
+      assert "stopped (SIGTERM)" in proc.stdout.read()
+
+
 def test_serve_takes_max_bytes_and_storage(procs, tmp_path, server_name):
   from reverb_shm._internal import shm  # pylint: disable=import-outside-toplevel
   port, disk = _free_port(), tmp_path / "disk"

@@ -5,12 +5,13 @@ Reverb user knows ('localhost:PORT' of a server on this host, or the address of 
 where a sub-command can work through one).
 """
 import contextlib
+import faulthandler
 import json
 import logging
 import os
+import select
 import signal
 import sys
-import threading
 from typing import Callable, Optional, Tuple
 
 from reverb_shm import errors
@@ -125,27 +126,48 @@ class StopSignals:
   """Turns SIGINT and SIGTERM into a flag for a serving loop (restored on exit).
 
   Usage: `with StopSignals() as stop: while not stop.wait(0.5): ...`; `stop.signal_name` says
-  which signal ended the loop.
+  which signal ended the loop. While inside, SIGUSR1 prints every thread's stack on stderr (a
+  serving process that does not stop can be asked where it is). The handler takes no lock (a
+  threading.Event set from a signal handler can deadlock when the signal lands while the main
+  thread holds the Event's lock inside its own wait()): it sets a flag and writes a byte to a
+  pipe that wait() selects on.
   """
 
   def __init__(self):
-    self._event = threading.Event()
+    self._stopped = False
+    self._read_fd, self._write_fd = os.pipe()
+    os.set_blocking(self._write_fd, False)
     self._previous = {}
+    self._dumps = False
     self.signal_name = None
 
   def _handle(self, signum, frame):  # pylint: disable=unused-argument
     self.signal_name = signal.Signals(signum).name
-    self._event.set()
+    self._stopped = True
+    with contextlib.suppress(OSError):   # (a full pipe: a byte is waiting already)
+      os.write(self._write_fd, b"\0")
 
   def wait(self, timeout: float) -> bool:
-    return self._event.wait(timeout)
+    """True once a stop signal came; else waits up to `timeout` seconds for one."""
+    if not self._stopped:
+      select.select([self._read_fd], [], [], timeout)
+    return self._stopped
 
   def __enter__(self):
     for sig in (signal.SIGINT, signal.SIGTERM):
       self._previous[sig] = signal.signal(sig, self._handle)
+    try:
+      faulthandler.register(signal.SIGUSR1, all_threads=True)
+      self._dumps = True
+    except (AttributeError, ValueError, OSError):   # (a stderr without a file descriptor)
+      self._dumps = False
     return self
 
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
       with contextlib.suppress(ValueError, TypeError):
         signal.signal(sig, handler)
+    if self._dumps:
+      faulthandler.unregister(signal.SIGUSR1)
+    os.close(self._read_fd)
+    os.close(self._write_fd)
