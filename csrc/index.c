@@ -135,3 +135,5 @@ int rs_epmap_decr(rs_episode_entry *em, uint32_t cap, uint64_t episode_id) {
 void rs_epmap_clear(rs_episode_entry *em, uint32_t cap) { memset(em, 0, (size_t)cap * sizeof *em); }
 
 uint32_t rs_map_capacity(uint32_t cap) { return cap + cap / 3 + 2; }
+
+uint32_t rs_index_capacity(uint32_t cap) { return cap + (uint32_t)((uint64_t)cap * 2 / 3) + 2; }

@@ -57,7 +57,7 @@
 #include "rs_api.h"
 
 #define RS_MAGIC 0x3130304d48535652ULL /* "RVSHM001" little-endian */
-#define RS_LAYOUT_VERSION 5ULL
+#define RS_LAYOUT_VERSION 6ULL
 #define RS_ALIGN 64u
 #define RS_NONE 0xFFFFFFFFu
 #define RS_MAX_NDIM 8
@@ -217,7 +217,7 @@ typedef struct rs_table_hdr {
   /* arrays */
   uint64_t recs_off;               /* rs_rec[cap] */
   uint64_t index_off;              /* rs_index_entry[index_cap] */
-  uint32_t index_cap;              /* cap + cap/3 + 2: load <= 0.75 */
+  uint32_t index_cap;              /* rs_index_capacity(cap): load <= 0.6 */
   uint32_t tree_leaves;            /* cap (0 if no prioritized selector) */
   uint64_t dense_off;              /* u32[cap] */
   uint64_t episodes_off;           /* rs_episode_entry[episodes_cap] */

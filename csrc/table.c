@@ -70,7 +70,7 @@ typedef struct region_plan {
 static void plan_region(const rs_table_config *cfg, region_plan *p) {
   memset(p, 0, sizeof *p);
   p->cap = (uint32_t)cfg->max_size + 1; /* an overflow insert adds before the remover deletes */
-  p->index_cap = rs_map_capacity(p->cap);
+  p->index_cap = rs_index_capacity(p->cap);
   p->episodes_cap = rs_map_capacity(p->cap);
   int prio = cfg->sampler_kind == RS_SEL_PRIORITIZED || cfg->remover_kind == RS_SEL_PRIORITIZED;
   /* one leaf per record, rounded up to whole 64-byte groups of 8 (sumtree.h) */

@@ -214,7 +214,7 @@ int rs_table_check(void *base, uint32_t t, char *report, uint64_t report_len) {
   rs_table_hdr *th = rs_table(base, t);
   report_t rep = {report, report_len, th->name, 0};
   int heaps = rs_sel_is_heap(th->sel[0].kind) || rs_sel_is_heap(th->sel[1].kind);
-  if (th->cap != th->max_size + 1 || th->index_cap != rs_map_capacity(th->cap) ||
+  if (th->cap != th->max_size + 1 || th->index_cap != rs_index_capacity(th->cap) ||
       th->episodes_cap != rs_map_capacity(th->cap) || !th->aux_off != !heaps) {
     fail(&rep, "capacities inconsistent (cap %u, max_size %llu, index_cap %u, episodes_cap %u, heap data %s)",
          th->cap, (unsigned long long)th->max_size, th->index_cap, th->episodes_cap,

@@ -170,7 +170,7 @@ def test_segment_header_and_info_describe_the_configuration(seg):
   assert info.total_size == seg.size
   assert info.arena_size == ARENA and info.arena_used == 0 and info.arena_free == ARENA
   assert (info.num_tables, info.max_procs, info.pins_per_proc, info.live_procs) == (1, 8, PINS, 1)
-  assert info.owner_pid == os.getpid() and info.generation == 7 and info.layout_version == 5
+  assert info.owner_pid == os.getpid() and info.generation == 7 and info.layout_version == 6
   assert lib.rs_segment_validate(seg.base, seg.size) == lib.RS_OK
   seg.check()
 
@@ -233,7 +233,7 @@ def test_validate_rejects_foreign_or_mismatched_segments(seg):
   hdr = ffi.cast("uint64_t *", seg.base)
   hdr[1] = 99  # layout_version
   assert lib.rs_segment_validate(seg.base, seg.size) == lib.RS_ECORRUPT
-  assert "expected 5, found 99" in err()
+  assert "expected 6, found 99" in err()
 
 
 def test_close_marks_every_table_closed(seg):

@@ -159,8 +159,8 @@ def _region_bytes(max_size, sampler, remover):
 def test_prioritized_fifo_table_structures_stay_within_128_bytes_per_item(max_size):
   per_item = (_region_bytes(max_size, lib.RS_SEL_PRIORITIZED, lib.RS_SEL_FIFO)
               - _region_bytes(1000, lib.RS_SEL_PRIORITIZED, lib.RS_SEL_FIFO)) / (max_size - 1000)
-  # record 64 + key index 16 + episode map 16 + dense 4 + sum tree 16 (one leaf per record)
-  assert per_item == pytest.approx(116, abs=0.2)
+  # record 64 + key index 20 + episode map 16 + dense 4 + sum tree 16 (one leaf per record)
+  assert per_item == pytest.approx(120, abs=0.2)
   # the heap side array (tie-break counter + positions) exists only with a heap selector
   heap = (_region_bytes(max_size, lib.RS_SEL_MINHEAP, lib.RS_SEL_FIFO)
           - _region_bytes(1000, lib.RS_SEL_MINHEAP, lib.RS_SEL_FIFO)) / (max_size - 1000)
