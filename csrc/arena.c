@@ -50,7 +50,7 @@ typedef struct rs_blk {
   uint64_t aux;        /* DESC: blob length */
   uint32_t magic;      /* BLK_MAGIC on every live block header; cleared when absorbed */
   int32_t owner;       /* CHUNK: slot that allocated it (diagnostic), -1 otherwise */
-  uint64_t _pad;
+  uint64_t serial;     /* DESC: allocation serial (rs_desc_serial); 0 otherwise */
 } rs_blk;
 
 _Static_assert(sizeof(rs_blk) == RS_ALIGN, "block header must be one 64-byte unit");
@@ -87,7 +87,7 @@ static void write_header(void *base, uint64_t off, uint64_t size, uint32_t type,
   b->next_free = b->prev_free = 0;
   b->aux = 0;
   b->owner = -1;
-  b->_pad = 0;
+  b->serial = 0;
   b->magic = BLK_MAGIC;
   bcommit(b, size, type);
 }
@@ -244,6 +244,7 @@ static uint64_t block_alloc(void *base, uint64_t need, uint32_t type, int32_t ow
   b->aux = 0;
   b->owner = owner;
   b->magic = BLK_MAGIC;
+  b->serial = type == RS_BLOCK_DESC ? ++h->desc_serial : 0;
   if (size - need >= RS_ALIGN) {
     uint64_t rest = off + need;
     write_header(base, rest, size - need, RS_BLOCK_FREE, need);  /* inside b: not yet visible */
@@ -263,6 +264,11 @@ static uint64_t block_alloc(void *base, uint64_t need, uint32_t type, int32_t ow
 /* One more block free or chunk shrink (caller holds the arena lock): the bytes at an offset may
  * no longer be those a reader cached (layout_cache.h). */
 static void count_free(rs_seg_hdr *h) { __atomic_store_n(&h->frees, h->frees + 1, __ATOMIC_RELEASE); }
+
+uint64_t rs_desc_serial(void *base, uint64_t desc_off) {
+  if (desc_off < RS_ALIGN || !rs_arena_span_ok(base, desc_off - RS_ALIGN, RS_ALIGN)) return 0;
+  return __atomic_load_n(&blk(base, desc_off - RS_ALIGN)->serial, __ATOMIC_RELAXED);
+}
 
 static uint64_t block_free(void *base, uint64_t off) {
   rs_seg_hdr *h = rs_seg(base);

@@ -8,11 +8,17 @@
  * largest row shift whose rows lie in the chunks), so that a later round sampling an item of the
  * same blob reads neither.
  *
- * Validity. An entry is used only while nothing was freed in the arena since it was filled: every
+ * Validity. An entry is used while nothing was freed in the arena since it was filled: every
  * block free and chunk shrink (arena.c, under the arena lock) bumps the segment's `frees` count,
  * which a round reads once at its start under the table lock. A blob that is not freed keeps its
  * bytes, and so do the chunks it references (the blob holds a reference to each); a blob offset
- * met again after a free may be another blob, so every entry of an older count is stale. Entries
+ * met again after a free may be another blob. So an entry of an older count is used only when
+ * the blob now at its offset is the allocation it was filled from: the same allocation serial
+ * (rs_desc_serial, in the block header that sampling reads and pins anyway). In a table that
+ * evicts as it is written (every insert into a full table frees the evicted items' blocks) the
+ * count changes between any two rounds, and without serials every entry would be stale. (A chunk
+ * shrink never takes rows that a live blob's items reference: the entry of a live blob stays
+ * right.) Entries
  * are also tied to one mapping (base address, the segment's generation, and the process-wide
  * count of segments created, validated or checked: rs_lcache_forget) and to one requested column
  * layout (dtype, bytes, shape per column). Before its rows are read, an entry's row spans are
@@ -37,7 +43,10 @@ typedef struct rs_lc_entry {
   uint32_t version;     /* rs_lcache.version when filled (0: never valid) */
   uint32_t max_shift;   /* largest row shift whose rows lie within every chunk's capacity */
   rs_lc_col col[RS_LC_COLS];   /* (3 columns fit the entry's first cache line) */
+  uint64_t serial;      /* the blob's allocation serial (rs_desc_serial) when checked */
 } __attribute__((aligned(128))) rs_lc_entry;
+
+_Static_assert(sizeof(rs_lc_entry) == 128, "a cache entry is two cache lines");
 
 typedef struct rs_lcache {
   rs_lc_entry *e;       /* 1 << RS_LC_BITS entries */
@@ -66,10 +75,16 @@ static inline rs_lc_entry *rs_lc_slot(rs_lcache *lc, uint64_t blob) {
 }
 
 /* The valid entry of `blob` whose every single-slice column's rows, at any shift up to its
- * max_shift, lie inside the arena; NULL when none. */
+ * max_shift, lie inside the arena; NULL when none. `blob` must be held (by a table record read
+ * under the table lock, or a pin) when frees happened since the entry was filled: its block
+ * header is then read for its serial. */
 static inline const rs_lc_entry *rs_lc_find(rs_lcache *lc, void *base, uint64_t blob) {
-  const rs_lc_entry *e = rs_lc_slot(lc, blob);
-  if (e->blob != blob || e->version != lc->version || e->frees != lc->frees) return NULL;
+  rs_lc_entry *e = rs_lc_slot(lc, blob);
+  if (e->blob != blob || e->version != lc->version) return NULL;
+  if (e->frees != lc->frees) {   /* the same allocation still? then its layout is unchanged */
+    if (!e->serial || e->serial != rs_desc_serial(base, blob)) return NULL;
+    e->frees = lc->frees;
+  }
   for (uint32_t c = 0; c < lc->ncols; c++) {
     uint64_t row0 = e->col[c].row0, len;
     if (row0 && (__builtin_add_overflow((uint64_t)e->max_shift * e->col[c].row_bytes,

@@ -108,7 +108,8 @@ typedef struct rs_seg_hdr {
   uint32_t _pad2;
   uint64_t counters_off;          /* rs_tcounters[(max_procs + 1) * num_tables] (counters.h) */
   uint64_t frees;                 /* block frees and chunk shrinks so far (layout_cache.h) */
-  uint64_t reserved[8];
+  uint64_t desc_serial;           /* serial of the last DESC block allocated (layout_cache.h) */
+  uint64_t reserved[7];
 } rs_seg_hdr;
 
 typedef struct rs_slot {
@@ -387,6 +388,11 @@ int rs_reserve(void *base, uint64_t off, uint64_t len, const char *what);
 /* Disk tier: start reading the pages of [p, p + len) of an arena file (MADV_WILLNEED), so that
  * the rows of a sampled batch are read from disk concurrently instead of one fault at a time. */
 void rs_prefetch_file_rows(const void *p, uint64_t len);
+/* The allocation serial of the DESC block whose blob is at arena offset desc_off (unique per
+ * allocation in a segment: a blob freed and another allocated at its offset has another one), or
+ * 0 when desc_off's block header lies outside the arena. Reads the header only (no lock): call it
+ * for a blob that a table record or a pin holds. */
+uint64_t rs_desc_serial(void *base, uint64_t desc_off);
 /* Checker: is item reference `ref` a live DESC block whose blob fits it, every slice naming a
  * live chunk, with rs_item_in_arena? (Walks nothing; reads the blocks' headers.) */
 int rs_item_ref_valid(void *base, uint64_t ref);

@@ -972,6 +972,7 @@ static void lc_store(rs_lcache *lc, void *base, const gather_memo *m, uint32_t w
   rs_lc_entry *e = rs_lc_slot(lc, m->blob[w]);
   e->blob = m->blob[w];
   e->frees = lc->frees;
+  e->serial = rs_desc_serial(base, m->blob[w]);
   e->version = lc->version;
   e->max_shift = (uint32_t)m->max_shift[w];
   for (uint32_t c = 0; c < ncols; c++) {
@@ -1136,9 +1137,10 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
       __builtin_prefetch(&recs[picks[j]], 1);
       __builtin_prefetch((const char *)&recs[picks[j]] + sizeof(rs_rec) - 1, 1);
     }
-    for (uint32_t j = k; j < k + m; j++) {
+    for (uint32_t j = k; j < k + m; j++)
+      __builtin_prefetch(rs_at(base, rs_ref_off(recs[picks[j]].desc_off) - RS_ALIGN), 1);
+    for (uint32_t j = k; j < k + m; j++) {   /* (a cache entry older than a free reads the header) */
       uint64_t d = recs[picks[j]].desc_off;
-      __builtin_prefetch(rs_at(base, rs_ref_off(d) - RS_ALIGN), 1);
       const rs_lc_entry *e = lc ? rs_lc_find(lc, base, rs_ref_off(d)) : NULL;
       cached[j] = e != NULL;
       if (e) {   /* (its descriptor and chunk headers are not read: its rows can be requested now) */

@@ -68,3 +68,25 @@ def test_one_thread_alternating_between_tables_of_other_columns(server_factory):
     _gather_and_check(narrow, index_n, 2)
     _gather_and_check(wide, index_w, 2, width=5)
   narrow.check()
+
+
+
+def test_gathers_between_evicting_inserts_read_each_items_own_rows(server_factory):
+  # A full table that evicts as it is written: every insert frees the oldest items' blocks, so the
+  # arena's free count changes between any two gathers, and freed offsets hold other blobs (of
+  # other rows: inserts of 7 and 13 rows in turn). Cached layouts are then used only for blobs
+  # whose block is the same allocation (serial) as when they were checked; every row gathered
+  # must be its item's own.
+  st = server_factory([_table("t", 300)]).shared_table("t")
+  index = {}
+  _insert(st, index, 0, 10, 30)
+  calls_at = {}   # blob offset -> the insert calls whose items were met there
+  for step in range(80):
+    _insert(st, index, 10_000 * (step + 1), 7 if step % 2 else 13, 1)
+    _gather_and_check(st, index, 1)
+    recs, pins = st.sample_records(256)
+    for off, key in zip((recs["desc_off"] & ((1 << 40) - 1)).tolist(), recs["key"].tolist()):
+      calls_at.setdefault(off, set()).add(index[key] // 10_000)
+    pins.release()
+  assert any(len(calls) > 1 for calls in calls_at.values())   # offsets were reused
+  st.check()
