@@ -70,13 +70,11 @@ def test_one_thread_alternating_between_tables_of_other_columns(server_factory):
   narrow.check()
 
 
-
 def test_gathers_between_evicting_inserts_read_each_items_own_rows(server_factory):
   # A full table that evicts as it is written: every insert frees the oldest items' blocks, so the
-  # arena's free count changes between any two gathers, and freed offsets hold other blobs (of
-  # other rows: inserts of 7 and 13 rows in turn). Cached layouts are then used only for blobs
-  # whose block is the same allocation (serial) as when they were checked; every row gathered
-  # must be its item's own.
+  # arena's free count changes between any two gathers (the cache then goes by each blob's
+  # allocation serial), and freed offsets hold other blobs (of other rows: inserts of 7 and 13
+  # rows in turn). Every row gathered must be its item's own, and offsets must have been reused.
   st = server_factory([_table("t", 300)]).shared_table("t")
   index = {}
   _insert(st, index, 0, 10, 30)
