@@ -29,6 +29,17 @@ def timed(op: Callable[[], int], duration: float, warmup: float) -> Tuple[float,
   return items / seconds, items, seconds
 
 
+def shm_bytes(nbytes: int):
+  """A numpy uint8 array of nbytes in a fresh /dev/shm file, the kind of memory tables live in
+  (unlinked at once; the mapping goes with the last reference to the array)."""
+  import mmap  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryFile(dir="/dev/shm") as f:
+    f.truncate(nbytes)
+    return np.frombuffer(mmap.mmap(f.fileno(), nbytes), np.uint8)
+
+
 def row(workload: str, variant: str, api: str, rate: float, item_bytes: int = 0, **extra) -> dict:
   """One result row: items/s (and MB/s when item_bytes is given)."""
   r = {"workload": workload, "variant": variant, "api": api, "items_per_s": rate}

@@ -14,7 +14,10 @@ update_priorities in the learner's thread, the loop the iterator replaces).
 L2, sequences: 64 windows of 80 steps per batch, sampled uniformly from a table holding --items
 steps (episodes of 1000 steps, one window item per start position; steps {'obs': float32[8],
 'action': int64, 'reward': float32}) as (64, 80, ...) torch tensors; and the same at each
---scales table size (cost per window against table size).
+--scales table size (cost per window against table size). At each of those sizes, "numpy_copy"
+copies the same windows (64 random ones per call, 3 columns) out of plain /dev/shm arrays with
+numpy fancy indexing, one memcpy per window and column: how much of the cost's growth with size
+is the memory system's (rows that leave the caches) rather than the iterator's.
 
 Prints one `RESULTS [json rows]` line (rows with items_per_s; L1's step rows add us_per_iter).
 """
@@ -31,7 +34,7 @@ import torch  # noqa: E402
 
 import reverb_shm as reverb  # noqa: E402
 from reverb_shm.torch import TorchIterator  # noqa: E402
-from _timing import row, run_main, timed  # noqa: E402
+from _timing import row, run_main, shm_bytes, timed  # noqa: E402
 
 TABLE = "learner"
 BATCH = 256
@@ -158,6 +161,31 @@ def l2_at(args, steps: int, duration: float):
   return rate, items
 
 
+def window_copy_us(steps: int, duration: float, warmup: float) -> float:
+  """Microseconds per window of copying WINDOWS_PER_BATCH random windows of WINDOW steps out of
+  `steps` steps of L2's columns held in /dev/shm (as a table's chunks are), one memcpy per window
+  and column (a 1-D numpy array of windows, overlapping views of WINDOW rows, indexed by the
+  random starts): the memory system's floor for L2's copy at that table size."""
+  data = shm_bytes(steps * L2_STEP_BYTES)
+  data[:] = 1
+  count = steps - WINDOW + 1
+  windows, at = [], 0
+  for row_bytes in (8 * 4, 8, 4):   # obs, action, reward
+    windows.append(np.ndarray((count,), np.dtype((np.void, WINDOW * row_bytes)), buffer=data,
+                              offset=at, strides=(row_bytes,)))
+    at += steps * row_bytes
+  starts = np.random.default_rng(0).integers(0, count, (256, WINDOWS_PER_BATCH))
+  calls = [0]
+
+  def copy():
+    s = starts[calls[0] % len(starts)]
+    calls[0] += 1
+    for w in windows:
+      w[s]   # noqa: B018 (the gather is the work)
+    return WINDOWS_PER_BATCH
+  return 1e6 / timed(copy, duration, warmup)[0]
+
+
 def l2(args):
   rate, items = l2_at(args, args.items, args.duration)
   rows = [row("L2", "iterator", f"TorchIterator(batch {WINDOWS_PER_BATCH} windows of {WINDOW} "
@@ -170,6 +198,10 @@ def l2(args):
     rows.append(row(f"L2_scale_{steps}", "iterator", "TorchIterator windows at this table size",
                     rate, WINDOW * L2_STEP_BYTES, table_steps=steps, table_items=items,
                     us_per_window=1e6 / rate))
+    us = window_copy_us(steps, args.duration, args.warmup)
+    rows.append(row(f"L2_floor_{steps}", "numpy_copy", "numpy gather of the same windows from "
+                    "/dev/shm arrays (memory-system reference)", 1e6 / us,
+                    WINDOW * L2_STEP_BYTES, table_steps=steps, us_per_window=us))
   return rows
 
 

@@ -254,6 +254,12 @@ def learner_ratios(results):
   if 100_000 in sc and max(sc) > 100_000:
     add(f"L2 cost at {max(sc):.0e} steps / cost at 1e5 (lower is better)",
         sc[max(sc)] / sc[100_000], 1.5, higher_is_better=False)
+  floor = {r["table_steps"]: r["us_per_window"] for r in results.get("learner", [])
+           if r["workload"].startswith("L2_floor_")}
+  if 100_000 in floor and max(floor) > 100_000:
+    out.append({"ratio": f"L2 numpy copy of the windows: cost at {max(floor):.0e} steps / cost at "
+                "1e5 (the memory system's growth; lower is better)",
+                "value": floor[max(floor)] / floor[100_000], "target": None, "met": None})
   return out
 
 

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 
 import reverb_shm as reverb  # noqa: E402
 from _timing import (FRAME_BYTES, FRAME_SHAPE, pair_items_op, row, run_main,  # noqa: E402
-                     timed)
+                     shm_bytes, timed)
 
 TABLE = "bench"
 STEP_BYTES = 8 * 4 + 8 + 4   # payload of one step
@@ -209,7 +209,7 @@ def w5(args):
   # mapping, memory of the kind the table's frames live in (shmem: huge pages only if
   # /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them)
   for variant, src, what in (("numpy", np.ones(64 << 20, np.uint8), "numpy's memory"),
-                             ("numpy_shm", _shm_bytes(64 << 20), "a /dev/shm mapping")):
+                             ("numpy_shm", shm_bytes(64 << 20), "a /dev/shm mapping")):
     src[:] = 1
 
     def copy(src=src):
@@ -219,16 +219,6 @@ def w5(args):
                     "reference)", timed(copy, args.duration, args.warmup)[0], FRAME_BYTES,
                     huge_pages_kib=_huge_kib(src)))
   return rows
-
-
-def _shm_bytes(nbytes):
-  """A uint8 array of nbytes in a fresh /dev/shm file (unlinked at once; the mapping goes with
-  the last reference to the array)."""
-  import mmap  # pylint: disable=import-outside-toplevel
-  import tempfile  # pylint: disable=import-outside-toplevel
-  with tempfile.TemporaryFile(dir="/dev/shm") as f:
-    f.truncate(nbytes)
-    return np.frombuffer(mmap.mmap(f.fileno(), nbytes), np.uint8)
 
 
 def _huge_kib(arr) -> int:
