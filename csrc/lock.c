@@ -6,6 +6,8 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <limits.h>
+#include <sched.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -77,6 +79,28 @@ int rs_futex_wait_bits(uint32_t *word, uint32_t expected, int64_t deadline_ns, u
     case EINTR: return RS_EAGAIN;
     default: return rs_set_error(RS_ESYS, "futex wait: %s", strerror(errno));
   }
+}
+
+/* Whether blocked calls sleep as SCHED_BATCH (rs_futex_wait_bits_batch): 1 unless the
+ * environment says REVERB_SHM_BATCH_WAITS=0 (read once per process). */
+static int batch_waits(void) {
+  static int on = -1;
+  if (on < 0) {
+    const char *env = getenv("REVERB_SHM_BATCH_WAITS");
+    on = !(env && env[0] == '0' && env[1] == 0);
+  }
+  return on;
+}
+
+int rs_futex_wait_bits_batch(uint32_t *word, uint32_t expected, int64_t deadline_ns, uint32_t bits) {
+  struct sched_param none = {0};
+  /* (sched_* with pid 0 act on the calling thread; only the default policy is switched, and
+   * back: a thread the application made SCHED_BATCH, SCHED_IDLE or real-time keeps its own) */
+  int switched = batch_waits() && sched_getscheduler(0) == SCHED_OTHER &&
+                 sched_setscheduler(0, SCHED_BATCH, &none) == 0;
+  int rc = rs_futex_wait_bits(word, expected, deadline_ns, bits);
+  if (switched) sched_setscheduler(0, SCHED_OTHER, &none);
+  return rc;
 }
 
 void rs_futex_wake_all(uint32_t *word) { syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0); }

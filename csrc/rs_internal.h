@@ -290,6 +290,12 @@ int rs_futex_wait(uint32_t *word, uint32_t expected, int64_t deadline_ns);
 /* rs_futex_wait as a waiter of kind `bits` (non-zero): only wakes naming one of them (and
  * rs_futex_wake_all) reach it. */
 int rs_futex_wait_bits(uint32_t *word, uint32_t expected, int64_t deadline_ns, uint32_t bits);
+/* rs_futex_wait_bits for a call blocked by a rate limiter: the calling thread sleeps under
+ * SCHED_BATCH (when its policy is the default SCHED_OTHER; restored once it runs again), so
+ * that its wake-up does not preempt the process running on the CPU it wakes on (often one
+ * holding the table's lock, or the learner) but waits for that process's time slice or an idle
+ * CPU. REVERB_SHM_BATCH_WAITS=0 in the environment turns this off. */
+int rs_futex_wait_bits_batch(uint32_t *word, uint32_t expected, int64_t deadline_ns, uint32_t bits);
 void rs_futex_wake_all(uint32_t *word);
 /* Wakes up to n (>= 1; INT_MAX: every) waiters on word whose kind shares a bit with `bits`. */
 void rs_futex_wake_bits(uint32_t *word, uint32_t bits, int n);

@@ -432,7 +432,7 @@ static int op_wait(op_t *op) {
   while (__atomic_load_n(&th->seq, __ATOMIC_ACQUIRE) == seen && rs_now_ns() - t0 < SPIN_NS)
     rs_cpu_relax();
   if (__atomic_load_n(&th->seq, __ATOMIC_ACQUIRE) == seen)
-    rc = rs_futex_wait_bits(&th->seq, seen, until, kind);
+    rc = rs_futex_wait_bits_batch(&th->seq, seen, until, kind);
   __atomic_sub_fetch(&th->waiters, WAITER_ONE(kind), __ATOMIC_ACQ_REL);
   __atomic_sub_fetch(blocked, 1, __ATOMIC_RELAXED);
   int64_t waited = rs_now_ns() - t0;
