@@ -902,12 +902,18 @@ def test_call_waiting_for_a_long_held_table_lock_sleeps_instead_of_spinning():
         assert os.read(ready_r, 1) == b"1"
         inserts0 = seg.stats().inserts
         wall = cpu = 0.0
-        for i in range(20):   # (spaced: most arrive while the child holds the lock)
-            time.sleep(0.03)
+        attempts = 0
+        # (spaced, at random phases of the child's batches: an insert that arrives while the
+        # child holds the lock waits for the rest of its batch; one that arrives between batches
+        # does not. Attempts go on until 0.2 s were spent waiting, however long a batch holds
+        # the lock on this machine.)
+        while wall < 0.2 and attempts < 400:
+            time.sleep(0.01 + 0.02 * np.random.rand())
             wall0, cpu0 = time.monotonic(), time.thread_time()
-            insert_ok(seg, [i], timeout=30)
+            insert_ok(seg, [attempts], timeout=30)
             wall, cpu = wall + time.monotonic() - wall0, cpu + time.thread_time() - cpu0
-        assert seg.stats().inserts > inserts0 + 20   # the child's batches went on meanwhile
+            attempts += 1
+        assert seg.stats().inserts > inserts0 + attempts   # the child's batches went on meanwhile
         assert wall > 0.1, f"the inserts waited only {wall:.3f} s for the lock"
         assert cpu < 0.1 * wall, f"{cpu:.3f} s of CPU while waiting {wall:.3f} s for the lock"
     finally:
