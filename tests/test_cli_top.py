@@ -128,10 +128,32 @@ def test_top_exits_when_the_server_goes_away(loaded_server, server_name):
   assert top.exitstatus == 0
 
 
+def _where(pid: int) -> str:
+  """What a process that did not end is doing: its signal masks and state, and the kernel's
+  and its threads' wait channels (for the failure message)."""
+  out = []
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      out += [line.strip() for line in f if line.split(":")[0] in
+              ("State", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt", "Threads")]
+    for tid in os.listdir(f"/proc/{pid}/task"):
+      with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+        wchan = f.read()
+      with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        state = f.read().rsplit(")", 1)[1].split()[0]
+      out.append(f"thread {tid}: state {state} wchan {wchan}")
+  except OSError as e:
+    out.append(f"({e})")
+  return "; ".join(out)
+
+
 def test_top_ends_on_ctrl_c(loaded_server, server_name):
   top = _top(server_name)
   top.expect("q or Ctrl-C quits")
   top.kill(signal.SIGINT)
-  top.expect(pexpect.EOF, timeout=10)
+  try:
+    top.expect(pexpect.EOF, timeout=10)
+  except pexpect.TIMEOUT:
+    pytest.fail(f"top did not end within 10 s of SIGINT: {_where(top.pid)}")
   top.close()
   assert top.exitstatus == 0 and "Traceback" not in top.before
