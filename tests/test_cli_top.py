@@ -70,10 +70,20 @@ def loaded_server(server_name):
       proc.wait()
 
 
+def _default_sigint():
+  """(In the child before exec) SIGINT and SIGQUIT at their defaults, as a shell gives a
+  foreground command: a suite started in the background by a non-interactive shell (`cmd &`)
+  runs with both ignored, which every child would inherit, and Python keeps an inherited SIGINT
+  ignore (no KeyboardInterrupt)."""
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+  signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def _top(target):
   exe = os.path.join(os.path.dirname(sys.executable), "reverb-shm")
   return pexpect.spawn(exe, ["top", target, "--interval", "0.5"], dimensions=(40, 220),
-                       encoding="utf-8", timeout=20, env={**os.environ, "TERM": "xterm"})
+                       encoding="utf-8", timeout=20, env={**os.environ, "TERM": "xterm"},
+                       preexec_fn=_default_sigint)
 
 
 def _rate(cell):
