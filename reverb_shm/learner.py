@@ -304,7 +304,7 @@ class BatchIterator:
     self._stop = False
     self._filling = 0                     # items the thread has gathered into the next batch
     self._counts = {"batches": 0, "items": 0, "priority_updates": 0, "keys_updated": 0,
-                    "keys_skipped": 0}
+                    "keys_skipped": 0, "updates_applied_waiting": 0}
     self._pid = os.getpid()   # (the threads exist only in this process, not in a fork child)
     # Native threads (see the module docstring): the updater from the start with one table, the
     # sampler after the first batch where the batches allow it.
@@ -347,18 +347,21 @@ class BatchIterator:
   @property
   def stats(self) -> dict:
     """Counters: batches and items delivered by the thread, priority_updates applied (calls),
-    keys_updated, keys_skipped (keys no longer in their table), updates_pending."""
+    keys_updated, keys_skipped (keys no longer in their table), updates_pending, and
+    updates_applied_waiting (of priority_updates, those ``next()`` applied while it waited for a
+    batch)."""
     with self._ucv:
       out = dict(self._counts)
       out["updates_pending"] = len(self._updates) + self._applying
     if self._native is not None and os.getpid() == self._pid:
-      batches, calls, updated, skipped, pending, _, _ = self._native.stats()
+      batches, calls, updated, skipped, pending, _, _, waiting = self._native.stats()
       out["batches"] += batches
       out["items"] += batches * self.batch_size
       out["priority_updates"] += calls
       out["keys_updated"] += updated
       out["keys_skipped"] += skipped
       out["updates_pending"] += pending
+      out["updates_applied_waiting"] += waiting
     return out
 
   def __iter__(self):

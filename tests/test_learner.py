@@ -738,6 +738,28 @@ def test_updates_land_while_the_native_sampler_waits_for_the_rate_limiter(server
   assert time.monotonic() - start < 2.0   # close() ends the waiting sampler
 
 
+def test_next_applies_queued_updates_while_it_waits_for_a_batch(server_factory):
+  """A learner that outpaces sampling: next() finds no batch ready and applies the queued
+  updates itself (in call order) before it waits, rather than leaving them to the sampler,
+  which is blocked here and applies them only between its waits of 2 ms."""
+  limiter = rate_limiters.SampleToInsertRatio(1.0, 1, (0.0, 100.0))   # a sample per insert
+  st, keys = _prioritized(server_factory, 8, limiter)   # 8 samples allowed: two batches of 4
+  with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=60) as it:
+    next(it)
+    next(it)
+    time.sleep(0.1)
+    assert it._native_sampling and it.stats["updates_applied_waiting"] == 0
+    for v in range(1, 11):
+      it.update_priorities(keys, np.arange(8) + 10.0 * v)
+      with pytest.raises(errors.DeadlineExceededError):
+        next(it)   # blocked: no insert came
+      assert it.stats["updates_pending"] == 0
+    stats = it.stats
+    assert stats["priority_updates"] == 10 and stats["keys_updated"] == 80
+    assert stats["updates_applied_waiting"] >= 5   # (the sampler may take a few at random)
+  assert st.items()["priority"].tolist() == (np.arange(8) + 100.0).tolist()
+
+
 def _batch_scheduled_threads() -> int:
   """Threads of this process under the SCHED_BATCH policy."""
   count = 0

@@ -10,8 +10,10 @@
  *   `keep` more), so the sampler gathers only into slots nobody reads.
  * - Queued priority updates are applied (rs_mutate) in the order queued, everything queued
  *   meanwhile in one call; keys no longer in the table are counted as skipped. The sampler
- *   applies them itself, before each gather; the updater thread only while the sampler does not
- *   run (before it starts, after it ended, or when Python gathers) and the last ones at close.
+ *   applies them itself, before each gather, and the consumer's take() applies them while it
+ *   waits for a batch (so a learner faster than the sampler lends it its idle time); the updater
+ *   thread only while the sampler does not run (before it starts, after it ended, or when Python
+ *   gathers) and the last ones at close.
  * - Both threads are SCHED_BATCH: waking them never preempts the learner's thread.
  *
  * The handshake is one mutex and condition variables: take() of a READY slot is a few loads and
@@ -85,6 +87,7 @@ typedef struct {
   int upd_rc;
   char upd_msg[MSG_BYTES];
   uint64_t n_batches, n_update_calls, n_keys_updated, n_keys_skipped;
+  uint64_t n_applied_waiting;   /* update calls applied by take() while it waited */
   pthread_t sampler, updater;
 } pf_state;
 
@@ -130,7 +133,7 @@ static int sampler_alive(const pf_state *s) { return s->sampler_started && !s->s
 
 /* (Under mu; unlocked during rs_mutate) applies everything queued, in the order queued, in one
  * call. Only one thread applies at a time (`applying`), so the order holds across threads. */
-static void apply_queue(pf_state *s, int final) {
+static uint64_t apply_queue(pf_state *s, int final) {
   update_buf work = s->queue;
   s->queue = s->spare;
   s->queue.len = 0;
@@ -172,10 +175,11 @@ static void apply_queue(pf_state *s, int final) {
     keep_message(s->upd_msg, msg);
   }
   pthread_cond_broadcast(&s->applied);
+  return calls;
 }
 
-/* (Under mu) whether the sampler should apply the queue now. */
-static int sampler_should_apply(const pf_state *s) {
+/* (Under mu) whether the queue should be applied now (by the sampler, or by take() waiting). */
+static int should_apply(const pf_state *s) {
   return s->queue.len && !s->applying && !s->stop_updates;
 }
 
@@ -185,7 +189,11 @@ static int sampler_should_apply(const pf_state *s) {
  * table's lock and cache lines while it gathers (in a learner loop without a training step, a
  * separate updater thread made the iterator slower than one thread sampling and updating in
  * turn). While a gather waits for items (an empty table, a rate limiter), it applies them
- * between waits of at most APPLY_WAIT_NS, so flush() never waits long for a blocked sampler. */
+ * between waits of at most APPLY_WAIT_NS, so flush() never waits long for a blocked sampler.
+ * A consumer that finds no batch ready applies the queue itself before it waits (take()): it
+ * would idle otherwise, and the sampler then only samples and gathers. Measured on a 2-CPU VM,
+ * the learner loop with no training step (L1: prioritized 256 of 1M items + an update of the
+ * batch), the same process alternating 0.4-s rounds: 3.26M -> 4.53M samples/s (medians of 16). */
 #define APPLY_WAIT_NS 2000000
 
 static int free_slot(pf_state *s) {
@@ -201,10 +209,10 @@ static void *sampler_main(void *arg) {
   pthread_mutex_lock(&s->mu);
   for (;;) {
     int k = -1;
-    while (!s->stop_sampling && (k = free_slot(s)) < 0 && !sampler_should_apply(s))
+    while (!s->stop_sampling && (k = free_slot(s)) < 0 && !should_apply(s))
       pthread_cond_wait(&s->produce, &s->mu);
     if (s->stop_sampling) break;
-    if (sampler_should_apply(s)) apply_queue(s, 0);
+    if (should_apply(s)) apply_queue(s, 0);
     if (s->stop_sampling) break;
     if ((k = free_slot(s)) < 0) continue;
     s->state[k] = SLOT_FILLING;
@@ -221,7 +229,7 @@ static void *sampler_main(void *arg) {
       if (rc != RS_OK && rc != RS_EAGAIN && rc != RS_ETIMEDOUT) break;
       if (__atomic_load_n(&s->stop_sampling, __ATOMIC_ACQUIRE)) break;
       pthread_mutex_lock(&s->mu);   /* (waiting for items: apply what the learner sent meanwhile) */
-      if (sampler_should_apply(s)) apply_queue(s, 0);
+      if (should_apply(s)) apply_queue(s, 0);
       pthread_mutex_unlock(&s->mu);
     }
     const char *msg = rc == RS_OK ? NULL : s->last_error();
@@ -508,8 +516,13 @@ static PyObject *pf_take(pf_object *self, PyObject *arg) {
     Py_BEGIN_ALLOW_THREADS
     int64_t until = mono_ns() + wait_ns;
     pthread_mutex_lock(&s->mu);
-    while (s->ready_len == 0 && !s->sampler_done && !s->fail_rc && mono_ns() < until)
+    while (s->ready_len == 0 && !s->sampler_done && !s->fail_rc && mono_ns() < until) {
+      if (should_apply(s)) {   /* (the sampler is busy: apply the queue meanwhile) */
+        s->n_applied_waiting += apply_queue(s, 0);
+        continue;
+      }
       wait_until(&s->consume, &s->mu, until);
+    }
     if (s->ready_len) k = (long)take_ready(s);
     pthread_mutex_unlock(&s->mu);
     Py_END_ALLOW_THREADS
@@ -645,16 +658,16 @@ static PyObject *pf_update_error(pf_object *self, PyObject *unused) { return kep
 static PyObject *pf_failure(pf_object *self, PyObject *unused) { return kept_error(self, 0); }
 
 /* stats() -> (batches, update calls applied, keys updated, keys skipped, keys pending,
- * sampler running, updater running). */
+ * sampler running, updater running, update calls applied by take() while it waited). */
 static PyObject *pf_stats(pf_object *self, PyObject *unused) {
   if (!in_creator(self)) return NULL;
   pf_state *s = self->s;
   pthread_mutex_lock(&s->mu);
   PyObject *out = Py_BuildValue(
-      "(KKKKnii)", (unsigned long long)s->n_batches, (unsigned long long)s->n_update_calls,
+      "(KKKKniiK)", (unsigned long long)s->n_batches, (unsigned long long)s->n_update_calls,
       (unsigned long long)s->n_keys_updated, (unsigned long long)s->n_keys_skipped,
       (Py_ssize_t)(s->queue.len + s->applying), s->sampler_started && !s->sampler_done,
-      s->updater_started && !s->updater_done);
+      s->updater_started && !s->updater_done, (unsigned long long)s->n_applied_waiting);
   pthread_mutex_unlock(&s->mu);
   return out;
 }
