@@ -304,17 +304,12 @@ def _w6_cross(args, writers, learner=False):
   return total / seconds, joined - max(done_at)
 
 
-def w6(args):
-  batches = max(50, int(args.duration * 2000))  # per writer of the 2-writer pipeline
-  total = 2 * batches * W6_BATCH
+W6_TURNS = 3   # every variant measured this many times, in turns (the median is reported)
+
+
+def _w6_in_process(batches: int) -> float:
+  """items/s of W6's inserts and samples done in turn by one process (the denominator)."""
   limiter = reverb.rate_limiters.SampleToInsertRatio(1.0, 1, 4096)
-  rows = [row("W6", variant, api, rate, exit_s=exit_s) for variant, api, (rate, exit_s) in (
-      ("cross_process", "2 writer + 1 sampler processes, insert(64) / sample_batch(64), "
-       "SampleToInsertRatio(1)", _w6_cross(args, 2)),
-      ("cross_process_4w", "4 writer + 1 sampler processes (as cross_process)",
-       _w6_cross(args, 4)),
-      ("cross_process_learner", "2 writer processes + 1 sampler process using "
-       "learner.BatchIterator(batch_size=64)", _w6_cross(args, 2, learner=True)))]
   with server(reverb.selectors.Uniform(), 100_000, limiter=limiter) as srv:
     table = srv.shared_table(TABLE)
     data = steps(W6_BATCH)
@@ -326,8 +321,38 @@ def w6(args):
       got = 0
       while got < W6_BATCH:
         got += len(table.sample_batch(W6_BATCH - got, out=out).info.key)
-    rows.append(row("W6", "in_process", "the same inserts and samples in one process",
-                    total / (time.perf_counter() - t0)))
+    return 2 * batches * W6_BATCH / (time.perf_counter() - t0)
+
+
+def w6(args):
+  """W6: the pipeline of writer processes and a sampler process against the same work in one
+  process. Each run is short (~0.15 s at the default duration), and this machine kind's speed
+  drifts over seconds to minutes, so the four variants are measured W6_TURNS times in turns, as
+  the scaling workload's sizes are: a drift weighs on every variant alike, and each row reports
+  the median (its runs in `turns`)."""
+  batches = max(50, int(args.duration * 2000))  # per writer of the 2-writer pipeline
+  variants = {
+      "cross_process": ("2 writer + 1 sampler processes, insert(64) / sample_batch(64), "
+                        "SampleToInsertRatio(1)", lambda: _w6_cross(args, 2)),
+      "cross_process_4w": ("4 writer + 1 sampler processes (as cross_process)",
+                           lambda: _w6_cross(args, 4)),
+      "cross_process_learner": ("2 writer processes + 1 sampler process using "
+                                "learner.BatchIterator(batch_size=64)",
+                                lambda: _w6_cross(args, 2, learner=True)),
+      "in_process": ("the same inserts and samples in one process",
+                     lambda: (_w6_in_process(batches), None)),
+  }
+  runs = {name: [] for name in variants}
+  for _ in range(W6_TURNS):
+    for name, (_, measure) in variants.items():
+      runs[name].append(measure())
+  rows = []
+  for name, (api, _) in variants.items():
+    rates = [rate for rate, _ in runs[name]]
+    extra = {"turns": rates}
+    if runs[name][0][1] is not None:
+      extra["exit_s"] = float(np.median([exit_s for _, exit_s in runs[name]]))
+    rows.append(row("W6", name, api, float(np.median(rates)), **extra))
   return rows
 
 
@@ -379,24 +404,14 @@ def _settled(flag, i):
     pass
 
 
-def _latencies(stamps, n):
-  us = (stamps[1] - stamps[0]) / 1e3
+def _latencies(us):
   return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
-          "mean_us": float(us.mean()), "wakes": n}
+          "mean_us": float(us.mean()), "wakes": len(us)}
 
 
-def w7(args):
-  """Wake-up latency (p50/p99 over W7_WAKES): a writer's insert call -> a sampler process
-  blocked in sample_batch(1) on that (queue) table returning with the item; and the floor, a
-  futex ping-pong between two processes (the word's store and FUTEX_WAKE -> the waiter's
-  FUTEX_WAIT returning to Python), measured the same way in the same run. Both clocks start
-  before the call that wakes: the waker's call returns after the woken side has often already
-  run (the wake-up is done inside it), so its return is no start line. The waiter has slept
-  W7_SETTLE_S (past the core's spin) before every wake-up; items_per_s is 1e6 / p50_us."""
-  import ctypes  # pylint: disable=import-outside-toplevel
-  n = W7_WAKES if args.duration >= 1 else 2_000
-  ctx = multiprocessing.get_context("spawn")
-  rows = []
+def _w7_table_turn(ctx, n: int) -> np.ndarray:
+  """Wake-up latencies (us) of n inserts into a queue table, each waking a sampler process
+  blocked in sample_batch(1)."""
   table = reverb.Table.queue(TABLE, 1000)
   with reverb.Server([table], arena_bytes=64 << 20) as srv:
     shared = srv.shared_table(TABLE)
@@ -417,9 +432,12 @@ def w7(args):
         proc.kill()
     if proc.exitcode != 0:
       raise RuntimeError(f"W7 sampler failed: exit code {proc.exitcode}")
-    lat = _latencies(st, n)
-  rows.append(row("W7", "table_wake", "insert(1) called -> blocked sample_batch(1) returns "
-                  "(other process)", 1e6 / lat["p50_us"], **lat))
+    return (st[1] - st[0]) / 1e3
+
+
+def _w7_floor_turn(ctx, n: int) -> np.ndarray:
+  """Wake-up latencies (us) of n futex ping-pongs between this process and another."""
+  import ctypes  # pylint: disable=import-outside-toplevel
   word, stamps = ctx.RawArray("q", 2), ctx.RawArray("q", 2 * n)
   words, st = np.frombuffer(word, np.int64), np.frombuffer(stamps, np.int64).reshape(2, n)
   syscall, _, wake, nr = _futex_syscall()
@@ -438,7 +456,33 @@ def w7(args):
   finally:
     if proc.is_alive():
       proc.kill()
-  lat = _latencies(st, n)
+  return (st[1] - st[0]) / 1e3
+
+
+W7_TURNS = 5   # the wake-ups of each side come in this many turns, alternating with the other's
+
+
+def w7(args):
+  """Wake-up latency (p50/p99 over W7_WAKES): a writer's insert call -> a sampler process
+  blocked in sample_batch(1) on that (queue) table returning with the item; and the floor, a
+  futex ping-pong between two processes (the word's store and FUTEX_WAKE -> the waiter's
+  FUTEX_WAIT returning to Python), measured the same way in the same run, in W7_TURNS turns
+  alternating with the table's (a drift of the machine's speed weighs on both alike). Both
+  clocks start before the call that wakes: the waker's call returns after the woken side has
+  often already run (the wake-up is done inside it), so its return is no start line. The waiter
+  has slept W7_SETTLE_S (past the core's spin) before every wake-up; items_per_s is
+  1e6 / p50_us."""
+  n = W7_WAKES if args.duration >= 1 else 2_000
+  ctx = multiprocessing.get_context("spawn")
+  table_us, floor_us = [], []
+  for _ in range(W7_TURNS):
+    table_us.append(_w7_table_turn(ctx, n // W7_TURNS))
+    floor_us.append(_w7_floor_turn(ctx, n // W7_TURNS))
+  rows = []
+  lat = _latencies(np.concatenate(table_us))
+  rows.append(row("W7", "table_wake", "insert(1) called -> blocked sample_batch(1) returns "
+                  "(other process)", 1e6 / lat["p50_us"], **lat))
+  lat = _latencies(np.concatenate(floor_us))
   rows.append(row("W7", "futex_floor", "store + FUTEX_WAKE called -> FUTEX_WAIT returns (two "
                   "processes, ctypes syscall)", 1e6 / lat["p50_us"], **lat))
   return rows
