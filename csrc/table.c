@@ -1336,10 +1336,11 @@ int rs_gather(void *base, uint32_t n, const uint64_t *desc_offs, uint32_t col, u
 /* Priority updates of n <= MUTATE_ROUND keys (unknown keys skipped), in order: the same records,
  * update_seq values, heaps and sum trees as n update_priority calls. Index probes and records
  * are requested all at once, and each sum tree is updated level by level for the whole round.
- * Returns the number of keys found. */
+ * `weights`: NULL, or for each Prioritized selector si the weight of every key's new priority
+ * (weights[si][i], computed before the lock: see rs_mutate). Returns the number of keys found. */
 static uint32_t update_round(void *base, rs_table_hdr *th, uint32_t n, const uint64_t *keys,
-                             const double *prios) {
-  uint32_t found[MUTATE_ROUND], leaf[MUTATE_ROUND], scratch[MUTATE_ROUND];
+                             const double *prios, const double (*weights)[MUTATE_ROUND]) {
+  uint32_t found[MUTATE_ROUND], leaf[MUTATE_ROUND], scratch[MUTATE_ROUND], from[MUTATE_ROUND];
   double prio[MUTATE_ROUND], w[MUTATE_ROUND];
   rs_rec *recs = rs_recs(base, th);
   /* Keys this thread just sampled: their records from the hints (checked); others: the index. */
@@ -1365,6 +1366,7 @@ static uint32_t update_round(void *base, rs_table_hdr *th, uint32_t n, const uin
       __builtin_prefetch(&recs[found[i]], 1);
       __builtin_prefetch((const char *)&recs[found[i]] + sizeof(rs_rec) - 1, 1);
       leaf[m] = found[i];
+      from[m] = i;
       prio[m++] = prios[i];
     }
   for (uint32_t j = 0; j < m; j++) {
@@ -1377,7 +1379,8 @@ static uint32_t update_round(void *base, rs_table_hdr *th, uint32_t n, const uin
   for (int si = 0; si < 2; si++) {
     rs_selector *s = &th->sel[si];
     if (s->kind != RS_SEL_PRIORITIZED) continue;
-    for (uint32_t j = 0; j < m; j++) w[j] = rs_sel_weight(s->exponent, prio[j]);
+    for (uint32_t j = 0; j < m; j++)
+      w[j] = weights ? weights[si][from[j]] : rs_sel_weight(s->exponent, prio[j]);
     rs_sumtree_set_many(rs_tree(base, s), th->tree_leaves, m, leaf, w, scratch);
   }
   return m;
@@ -1393,6 +1396,13 @@ int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_ke
     return rs_set_error(RS_EINVAL, "rs_mutate: key/priority arrays must not be NULL when counts > 0");
   rc = check_priorities(th, n_upd, upd_prios, "update");
   if (rc) return rc;
+  /* A round's weights (priority**exponent, ~10 ns each) are computed before the lock: the
+   * selectors' kinds and exponents never change once the table exists. */
+  double weights[2][MUTATE_ROUND];
+  int early = n_upd <= MUTATE_ROUND && has_prioritized(th);
+  for (int si = 0; early && si < 2; si++)
+    if (th->sel[si].kind == RS_SEL_PRIORITIZED)
+      for (uint32_t i = 0; i < n_upd; i++) weights[si][i] = rs_sel_weight(th->sel[si].exponent, upd_prios[i]);
   op_t op;
   op_init(&op, base, table, "mutate", NULL, NULL, -1, 0);
   op.c = rs_counters_row(base, rs_counters_self(base), table);
@@ -1411,7 +1421,7 @@ int rs_mutate(void *base, uint32_t table, uint32_t n_upd, const uint64_t *upd_ke
   if (arena_locked) rs_aunlock(base);
   for (uint32_t b = 0; b < n_upd; b += MUTATE_ROUND)
     updated += update_round(base, th, n_upd - b < MUTATE_ROUND ? n_upd - b : MUTATE_ROUND,
-                            upd_keys + b, upd_prios + b);
+                            upd_keys + b, upd_prios + b, early ? weights : NULL);
   op.dirty = deleted > 0;
   op.c->updates += updated;
   op.c->deletes += deleted;
