@@ -891,18 +891,20 @@ int rs_insert(void *base, uint32_t slot, uint32_t table, uint32_t n, const uint6
 
 /* ================================================================== sample */
 
-/* Where this thread last sampled each key (process-local, direct-mapped by key): a priority
- * update of keys it just sampled (prioritized replay's sample -> learn -> update) finds their
- * records here instead of probing the key index, whose random cache misses are most of an
- * update's cost in a large table. An entry is only a guess: update_round uses it only if the
- * record, read under the table lock, is valid and holds that key (keys are unique in a table). */
+/* Where this process last sampled each key (direct-mapped by key): a priority update of keys
+ * just sampled (prioritized replay's sample -> learn -> update) finds their records here instead
+ * of probing the key index, whose random cache misses are most of an update's cost in a large
+ * table. Shared by the process's threads, as a learner iterator samples in one thread and may
+ * apply the updates in another. An entry is only a guess, its fields written and read with
+ * relaxed atomics (two threads may interleave them): update_round uses it only if the record,
+ * read under the table lock, is valid and holds that key (keys are unique in a table). */
 #define HINT_BITS 12   /* 4096 ways */
 typedef struct sample_hint {
   const rs_table_hdr *th;   /* the table (header address in this process's mapping) */
   uint64_t key;
   uint32_t rec;
 } sample_hint;
-static __thread sample_hint sample_hints[1u << HINT_BITS];
+static sample_hint sample_hints[1u << HINT_BITS];
 
 static inline sample_hint *hint_of(uint64_t key) {
   return &sample_hints[(key * 0x9E3779B97F4A7C15ull) >> (64 - HINT_BITS)];
@@ -1197,9 +1199,9 @@ static int sample_round(op_t *op, uint32_t slot, uint32_t want, rs_sample_rec *o
       th->samples++;
       out[j].key = rec->key;
       sample_hint *hint = hint_of(rec->key);
-      hint->th = th;
-      hint->key = rec->key;
-      hint->rec = picks[j];
+      __atomic_store_n(&hint->th, th, __ATOMIC_RELAXED);
+      __atomic_store_n(&hint->key, rec->key, __ATOMIC_RELAXED);
+      __atomic_store_n(&hint->rec, picks[j], __ATOMIC_RELAXED);
       out[j].probability = probs[j];
       out[j].table_size = th->size;
       out[j].priority = rec->priority;
@@ -1343,14 +1345,16 @@ static uint32_t update_round(void *base, rs_table_hdr *th, uint32_t n, const uin
   uint32_t found[MUTATE_ROUND], leaf[MUTATE_ROUND], scratch[MUTATE_ROUND], from[MUTATE_ROUND];
   double prio[MUTATE_ROUND], w[MUTATE_ROUND];
   rs_rec *recs = rs_recs(base, th);
-  /* Keys this thread just sampled: their records from the hints (checked); others: the index. */
+  /* Keys this process just sampled: their records from the hints (checked); others: the index. */
   uint64_t probe_keys[MUTATE_ROUND];
   uint32_t probe_at[MUTATE_ROUND], nprobe = 0;
   for (uint32_t i = 0; i < n; i++) {
     const sample_hint *h = hint_of(keys[i]);
-    if (h->th == th && h->key == keys[i] && h->rec < th->cap && recs[h->rec].valid &&
-        recs[h->rec].key == keys[i]) {
-      found[i] = h->rec;
+    uint32_t hr = __atomic_load_n(&h->rec, __ATOMIC_RELAXED);
+    if (__atomic_load_n(&h->th, __ATOMIC_RELAXED) == th &&
+        __atomic_load_n(&h->key, __ATOMIC_RELAXED) == keys[i] && hr < th->cap && recs[hr].valid &&
+        recs[hr].key == keys[i]) {
+      found[i] = hr;
     } else {
       probe_at[nprobe] = i;
       probe_keys[nprobe++] = keys[i];

@@ -1,4 +1,4 @@
-"""The C core's batched paths (issue 6): priority updates applied a round of keys at a time with a
+"""The C core's batched paths: priority updates applied a round of keys at a time with a
 level-by-level sum-tree update, batched random draws for Uniform/Prioritized picks, and the gather
 of single-slice rows. Each must leave exactly what the one-item path leaves."""
 import numpy as np

@@ -1,4 +1,4 @@
-"""Remote writes are pipelined and sampling streams are batched and reconnect (issue 7b).
+"""Remote writes are pipelined and sampling streams are batched and reconnect.
 
 The bridge runs in this process on loopback; tables are inspected through shared memory.
 """

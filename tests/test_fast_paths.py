@@ -1,6 +1,7 @@
-"""Issue 6 fast paths against the slow paths they replace: rs_sample_gather (sample_batch),
+"""The fast paths against the slow paths they replace: rs_sample_gather (sample_batch),
 rs_insert_slices (SharedTable.insert, Client.insert) and Client.sample's batched generator."""
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ def _steps(start, n):
 
 
 def _slow_batch(st, n):
-  """sample_batch as before issue 6: sample_records, then one gather per column."""
+  """sample_batch without the fast path: sample_records, then one gather per column."""
   recs, pins = st.sample_records(n)
   try:
     desc = np.ascontiguousarray(recs["desc_off"])
@@ -385,7 +386,7 @@ def _priorities(st):
 
 
 def test_updates_of_just_sampled_keys_change_exactly_those_items(server_factory):
-  """update_priorities after sampling finds the sampled items through this thread's hints; the
+  """update_priorities after sampling finds the sampled items through the process's hints; the
   result is the one of updates through the key index, also when a hint went stale: the item was
   deleted and its key inserted again (another record), or the same key lives in another table."""
   server = server_factory([_table("a", sampler=selectors.Prioritized(0.8)),
@@ -418,6 +419,32 @@ def test_updates_of_just_sampled_keys_change_exactly_those_items(server_factory)
   assert all(pr[k] == 1.0 for k in range(5001, 5041))
   a.check()
   b.check()
+
+
+def test_updates_from_another_thread_than_the_sampling_one_change_exactly_those_items(
+    server_factory):
+  """The hints are the process's, not a thread's (a learner iterator samples in one thread and
+  may update in another): an update in this thread of keys another thread sampled, some of
+  whose items were since deleted or replaced under the same key, changes exactly the live ones."""
+  server = server_factory([_table("a", sampler=selectors.Prioritized(0.8))])
+  a = server.shared_table("a")
+  keys = np.arange(1, 501, dtype=np.uint64)
+  a.insert(_steps(0, 500), np.ones(500), keys=keys)
+  sampled = []
+  t = threading.Thread(target=lambda: sampled.extend(a.sample_batch(128).info.key.tolist()))
+  t.start()
+  t.join(30)
+  assert not t.is_alive() and len(sampled) == 128
+  gone = np.unique(np.array(sampled, np.uint64))
+  a.delete(gone[1::3])                                              # gone
+  a.delete(gone[2::3])
+  a.insert(_steps(1000, len(gone[2::3])), np.ones(len(gone[2::3])), keys=gone[2::3])   # replaced
+  assert a.update_priorities(gone, np.full(len(gone), 5.0)) == len(gone) - len(gone[1::3])
+  pr = _priorities(a)
+  assert all(pr[int(k)] == 5.0 for k in np.concatenate([gone[0::3], gone[2::3]]))
+  assert not any(int(k) in pr for k in gone[1::3])
+  assert sum(p == 5.0 for p in pr.values()) == len(gone) - len(gone[1::3])
+  a.check()
 
 
 def test_sample_batch_from_a_queue_of_mixed_layouts_returns_every_item_once(server_factory):

@@ -1,4 +1,4 @@
-"""Metadata per item (issue 6, round 3): shared descriptor blocks, compact table structures."""
+"""Metadata per item: shared descriptor blocks, compact table structures."""
 import gc
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Open chunks (issue 6, round 4): C insert plans append small inserts to chunks they hold open
+"""Open chunks: C insert plans append small inserts to chunks they hold open
 (csrc/hot/hot_insert.c "open chunks", rs_open_chunks / rs_insert_rows_at), so per-step items cost
 about their payload in arena, share one descriptor block, and keep every guarantee of one-shot
 chunks: visible when insert returns, correct data across chunk boundaries, threads, forks,

@@ -1,4 +1,4 @@
-"""TrajectoryWriter's batched paths (issue 6): the fast append, batched window items and
+"""TrajectoryWriter's batched paths: the fast append, batched window items and
 create_window_items, checked against the per-step path item by item."""
 import numpy as np
 import pytest

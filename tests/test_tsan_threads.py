@@ -1,10 +1,10 @@
 """Several threads of one process on one table: the paths ThreadSanitizer watches (tests/sanitize.py
 tsan). The C core releases the GIL in every call, so these threads really run the core at once:
-inserts of batches and of trajectory-writer items, batched sampling with gather (its per-thread
-sample hints feed the priority updates that follow), plain sampling, blocked samplers woken by
-inserts of other threads, and the server's reaper thread. The outcome is checked exactly: every
-insert is counted, every sample is an inserted item with its written data, and the invariant
-checker passes."""
+inserts of batches and of trajectory-writer items, batched sampling with gather (the process's
+sample hints, shared by its threads, feed the priority updates that follow), plain sampling,
+blocked samplers woken by inserts of other threads, and the server's reaper thread. The outcome
+is checked exactly: every insert is counted, every sample is an inserted item with its written
+data, and the invariant checker passes."""
 import threading
 
 import numpy as np
