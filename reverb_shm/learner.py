@@ -82,6 +82,7 @@ __all__ = ["Batch", "BatchIterator", "importance_weights", "resolve_tables"]
 _SLICE_MS = 50   # longest single wait of the background thread (it checks close() between)
 _SLICE_NS = _SLICE_MS * 1_000_000
 _NATIVE_SEED_MIX = 0x9E3779B97F4A7C15   # (the native sampler's seed: the seed's bits mixed)
+_QUEUE_LIMIT_KEYS = 1 << 20   # queued update keys beyond which update_priorities waits (as native)
 _SEED_MASK = 2**64 - 1
 _NO_KEYS = np.zeros(0, np.uint64)
 
@@ -298,6 +299,7 @@ class BatchIterator:
     self._ucv = threading.Condition()     # guards the priority updates and the counters
     self._updates: List[_Update] = []
     self._applying = 0                    # updates taken by the updater, not yet applied
+    self._queued_keys = 0                 # keys of self._updates
     self._stop_updates = False
     self._error: Optional[BaseException] = None       # ends the thread: raised by next()
     self._update_error: Optional[BaseException] = None   # raised once by the next call
@@ -369,6 +371,7 @@ class BatchIterator:
 
   def __next__(self):
     self._check_process()
+    self._check_owners()
     deadline = None if self._timeout_ms is None else time.monotonic() + self._timeout_ms / 1000.0
     if self._native_sampling and not self._ready:   # (no batch of the Python thread left)
       self._raise_update_error()
@@ -428,10 +431,7 @@ class BatchIterator:
         failure = native.failure()
         self._native_fail(rc, None if failure is None else failure[1])
         raise self._error   # type: ignore[misc]
-      segment = self._tables[0].segment
-      if segment.owner_dead:
-        self._fail(segment.dead_owner_error())
-        raise self._error   # type: ignore[misc]
+      self._check_owners()
       if deadline is not None and time.monotonic() >= deadline:
         raise errors.DeadlineExceededError(
             f"no batch of {self.batch_size} items within {self._timeout_ms} ms (tables "
@@ -469,9 +469,10 @@ class BatchIterator:
       self._fail(e)
 
   def update_priorities(self, keys, priorities, table=None) -> None:
-    """Queues new priorities of sampled items; the updater thread applies them soon after, in
-    the order queued (all updates queued meanwhile in one C call per table). The keys were
-    sampled before this call, so an update always lands after the samples it refers to.
+    """Queues new priorities of sampled items, applied soon after in the order queued (all
+    updates queued meanwhile in one C call per table) by a background thread, or by next()
+    while it waits for a batch. The keys were sampled before this call, so an update always
+    lands after the samples it refers to.
 
     Keys no longer in their table (removed since they were sampled) are skipped and counted in
     stats['keys_skipped'], as Reverb's mutate_priorities ignores them.
@@ -487,7 +488,9 @@ class BatchIterator:
       ValueError: shapes differ, a priority not finite or negative, a bad table.
       RuntimeError: the iterator is closed or was made in the parent of this forked process; or
         the error an earlier update met.
+      DeadOwnerError: the server of one of the tables died (and the iterator ended).
     """
+    self._check_owners()
     if table is None and self._native_push(keys, priorities):
       return
     keys, priorities = self._check_update(keys, priorities)
@@ -654,6 +657,16 @@ class BatchIterator:
                        f"[0, {count}) (Batch.table), got {table!r}")
     return np.array(t, np.uint8)
 
+  def _check_owners(self) -> None:
+    """Raises DeadOwnerError, ending the iterator, once the server of one of its tables died
+    (noticed within milliseconds by the process's owner watcher): batches gathered from its
+    segment may still be ready, and sampling it may go on, but nothing it holds is current."""
+    for table in self._tables:
+      segment = table.segment
+      if segment.owner_dead:
+        self._fail(segment.dead_owner_error())
+        raise self._error   # type: ignore[misc]
+
   def _check_process(self) -> None:
     if os.getpid() != self._pid:
       raise RuntimeError(f"this iterator was made in process {self._pid}; its background threads "
@@ -676,8 +689,13 @@ class BatchIterator:
         # (a device copy to wait for: a Python updater, after the native queue, from now on)
         self._start_python_updater()
       self._updates.append(update)
+      self._queued_keys += len(update.keys)
       if len(self._updates) == 1:
         self._ucv.notify()
+      # Backpressure: past _QUEUE_LIMIT_KEYS queued keys, wait until the updater takes them.
+      while self._queued_keys > _QUEUE_LIMIT_KEYS and not self._stop_updates and \
+          self._error is None and self._updater is not None and self._updater.is_alive():
+        self._ucv.wait(_SLICE_MS / 1000.0)
 
   def _start_python_updater(self) -> None:
     self._updater = threading.Thread(target=_updater_thread, args=(self._ref, self._ucv),
@@ -1057,7 +1075,9 @@ def _updater_thread(ref, ucv: threading.Condition) -> None:
         ucv.wait()
       final = it._stop_updates
       updates, it._updates = it._updates, []
+      it._queued_keys = 0
       it._applying = len(updates)
+      ucv.notify_all()   # (callers waiting for room in the queue)
     if updates:
       it._apply_updates(updates, final)
     if final:

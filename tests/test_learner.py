@@ -492,22 +492,36 @@ time.sleep(120)
 
 
 @pytest.mark.timeout(60)
-def test_iterator_waiting_on_an_empty_table_notices_a_killed_server(server_name):
+@pytest.mark.parametrize("items", [0, 20])
+def test_iterator_notices_a_killed_server(server_name, items):
+  """Empty table: the thread waits for items when the server dies. 20 items: batches are ready
+  (and sampling the dead server's segment would go on): next() and update_priorities raise all
+  the same, within a second."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   proc = subprocess.Popen([sys.executable, "-c", _SERVE_EMPTY, server_name],
                           stdout=subprocess.PIPE, text=True, cwd=root,
                           env={**os.environ, "PYTHONPATH": root})
   try:
     assert proc.stdout.readline()
-    st = reverb_shm.SharedTable.attach(f"{server_name}/t")   # empty: the thread waits
+    st = reverb_shm.SharedTable.attach(f"{server_name}/t")
+    if items:
+      _fill(st, np.arange(items))
     with BatchIterator(st, batch_size=4, timeout_ms=10_000) as it:
+      for _ in range(10 if items else 0):
+        batch = next(it)
+        it.update_priorities(batch.info.key, np.full(4, 2.0))
       time.sleep(0.3)
       proc.send_signal(signal.SIGKILL)
       proc.wait(10)
       start = time.monotonic()
       with pytest.raises(errors.DeadOwnerError, match="is dead"):
-        next(it)
+        while time.monotonic() - start < 5:
+          next(it)
       assert time.monotonic() - start < 1.0
+      with pytest.raises(errors.DeadOwnerError, match="is dead"):
+        next(it)
+      with pytest.raises(errors.DeadOwnerError, match="is dead"):
+        it.update_priorities(np.zeros(1, np.uint64), np.ones(1))
   finally:
     if proc.poll() is None:
       proc.kill()
@@ -758,6 +772,59 @@ def test_next_applies_queued_updates_while_it_waits_for_a_batch(server_factory):
     assert stats["priority_updates"] == 10 and stats["keys_updated"] == 80
     assert stats["updates_applied_waiting"] >= 5   # (the sampler may take a few at random)
   assert st.items()["priority"].tolist() == (np.arange(8) + 100.0).tolist()
+
+
+@pytest.mark.timeout(60)
+def test_the_native_update_queue_is_bounded(server_factory):
+  """More than 2**20 keys queued (the sampler, blocked on the rate limiter, applies only between
+  its waits): update_priorities applies the backlog itself before it returns, in order."""
+  limiter = rate_limiters.SampleToInsertRatio(1.0, 1, (0.0, 100.0))   # a sample per insert
+  st, keys = _prioritized(server_factory, 8, limiter)   # 8 samples allowed: two batches of 4
+  absent = np.arange(10**9, 10**9 + 1_100_000, dtype=np.uint64)     # keys not in the table
+  with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=5000) as it:
+    next(it)
+    next(it)
+    time.sleep(0.1)
+    assert it._native_sampling
+    for v in (2.0, 3.0):
+      it.update_priorities(np.concatenate([keys, absent]), np.full(len(absent) + 8, v))
+      assert it.stats["updates_pending"] <= 1 << 20
+    it.flush(timeout_ms=10_000)
+    assert it.stats["keys_skipped"] == 2 * len(absent) and it.stats["keys_updated"] == 16
+  assert st.items()["priority"].tolist() == [3.0] * 8
+
+
+@pytest.mark.timeout(60)
+def test_the_python_update_queue_is_bounded(server_factory):
+  """The Python updater (here: started by an update that waits for a device copy) busy: past
+  2**20 queued keys, update_priorities waits until the updater takes them; then every key
+  lands, in order."""
+  st, keys = _prioritized(server_factory, 8)
+  absent = np.arange(10**9, 10**9 + 600_000, dtype=np.uint64)   # keys not in the table
+  gate = threading.Event()
+
+  def slow():   # round 1: the updater waits on this "device copy"
+    assert gate.wait(20)
+    return np.full(8, 1.5)
+  pushed = []
+
+  def push():
+    for v in (2.0, 3.0):
+      it.update_priorities(np.concatenate([keys, absent]), np.full(len(absent) + 8, v))
+      pushed.append(v)
+  with BatchIterator(st, batch_size=4, timeout_ms=5000) as it:
+    it._queue_async_update(keys, 8, None, slow)
+    time.sleep(0.1)
+    pusher = threading.Thread(target=push)
+    pusher.start()
+    time.sleep(0.5)
+    assert pushed == [2.0] and it._queued_keys == len(absent) * 2 + 16   # the 2nd call waits
+    gate.set()
+    pusher.join(20)
+    assert not pusher.is_alive() and pushed == [2.0, 3.0]
+    it.flush(timeout_ms=20_000)
+    assert it.stats["keys_skipped"] == 2 * len(absent) and it.stats["keys_updated"] == 24
+  assert st.items()["priority"].tolist() == [3.0] * 8
 
 
 def _batch_scheduled_threads() -> int:

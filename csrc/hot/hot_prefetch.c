@@ -132,7 +132,8 @@ static void background_policy(void) {
 static int sampler_alive(const pf_state *s) { return s->sampler_started && !s->sampler_done; }
 
 /* (Under mu; unlocked during rs_mutate) applies everything queued, in the order queued, in one
- * call. Only one thread applies at a time (`applying`), so the order holds across threads. */
+ * call. Only one thread applies at a time (`applying`), so the order holds across threads.
+ * Returns the number of update calls applied (0 on an error). */
 static uint64_t apply_queue(pf_state *s, int final) {
   update_buf work = s->queue;
   s->queue = s->spare;
@@ -175,7 +176,7 @@ static uint64_t apply_queue(pf_state *s, int final) {
     keep_message(s->upd_msg, msg);
   }
   pthread_cond_broadcast(&s->applied);
-  return calls;
+  return rc == RS_OK ? calls : 0;
 }
 
 /* (Under mu) whether the queue should be applied now (by the sampler, or by take() waiting). */
@@ -195,6 +196,11 @@ static int should_apply(const pf_state *s) {
  * the learner loop with no training step (L1: prioritized 256 of 1M items + an update of the
  * batch), the same process alternating 0.4-s rounds: 3.26M -> 4.53M samples/s (medians of 16). */
 #define APPLY_WAIT_NS 2000000
+
+/* Keys queued beyond which push() applies the queue itself (or waits while another thread
+ * does): a learner producing updates faster than they land is slowed down, not left to grow the
+ * queue without bound (16 MiB of keys and priorities at this size). */
+#define QUEUE_LIMIT_KEYS (1u << 20)
 
 static int free_slot(pf_state *s) {
   for (uint32_t k = 0; k < s->nslots; k++)
@@ -614,7 +620,20 @@ static PyObject *pf_push(pf_object *self, PyObject *args) {
   } else {
     s->n_update_calls++;
   }
+  int over = rc == RS_OK && s->queue.len > QUEUE_LIMIT_KEYS;
   pthread_mutex_unlock(&s->mu);
+  if (over) {   /* backpressure (the queue keeps its order: one thread applies at a time) */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&s->mu);
+    while (s->queue.len > QUEUE_LIMIT_KEYS && !s->stop_updates && !s->updater_done) {
+      if (should_apply(s))
+        apply_queue(s, 0);
+      else
+        pthread_cond_wait(&s->applied, &s->mu);   /* (another thread applies) */
+    }
+    pthread_mutex_unlock(&s->mu);
+    Py_END_ALLOW_THREADS
+  }
   return PyLong_FromLong(rc);
 }
 
