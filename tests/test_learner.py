@@ -1,6 +1,7 @@
 """reverb_shm.learner.BatchIterator: fixed shapes, prefetch ring, mixing, priorities back, seeds,
 sequences, bad input, and a server that stops under it (numpy only; torch/JAX in their own
 test modules)."""
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -733,14 +734,22 @@ def test_the_native_sampler_applies_updates_in_call_order(server_factory):
   assert st.items()["priority"].tolist()[:2] == [200.0, 800.0]
 
 
-def test_updates_land_while_the_native_sampler_waits_for_the_rate_limiter(server_factory):
+@contextlib.contextmanager
+def _blocked_native_sampler(server_factory, timeout_ms=5000):
+  """(SharedTable, keys, iterator): 8 items of a table allowing one sample per insert, two
+  batches of 4 taken, so the native sampler runs and waits on the rate limiter."""
   limiter = rate_limiters.SampleToInsertRatio(1.0, 1, (0.0, 100.0))   # a sample per insert
   st, keys = _prioritized(server_factory, 8, limiter)   # 8 samples allowed: two batches of 4
-  with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=5000) as it:
+  with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=timeout_ms) as it:
     next(it)
     next(it)
     time.sleep(0.1)
     assert it._native_sampling and it.stats["batches"] == 2
+    yield st, keys, it
+
+
+def test_updates_land_while_the_native_sampler_waits_for_the_rate_limiter(server_factory):
+  with _blocked_native_sampler(server_factory) as (st, keys, it):
     start = time.monotonic()
     it.update_priorities(keys, np.full(8, 6.0))
     it.flush(timeout_ms=3000)   # applied by the sampler between its waits for items
@@ -756,13 +765,8 @@ def test_next_applies_queued_updates_while_it_waits_for_a_batch(server_factory):
   """A learner that outpaces sampling: next() finds no batch ready and applies the queued
   updates itself (in call order) before it waits, rather than leaving them to the sampler,
   which is blocked here and applies them only between its waits of 2 ms."""
-  limiter = rate_limiters.SampleToInsertRatio(1.0, 1, (0.0, 100.0))   # a sample per insert
-  st, keys = _prioritized(server_factory, 8, limiter)   # 8 samples allowed: two batches of 4
-  with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=60) as it:
-    next(it)
-    next(it)
-    time.sleep(0.1)
-    assert it._native_sampling and it.stats["updates_applied_waiting"] == 0
+  with _blocked_native_sampler(server_factory, timeout_ms=60) as (st, keys, it):
+    assert it.stats["updates_applied_waiting"] == 0
     for v in range(1, 11):
       it.update_priorities(keys, np.arange(8) + 10.0 * v)
       with pytest.raises(errors.DeadlineExceededError):
@@ -778,14 +782,8 @@ def test_next_applies_queued_updates_while_it_waits_for_a_batch(server_factory):
 def test_the_native_update_queue_is_bounded(server_factory):
   """More than 2**20 keys queued (the sampler, blocked on the rate limiter, applies only between
   its waits): update_priorities applies the backlog itself before it returns, in order."""
-  limiter = rate_limiters.SampleToInsertRatio(1.0, 1, (0.0, 100.0))   # a sample per insert
-  st, keys = _prioritized(server_factory, 8, limiter)   # 8 samples allowed: two batches of 4
   absent = np.arange(10**9, 10**9 + 1_100_000, dtype=np.uint64)     # keys not in the table
-  with BatchIterator(st, batch_size=4, prefetch=2, timeout_ms=5000) as it:
-    next(it)
-    next(it)
-    time.sleep(0.1)
-    assert it._native_sampling
+  with _blocked_native_sampler(server_factory) as (st, keys, it):
     for v in (2.0, 3.0):
       it.update_priorities(np.concatenate([keys, absent]), np.full(len(absent) + 8, v))
       assert it.stats["updates_pending"] <= 1 << 20
