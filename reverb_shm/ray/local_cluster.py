@@ -52,9 +52,21 @@ def _dead_children(pid: int) -> list:
 
 
 def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  return _free_ports(1)[0]
+
+
+def _free_ports(n: int) -> list:
+  """n distinct free ports of 127.0.0.1 (all bound at once: none is handed out twice)."""
+  socks = []
+  try:
+    for _ in range(n):
+      s = socket.socket()
+      socks.append(s)
+      s.bind(("127.0.0.1", 0))
+    return [s.getsockname()[1] for s in socks]
+  finally:
+    for s in socks:
+      s.close()
 
 
 def _ray_bin() -> str:
@@ -88,7 +100,7 @@ class LocalRayCluster:
 
   def _common(self, label: str):
     # Nodes on one host must not share a port: each gets its own (Ray's defaults are fixed).
-    ports = [_free_port() for _ in range(6)]
+    ports = _free_ports(6)
     base = 20000 + 400 * (len(self.nodes) % 100)
     return [f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}",
             f"--metrics-export-port={ports[2]}", f"--dashboard-agent-listen-port={ports[3]}",
@@ -120,12 +132,22 @@ class LocalRayCluster:
 
   def start(self, timeout_s: float = 300.0) -> "LocalRayCluster":
     """Starts the head node (in this namespace) and waits until it accepts drivers."""
-    cmd = [_ray_bin(), "start", "--head", f"--port={self.port}", "--include-dashboard=false",
-           f"--temp-dir={self.temp_dir}", "--resources=" + json.dumps({"head": 1})]
-    if importlib.util.find_spec("grpc") is not None:   # Ray starts its client server then
-      cmd.append(f"--ray-client-server-port={_free_port()}")
-    self._spawn("head", cmd + self._common("head"), private=False)
-    self._wait_started("head", timeout_s)
+    for attempt in range(3):   # a port taken meanwhile by another process: new ports, again
+      cmd = [_ray_bin(), "start", "--head", f"--port={self.port}", "--include-dashboard=false",
+             f"--temp-dir={self.temp_dir}", "--resources=" + json.dumps({"head": 1})]
+      if importlib.util.find_spec("grpc") is not None:   # Ray starts its client server then
+        cmd.append(f"--ray-client-server-port={_free_port()}")
+      self._spawn("head", cmd + self._common("head"), private=False)
+      try:
+        self._wait_started("head", timeout_s)
+        return self
+      except RuntimeError:
+        self.kill_node("head")
+        del self.nodes["head"]
+        if attempt == 2:
+          raise
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
     return self
 
   def add_node(self, label: str, private_shm: Optional[bool] = None,
@@ -134,10 +156,10 @@ class LocalRayCluster:
     one at a time: Ray names a node's sockets after the ones already in the session)."""
     if label in self.nodes:
       raise ValueError(f"node {label!r} exists")
-    cmd = [_ray_bin(), "start", f"--address={self.address}",
-           "--resources=" + json.dumps({label: 1})] + self._common(label)
     private = self.private_shm if private_shm is None else private_shm
-    for attempt in range(3):   # a node that failed to register (an overloaded GCS) is retried
+    for attempt in range(3):   # a node that failed to register (an overloaded GCS, a port taken
+      cmd = [_ray_bin(), "start", f"--address={self.address}",   # meanwhile) is retried
+             "--resources=" + json.dumps({label: 1})] + self._common(label)
       self._spawn(label, cmd, private)
       try:
         self._wait_started(label, timeout_s)
