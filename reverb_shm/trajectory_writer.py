@@ -760,13 +760,15 @@ class TrajectoryWriter(hot.WriterBase):
       if insert:
         raise
     self._batch = []
-    if insert and not self._pending and len(batch) > 2:
-      batch = self._grouped(batch)
+    run = hot.batch_run(batch, 0)
+    if run[0] < len(batch) and insert and not self._pending:
+      batch, run = self._grouped(batch), None
     i = 0
     try:
       while i < len(batch):
         kind = batch[i][0]
-        j, positions, priorities = hot.batch_run(batch, i)
+        j, positions, priorities = run or hot.batch_run(batch, i)
+        run = None
         blob, offs = items.encode_windows(kind, positions)
         queued = len(self._pending)
         try:
@@ -786,7 +788,8 @@ class TrajectoryWriter(hot.WriterBase):
     """The batch with each kind's entries together, each kind's order kept, when its runs
     alternate between kinds (items created in turn in several tables) and every table's rate
     limiter admits all of its items now: one encode and one insert per kind instead of one per
-    run. Otherwise the batch unchanged, whose creation order then decides what is held back."""
+    run. Otherwise the batch unchanged, whose creation order then decides what is held back.
+    (A batch of one run never gets here.)"""
     groups: Dict[int, list] = {}
     runs, prev = 0, None
     for entry in batch:
