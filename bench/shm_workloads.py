@@ -304,7 +304,7 @@ def _w6_cross(args, writers, learner=False):
   return total / seconds, joined - max(done_at)
 
 
-W6_TURNS = 3   # every variant measured this many times, in turns (the median is reported)
+W6_TURNS = 5   # every variant measured this many times, in turns (the median is reported)
 
 
 def _w6_in_process(batches: int) -> float:

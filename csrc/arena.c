@@ -222,12 +222,14 @@ static uint64_t block_alloc(void *base, uint64_t need, uint32_t type, int32_t ow
     if (h->max_bytes)
       rs_set_error(RS_ENOSPC,
                    "arena full: need %llu bytes, largest free block %llu bytes, free %llu of %llu bytes,"
-                   " and the arena is at its limit (%.1f MiB of max_bytes %.1f MiB reserved); free space"
-                   " returns when items are removed and samples released; or create the server with a"
-                   " larger max_bytes (and give /dev/shm the room: docker run --shm-size)",
+                   " and the arena cannot grow by that much within max_bytes (%.1f MiB of max_bytes"
+                   " %.1f MiB reserved); free space returns when items are removed and samples"
+                   " released; or create the server with a larger max_bytes (%s)",
                    (unsigned long long)need, (unsigned long long)largest_free(base),
                    (unsigned long long)(h->arena_size - h->arena_used), (unsigned long long)h->arena_size,
-                   (double)(arena_end(h) + h->pins_reserved) / (1 << 20), (double)h->max_bytes / (1 << 20));
+                   (double)(arena_end(h) + h->pins_reserved) / (1 << 20), (double)h->max_bytes / (1 << 20),
+                   h->arena_file ? "and room for it on the disk of the server's storage= directory"
+                                 : "and give /dev/shm the room: docker run --shm-size");
     else
       rs_set_error(RS_ENOSPC,
                    "arena full: need %llu bytes, largest free block %llu bytes, free %llu of %llu bytes"

@@ -93,15 +93,18 @@ int rs_reserve(void *base, uint64_t off, uint64_t len, const char *what) {
     }
     if (no_slack)
       return rs_set_error(RS_ENOSPC,
-                          "cannot grow %s by %.1f MiB in its file (storage=): that would leave the disk "
-                          "%.1f MiB free, below the %.0f MiB kept free for the file system; free disk "
-                          "space, or create the server with a smaller max_bytes",
-                          what, (double)len / (1 << 20), (double)vfs.f_bavail * vfs.f_frsize / (1 << 20),
-                          (double)DISK_SLACK / (1 << 20));
+                          "cannot grow %s by %llu KiB in its file (in the server's storage= "
+                          "directory): that would leave that disk %llu KiB free, below the %llu KiB "
+                          "kept free for the file system; free disk space there, or create the "
+                          "server with a smaller max_bytes",
+                          what, (unsigned long long)((len + 1023) >> 10),
+                          (unsigned long long)((uint64_t)vfs.f_bavail * vfs.f_frsize >> 10),
+                          (unsigned long long)(DISK_SLACK >> 10));
     return rs_set_error(RS_ENOSPC,
-                        "cannot grow %s by %.1f MiB in its file (storage=): %s; free disk space, or"
-                        " create the server with a smaller max_bytes",
-                        what, (double)len / (1 << 20), strerror(err));
+                        "cannot grow %s by %llu KiB in its file (in the server's storage= "
+                        "directory): %s; free disk space there, or create the server with a "
+                        "smaller max_bytes",
+                        what, (unsigned long long)((len + 1023) >> 10), strerror(err));
   }
   uint64_t start = off & ~(PAGE - 1), end = rs_align_up(off + len, PAGE);
   if (end > h->total_size) end = h->total_size;

@@ -25,7 +25,6 @@
 #define MAX_PINS (1u << 20)
 /* Record capacity (max_size + 1) and the power-of-two index/episode capacities (>= 2 * cap)
  * must fit in uint32. */
-#define MAX_TABLE_SIZE ((1ull << 30) - 1)
 
 #define PAGE 4096ull
 
@@ -37,9 +36,9 @@ typedef struct plan {
 static int check_config(const rs_table_config *c, uint32_t i) {
   if (!memchr(c->name, 0, sizeof c->name) || !c->name[0])
     return rs_set_error(RS_EINVAL, "table %u: name must be 1..63 bytes and NUL-terminated", i);
-  if (c->max_size < 1 || c->max_size > MAX_TABLE_SIZE)
+  if (c->max_size < 1 || c->max_size > RS_MAX_TABLE_SIZE)
     return rs_set_error(RS_EINVAL, "table '%s': max_size %llu, expected 1..%llu", c->name,
-                        (unsigned long long)c->max_size, (unsigned long long)MAX_TABLE_SIZE);
+                        (unsigned long long)c->max_size, (unsigned long long)RS_MAX_TABLE_SIZE);
   if (c->sampler_kind < RS_SEL_UNIFORM || c->sampler_kind > RS_SEL_MAXHEAP)
     return rs_set_error(RS_EINVAL, "table '%s': sampler kind %d, expected %d..%d", c->name, c->sampler_kind,
                         RS_SEL_UNIFORM, RS_SEL_MAXHEAP);

@@ -64,6 +64,9 @@
 #define RS_MAX_BLOB (1u << 20)
 #define RS_NBINS 48
 #define RS_PIN_START 1024u      /* pins of each slot's log reserved when a growable segment starts */
+/* Largest table max_size: its record capacity (max_size + 1) stays below 2**30, which keeps
+ * every map and sum-tree capacity within uint32. */
+#define RS_MAX_TABLE_SIZE ((1u << 30) - 2)
 #define RS_RECENT_TEMPLATES 8   /* rs_table_hdr.recent_recs */
 #define RS_HOLD_BUCKETS 24      /* lock-hold histogram buckets (counters.h) */
 

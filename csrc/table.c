@@ -31,7 +31,6 @@
 #include "sumtree.h"
 #include "table.h"
 
-#define MAX_RECORDS ((1u << 30) - 1) /* keeps every map and sum-tree capacity within uint32 */
 #define SAMPLE_ROUND 256             /* items sampled (and pinned) per arena-lock acquisition */
 #define SPIN_NS 4000                 /* re-read seq this long before sleeping in the kernel */
 
@@ -44,9 +43,9 @@ static int config_check(const rs_table_config *cfg) {
   size_t nlen = strnlen(cfg->name, sizeof cfg->name);
   if (nlen == 0 || nlen == sizeof cfg->name)
     return rs_set_error(RS_EINVAL, "table name must be 1..63 bytes, NUL-terminated");
-  if (cfg->max_size < 1 || cfg->max_size > MAX_RECORDS - 1)
+  if (cfg->max_size < 1 || cfg->max_size > RS_MAX_TABLE_SIZE)
     return rs_set_error(RS_EINVAL, "table '%s': max_size must be in [1, %u], got %llu", cfg->name,
-                        MAX_RECORDS - 1, (unsigned long long)cfg->max_size);
+                        RS_MAX_TABLE_SIZE, (unsigned long long)cfg->max_size);
   if (!kind_ok(cfg->sampler_kind) || !kind_ok(cfg->remover_kind))
     return rs_set_error(RS_EINVAL, "table '%s': selector kinds must be RS_SEL_* (0..5), got %d / %d",
                         cfg->name, cfg->sampler_kind, cfg->remover_kind);

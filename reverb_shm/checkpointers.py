@@ -133,8 +133,14 @@ class DefaultCheckpointer(CheckpointerBase):
       body = checkpoint_io.write(segment, tmp,
                                  progress=progress or checkpoint_io.default_progress())
       final = self._rename_into_place(tmp, body["created_at_ns"])
-    except BaseException:
+    except BaseException as e:
       shutil.rmtree(tmp, ignore_errors=True)
+      if isinstance(e, OSError) and e.errno is not None:
+        hint = " (free space there, or keep fewer checkpoints: keep_latest)" \
+            if e.errno == errno.ENOSPC else ""
+        raise OSError(e.errno, f"writing a checkpoint of server {segment.name!r} under "
+                               f"{self._path}: {e.strerror}{hint}; nothing was kept",
+                      e.filename) from e
       raise
     log.info("checkpoint of server %r written to %s: %.1f MiB in %.2f s (tables locked %.1f ms)",
              segment.name, final, body["chunk_bytes"] / 2**20, time.monotonic() - started,
@@ -301,16 +307,19 @@ def effective_tables(tables: Sequence[table_lib.Table], manifest: checkpoint_io.
     tables: the server's tables as given in code.
     manifest: the checkpoint to restore.
     on_config_mismatch: 'error' raises when a table's configuration differs from the
-      checkpoint's; 'prefer_code' keeps the code's; 'prefer_checkpoint' takes the checkpoint's
-      (extensions always come from code). Differences are logged in every case.
+      checkpoint's; 'prefer_code' keeps the code's (but not a code signature that differs from
+      the one a non-empty checkpoint table's items were written under); 'prefer_checkpoint'
+      takes the checkpoint's (extensions always come from code). Differences are logged in
+      every case.
 
   Returns:
     (tables to create, checkpoint table name -> index in them).
 
   Raises:
     ValueError: unknown policy, a checkpoint table missing from `tables` (the message lists the
-      available ones), or (policy 'error') differing configurations, naming every differing
-      field with both values.
+      available ones), (policy 'error') differing configurations, naming every differing
+      field with both values, or (policy 'prefer_code') a code signature other than the one the
+      checkpoint's items were written under.
   """
   if on_config_mismatch not in ON_CONFIG_MISMATCH:
     raise ValueError(f"on_config_mismatch must be one of {ON_CONFIG_MISMATCH}, got "
@@ -335,6 +344,14 @@ def effective_tables(tables: Sequence[table_lib.Table], manifest: checkpoint_io.
                 on_config_mismatch, text)
     if on_config_mismatch == "prefer_checkpoint":
       result[i] = _table_from_config(tables[i], saved["config"])
+    elif (on_config_mismatch == "prefer_code" and code["signature"] is not None
+          and code["signature"] != saved["config"].get("signature") and saved.get("num_items")):
+      raise ValueError(
+          f"table {saved['name']!r}: checkpoint {manifest.path} holds {saved['num_items']} items "
+          f"written under signature {saved['config'].get('signature')!r}, which the code's "
+          f"signature {code['signature']!r} does not describe; on_config_mismatch='prefer_code' "
+          "keeps the code's signature and so cannot restore them (restore with "
+          "'prefer_checkpoint', or give the table its checkpointed signature or none)")
   if problems and on_config_mismatch == "error":
     raise ValueError(f"the tables given differ from checkpoint {manifest.path} (pass "
                      "on_config_mismatch='prefer_code' or 'prefer_checkpoint' to choose): "

@@ -23,8 +23,8 @@ __all__ = ["Table", "TableInfo", "RateLimiterInfo", "RateLimiterCallStats", "Tab
            "table_info", "MAX_NAME_BYTES", "MAX_SIZE"]
 
 MAX_NAME_BYTES = 63
-# Largest max_size the C core lays out (its record capacity, max_size + 1, is at most 2**30).
-MAX_SIZE = 2**30 - 1
+# Largest max_size the C core lays out (its record capacity, max_size + 1, is at most 2**30 - 1).
+MAX_SIZE = 2**30 - 2
 _BLOB_VERSION = 1
 
 
@@ -53,7 +53,7 @@ class Table:
     name: unique within its server; 1..63 UTF-8 bytes, no '/'.
     sampler: selector choosing sampled items (see :mod:`reverb_shm.selectors`).
     remover: selector choosing the item evicted when the table exceeds `max_size`.
-    max_size: maximum number of items, 1..MAX_SIZE (2**30 - 1).
+    max_size: maximum number of items, 1..MAX_SIZE (2**30 - 2).
     rate_limiter: a :class:`~reverb_shm.rate_limiters.RateLimiter`.
     max_times_sampled: items are removed after this many samples; < 1 means unlimited.
     extensions: accepted for compatibility and stored (not run).
@@ -84,7 +84,7 @@ class Table:
     if max_size <= 0:
       raise ValueError(f"max_size must be > 0, got {max_size}")
     if max_size > MAX_SIZE:
-      raise ValueError(f"max_size must be <= {MAX_SIZE} (2**30 - 1, the largest table the "
+      raise ValueError(f"max_size must be <= {MAX_SIZE} (2**30 - 2, the largest table the "
                        f"shared-memory layout holds), got {max_size}")
     if rate_limiter.min_size_to_sample > max_size:
       warnings.warn(f"table {name!r}: min_size_to_sample ({rate_limiter.min_size_to_sample}) > "

@@ -17,6 +17,8 @@ from reverb_shm import checkpointers, cli, rate_limiters, selectors
 from reverb_shm._checkpoint import io as checkpoint_io
 from reverb_shm._internal import chunks
 
+from conftest import run_in_private_shm
+
 pytestmark = pytest.mark.timeout(120)
 
 _FIELDS = ["key", "priority", "times_sampled", "insert_seq", "update_seq", "inserted_at_ns"]
@@ -177,6 +179,48 @@ def test_damaged_manifest_is_detected_and_the_previous_checkpoint_loads(server_f
   _corrupt_newest_and_expect_older(server_factory, tmp_path, damage, "MANIFEST")
 
 
+def _rewrite_manifest_body(path, change):
+  """Replaces the MANIFEST body with change(body), re-hashed: a well-formed checksum over a body
+  that is not what a checkpoint writes."""
+  import hashlib   # pylint: disable=import-outside-toplevel
+  import msgpack   # pylint: disable=import-outside-toplevel
+  with open(os.path.join(path, "MANIFEST"), "rb") as f:
+    outer = msgpack.unpackb(f.read(), raw=False)
+  body = msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
+  packed = msgpack.packb(change(body), use_bin_type=True)
+  with open(os.path.join(path, "MANIFEST"), "wb") as f:
+    f.write(msgpack.packb({"body": packed, "sha256": hashlib.sha256(packed).hexdigest()},
+                          use_bin_type=True))
+
+
+def _without(key):
+  def change(body):
+    body.pop(key)
+    return body
+  return change
+
+
+def _table_field(key, value):
+  def change(body):
+    body["tables"][0][key] = value
+    return body
+  return change
+
+
+@pytest.mark.parametrize("change,reason", [
+    (_without("files"), r"malformed MANIFEST: 'files' is None, expected a dict"),
+    (lambda body: list(body), r"MANIFEST body is a list, expected a map"),
+    (_table_field("num_items", "11"), r"table 0: 'num_items' is '11', expected a int"),
+    (_table_field("items", "../elsewhere"), r"table 0: items file '../elsewhere' is not among"),
+    (lambda body: {**body, "files": {**body["files"], "../x": {"size": 1, "sha256": "0"}}},
+     r"file entry '../x' is not a file name in the checkpoint directory"),
+])
+def test_malformed_manifest_with_a_valid_checksum_is_skipped(server_factory, tmp_path, change,
+                                                             reason):
+  _corrupt_newest_and_expect_older(server_factory, tmp_path,
+                                   lambda p: _rewrite_manifest_body(p, change), reason)
+
+
 def test_kill_9_while_checkpointing_leaves_the_last_good_checkpoint(server_factory, tmp_path):
   """A subprocess checkpoints in a loop and is killed at random points, several times."""
   server = server_factory(_tables(), checkpointer=checkpointers.DefaultCheckpointer(tmp_path),
@@ -250,6 +294,38 @@ def test_prefer_code_with_a_table_too_small_for_the_items_fails(server_factory, 
     server_factory(_tables(prio_max_size=5),
                    checkpointer=checkpointers.DefaultCheckpointer(tmp_path),
                    on_config_mismatch="prefer_code")
+
+
+def _signed(signature):
+  return [reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100,
+                           rate_limiters.MinSize(1), signature=signature)]
+
+
+@pytest.mark.parametrize("items", [1, 0])
+def test_prefer_code_refuses_a_signature_the_checkpointed_items_do_not_match(
+    server_factory, tmp_path, items):
+  saved = {"x": reverb_shm.TensorSpec([4], np.float32)}
+  changed = {"x": reverb_shm.TensorSpec([7, 3], np.int64)}
+  server = server_factory(_signed(saved), checkpointer=checkpointers.DefaultCheckpointer(tmp_path))
+  for _ in range(items):
+    server.localhost_client().insert({"x": np.arange(4, dtype=np.float32)}, {"t": 1.0})
+  server.localhost_client().checkpoint()
+  server.stop()
+  make = lambda sig: server_factory(  # noqa: E731
+      _signed(sig), checkpointer=checkpointers.DefaultCheckpointer(tmp_path),
+      on_config_mismatch="prefer_code")
+  if items:
+    with pytest.raises(ValueError, match=r"table 't': checkpoint .* holds 1 items written under "
+                                         r"signature .*prefer_code"):
+      make(changed)
+    restored = make(None)   # no signature in code: the items need not match one
+    assert restored.shared_table("t").size == 1
+    assert restored.localhost_client().server_info()["t"].signature is None
+    restored.stop()
+  else:   # an empty table takes the code's signature
+    restored = make(changed)
+    assert restored.localhost_client().server_info()["t"].signature == changed
+    restored.stop()
 
 
 def test_reset_rate_limiter_unblocks_a_restored_table_without_dropping_items(server_factory,
@@ -326,3 +402,35 @@ def test_cli_checkpoint_writes_a_loadable_checkpoint(server_factory, tmp_path, c
   checkpoint_io.verify(manifest)
   assert [t["name"] for t in manifest.tables] == ["prio", "queue", "thrice"]
   assert manifest.table("prio")["num_items"] == 11
+
+
+_CHECKPOINT_DISK_FULL = textwrap.dedent("""
+    import os, numpy as np, reverb_shm
+    from reverb_shm import checkpointers, rate_limiters, selectors
+    root = "/dev/shm/ck"   # the private tmpfs holds both the segment and the checkpoints
+    table = reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 100,
+                             rate_limiters.MinSize(1))
+    server = reverb_shm.Server([table], checkpointer=checkpointers.DefaultCheckpointer(root),
+                               arena_bytes=40 << 20)
+    client = server.localhost_client()
+    client.insert({"x": np.ones(2 << 20, np.float64)}, {"t": 1.0})   # 16 MiB
+    first = client.checkpoint()
+    client.insert({"x": np.full(2 << 20, 2.0)}, {"t": 1.0})
+    try:
+      client.checkpoint()
+      print("second checkpoint written")
+    except OSError as e:
+      print("OSError", e.errno, e)
+    print("left", sorted(os.listdir(root)) == [os.path.basename(first)])
+    client.insert({"x": np.zeros(4)}, {"t": 1.0})
+    print("size", server.shared_table("t").size)
+    server.stop()
+""")
+
+
+def test_checkpoint_onto_a_full_disk_says_where_and_keeps_the_last_one():
+  out = run_in_private_shm(_CHECKPOINT_DISK_FULL, size_mib=64)
+  assert "OSError 28 [Errno 28] writing a checkpoint of server" in out, out
+  assert "under /dev/shm/ck: No space left on device (free space there, or keep fewer " \
+         "checkpoints: keep_latest); nothing was kept" in out, out
+  assert "left True" in out and "size 3" in out, out

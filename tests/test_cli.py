@@ -112,3 +112,9 @@ def test_gc_keeps_sidecars_of_live_servers(server_factory):
   assert os.path.exists(path)   # the default checkpointer's published settings
   assert cli.main(["gc", server.name]) == 0
   assert os.path.exists(path)
+
+
+def test_python_dash_m_reverb_shm_is_the_command_line():
+  out = subprocess.run([sys.executable, "-m", "reverb_shm", "info", "no-such-server-here"],
+                       capture_output=True, text=True, timeout=60)
+  assert out.returncode == 2 and "no-such-server-here" in out.stderr, out

@@ -155,6 +155,15 @@ def test_checkpoint_options_need_a_directory(capsys):
 
 
 @needs_protobuf
+@pytest.mark.parametrize("every", ["0", "-1", "nan", "inf", "1e10"])
+def test_checkpoint_every_out_of_range_is_refused(capsys, tmp_path, every):
+  assert cli.main(["serve", "--config", "/dev/null", "--checkpoint-dir", str(tmp_path),
+                   "--checkpoint-every", every]) == 2
+  assert "--checkpoint-every must be a number of seconds in (0, " in capsys.readouterr().err
+  assert not os.listdir(tmp_path)   # refused before anything started
+
+
+@needs_protobuf
 def test_reverb_server_takes_the_checkpoint_options(tmp_path, server_name):
   port, ckpt = _free_port(), str(tmp_path / "ckpt")
   code = "import sys; from reverb_shm import cli; sys.exit(cli.reverb_server_main(sys.argv[1:]))"

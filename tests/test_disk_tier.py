@@ -43,6 +43,22 @@ def _table(max_size=10_000):
                           rate_limiters.MinSize(1))
 
 
+def test_disk_tier_arena_limit_error_points_at_max_bytes_and_the_disk(tmp_path):
+  server = reverb_shm.Server([_table()], name=unique_server_name("disklimit"),
+                             storage=str(tmp_path), arena_bytes=1 << 20, max_bytes=24 << 20)
+  try:
+    st = server.shared_table("t")
+    st.insert({"x": np.ones((1, 1 << 20), np.float32)}, 1.0)   # 4 MiB: fits
+    with pytest.raises(errors.ResourceExhaustedError) as e:
+      st.insert({"x": np.ones((1, 10 << 20), np.float32)}, 1.0)   # 40 MiB: never fits
+    msg = str(e.value)
+    assert "cannot grow by that much within max_bytes" in msg, msg
+    assert "storage= directory" in msg and "/dev/shm" not in msg, msg
+    assert st.size == 1   # nothing of the refused insert went in
+  finally:
+    server.stop()
+
+
 def test_disk_backed_table_samples_updates_and_gathers_like_one_in_memory(tmp_path):
   name = unique_server_name("disk")
   server = reverb_shm.Server([_table()], name=name, storage=str(tmp_path), arena_bytes=1 << 20,

@@ -227,3 +227,11 @@ def test_cli_serves_the_config_until_sigint(how, tmp_path, server_name):
   with pytest.raises(errors.DeadlineExceededError):
     reverb_shm.Client(f"localhost:{port}").server_info(0.2)
 
+
+
+def test_serve_reports_a_config_file_that_is_not_utf8(capsys, tmp_path):
+  path = tmp_path / "latin1.txt"
+  path.write_bytes(b'tables { table_name: "caf\xe9" }')
+  assert cli.main(["serve", "--config", str(path)]) == 2
+  err = capsys.readouterr().err
+  assert f"--config {str(path)!r} is not UTF-8 text (byte 25:" in err, err

@@ -119,7 +119,7 @@ TIERS = [
     ("server", ["server"]),
     ("extensions", ["tf", "tf.*", "torch", "torch.*", "jax", "jax.*", "ray", "ray.*"]),
     ("cli", ["cli", "cli.*"]),
-    ("package", [""]),
+    ("package", ["", "__main__"]),
 ]
 COMPILED = {"reverb_shm._core", "reverb_shm._hot"}   # C extensions: the bottom of everything
 

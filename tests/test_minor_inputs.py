@@ -115,8 +115,8 @@ def test_tensor_spec_dims():
 
 
 def test_table_max_size_limit_is_the_c_layouts():
-  assert table_lib.MAX_SIZE == 2**30 - 1
-  with pytest.raises(ValueError, match=r"max_size must be <= 1073741823 \(2\*\*30 - 1"):
+  assert table_lib.MAX_SIZE == 2**30 - 2
+  with pytest.raises(ValueError, match=r"max_size must be <= 1073741822 \(2\*\*30 - 2"):
     _table(max_size=table_lib.MAX_SIZE + 1)
   # The C core lays out exactly MAX_SIZE (sizing only: nothing is allocated).
   cfg = ffi.new("rs_table_config[1]")

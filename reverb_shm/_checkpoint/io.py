@@ -302,13 +302,51 @@ def read_manifest(path: str) -> Manifest:
   if not isinstance(packed, bytes) or hashlib.sha256(packed).hexdigest() != digest:
     raise CorruptCheckpointError(f"{path}: {MANIFEST} checksum mismatch")
   body = msgpack.unpackb(packed, raw=False, strict_map_key=False)
+  if not isinstance(body, dict):
+    raise CorruptCheckpointError(f"{path}: {MANIFEST} body is a {type(body).__name__}, expected "
+                                 "a map")
   if body.get("format") != FORMAT:
     raise CorruptCheckpointError(f"{path}: not a reverb_shm checkpoint (format "
                                  f"{body.get('format')!r})")
   if body.get("version") != VERSION:
     raise CorruptCheckpointError(f"{path}: checkpoint format version {body.get('version')}, this "
                                  f"reverb_shm reads version {VERSION}")
+  problem = _body_problem(body)
+  if problem:
+    raise CorruptCheckpointError(f"{path}: malformed {MANIFEST}: {problem}")
   return Manifest(path, body)
+
+
+_TABLE_FIELDS = {"name": str, "config": dict, "counters": dict, "num_items": int, "items": str,
+                 "descs": str}
+
+
+def _body_problem(body: dict) -> Optional[str]:
+  """What is missing or of the wrong type in a manifest body (None when it has what reading,
+  verifying and restoring use)."""
+  for key, kind in (("chunk_bytes", int), ("num_chunks", int), ("tables", list),
+                    ("files", dict), ("created_at_ns", int)):
+    if not isinstance(body.get(key), kind):
+      return f"{key!r} is {body.get(key)!r:.60}, expected a {kind.__name__}"
+  for name, meta in body["files"].items():
+    if not (isinstance(name, str) and isinstance(meta, dict) and isinstance(meta.get("size"), int)
+            and isinstance(meta.get("sha256"), str)):
+      return f"file entry {name!r:.60}: {meta!r:.60}, expected {{'size': int, 'sha256': str}}"
+    if os.path.basename(name) != name or name in ("", ".", ".."):
+      return f"file entry {name!r:.60} is not a file name in the checkpoint directory"
+  for name in ("chunks.hdr", "chunks.bin"):
+    if name not in body["files"]:
+      return f"{name} is not among the files listed"
+  for i, table in enumerate(body["tables"]):
+    if not isinstance(table, dict):
+      return f"table {i} is {table!r:.60}, expected a map"
+    for key, kind in _TABLE_FIELDS.items():
+      if not isinstance(table.get(key), kind):
+        return f"table {i}: {key!r} is {table.get(key)!r:.60}, expected a {kind.__name__}"
+    for key in ("items", "descs"):
+      if table[key] not in body["files"]:
+        return f"table {i}: {key} file {table[key]!r:.60} is not among the files listed"
+  return None
 
 
 def verify(manifest: Manifest, progress: Optional[Progress] = None) -> None:

@@ -83,6 +83,8 @@ def check_supported_dtype(dtype: np.dtype, path) -> None:
 def check_priority(priority, table_name: str, prioritized: bool) -> float:
   """Returns `priority` as a float; ValueError if NaN, infinite or negative on Prioritized."""
   try:
+    if isinstance(priority, (str, bytes, bytearray)):   # (float() would parse them)
+      raise TypeError
     value = float(priority)
   except (TypeError, ValueError):
     raise ValueError(f"`priority` must be a number, got {priority!r}") from None

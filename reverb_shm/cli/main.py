@@ -213,6 +213,10 @@ def _cmd_serve(args) -> int:
   except OSError as e:
     print(f"reverb-shm serve: cannot read --config {args.config!r}: {e.strerror}", file=sys.stderr)
     return 2
+  except UnicodeDecodeError as e:
+    print(f"reverb-shm serve: --config {args.config!r} is not UTF-8 text (byte {e.start}: "
+          f"{e.reason}); expected a text-format ReverbServerConfig", file=sys.stderr)
+    return 2
   return serving.serve(text, args, prog="reverb-shm serve")
 
 

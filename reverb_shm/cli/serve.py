@@ -85,8 +85,9 @@ def _size_arg(text: str) -> int:
 def _check_options(args) -> None:
   if args.checkpoint_dir is None and (args.checkpoint_every is not None or args.checkpoint_on_exit):
     raise ValueError("--checkpoint-every and --checkpoint-on-exit need --checkpoint-dir DIR")
-  if args.checkpoint_every is not None and not args.checkpoint_every > 0:
-    raise ValueError(f"--checkpoint-every must be > 0 seconds, got {args.checkpoint_every}")
+  if args.checkpoint_every is not None and not 0 < args.checkpoint_every <= threading.TIMEOUT_MAX:
+    raise ValueError(f"--checkpoint-every must be a number of seconds in (0, "
+                     f"{threading.TIMEOUT_MAX:g}], got {args.checkpoint_every}")
   if args.checkpoint_keep < 1:
     raise ValueError(f"--checkpoint-keep must be >= 1, got {args.checkpoint_keep}")
   if args.arena_mib is not None and args.arena_mib < 1:
