@@ -317,15 +317,16 @@ def read_manifest(path: str) -> Manifest:
   return Manifest(path, body)
 
 
-_TABLE_FIELDS = {"name": str, "config": dict, "counters": dict, "num_items": int, "items": str,
-                 "descs": str}
+_BODY_FIELDS: Dict[str, type] = {"chunk_bytes": int, "num_chunks": int, "tables": list,
+                                 "files": dict, "created_at_ns": int}
+_TABLE_FIELDS: Dict[str, type] = {"name": str, "config": dict, "counters": dict,
+                                  "num_items": int, "items": str, "descs": str}
 
 
 def _body_problem(body: dict) -> Optional[str]:
   """What is missing or of the wrong type in a manifest body (None when it has what reading,
   verifying and restoring use)."""
-  for key, kind in (("chunk_bytes", int), ("num_chunks", int), ("tables", list),
-                    ("files", dict), ("created_at_ns", int)):
+  for key, kind in _BODY_FIELDS.items():
     if not isinstance(body.get(key), kind):
       return f"{key!r} is {body.get(key)!r:.60}, expected a {kind.__name__}"
   for name, meta in body["files"].items():
