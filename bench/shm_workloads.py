@@ -244,20 +244,23 @@ def _huge_kib(arr) -> int:
 W6_BATCH = 64
 
 
-def _w6_writer(name, batches, start, done_at, i):
+def _w6_writer(name, batches, start, done_at, i, cpu_s):
   table = reverb.SharedTable.attach(name)
   data = steps(W6_BATCH)
   start.wait()
+  cpu0 = time.process_time()
   for _ in range(batches):
     table.insert(data, 1.0)
   done_at[i] = time.perf_counter()
+  cpu_s[i] = time.process_time() - cpu0
 
 
-def _w6_sampler(name, samples, start, done_at, i, learner=False):
+def _w6_sampler(name, samples, start, done_at, i, cpu_s, learner=False):
   table = reverb.SharedTable.attach(name)
   out = [np.empty(W6_BATCH, np.int64), np.empty((W6_BATCH, 8), np.float32),
          np.empty(W6_BATCH, np.float32)]
   start.wait()
+  cpu0 = time.process_time()
   got = 0
   if learner:   # the learner's iterator (a background thread gathers batches ahead)
     from reverb_shm import learner as learner_lib  # pylint: disable=import-outside-toplevel
@@ -269,11 +272,14 @@ def _w6_sampler(name, samples, start, done_at, i, learner=False):
     while got < samples:
       got += len(table.sample_batch(min(W6_BATCH, samples - got), out=out).info.key)
   done_at[i] = time.perf_counter()
+  cpu_s[i] = time.process_time() - cpu0
 
 
 def _w6_cross(args, writers, learner=False):
-  """(items/s, seconds the processes took to exit afterwards) of `writers` writer processes + 1
-  sampler process (W6's pipeline).
+  """(items/s, seconds the processes took to exit afterwards, the sampler's share of a CPU) of
+  `writers` writer processes + 1 sampler process (W6's pipeline). The share is the sampler's CPU
+  time over its time in the pipeline: near 1 when it had a CPU to itself, near 0.5 when it
+  shared one with a writer (the pipeline then runs at about the one-process rate).
 
   The pipeline's time runs from the start barrier to the moment the last process finished its
   share (perf_counter is CLOCK_MONOTONIC, one clock for every process), as the in-process
@@ -287,10 +293,11 @@ def _w6_cross(args, writers, learner=False):
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Barrier(writers + 2)
     done_at = ctx.Array("d", writers + 1, lock=False)
-    procs = [ctx.Process(target=_w6_writer, args=(name, batches, start, done_at, i))
+    cpu_s = ctx.Array("d", writers + 1, lock=False)
+    procs = [ctx.Process(target=_w6_writer, args=(name, batches, start, done_at, i, cpu_s))
              for i in range(writers)]
     procs.append(ctx.Process(target=_w6_sampler, args=(name, total - total % W6_BATCH, start,
-                                                       done_at, writers, learner)))
+                                                       done_at, writers, cpu_s, learner)))
     for p in procs:
       p.start()
     start.wait(timeout=120)
@@ -301,7 +308,8 @@ def _w6_cross(args, writers, learner=False):
     if any(p.exitcode != 0 for p in procs):
       raise RuntimeError(f"W6 process failed: exit codes {[p.exitcode for p in procs]}")
   seconds = max(done_at) - t0
-  return total / seconds, joined - max(done_at)
+  share = cpu_s[writers] / max(done_at[writers] - t0, 1e-9)
+  return total / seconds, joined - max(done_at), round(share, 3)
 
 
 W6_TURNS = 5   # every variant measured this many times, in turns (the median is reported)
@@ -324,12 +332,27 @@ def _w6_in_process(batches: int) -> float:
     return 2 * batches * W6_BATCH / (time.perf_counter() - t0)
 
 
+def _cpu_times() -> dict:
+  """The machine's CPU seconds so far by kind, from /proc/stat's `cpu` line (all CPUs): `steal`
+  is time the hypervisor ran something else while a virtual CPU wanted to run (a pipeline of
+  processes loses the CPU it counted on). Zeros where /proc/stat is unreadable."""
+  fields = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+  try:
+    with open("/proc/stat") as f:
+      values = f.readline().split()[1:1 + len(fields)]
+    hz = os.sysconf("SC_CLK_TCK")
+    return {k: int(v) / hz for k, v in zip(fields, values)} | {k: 0.0 for k in fields[len(values):]}
+  except (OSError, ValueError):
+    return dict.fromkeys(fields, 0.0)
+
+
 def w6(args):
   """W6: the pipeline of writer processes and a sampler process against the same work in one
   process. Each run is short (~0.15 s at the default duration), and this machine kind's speed
   drifts over seconds to minutes, so the four variants are measured W6_TURNS times in turns, as
   the scaling workload's sizes are: a drift weighs on every variant alike, and each row reports
-  the median (its runs in `turns`)."""
+  the median (its runs in `turns`, and the CPU time the hypervisor stole during each in
+  `steal_s`: a pipeline that loses one of two CPUs runs at the one-process rate)."""
   batches = max(50, int(args.duration * 2000))  # per writer of the 2-writer pipeline
   variants = {
       "cross_process": ("2 writer + 1 sampler processes, insert(64) / sample_batch(64), "
@@ -340,18 +363,23 @@ def w6(args):
                                 "learner.BatchIterator(batch_size=64)",
                                 lambda: _w6_cross(args, 2, learner=True)),
       "in_process": ("the same inserts and samples in one process",
-                     lambda: (_w6_in_process(batches), None)),
+                     lambda: (_w6_in_process(batches), None, None)),
   }
   runs = {name: [] for name in variants}
+  steal = {name: [] for name in variants}
   for _ in range(W6_TURNS):
     for name, (_, measure) in variants.items():
+      before = _cpu_times()
       runs[name].append(measure())
+      after = _cpu_times()
+      steal[name].append(round(after["steal"] - before["steal"], 3))
   rows = []
   for name, (api, _) in variants.items():
-    rates = [rate for rate, _ in runs[name]]
-    extra = {"turns": rates}
+    rates = [rate for rate, _, _ in runs[name]]
+    extra = {"turns": rates, "steal_s": steal[name]}
     if runs[name][0][1] is not None:
-      extra["exit_s"] = float(np.median([exit_s for _, exit_s in runs[name]]))
+      extra["exit_s"] = float(np.median([exit_s for _, exit_s, _ in runs[name]]))
+      extra["sampler_cpu_share"] = [share for _, _, share in runs[name]]
     rows.append(row("W6", name, api, float(np.median(rates)), **extra))
   return rows
 
