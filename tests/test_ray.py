@@ -522,11 +522,24 @@ def test_a_stalled_node_is_dropped_within_the_deadline_and_rejoins(filled):
     assert time.monotonic() - t0 < 20
     assert len(got) == 32 and cc.failures == 1 and list(cc.dead) == [b]
     assert all(cc.shard_of(s.info.key) != b for s in got)
+    # Probing the stalled shard (up to timeout_s = 2 s) happens in the background: sampling
+    # from the live shards does not wait for it.
+    time.sleep(0.6)
+    for _ in range(3):
+      t0 = time.monotonic()
+      assert len(cc.sample("prio", 32, rate_limiter_timeout_ms=10_000)) == 32
+      assert time.monotonic() - t0 < 1.0
+    assert list(cc.dead) == [b]
   finally:
     os.kill(pid, signal.SIGCONT)
   time.sleep(0.6)
+  # The first call starts the probe in the background and does not wait for it; a later one
+  # takes its answer in.
+  t0 = time.monotonic()
   with pytest.warns(RuntimeWarning, match=f"shard {b} answers again"):
-    got = cc.sample("prio", 32, rate_limiter_timeout_ms=10_000)
+    while not cc.revived and time.monotonic() - t0 < 30:
+      got = cc.sample("prio", 32, rate_limiter_timeout_ms=10_000)
+      time.sleep(0.05)
   assert cc.revived == 1 and not cc.dead and cc.live_shards == [0, 1, 2]
   cc.close()
 
@@ -600,3 +613,41 @@ def test_node_failure_checkpoint_and_restore(filled):
   assert probe["local_shard"] == a and probe["client"] == "Client"
   ray.kill(writer_b)
   cc.close()
+
+
+def test_a_killed_server_on_the_learners_node_is_dropped_for_every_table(filled):
+  """This node's shard is sampled through shared memory, whose tables stay readable in this
+  process after its server dies: the learner drops it at once all the same, for a table it
+  sampled before the kill as for one it had not."""
+  local, handle = filled
+  h = _shard(handle, local, "head")
+  cc = handle.global_client(seed=7, timeout_s=2, revive_after_s=0.2)
+  assert cc.is_local(h)
+  for call in (cc.sample, cc.sample_batch):   # (a bad timeout: the local clients' message)
+    with pytest.raises(ValueError, match=r"rate_limiter_timeout_ms must be None \(wait forever\) "
+                                         r"or >= 0 milliseconds, got -1"):
+      call("prio", 4, rate_limiter_timeout_ms=-1)
+  # (sample_batch draws this node's share straight from the cached table)
+  assert len(cc.sample_batch("prio", 64, rate_limiter_timeout_ms=10_000).info.key) == 64
+  os.kill(handle.entries[h].pid, signal.SIGKILL)
+  t0 = time.monotonic()
+  with pytest.warns(RuntimeWarning, match=f"shard {h} .* dropped"):
+    while not cc.dead and time.monotonic() - t0 < 10:
+      got = cc.sample_batch("prio", 64, rate_limiter_timeout_ms=10_000)
+      time.sleep(0.01)
+  assert list(cc.dead) == [h] and "DeadOwnerError" in cc.dead[h]
+  assert time.monotonic() - t0 < 5
+  for table in ("prio", "unif"):
+    for _ in range(3):
+      keys = cc.sample_batch(table, 64, rate_limiter_timeout_ms=10_000).info.key.tolist()
+      keys += [s.info.key for s in cc.sample(table, 64, rate_limiter_timeout_ms=10_000)]
+      assert len(keys) == 128 and all(cc.shard_of(k) != h for k in keys)
+      time.sleep(0.1)   # (probes of the dead shard start, and fail, meanwhile)
+  assert list(cc.dead) == [h] and cc.revived == 0
+  cc.close()
+  # A writer on this node asking for its node's client hears of the death at once (not from a
+  # bridge client that retries the dead bridge for reconnect_timeout_s).
+  t0 = time.monotonic()
+  with pytest.raises(reverb_shm.errors.DeadOwnerError, match="is dead"):
+    handle.client(h, reconnect_timeout_s=10)
+  assert time.monotonic() - t0 < 2

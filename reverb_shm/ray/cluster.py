@@ -124,12 +124,22 @@ class ClusterHandle:
   def attach_local(self, shard: int) -> Optional[client_lib.Client]:
     """A shared-memory Client of `shard` if its segment is reachable from this process and is
     the one the shard reported (same generation id); else None."""
+    return self._attach(shard, raise_dead=False)
+
+  def _attach(self, shard: int, raise_dead: bool) -> Optional[client_lib.Client]:
+    """attach_local; with `raise_dead`, the DeadOwnerError of a segment of this shard's server
+    name whose server died (it is on this node: its bridge is gone with it)."""
     e = self.entries[shard]
     c = client_lib.Client(f"shm://{e.server_name}")
     try:
       seg = c._segment()  # pylint: disable=protected-access
       if int(seg.info()["generation"]) == e.generation:
+        if raise_dead and seg.owner_dead:
+          raise seg.dead_owner_error()
         return c
+    except errors.DeadOwnerError:
+      if raise_dead:
+        raise
     except (errors.ReverbError, OSError, ValueError):
       pass
     return None
@@ -147,6 +157,11 @@ class ClusterHandle:
 
     The client works on shared memory when the shard's segment is reachable from here and is
     that shard's (tried, not assumed); otherwise it is a RemoteClient over the shard's bridge.
+
+    Raises:
+      ValueError: `shard` outside [0, num_shards).
+      DeadOwnerError: the shard's server is on this node and has died (at once, rather than a
+        RemoteClient to its bridge, gone with it, failing after reconnect_timeout_s).
     """
     if shard is None:
       shard = self.local_shard()
@@ -155,7 +170,7 @@ class ClusterHandle:
       shard = zlib.crc32(node.encode()) % self.num_shards
     if not 0 <= shard < self.num_shards:
       raise ValueError(f"shard must be in [0, {self.num_shards}), got {shard!r}")
-    local = self.attach_local(shard)
+    local = self._attach(shard, raise_dead=True)
     return local if local is not None else self.remote_client(shard, reconnect_timeout_s)
 
   def global_client(self, **kwargs):

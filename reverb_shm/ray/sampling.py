@@ -44,7 +44,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from reverb_shm import errors, specs
-from reverb_shm._internal import structure
+from reverb_shm._internal import structure, timeouts
 from reverb_shm.ray._group import GroupAnswers
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.selectors import PRIORITIZED
@@ -187,7 +187,9 @@ class ClusterClient:
     handle: the ClusterHandle.
     timeout_s: deadline of each call to a shard (reading its masses, probing it); a shard that
       misses it is dropped.
-    revive_after_s: how often a dropped shard is probed again.
+    revive_after_s: how often a dropped shard is probed again (in the background: a sampling
+      call starts the probes that are due and takes in the answers of those that finished,
+      never waiting for one).
     max_mass_age_s: sample_batch splits by the masses the shards reported with their last
       draws when they are at most this old (0: reads them before every draw; see
       sample_batch).
@@ -224,6 +226,9 @@ class ClusterClient:
     self.revived = 0                   # dropped shards that answered again
     self._revive_after_s = float(revive_after_s)
     self._dropped_at: Dict[int, float] = {}
+    self._probes: Dict[int, concurrent.futures.Future] = {}   # shard -> its revival probe
+    self._probe_pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=max(1, handle.num_shards), thread_name_prefix="reverb_shm-ray-probe")
     self._max_mass_age_s = float(max_mass_age_s)
     self._mass_cache: Dict[str, Dict[int, tuple]] = {}   # table -> shard -> (masses, when)
     self._local_tables: dict = {}
@@ -278,23 +283,41 @@ class ClusterClient:
     return self.live_shards
 
   def _revive(self) -> None:
-    """Probes the dropped shards not probed for revive_after_s; those that answer rejoin."""
-    now = time.monotonic()
-    due = [s for s in list(self.dead) if now - self._dropped_at.get(s, 0) >= self._revive_after_s]
-    for s in due:
-      self._dropped_at[s] = now
-      if self._alive(s):
+    """Takes in the revival probes that finished (the shards that answered rejoin) and starts
+    one for each dropped shard not probed for revive_after_s. Never waits for a probe: a dead
+    node's probe takes up to timeout_s, which the learner's sampling must not."""
+    for s, probe in list(self._probes.items()):
+      if not probe.done():
+        continue
+      del self._probes[s]
+      if probe.result():
         with self._lock:
           self.dead.pop(s, None)
           self.revived += 1
         warnings.warn(f"reverb_shm.ray: shard {s} answers again and rejoins sampling",
                       RuntimeWarning, stacklevel=3)
+    now = time.monotonic()
+    for s in list(self.dead):
+      if s not in self._probes and now - self._dropped_at.get(s, 0) >= self._revive_after_s:
+        self._dropped_at[s] = now
+        self._probes[s] = self._probe_pool.submit(self._alive, s)
 
   # ---- masses
+  def _live_segment(self, shard: int):
+    """The segment of this node's `shard`. Raises DeadOwnerError once its server died (its
+    tables stay readable in this process, which must not sample them on), TableClosedError once
+    it stopped."""
+    seg = self._clients[shard]._segment()  # pylint: disable=protected-access
+    if seg.owner_dead:
+      raise seg.dead_owner_error()
+    if seg.is_closed():
+      raise errors.TableClosedError(f"shard {shard}'s server {seg.name!r} stopped")
+    return seg
+
   def _stats(self, shard: int, table: str) -> dict:
     c = self._clients[shard]
     if self.is_local(shard):
-      seg = c._segment()  # pylint: disable=protected-access
+      seg = self._live_segment(shard)
       return seg.stats(seg.table_index(table))
     for entry in c._fetch_tables(timeout=self._timeout_s):  # pylint: disable=protected-access
       if entry["name"] == table:
@@ -325,8 +348,7 @@ class ClusterClient:
   def _stats_any(self, shard: int) -> None:
     c = self._clients[shard]
     if self.is_local(shard):
-      if c._segment().is_closed():  # pylint: disable=protected-access
-        raise errors.TableClosedError("closed")
+      self._live_segment(shard)
     else:
       c._fetch_tables(timeout=min(self._timeout_s, 2.0))  # pylint: disable=protected-access
 
@@ -348,12 +370,13 @@ class ClusterClient:
     and whose info holds the global probability and table_size. Items come grouped by shard.
 
     Raises:
-      ValueError: num_samples < 1.
+      ValueError: num_samples < 1, or a negative rate_limiter_timeout_ms.
       ServerUnavailableError: no live shard left.
       DeadlineExceededError: a live shard's rate limiter did not allow the draw in time.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
       raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    timeouts.deadline_from_ms(rate_limiter_timeout_ms, "rate_limiter_timeout_ms")   # (validates)
     out: List[ReplaySample] = []
     while len(out) < num_samples:
       masses = self.masses(table)
@@ -418,12 +441,14 @@ class ClusterClient:
     (bench/ray_r1.py measures prefetch 0, 4 and 32).
 
     Raises:
-      ValueError: num_samples < 1, or items of different column layouts.
+      ValueError: num_samples < 1, a negative rate_limiter_timeout_ms, or items of different
+        column layouts.
       ServerUnavailableError: no live shard left.
       DeadlineExceededError: a live shard's rate limiter did not allow the draw in time.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
       raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    timeouts.deadline_from_ms(rate_limiter_timeout_ms, "rate_limiter_timeout_ms")   # (validates)
     args = (table, num_samples, rate_limiter_timeout_ms)
     if self._pending and self._pending[0].args != args:
       self._drop_pending()
@@ -639,6 +664,7 @@ class ClusterClient:
 
   def _draw_local(self, shard: int, table: str, k: int, timeout_ms: Optional[int],
                   with_stats: bool = True):
+    self._live_segment(shard)
     st = self._local_tables.get((shard, table))
     if st is None:
       st = self._local_tables[(shard, table)] = self._clients[shard].shared_table(table)
@@ -741,6 +767,7 @@ class ClusterClient:
   def close(self) -> None:
     self._drop_pending()
     self._pool.shutdown(wait=False)
+    self._probe_pool.shutdown(wait=False, cancel_futures=True)
     for c in self._clients.values():
       close = getattr(c, "close", None)
       if close is not None:
