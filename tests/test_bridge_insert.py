@@ -78,6 +78,7 @@ def _scenario(server_factory) -> tuple:
       lambda: client.insert(np.int32(3), {"p": 1e308}),                  # beyond the cap
       lambda: client.insert(big, {"p": 0.5}),
       lambda: client.insert(np.int32(4), {"p": 0.25, "queue": 1.0}, timeout_ms=0),
+      lambda: client.insert(np.array([object()]), {"p": 1.0}),   # not storable
   ]
   outcomes = [_outcome(fn, server.bridge_address) for fn in calls]
   kinds = _stream_kinds(client)
@@ -112,6 +113,11 @@ def test_inserts_give_the_same_results_and_errors_on_every_transport(server_fact
   assert [o[0] for o in outcomes[6:9]] == ["DeadlineExceededError", "DeadlineExceededError",
                                           "InvalidArgumentError"]
   assert outcomes[10][0] == "DeadlineExceededError"   # "p" took it, the full queue did not
+  # The local client's error for an object it cannot store, with its message.
+  local = _outcome(lambda: server_factory([reverb_shm.Table.queue("q", 1)]).localhost_client()
+                   .insert(np.array([object()]), {"q": 1.0}))
+  assert outcomes[11][0] == local[0] == "ValueError"
+  assert outcomes[11][1] == local[1] and "object column rows must hold" in local[1]
   assert [c[0] for c in contents["p"]] == [0.25, 0.5]
   assert contents["p"][1][1][0] == [np.arange(len(contents["p"][1][1][0][0])).tolist()]
   assert len(contents["p"][1][1][0][0]) == (wire.FRAME_BYTES // 4) * 2 + 5

@@ -448,6 +448,15 @@ def _pack_row(row) -> bytes:
                         for x in arr.reshape(-1)], use_bin_type=True)
 
 
+def check_object_row(row) -> None:
+  """Raises object_chunk's ValueError unless `row`'s elements can be stored (str, bytes,
+  numbers): for paths that encode object rows elsewhere (a bridge client)."""
+  try:
+    _pack_row(row)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"object column rows must hold str/bytes/numbers: {e}") from None
+
+
 def object_chunk(seg, values: list, episode_id: int = 0, start_step: int = 0,
                  owned: bool = False) -> Chunk:
   """Stores rows of str/bytes/object elements (all of one element shape) as msgpack (`owned`:
@@ -460,10 +469,9 @@ def object_chunk(seg, values: list, episode_id: int = 0, start_step: int = 0,
   if not len(values):
     raise ValueError("object_chunk needs at least one row")
   shape = np.shape(values[0])
-  try:
-    packed = [_pack_row(v) for v in values]
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"object column rows must hold str/bytes/numbers: {e}") from None
+  for v in values:
+    check_object_row(v)
+  packed = [_pack_row(v) for v in values]
   for v in values:
     if np.shape(v) != shape:
       raise ValueError(f"object column rows differ in shape: {shape} vs {np.shape(v)}")

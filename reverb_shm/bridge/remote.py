@@ -33,7 +33,7 @@ from reverb_shm import client as client_lib
 from reverb_shm import errors, specs
 from reverb_shm import table as table_lib
 from reverb_shm._internal import columns as columns_lib
-from reverb_shm._internal import shm, structure, timeouts
+from reverb_shm._internal import chunks, shm, structure, timeouts
 from reverb_shm._internal._lib import ffi
 from reverb_shm._internal.keys import random_u64
 from reverb_shm.bridge import security, watchdog, wire, writes, zmq_client
@@ -471,6 +471,7 @@ class RemoteClient(client_lib.Client):
     ops = []
     for cid, a in enumerate(arrays, 1):
       if a.dtype.kind == "O":
+        chunks.check_object_row(a)   # (the local client's error, before anything is sent)
         ops.append({"op": "obj", "id": cid, "s": list(a.shape), "ep": episode_id, "step": 0,
                     "rows": [[x.item() if isinstance(x, np.generic) else x
                               for x in a.reshape(-1)]]})
