@@ -202,7 +202,7 @@ def test_bad_client_inserts_raise_as_before_and_insert_nothing(server_factory, c
   assert st.size == size + 1
 
 
-@pytest.mark.parametrize("priority", [np.float64(2.0), 3, True, np.float32(0.5), 2**53 + 1, "1.5"])
+@pytest.mark.parametrize("priority", [np.float64(2.0), 3, True, np.float32(0.5), 2**53 + 1])
 def test_other_priority_types_insert_as_before(server_factory, priority):
   server = server_factory([reverb_shm.Table.queue("q", 100)])
   client = server.localhost_client()
@@ -212,6 +212,19 @@ def test_other_priority_types_insert_as_before(server_factory, priority):
   with python_paths():
     server.localhost_client().insert(w1_step(1), {"q": priority})
   assert server.shared_table("q").items()["priority"].tolist()[-2:] == [float(priority)] * 2
+
+
+@pytest.mark.parametrize("priority", ["1.5", b"2"])
+def test_text_priorities_are_refused_on_both_paths(server_factory, priority):
+  server = server_factory([reverb_shm.Table.queue("q", 100)])
+  client = server.localhost_client()
+  client.insert(w1_step(0), {"q": 1.0})
+  with pytest.raises(ValueError, match="`priority` must be a number") as fast:
+    client.insert(w1_step(1), {"q": priority})
+  with python_paths(), pytest.raises(ValueError) as slow:
+    server.localhost_client().insert(w1_step(1), {"q": priority})
+  assert str(fast.value) == str(slow.value)
+  assert server.shared_table("q").size == 1
 
 
 def test_several_tables_take_the_python_path(server_factory, spy):

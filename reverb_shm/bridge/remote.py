@@ -32,8 +32,8 @@ import numpy as np
 from reverb_shm import client as client_lib
 from reverb_shm import errors, specs
 from reverb_shm import table as table_lib
-from reverb_shm._internal import columns as columns_lib
 from reverb_shm._internal import chunks, shm, structure, timeouts
+from reverb_shm._internal import columns as columns_lib
 from reverb_shm._internal._lib import ffi
 from reverb_shm._internal.keys import random_u64
 from reverb_shm.bridge import security, watchdog, wire, writes, zmq_client
