@@ -128,10 +128,14 @@ class SharedTable:
   # ---- validation helpers
   def _priorities(self, priorities, n: int, what: str = "priorities") -> np.ndarray:
     try:
-      p = np.asarray(priorities)
-      if p.dtype.kind not in "biuf":   # (numpy would parse strings: '2.5' -> 2.5)
-        raise TypeError
-      p = p.astype(np.float64, copy=False)
+      if type(priorities) is float or (type(priorities) is np.ndarray
+                                       and priorities.dtype.kind == "f"):
+        p = np.asarray(priorities, dtype=np.float64)   # (the common calls: nothing to refuse)
+      else:
+        p = np.asarray(priorities)
+        if p.dtype.kind not in "biuf":   # (numpy would parse strings: '2.5' -> 2.5)
+          raise TypeError
+        p = p.astype(np.float64, copy=False)
     except (TypeError, ValueError):
       raise ValueError(f"{what} must be numbers, got {priorities!r:.80}") from None
     if p.ndim == 0:

@@ -760,11 +760,12 @@ class TrajectoryWriter(hot.WriterBase):
       if insert:
         raise
     self._batch = []
-    run = hot.batch_run(batch, 0)
-    if run[0] < len(batch) and insert and not self._pending:
-      batch, run = self._grouped(batch), None
-    i = 0
+    i, run = 0, None
     try:
+      if insert and not self._pending and len(batch) > 2:
+        run = hot.batch_run(batch, 0)   # (its first run, used below unless it regroups)
+        if run[0] < len(batch):
+          batch, run = self._grouped(batch), None
       while i < len(batch):
         kind = batch[i][0]
         j, positions, priorities = run or hot.batch_run(batch, i)

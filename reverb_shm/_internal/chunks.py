@@ -448,11 +448,15 @@ def _pack_row(row) -> bytes:
                         for x in arr.reshape(-1)], use_bin_type=True)
 
 
-def check_object_row(row) -> None:
-  """Raises object_chunk's ValueError unless `row`'s elements can be stored (str, bytes,
-  numbers): for paths that encode object rows elsewhere (a bridge client)."""
+def pack_object_rows(rows) -> List[bytes]:
+  """The msgpack bytes of each row of str/bytes/number elements, as object chunks store them.
+
+  Raises:
+    ValueError: an element msgpack cannot encode (a bridge client checks its rows with this
+      before sending them, for the same error as a local insert).
+  """
   try:
-    _pack_row(row)
+    return [_pack_row(row) for row in rows]
   except (TypeError, ValueError) as e:
     raise ValueError(f"object column rows must hold str/bytes/numbers: {e}") from None
 
@@ -469,9 +473,7 @@ def object_chunk(seg, values: list, episode_id: int = 0, start_step: int = 0,
   if not len(values):
     raise ValueError("object_chunk needs at least one row")
   shape = np.shape(values[0])
-  for v in values:
-    check_object_row(v)
-  packed = [_pack_row(v) for v in values]
+  packed = pack_object_rows(values)
   for v in values:
     if np.shape(v) != shape:
       raise ValueError(f"object column rows differ in shape: {shape} vs {np.shape(v)}")

@@ -471,7 +471,7 @@ class RemoteClient(client_lib.Client):
     ops = []
     for cid, a in enumerate(arrays, 1):
       if a.dtype.kind == "O":
-        chunks.check_object_row(a)   # (the local client's error, before anything is sent)
+        chunks.pack_object_rows([a])   # (the local client's error, before anything is sent)
         ops.append({"op": "obj", "id": cid, "s": list(a.shape), "ep": episode_id, "step": 0,
                     "rows": [[x.item() if isinstance(x, np.generic) else x
                               for x in a.reshape(-1)]]})

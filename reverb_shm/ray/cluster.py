@@ -122,8 +122,8 @@ class ClusterHandle:
     return None
 
   def attach_local(self, shard: int) -> Optional[client_lib.Client]:
-    """A shared-memory Client of `shard` if its segment is reachable from this process and is
-    the one the shard reported (same generation id); else None."""
+    """A shared-memory Client of `shard` if its segment is reachable from this process, is the
+    one the shard reported (same generation id) and its server lives; else None."""
     return self._attach(shard, raise_dead=False)
 
   def _attach(self, shard: int, raise_dead: bool) -> Optional[client_lib.Client]:
@@ -133,10 +133,11 @@ class ClusterHandle:
     c = client_lib.Client(f"shm://{e.server_name}")
     try:
       seg = c._segment()  # pylint: disable=protected-access
-      if int(seg.info()["generation"]) == e.generation:
-        if raise_dead and seg.owner_dead:
-          raise seg.dead_owner_error()
-        return c
+      if int(seg.info()["generation"]) != e.generation:
+        return None
+      if seg.owner_dead:
+        raise seg.dead_owner_error()
+      return c
     except errors.DeadOwnerError:
       if raise_dead:
         raise
