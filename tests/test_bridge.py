@@ -207,6 +207,39 @@ def test_dead_bridge_gives_a_clear_error_without_hanging(server_factory):
   assert server.localhost_client().server_info()["dist"].current_size == 1
 
 
+def _pairs_writer(client, table: str, n: int):
+  """A remote writer with n - 1 items (pairs of its n steps) created in `table`, unflushed."""
+  writer = client.trajectory_writer(2)
+  for i in range(n):
+    writer.append({"x": np.float32(i)})
+    if i:
+      writer.create_item(table, 1.0, {"x": writer.history["x"][-2:]})
+  return writer
+
+
+def test_writer_closed_after_its_bridge_stopped_warns_of_unconfirmed_items(server_factory):
+  server = server_factory([_uniform("dist")])
+  bridge = Bridge(server.name)
+  client = RemoteClient(bridge.address, reconnect_timeout_s=0.5)
+  writer = _pairs_writer(client, "dist", 50)
+  bridge.stop()
+  with pytest.warns(RuntimeWarning) as got:
+    writer.close()
+  text = " ".join(str(w.message) for w in got)
+  assert "49 items" in text and "not confirmed" in text and "stream ended" in text, text
+  assert "rate limiter" not in text   # (not the limiter's doing)
+  assert server.localhost_client().server_info()["dist"].current_size == 0
+
+
+def test_writer_closed_with_items_its_limiter_did_not_admit_warns_of_the_limiter(served):
+  server, client = served   # "queue": a queue of 10 items, blocking inserts beyond
+  writer = _pairs_writer(client, "queue", 16)
+  with pytest.warns(RuntimeWarning, match="5 items .* rate limiter did not admit") as got:
+    writer.close()
+  assert not any("not confirmed" in str(w.message) for w in got)
+  assert server.localhost_client().server_info()["queue"].current_size == 10
+
+
 @pytest.mark.timeout(30)
 def test_server_info_after_the_bridge_stopped_raises_within_reconnect_timeout(server_factory):
   server = server_factory([_uniform("dist")])

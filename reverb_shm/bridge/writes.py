@@ -313,7 +313,9 @@ class WriteSession:
 
   def close(self) -> None:
     """Half-closes the stream: the bridge inserts the items the limiters admit at once and
-    drops the others (RuntimeWarning). Never raises; idempotent."""
+    drops the others. Items dropped so, and items the bridge never confirmed (the stream was
+    lost, or the bridge did not answer within the grace period), are named in a RuntimeWarning,
+    each with its cause. Never raises; idempotent."""
     with self._lock:
       stream = self._stream
       if stream is None:
@@ -326,15 +328,23 @@ class WriteSession:
         stream.half_close()       # the bridge ends the stream once it handled every op
         if self._unconfirmed and not stream.ended:
           self._cond.wait_for(lambda: stream.ended, _CLOSE_GRACE_S)
-        lost = self._dropped + self._in_flight_items
+        dropped, unconfirmed = self._dropped, self._in_flight_items
         self._stream = None       # (acks were counted until now)
-      if lost:
+      if dropped or unconfirmed:
         stream.cancel()
-    if lost:
-      warnings.warn(f"TrajectoryWriter closed with {lost} items sent to bridge "
+    if dropped:
+      warnings.warn(f"TrajectoryWriter closed with {dropped} items sent to bridge "
                     f"{self._address} that their rate limiter did not admit; they were "
                     "dropped (call flush() before close() to wait)", RuntimeWarning,
                     stacklevel=4)
+    if unconfirmed:
+      cause = (f"the bridge did not confirm them within {_CLOSE_GRACE_S:g} s" if not stream.ended
+               else "the stream ended first: " + (
+                   str(self._rpc_error(stream.error, self._address)) if stream.error is not None
+                   else "the bridge closed it"))
+      warnings.warn(f"TrajectoryWriter closed with {unconfirmed} items sent to bridge "
+                    f"{self._address} but not confirmed ({cause}); they may not have been "
+                    "inserted", RuntimeWarning, stacklevel=4)
 
   # ---- chunks
   def _chunk(self, staging, off: int, rows_needed: int, ops: list, batch: _Batch) -> _SentChunk:
