@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import reverb_shm
@@ -47,6 +48,23 @@ def test_info_prints_the_segment_breakdown_of_what_is_reserved(server_factory, c
   # What the file holds in /dev/shm is what the segment reserved (plus page rounding).
   held = os.stat(f"/dev/shm/rvshm.{server.name}").st_blocks * 512
   assert info["reserved_bytes"] <= held <= info["reserved_bytes"] + 3 * 4096
+
+
+def test_info_of_a_disk_tier_server_bounds_the_file_by_max_bytes_not_dev_shm(
+    server_factory, capsys, tmp_path):
+  server = server_factory([_table()], storage=str(tmp_path), arena_bytes=4 << 20,
+                          max_bytes=24 << 20)
+  for _ in range(30):   # 30 rows of 400 KB: the arena grows past 4 MiB, in the file
+    server.localhost_client().insert(np.zeros(100_000, np.float32), priorities={"t": 1.0})
+  info = server.segment.info()
+  assert info["arena_size"] > 4 << 20
+  assert cli.main(["info", server.name]) == 0
+  out = capsys.readouterr().out
+  in_shm = (info["reserved_bytes"] - info["arena_size"]) / 2**20
+  assert f"segment: {in_shm:.1f} MiB in /dev/shm = pin logs " in out, out
+  assert (f"disk tier: arena {info['arena_size'] / 2**20:.1f} MiB ({info['extents']} extent(s) "
+          f"added) of max_bytes 24.0 MiB, in the file {server.segment.arena_path}") in out, out
+  assert "reserved of max_bytes" not in out
 
 
 def test_unknown_server_is_a_clear_error(capsys):

@@ -83,15 +83,20 @@ def _info_local(name: str, as_json: bool) -> int:
   print(f"arena: {info['arena_used'] / _MiB:.1f} MiB used of {info['arena_size'] / _MiB:.1f} MiB, "
         f"{info['num_chunks']} chunks, {info['num_descs']} item descriptors")
   pin_logs = sizes["pin_log_bytes"]
-  limit = (f"max_bytes {info['max_bytes'] / _MiB:.1f} MiB" if info["max_bytes"] else
-           f"arena fixed at {info['arena_max'] / _MiB:.1f} MiB")
-  print(f"segment: {info['reserved_bytes'] / _MiB:.1f} MiB reserved of {limit} = arena "
-        f"{info['arena_size'] / _MiB:.1f} MiB ({info['extents']} extent(s) added) + pin logs "
-        f"{pin_logs / _MiB:.1f} MiB (grown per process as needed, up to {info['pins_per_proc']} "
-        f"pins x {PIN_ENTRY_BYTES} bytes) + tables' metadata, counters and header "
-        f"{sizes['metadata_bytes'] / _MiB:.1f} MiB")
-  if seg.arena_path is not None:
-    print(f"disk tier: the arena is the file {seg.arena_path} (/dev/shm holds the rest)")
+  arena = f"arena {info['arena_size'] / _MiB:.1f} MiB ({info['extents']} extent(s) added)"
+  rest = (f"pin logs {pin_logs / _MiB:.1f} MiB (grown per process as needed, up to "
+          f"{info['pins_per_proc']} pins x {PIN_ENTRY_BYTES} bytes) + tables' metadata, counters "
+          f"and header {sizes['metadata_bytes'] / _MiB:.1f} MiB")
+  if seg.arena_path is not None:   # (max_bytes bounds the arena's file, not /dev/shm)
+    print(f"segment: {(info['reserved_bytes'] - info['arena_size']) / _MiB:.1f} MiB in /dev/shm "
+          f"= {rest}")
+    print(f"disk tier: {arena} of max_bytes {info['max_bytes'] / _MiB:.1f} MiB, in the file "
+          f"{seg.arena_path}")
+  else:
+    limit = (f"max_bytes {info['max_bytes'] / _MiB:.1f} MiB" if info["max_bytes"] else
+             f"arena fixed at {info['arena_max'] / _MiB:.1f} MiB")
+    print(f"segment: {info['reserved_bytes'] / _MiB:.1f} MiB reserved of {limit} = {arena} + "
+          f"{rest}")
   for index, table in enumerate(seg.table_names()):
     st, t = seg.stats(index), figures["tables"][table]
     print(f"  table {table!r}: size {st['size']}/{st['max_size']}, inserts {st['inserts']}, "
