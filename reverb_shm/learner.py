@@ -49,7 +49,8 @@ columns. ``Batch.table`` says which table each row came from.
 Reproducibility. With ``seed``, the background thread seeds its sampling random number generator
 (the C core's generator of that thread) and the mixing draws, so the sequence of sampled keys is
 the same for the same table content and the same order of inserts and priority changes, for one
-iterator sampling alone. Not guaranteed: while other processes or threads insert, remove or
+iterator sampling alone (whatever its prefetch, keep, copy or partial, and in the torch and JAX
+iterators alike). Not guaranteed: while other processes or threads insert, remove or
 sample (limiter waits and removals interleave differently), while priority updates of this
 iterator land between gathers at varying points (their timing is asynchronous), or across
 versions of reverb_shm.
@@ -1023,6 +1024,7 @@ def _prefetch_thread(ref, cv: threading.Condition) -> None:
       return
     if it._seed is not None:
       lib.rs_rand_seed_thread(it._seed)
+    first = True
     while True:
       with cv:
         while True:
@@ -1050,6 +1052,11 @@ def _prefetch_thread(ref, cv: threading.Condition) -> None:
         it._ready.append((slot, batch))
         it._filling = 0
         cv.notify()
+      if first and it._seed is not None:
+        # (the batches after the first draw from the generator the native sampler would be
+        # seeded with: the keys are the same whichever thread gathers them)
+        lib.rs_rand_seed_thread(it._seed ^ _NATIVE_SEED_MIX)
+      first = False
       if it._native_ok and it._native is not None and \
           it._tables[0]._gather_layout == it._layout and it._start_native(slot):   # pylint: disable=protected-access
         return   # (the native sampler gathers from now on)
