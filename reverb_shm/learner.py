@@ -185,12 +185,14 @@ def resolve_tables(source, table=None):
   if len(tables) > 255:
     raise ValueError(f"at most 255 tables can be mixed, got {len(tables)}")
   if weights is not None:
-    try:
-      w = np.asarray(weights, np.float64)
-    except (TypeError, ValueError):
-      raise ValueError(f"mixing weights must be numbers, got {weights!r}") from None
+    if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer,
+                                                                   np.floating))
+           for v in weights):
+      raise ValueError(f"mixing weights must be numbers, got {weights!r}")
+    w = np.asarray(weights, np.float64)
     if w.shape != (len(tables),) or not np.isfinite(w).all() or (w <= 0).any():
       raise ValueError(f"mixing weights must be finite numbers > 0, got {weights!r}")
+    w = w / w.max()   # (first: a sum of weights near the float64 maximum would overflow)
     weights = w / w.sum()
   if len(tables) > 1 and weights is None:
     weights = np.full(len(tables), 1.0 / len(tables))

@@ -217,6 +217,23 @@ def test_mixing_weights_split_rows_and_route_updates(server_factory):
     assert (prio_b if t else prio_a)[key] == (2.0 if t else 3.0)
 
 
+def test_mixing_weights_near_the_float_maximum_keep_their_proportions(server_factory):
+  server = server_factory([_table("a"), _table("b")])
+  _fill(server.shared_table("a"), np.arange(0, 50))
+  _fill(server.shared_table("b"), np.arange(1000, 1050))
+  with BatchIterator(server, {"a": 1e308, "b": 1e308}, batch_size=100, timeout_ms=5000,
+                     seed=3) as it:
+    rows_a = sum(int((next(it).table == 0).sum()) for _ in range(10))
+  assert 400 < rows_a < 600   # 1000 rows: 6 standard errors
+
+
+def test_mixing_weights_must_be_numbers_not_strings_or_bools(server_factory):
+  server = server_factory([_table("a"), _table("b")])
+  for weights in ({"a": "1", "b": 1}, {"a": True, "b": 1}, {"a": None, "b": 1}):
+    with pytest.raises(ValueError, match="mixing weights must be numbers"):
+      BatchIterator(server, weights, batch_size=4)
+
+
 def test_mixed_tables_must_hold_the_same_columns(server_factory):
   server = server_factory([
       _table("a"), _table("b", signature={"x": reverb_shm.TensorSpec([3], np.float64)})])
