@@ -884,7 +884,7 @@ class BatchIterator:
         sample = table.sample_batch(count, timeout_ms=slice_ms)
       except errors.DeadlineExceededError:
         return None
-      self._adopt_layout(table)
+      self._adopt_layout(table, sample)
       slot.columns, slot.weights, slot.owner = self._fresh_buffers()
       if not self._copy:
         self._slots.append(slot)
@@ -902,7 +902,7 @@ class BatchIterator:
       except ValueError as e:   # the columns differ from those of the first items
         raise ValueError(f"the tables hold items of different columns: the first items had "
                          f"{_layout_text(self._layout)}; table {table.name!r}: {e}") from None
-      self._adopt_layout(table)
+      self._adopt_layout(table, sample)
       return sample.info
     cached = slot.cols.get(t)
     if cached is None or row:
@@ -924,11 +924,18 @@ class BatchIterator:
                        "of one column layout")
     return info
 
-  def _adopt_layout(self, table) -> None:
+  def _adopt_layout(self, table, sample) -> None:
+    """Takes the column layout the table learnt from `sample` (its first items)."""
     layout = table._gather_layout   # pylint: disable=protected-access
-    if layout is None:
-      raise ValueError(f"the items of table {table.name!r} have columns of Python objects "
-                       "(strings): they cannot be gathered into batches of arrays")
+    if layout is None:   # (objects, or the sample stopped before an item of another layout)
+      leaves = _leaves(sample.data)
+      if any(a.dtype.kind == "O" for a in leaves):
+        raise ValueError(f"the items of table {table.name!r} have columns of Python objects "
+                         "(strings): they cannot be gathered into batches of arrays")
+      first = tuple((a.dtype, a.shape[1:], None) for a in leaves)
+      raise ValueError(f"table {table.name!r} holds items whose columns differ (the first "
+                       f"sampled: {_layout_text(first)}): a fixed-shape batch needs items of "
+                       "one column layout")
     if self._layout is None:
       self._layout = layout
       self._structure_table = table

@@ -245,6 +245,25 @@ def test_mixed_tables_must_hold_the_same_columns(server_factory):
     assert not it._thread.is_alive()
 
 
+def test_items_of_several_shapes_in_one_table_are_named_as_such(server_factory):
+  server = server_factory([_table(signature=None)])
+  st = server.shared_table("t")
+  st.insert({"x": np.zeros((20, 3), np.float32)}, 1.0)
+  st.insert({"x": np.zeros((20, 4), np.float32)}, 1.0)
+  with BatchIterator(server, "t", batch_size=64, timeout_ms=5000) as it:
+    with pytest.raises(ValueError, match=r"table 't' holds items whose columns differ \(the "
+                       r"first sampled: float32\[[34]\]\)"):
+      next(it)
+
+
+def test_items_of_strings_cannot_be_batched(server_factory):
+  server = server_factory([_table(signature=None)])
+  server.localhost_client().insert([np.array("abc")], priorities={"t": 1.0})
+  with BatchIterator(server, "t", batch_size=4, timeout_ms=5000) as it:
+    with pytest.raises(ValueError, match="columns of Python objects"):
+      next(it)
+
+
 def _key_sequence(st, seed, batches=5, batch_size=32, **kwargs):
   with BatchIterator(st, batch_size=batch_size, seed=seed, timeout_ms=5000, **kwargs) as it:
     return [next(it).info.key.tolist() for _ in range(batches)]
