@@ -81,6 +81,11 @@ _SHARDED = textwrap.dedent("""
         raise SystemExit("batch 7 over 2 devices was accepted")
       except ValueError as e:
         assert "not a multiple of the 2 local devices" in str(e)
+      try:
+        JaxIterator(server, "t", np.int64(7), sharded=True)
+        raise SystemExit("batch np.int64(7) over 2 devices was accepted")
+      except ValueError as e:
+        assert "not a multiple of the 2 local devices" in str(e)
       with JaxIterator(server, "t", 8, sharded=True, timeout_ms=5000) as it:
         x = next(it).data["x"]
         assert x.shape == (8, 1)

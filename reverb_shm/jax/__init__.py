@@ -64,7 +64,7 @@ class JaxIterator(learner.BatchIterator):
       if kwargs.get("partial"):
         raise ValueError("partial batches cannot be sharded evenly: use sharded=False")
       devices = jax.local_devices()
-      if isinstance(batch_size, int) and batch_size % len(devices):
+      if isinstance(batch_size, (int, np.integer)) and batch_size % len(devices):
         raise ValueError(f"batch_size {batch_size} is not a multiple of the {len(devices)} local "
                          "devices it is sharded over")
       mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
