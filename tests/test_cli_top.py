@@ -167,3 +167,19 @@ def test_top_ends_on_ctrl_c(loaded_server, server_name):
     pytest.fail(f"top did not end within 10 s of SIGINT: {_where(top.pid)}")
   top.close()
   assert top.exitstatus == 0 and "Traceback" not in top.before
+
+
+def test_table_names_and_column_titles_are_shown_as_written(server_factory):
+  # (rich would read "[bold]" or "[min, max]" as markup and drop it)
+  import io  # pylint: disable=import-outside-toplevel
+  import reverb_shm  # pylint: disable=import-outside-toplevel
+  from rich.console import Console  # pylint: disable=import-outside-toplevel
+  from reverb_shm import rate_limiters, selectors  # pylint: disable=import-outside-toplevel
+  from reverb_shm.cli import top as top_view  # pylint: disable=import-outside-toplevel
+  server = server_factory([reverb_shm.Table("[bold]x", selectors.Uniform(), selectors.Fifo(),
+                                            10, rate_limiters.MinSize(1))])
+  out = io.StringIO()
+  assert top_view.run(server.name, iterations=1, console=Console(file=out, width=240)) == "done"
+  rows = _rows(out.getvalue(), "[bold]x")
+  assert len(rows) == 1 and rows[0][1] == "0/10", out.getvalue()
+  assert "diff [min, max]" in out.getvalue()

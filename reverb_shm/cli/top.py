@@ -112,7 +112,7 @@ def render(figures: dict, rates: dict, interval: float, live: bool = True):
                          ("blk ins", "right"), ("blk smp", "right"), ("limiter", "left"),
                          ("diff [min, max]", "left"), ("lock p50/p99", "right"),
                          ("state", "left")):
-    grid.add_column(title, justify=justify, no_wrap=True)
+    grid.add_column(Text(title), justify=justify, no_wrap=True)   # (Text: no rich markup)
   for name, t in figures["tables"].items():
     r = rates.get(name, {})
     state = table_state(t)
@@ -121,10 +121,10 @@ def render(figures: dict, rates: dict, interval: float, live: bool = True):
     limiter = ("ins " + ("yes" if t["can_insert"] else "NO") + " smp " +
                ("yes" if t["can_sample"] else "NO"))
     grid.add_row(
-        name, f"{t['items']}/{t['max_size']}", *(_rate(r.get(k, 0.0)) for k, _ in _RATE_KEYS),
+        Text(name), f"{t['items']}/{t['max_size']}", *(_rate(r.get(k, 0.0)) for k, _ in _RATE_KEYS),
         _size(r.get("insert_bytes", 0.0)), str(t["blocked_inserters"]),
         str(t["blocked_samplers"]), limiter,
-        f"{t['diff']:g} [{_bound(t['min_diff'])}, {_bound(t['max_diff'])}]",
+        Text(f"{t['diff']:g} [{_bound(t['min_diff'])}, {_bound(t['max_diff'])}]"),
         f"{_seconds(t['lock_hold_p50_seconds'])}/{_seconds(t['lock_hold_p99_seconds'])}",
         state, style=style)
   shown = sorted(procs, key=lambda p: -p["pins"])[:8]
