@@ -382,7 +382,8 @@ def main(argv=None) -> int:
   def run() -> int:
     try:
       return args.func(args)
-    except (errors.ReverbError, ValueError, OSError, ImportError) as e:
+    except (errors.ReverbError, ValueError, OSError, ImportError, NotImplementedError) as e:
+      # (NotImplementedError: a HOST:PORT whose gRPC server is not a reverb_shm bridge)
       if isinstance(e, BrokenPipeError):
         raise
       print(f"reverb-shm {args.command}: {e}", file=sys.stderr)
