@@ -138,6 +138,22 @@ def test_top_exits_when_the_server_goes_away(loaded_server, server_name):
   assert top.exitstatus == 0
 
 
+def test_top_says_when_the_server_process_died(loaded_server, server_name):
+  proc, _ = loaded_server
+  top = _top(server_name)
+  top.expect("q or Ctrl-C quits")
+  proc.kill()     # SIGKILL: the server never stops
+  proc.wait()
+  try:
+    top.expect(f"server '{server_name}' died", timeout=20)
+    top.expect(pexpect.EOF, timeout=10)
+    top.close()
+    assert top.exitstatus == 0
+  finally:
+    subprocess.run([sys.executable, "-m", "reverb_shm.cli", "gc", server_name],
+                   capture_output=True, timeout=60, check=True)
+
+
 def _where(pid: int) -> str:
   """What a process that did not end is doing: its signal masks and state, and the kernel's
   and its threads' wait channels (for the failure message)."""

@@ -135,6 +135,9 @@ def _cmd_top(args) -> int:
   def said(reason: str) -> None:
     if reason == "server stopped":
       print(f"reverb-shm top: server {name!r} stopped", flush=True)
+    elif reason == "server died":
+      print(f"reverb-shm top: server {name!r} died (its owner process is gone; `reverb-shm gc` "
+            "removes its segment)", flush=True)
 
   top.run(name, interval=args.interval, iterations=1 if args.once else None, on_exit=said)
   return 0

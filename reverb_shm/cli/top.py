@@ -169,9 +169,11 @@ class _Keys:
       self._saved = None
 
 
-def _alive(seg: shm.Segment) -> bool:
-  info = seg.info()
-  return not info["closed"] and seg.owner_alive()
+def _ended(seg: shm.Segment) -> Optional[str]:
+  """Why the server can no longer be watched ('server stopped' / 'server died'), or None."""
+  if seg.info()["closed"]:
+    return "server stopped"
+  return None if seg.owner_alive() else "server died"
 
 
 def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
@@ -188,7 +190,8 @@ def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
     on_exit: called with the reason before returning.
 
   Returns:
-    Why it ended: 'quit', 'interrupted', 'server stopped' or 'done'.
+    Why it ended: 'quit', 'interrupted', 'server stopped', 'server died' (its process is gone
+    without stopping it) or 'done'.
 
   Raises:
     ServerUnavailableError / DeadOwnerError: no live server of that name.
@@ -218,13 +221,14 @@ def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
         if "q" in key.lower():
           reason = "quit"
           break
-        if not _alive(seg):
-          reason = "server stopped"
+        ended = _ended(seg)
+        if ended is not None:
+          reason = ended
           break
         try:
           figures = counters.read_server(seg)
         except errors.ReverbError:
-          reason = "server stopped"
+          reason = _ended(seg) or "server stopped"
           break
         live.update(render(figures, rates.update(figures), interval), refresh=True)
         count += 1
