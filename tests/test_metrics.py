@@ -105,3 +105,35 @@ def test_exporter_follows_a_restarted_server(server_name):
 def test_bad_metrics_port_is_rejected():
   with pytest.raises(ValueError, match="metrics port"):
     MetricsExporter("x", 70000)
+
+
+def test_exporter_reports_down_at_once_when_the_server_process_is_killed(server_name,
+                                                                         monkeypatch):
+  import signal  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from reverb_shm._internal import shm  # pylint: disable=import-outside-toplevel
+  # (the owner watch marks an attached segment dead within milliseconds of its owner's death;
+  # keep it from doing so, as when a scrape comes first: the scrape must see the death itself)
+  monkeypatch.setattr(shm.Segment, "_owner_died", lambda self: None)
+  code = ("import sys, reverb_shm as reverb\n"
+          "from reverb_shm import rate_limiters, selectors\n"
+          f"s = reverb.Server([reverb.Table('t', selectors.Uniform(), selectors.Fifo(), 10, "
+          f"rate_limiters.MinSize(1))], name={server_name!r})\n"
+          "print('up', flush=True)\nsys.stdin.read()\n")
+  proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+  try:
+    assert proc.stdout.readline().strip() == "up"
+    with MetricsExporter(server_name, 0) as exporter:
+      up = ("reverb_shm_up", frozenset({"server": server_name}.items()))
+      assert scrape(exporter.port)[up] == 1
+      proc.send_signal(signal.SIGKILL)
+      proc.wait(timeout=30)
+      assert scrape(exporter.port) == {up: 0}
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+    subprocess.run([sys.executable, "-m", "reverb_shm.cli", "gc", server_name],
+                   capture_output=True, timeout=60, check=True)

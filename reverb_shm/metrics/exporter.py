@@ -85,6 +85,10 @@ def _finite(x: float) -> float:
   return x if abs(x) != float("inf") else (1e300 if x > 0 else -1e300)
 
 
+def _live(seg: shm.Segment) -> bool:
+  return not seg.info()["closed"] and seg.owner_alive()
+
+
 class ServerCollector:
   """prometheus_client collector of one server, found by name or 'localhost:PORT' address.
 
@@ -100,17 +104,18 @@ class ServerCollector:
 
   def _segment(self) -> Optional[shm.Segment]:
     seg = self._seg
-    if seg is not None:
-      info = seg.info()
-      if info["closed"] or not seg.owner_alive():
-        seg = self._seg = None
-    if seg is None:
+    if seg is None or not _live(seg):
       try:
         name = self._address if "://" not in self._address and ":" not in self._address \
             else shm.resolve_address(self._address)
-        seg = self._seg = shm.Segment.attach(name)
+        seg = shm.Segment.attach(name)
       except (errors.ReverbError, ValueError, OSError):
-        return None
+        seg = None
+      # (checked again: attach may return the process's cached mapping of a server that died
+      # moments ago, before the owner watch has marked it dead)
+      if seg is not None and not _live(seg):
+        seg = None
+    self._seg = seg
     return seg
 
   def describe(self):
