@@ -330,9 +330,17 @@ def test_info_and_checkpoint_work_through_a_bridge_address(server_factory, capsy
     assert cli.main(["checkpoint", address]) == 0
     assert os.path.isdir(capsys.readouterr().out.strip().splitlines()[-1])
     assert cli.main(["top", address]) == 2
-    assert "is a gRPC bridge" in capsys.readouterr().err
+    assert "where no reverb_shm server is registered" in capsys.readouterr().err
   # bridge_process ended it with SIGTERM: a clean stop, with a line saying so
   assert proc.returncode == 0 and "stopped (SIGTERM)" in proc.stdout.read()
+
+
+def test_a_local_port_of_another_service_is_not_called_a_bridge(server_factory, capsys):
+  server = server_factory([_table()], metrics_port=0)   # (an HTTP endpoint, not a bridge)
+  assert cli.main(["top", f"localhost:{server.metrics_port}"]) == 2
+  err = capsys.readouterr().err
+  assert "is a gRPC bridge" not in err and \
+      f"something else listens on port {server.metrics_port}" in err, err
 
 
 @needs_protobuf
