@@ -232,3 +232,12 @@ def test_cpu_tensor_priorities_through_the_native_queue(server_factory):
     assert it.stats["priority_updates"] == 2
   assert st.items()["priority"].tolist()[:8] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] + \
       np.linspace(0.5, 2.0, 100).tolist()[6:8]
+
+
+@pytest.mark.parametrize("dtype", ["bool", "uint8", "uint16", "uint32", "uint64", "int8",
+                                   "float16", "float64", "complex64"])
+def test_pinned_buffers_take_every_dtype_the_cpu_path_delivers(dtype):
+  import reverb_shm.torch as rtorch
+  assert rtorch._torch_dtype(np.dtype(dtype)) == torch.from_numpy(np.zeros(2, dtype)).dtype
+  with pytest.raises(ValueError, match="columns of dtype object have no torch dtype"):
+    rtorch._torch_dtype(np.dtype(object))
