@@ -199,3 +199,11 @@ def test_table_names_and_column_titles_are_shown_as_written(server_factory):
   rows = _rows(out.getvalue(), "[bold]x")
   assert len(rows) == 1 and rows[0][1] == "0/10", out.getvalue()
   assert "diff [min, max]" in out.getvalue()
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "nan", "inf", "1e308"])
+def test_an_interval_out_of_range_is_a_clear_error(server_name, interval):
+  out = subprocess.run([sys.executable, "-m", "reverb_shm.cli", "top", server_name, "--interval",
+                        interval], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 2 and out.stderr.startswith(
+      "reverb-shm top: interval must be > 0 and at most 86400 seconds"), out.stderr

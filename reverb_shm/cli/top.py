@@ -17,6 +17,8 @@ from reverb_shm._internal import counters, shm
 
 __all__ = ["Rates", "render", "run"]
 
+_MAX_INTERVAL_S = 86400
+
 # Totals shown as rates per second, and their column titles.
 _RATE_KEYS = (("inserts", "ins/s"), ("samples", "smp/s"), ("updates", "upd/s"),
               ("deletes", "del/s"), ("evictions", "evict/s"))
@@ -182,7 +184,7 @@ def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
 
   Args:
     name: server name (resolve 'localhost:PORT' with shm.resolve_address first).
-    interval: seconds between refreshes (> 0).
+    interval: seconds between refreshes (> 0, at most a day).
     iterations: stop after this many refreshes (None: until quit); with 1 the view is printed
       once, without the live screen.
     console: a rich Console (default: stdout).
@@ -200,8 +202,9 @@ def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
   _rich()
   from rich.console import Console  # pylint: disable=import-outside-toplevel
   from rich.live import Live
-  if not interval > 0:
-    raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
+  if not 0 < interval <= _MAX_INTERVAL_S:   # (select() takes no longer wait)
+    raise ValueError(f"interval must be > 0 and at most {_MAX_INTERVAL_S} seconds, got "
+                     f"{interval!r}")
   seg = shm.Segment.attach(name)
   if console is None:   # piped output (--once into a file): wide enough for every column
     console = Console(width=None if sys.stdout.isatty() else 240)
