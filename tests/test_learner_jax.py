@@ -56,6 +56,19 @@ def test_priorities_from_jax_arrays(server_factory):
   assert {k: got[k] for k in expected} == expected
 
 
+def test_keys_truncated_to_32_bits_by_jax_are_refused(server_factory):
+  server, st, _ = _server(server_factory)
+  before = st.items()["priority"].tolist()
+  with JaxIterator(st, batch_size=8, timeout_ms=5000) as it:
+    batch = next(it)
+    keys = jax.numpy.asarray(batch.info.key)   # (uint32 without jax_enable_x64, silently)
+    assert keys.dtype == np.uint32
+    with pytest.raises(TypeError, match="keys must be 64-bit"):
+      it.update_priorities(keys, jax.numpy.full(8, 5.0))
+    it.flush(timeout_ms=5000)
+  assert st.items()["priority"].tolist() == before
+
+
 def test_bad_device_and_sharding_arguments(server_factory):
   server, st, _ = _server(server_factory)
   with pytest.raises(ValueError, match="device must be a jax.Device"):
