@@ -86,6 +86,17 @@ def test_exporter_reports_down_after_the_server_stops(server_factory):
     assert got == {("reverb_shm_up", frozenset({"server": srv.name}.items())): 0}
 
 
+@pytest.mark.parametrize("by", ["port", "shm"])
+def test_a_server_named_by_its_address_is_down_under_its_own_name(server_factory, by):
+  srv = server_factory(_tables())
+  address = f"localhost:{srv.port}" if by == "port" else f"shm://{srv.name}"
+  with MetricsExporter(address, 0) as exporter:
+    up = ("reverb_shm_up", frozenset({"server": srv.name}.items()))
+    assert scrape(exporter.port)[up] == 1
+    srv.stop()
+    assert scrape(exporter.port) == {up: 0}
+
+
 def test_exporter_follows_a_restarted_server(server_name):
   with reverb.Server(_tables(), name=server_name) as first:
     exporter = MetricsExporter(server_name, 0)

@@ -99,6 +99,9 @@ class ServerCollector:
 
   def __init__(self, address: str):
     self._address = address
+    # the `server` label of reverb_shm_up while no server answers: the name of the server last
+    # seen (that of its metrics while it was up), else the name or address given
+    self._label = address[len("shm://"):] if address.startswith("shm://") else address
     self._seg: Optional[shm.Segment] = None
     self._lock = threading.Lock()
 
@@ -127,7 +130,7 @@ class ServerCollector:
       up = GaugeMetricFamily("reverb_shm_up", _SERVER_METRICS["reverb_shm_up"][1],
                              labels=["server"])
       if seg is None:
-        up.add_metric([self._address], 0)
+        up.add_metric([self._label], 0)
         yield up
         return
       try:
@@ -136,7 +139,7 @@ class ServerCollector:
         up.add_metric([seg.name], 0)
         yield up
         return
-    server = figures["name"]
+      server = self._label = figures["name"]
     up.add_metric([server], 1)
     yield up
     for name, field in (("reverb_shm_arena_bytes", "arena_bytes"),
