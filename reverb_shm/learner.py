@@ -76,7 +76,7 @@ import numpy as np
 
 from reverb_shm import errors
 from reverb_shm import shared_table as shared_table_lib
-from reverb_shm._internal import _lib, structure
+from reverb_shm._internal import _lib, structure, timeouts
 from reverb_shm._internal._lib import ffi, hot, lib
 from reverb_shm.replay_sample import SampleInfo
 
@@ -232,7 +232,7 @@ class BatchIterator:
     prefetch: batches gathered ahead of the consumer, >= 1.
     keep: batches the consumer may still hold when it takes the next one (their buffers are not
       reused until then), >= 1. Ignored with copy=True.
-    timeout_ms: how long ``next()`` waits for a batch (None: forever), then
+    timeout_ms: how long ``next()`` waits for a batch (None, or inf: forever), then
       DeadlineExceededError; with partial=True also how long a gather waits before delivering
       fewer items (at least one).
     partial: deliver batches of fewer items at the deadline instead of waiting for batch_size.
@@ -272,12 +272,16 @@ class BatchIterator:
       if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v < 2**31:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if timeout_ms is not None:
-      if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) or \
-          not timeout_ms >= 0:
+      if isinstance(timeout_ms, (bool, np.bool_)) or not isinstance(
+          timeout_ms, (int, float, np.integer, np.floating)) or not timeout_ms >= 0:
         raise ValueError(f"timeout_ms must be None (wait forever) or >= 0, got {timeout_ms!r}")
     if partial and timeout_ms is None:
       raise ValueError("partial=True needs a timeout_ms: the deadline at which a batch may hold "
                        "fewer items")
+    if timeout_ms is not None:
+      timeout_ms = timeout_ms.item() if isinstance(timeout_ms, np.generic) else timeout_ms
+      if timeouts.deadline_from_ms(timeout_ms) == -1:   # (inf, or past any deadline: forever)
+        timeout_ms, partial = None, False
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
       raise ValueError(f"seed must be None or an int, got {seed!r}")
     if mask_key is not None and not isinstance(mask_key, str):
@@ -539,12 +543,18 @@ class BatchIterator:
   def flush(self, timeout_ms: Optional[float] = None) -> None:
     """Waits until every queued priority update has been applied.
 
+    Args:
+      timeout_ms: None (or a timeout past any deadline, inf included) waits forever.
+
     Raises:
       DeadlineExceededError: not all applied within timeout_ms.
+      ValueError: timeout_ms negative or not a number.
       ReverbError: the error an update met (e.g. TableClosedError), or the background
         thread's error.
     """
     self._check_process()
+    if timeouts.deadline_from_ms(timeout_ms) == -1:   # (validates it)
+      timeout_ms = None
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
     native = self._native
     while native is not None and not native.flush(

@@ -353,6 +353,27 @@ def test_bad_arguments_are_rejected(server_factory, kwargs, error, match):
   assert server.shared_table("t").stats()["samples"] == 0
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"copy": True}, {"partial": True}])
+@pytest.mark.parametrize("timeout_ms", [float("inf"), 1e20, np.int64(10**6)])
+def test_a_timeout_past_any_deadline_waits_forever(server_factory, kwargs, timeout_ms):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  fill = threading.Timer(0.2, _fill, (st, np.arange(8)))
+  with BatchIterator(st, batch_size=4, timeout_ms=timeout_ms, **kwargs) as it:
+    fill.start()
+    try:
+      for _ in range(3):
+        batch = next(it)
+        assert len(batch.info.key) == 4
+    finally:
+      fill.join()
+    it.update_priorities(batch.info.key, np.full(4, 2.0))
+    it.flush(timeout_ms=timeout_ms)
+    assert it.stats["keys_updated"] == 4
+    with pytest.raises(ValueError, match="timeout_ms must be None"):
+      it.flush(timeout_ms=float("nan"))
+
+
 def test_bad_priority_updates_are_rejected_and_change_nothing(server_factory):
   server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
   st = server.shared_table("t")
