@@ -43,8 +43,9 @@ of items that are windows of T steps comes out as (B, T, ...).
 
 Mixing. Several tables with weights ({'a': 0.7, 'b': 0.3}) mix item by item: the rows of each
 batch are split among the tables by a multinomial draw over the weights (as sampling each item's
-table independently would), rows of table 0 first. Every table must hold items of the same
-columns. ``Batch.table`` says which table each row came from. A row's importance weight uses
+table independently would), rows of table 0 first. A partial batch visits the tables in turn
+(a table without items does not keep the others' rows out of it) and holds their rows in the
+order they came. Every table must hold items of the same columns. ``Batch.table`` says which table each row came from. A row's importance weight uses
 its own table's size and probability (the mixing weights are not corrected for), normalised by
 the largest weight of the batch.
 
@@ -852,34 +853,46 @@ class BatchIterator:
     it = None
     infos, rows_of = [], []
     row = 0
-    for t, count in plan:
-      got = 0
-      while got < count:
-        it = ref()
-        if it is None or it._stop:
-          return None
-        slice_ms = _SLICE_MS
-        if deadline is not None:
-          left = (deadline - time.monotonic()) * 1000.0
-          if left <= 0 and row + got > 0:
-            break
-          if left > 0:
-            slice_ms = min(slice_ms, left)
-        info = it._gather(t, slot, row + got, count - got, slice_ms)
-        if info is None:
-          # (the slices are shorter than the C core's dead-owner check: ask the owner watch)
-          segment = it._tables[t].segment
-          if segment.owner_dead:
-            raise segment.dead_owner_error()
+    # A partial batch of several tables visits them in turn with short waits (until each gave its
+    # rows, or the deadline passed with at least one item), so that one without items does not
+    # keep the others' rows out of it.
+    spread = deadline is not None and len(plan) > 1
+    slice_max = _SLICE_MS / len(plan) if spread else _SLICE_MS
+    remaining = dict(plan)   # table -> rows still to gather
+    while True:
+      for t, count in list(remaining.items()):
+        got = 0
+        while got < count:
+          it = ref()
+          if it is None or it._stop:
+            return None
+          slice_ms = slice_max
+          if deadline is not None:
+            left = (deadline - time.monotonic()) * 1000.0
+            if left <= 0 and row + got > 0:
+              break
+            if left > 0:
+              slice_ms = min(slice_ms, left)
+          info = it._gather(t, slot, row + got, count - got, slice_ms)
+          if info is None:
+            # (the slices are shorter than the C core's dead-owner check: ask the owner watch)
+            segment = it._tables[t].segment
+            if segment.owner_dead:
+              raise segment.dead_owner_error()
+            it = None
+            if spread:
+              break
+            continue
+          infos.append(info)
+          rows_of.append((t, len(info.key)))
+          got += len(info.key)
+          it._filling = row + got
           it = None
-          continue
-        infos.append(info)
-        rows_of.append((t, len(info.key)))
-        got += len(info.key)
-        it._filling = row + got
-        it = None
-      row += got
-      if deadline is not None and time.monotonic() >= deadline and row > 0:
+        row += got
+        remaining[t] -= got
+        if deadline is not None and time.monotonic() >= deadline and row > 0:
+          break
+      if row == n or (deadline is not None and time.monotonic() >= deadline and row > 0):
         break
     it = ref()
     if it is None:

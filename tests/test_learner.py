@@ -121,6 +121,19 @@ def test_partial_batches_only_when_asked(server_factory):
     assert next(it).data["action"].tolist() == list(range(10, 26))
 
 
+@pytest.mark.parametrize("weights", [{"a": 1, "b": 1}, {"b": 1, "a": 1}])
+def test_partial_mixed_batches_hold_the_rows_of_tables_with_items(server_factory, weights):
+  # (table 'a' is empty: whichever the order, 'b' gives its rows by the deadline)
+  server = server_factory([_table("a"), _table("b")])
+  _fill(server.shared_table("b"), np.arange(100, 108))
+  with BatchIterator(server, weights, batch_size=8, timeout_ms=200, partial=True, seed=1) as it:
+    b_index = [t.name for t in it.tables].index("b")
+    for _ in range(4):
+      batch = next(it)
+      assert 0 < len(batch.info.key) < 8 and (batch.table == b_index).all()
+      assert (batch.data["action"] >= 100).all()
+
+
 def test_ring_buffers_are_reused_after_keep_batches_and_copies_are_not(server_factory):
   server = server_factory([_table()])
   st = server.shared_table("t")
