@@ -67,6 +67,7 @@ threads) and its threads then end; priority updates still queued then are droppe
 """
 import collections
 import math
+import numbers
 import os
 import threading
 import time
@@ -188,9 +189,7 @@ def resolve_tables(source, table=None):
   if len(tables) > 255:
     raise ValueError(f"at most 255 tables can be mixed, got {len(tables)}")
   if weights is not None:
-    if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer,
-                                                                   np.floating))
-           for v in weights):
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Real) for v in weights):
       raise ValueError(f"mixing weights must be numbers, got {weights!r}")
     w = np.asarray(weights, np.float64)
     if w.shape != (len(tables),) or not np.isfinite(w).all() or (w <= 0).any():
