@@ -619,6 +619,10 @@ class BatchIterator:
   @staticmethod
   def _check_update(keys, priorities):
     """(uint64[n] keys, float64[n] priorities), copies of numpy-convertible inputs."""
+    if isinstance(keys, (list, tuple)) and all(
+        isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in keys):
+      # (Python ints, e.g. info.key.tolist(): numpy makes float64 of keys on both sides of 2**63)
+      keys = shared_table_lib.SharedTable._keys(keys)  # pylint: disable=protected-access
     keys = np.asarray(keys)
     if keys.dtype != np.uint64:
       if keys.dtype.kind not in "ui":

@@ -380,6 +380,23 @@ def test_a_timeout_past_any_deadline_waits_forever(server_factory, kwargs, timeo
       it.flush(timeout_ms=float("nan"))
 
 
+def test_keys_as_a_list_of_python_ints_are_updated(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  keys = np.array([5, 2**63 + 5, 2**64 - 1], np.uint64)   # (numpy: float64 of these ints)
+  st.insert(_steps(np.arange(3)), 1.0, keys=keys)
+  with BatchIterator(st, batch_size=2, timeout_ms=5000) as it:
+    next(it)
+    it.update_priorities(keys.tolist(), [2.0, 3.0, 4.0])
+    it.update_priorities(tuple(keys.tolist()[:1]), [5.0])
+    with pytest.raises(ValueError, match=r"keys must be in \[0, 2\*\*64\)"):
+      it.update_priorities([-1], [1.0])
+    it.flush(timeout_ms=5000)
+    assert it.stats["keys_updated"] == 4
+  got = dict(zip(st.items()["key"].tolist(), st.items()["priority"].tolist()))
+  assert [got[k] for k in keys.tolist()] == [5.0, 3.0, 4.0]
+
+
 def test_bad_priority_updates_are_rejected_and_change_nothing(server_factory):
   server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
   st = server.shared_table("t")

@@ -74,7 +74,7 @@ def _host_array(value) -> np.ndarray:
   return np.asarray(value)
 
 
-def _host_keys(keys) -> np.ndarray:
+def _host_keys(keys):
   """uint64 keys from numpy or a tensor; an int64 tensor holds the keys' bits (torch has no
   arithmetic on uint64: ``torch.from_numpy(info.key.view(np.int64))``) and is read back so."""
   if isinstance(keys, torch.Tensor):
@@ -82,7 +82,7 @@ def _host_keys(keys) -> np.ndarray:
       raise TypeError(f"keys must be integers (Batch.info.key), got a tensor of dtype {keys.dtype}")
     keys = keys.detach().cpu().numpy()
     return keys.view(np.uint64) if keys.dtype == np.int64 else keys
-  return np.asarray(keys)
+  return keys   # (numpy, or Python ints: converted as BatchIterator.update_priorities does)
 
 
 class TorchIterator(learner.BatchIterator):
