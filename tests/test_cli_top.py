@@ -185,7 +185,7 @@ def test_top_ends_on_ctrl_c(loaded_server, server_name):
   assert top.exitstatus == 0 and "Traceback" not in top.before
 
 
-def test_table_names_and_column_titles_are_shown_as_written(server_factory):
+def test_names_and_titles_are_shown_as_written_and_the_last_line_ends(server_factory):
   # (rich would read "[bold]" or "[min, max]" as markup and drop it)
   import io  # pylint: disable=import-outside-toplevel
   import reverb_shm  # pylint: disable=import-outside-toplevel
@@ -199,6 +199,10 @@ def test_table_names_and_column_titles_are_shown_as_written(server_factory):
   rows = _rows(out.getvalue(), "[bold]x")
   assert len(rows) == 1 and rows[0][1] == "0/10", out.getvalue()
   assert "diff [min, max]" in out.getvalue()
+  out = io.StringIO()   # (the live view into a file: what a reason printed after it follows)
+  assert top_view.run(server.name, interval=0.01, iterations=2,
+                      console=Console(file=out, width=240)) == "done"
+  assert out.getvalue().endswith("q or Ctrl-C quits\n"), out.getvalue()[-100:]
 
 
 @pytest.mark.parametrize("interval", ["0", "-1", "nan", "inf", "1e308"])

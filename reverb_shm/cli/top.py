@@ -241,6 +241,8 @@ def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
     keys.close()
     with contextlib.suppress(Exception):
       seg.close()
+  if not console.is_terminal:   # (Live ends its last frame without a newline there)
+    console.line()
   if on_exit is not None:
     on_exit(reason)
   return reason
