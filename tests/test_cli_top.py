@@ -211,3 +211,23 @@ def test_an_interval_out_of_range_is_a_clear_error(server_name, interval):
                         interval], capture_output=True, text=True, timeout=60)
   assert out.returncode == 2 and out.stderr.startswith(
       "reverb-shm top: interval must be > 0 and at most 86400 seconds"), out.stderr
+
+
+def test_a_narrow_terminal_leaves_columns_out_instead_of_squeezing_them(server_factory):
+  import io  # pylint: disable=import-outside-toplevel
+  import reverb_shm  # pylint: disable=import-outside-toplevel
+  from rich.console import Console  # pylint: disable=import-outside-toplevel
+  from reverb_shm import rate_limiters, selectors  # pylint: disable=import-outside-toplevel
+  from reverb_shm.cli import top as top_view  # pylint: disable=import-outside-toplevel
+  server = server_factory([reverb_shm.Table("replay_buffer", selectors.Uniform(),
+                                            selectors.Fifo(), 1000, rate_limiters.MinSize(1))])
+  out = io.StringIO()
+  top_view.run(server.name, iterations=1, console=Console(file=out, width=80))
+  text = out.getvalue()
+  assert "…" not in text, text
+  (row,) = _rows(text, "replay_buffer")
+  assert row[1] == "0/1000" and row[-1] == "ok", row
+  assert "columns left out (terminal 80 wide): del/s, evict/s" in text
+  out = io.StringIO()
+  top_view.run(server.name, iterations=1, console=Console(file=out, width=240))
+  assert "left out" not in out.getvalue() and len(_rows(out.getvalue(), "replay_buffer")[0]) == 14
