@@ -45,9 +45,9 @@ Mixing. Several tables with weights ({'a': 0.7, 'b': 0.3}) mix item by item: the
 batch are split among the tables by a multinomial draw over the weights (as sampling each item's
 table independently would), rows of table 0 first. A partial batch visits the tables in turn
 (a table without items does not keep the others' rows out of it) and holds their rows in the
-order they came. Every table must hold items of the same columns. ``Batch.table`` says which table each row came from. A row's importance weight uses
-its own table's size and probability (the mixing weights are not corrected for), normalised by
-the largest weight of the batch.
+order they came. Every table must hold items of the same columns. ``Batch.table`` says which
+table each row came from. A row's importance weight uses its own table's size and probability
+(the mixing weights are not corrected for), normalised by the largest weight of the batch.
 
 Reproducibility. With ``seed``, the background thread seeds its sampling random number generator
 (the C core's generator of that thread) and the mixing draws, so the sequence of sampled keys is

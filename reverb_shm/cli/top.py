@@ -10,7 +10,7 @@ import os
 import select
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from reverb_shm import errors
 from reverb_shm._internal import counters, shm
