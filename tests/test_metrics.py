@@ -113,6 +113,28 @@ def test_exporter_follows_a_restarted_server(server_name):
     exporter.stop()
 
 
+def test_the_url_of_an_ipv6_endpoint_has_its_address_in_brackets(server_factory):
+  import socket  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  if not socket.has_ipv6:
+    pytest.skip("no IPv6 here")
+  srv = server_factory(_tables())
+  proc = subprocess.Popen([sys.executable, "-m", "reverb_shm.cli", "metrics", srv.name, "--port",
+                           "0", "--addr", "::1"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    line = proc.stdout.readline()
+    if not line and "Cannot assign requested address" in proc.stderr.read():
+      pytest.skip("no IPv6 loopback here")
+    url = line.split(" on ", 1)[1].split(";")[0]
+    assert url.startswith("http://[::1]:") and url.endswith("/metrics"), line
+    assert b"reverb_shm_up" in urllib.request.urlopen(url, timeout=10).read()
+  finally:
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
 def test_bad_metrics_port_is_rejected():
   with pytest.raises(ValueError, match="metrics port"):
     MetricsExporter("x", 70000)

@@ -151,7 +151,7 @@ def _cmd_metrics(args) -> int:
     exporter = MetricsExporter(name, args.port, addr=args.addr)
     try:
       print(f"reverb-shm metrics: serving Prometheus metrics of server {name!r} on "
-            f"http://{args.addr}:{exporter.port}/metrics; Ctrl-C or SIGTERM stops", flush=True)
+            f"{exporter.url}; Ctrl-C or SIGTERM stops", flush=True)
       while not stop.wait(0.5):
         pass
     finally:

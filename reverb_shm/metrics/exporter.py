@@ -189,7 +189,8 @@ class MetricsExporter:
   Raises:
     OSError: the port cannot be bound.
 
-  The endpoint runs in a daemon thread; stop() shuts it down. Thread-safe.
+  The endpoint runs in a daemon thread; stop() shuts it down. Thread-safe. `.port` is the port
+  it listens on, `.url` the endpoint's URL.
   """
 
   def __init__(self, address: str, port: int, addr: str = "127.0.0.1"):
@@ -202,8 +203,9 @@ class MetricsExporter:
     self._httpd: Optional[Any] = httpd
     self.addr = addr
     self.port = httpd.server_port
-    _log.info("serving Prometheus metrics of %s on http://%s:%d/metrics (pid %d)", address, addr,
-              self.port, os.getpid())
+    host = f"[{addr}]" if ":" in addr else addr   # (an IPv6 address: in brackets in a URL)
+    self.url = f"http://{host}:{self.port}/metrics"
+    _log.info("serving Prometheus metrics of %s on %s (pid %d)", address, self.url, os.getpid())
 
   def stop(self) -> None:
     """Stops serving (idempotent)."""
