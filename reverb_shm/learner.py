@@ -43,13 +43,17 @@ of items that are windows of T steps comes out as (B, T, ...).
 
 Mixing. Several tables with weights ({'a': 0.7, 'b': 0.3}) mix item by item: the rows of each
 batch are split among the tables by a multinomial draw over the weights (as sampling each item's
-table independently would), rows of table 0 first. Every table must hold items of the same
-columns. ``Batch.table`` says which table each row came from.
+table independently would), rows of table 0 first. A partial batch visits the tables in turn
+(a table without items does not keep the others' rows out of it) and holds their rows in the
+order they came. Every table must hold items of the same columns. ``Batch.table`` says which
+table each row came from. A row's importance weight uses its own table's size and probability
+(the mixing weights are not corrected for), normalised by the largest weight of the batch.
 
 Reproducibility. With ``seed``, the background thread seeds its sampling random number generator
 (the C core's generator of that thread) and the mixing draws, so the sequence of sampled keys is
 the same for the same table content and the same order of inserts and priority changes, for one
-iterator sampling alone. Not guaranteed: while other processes or threads insert, remove or
+iterator sampling alone (whatever its prefetch, keep, copy or partial, and in the torch and JAX
+iterators alike). Not guaranteed: while other processes or threads insert, remove or
 sample (limiter waits and removals interleave differently), while priority updates of this
 iterator land between gathers at varying points (their timing is asynchronous), or across
 versions of reverb_shm.
@@ -63,6 +67,7 @@ threads) and its threads then end; priority updates still queued then are droppe
 """
 import collections
 import math
+import numbers
 import os
 import threading
 import time
@@ -73,7 +78,7 @@ import numpy as np
 
 from reverb_shm import errors
 from reverb_shm import shared_table as shared_table_lib
-from reverb_shm._internal import _lib, structure
+from reverb_shm._internal import _lib, structure, timeouts
 from reverb_shm._internal._lib import ffi, hot, lib
 from reverb_shm.replay_sample import SampleInfo
 
@@ -184,12 +189,12 @@ def resolve_tables(source, table=None):
   if len(tables) > 255:
     raise ValueError(f"at most 255 tables can be mixed, got {len(tables)}")
   if weights is not None:
-    try:
-      w = np.asarray(weights, np.float64)
-    except (TypeError, ValueError):
-      raise ValueError(f"mixing weights must be numbers, got {weights!r}") from None
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Real) for v in weights):
+      raise ValueError(f"mixing weights must be numbers, got {weights!r}")
+    w = np.asarray(weights, np.float64)
     if w.shape != (len(tables),) or not np.isfinite(w).all() or (w <= 0).any():
       raise ValueError(f"mixing weights must be finite numbers > 0, got {weights!r}")
+    w = w / w.max()   # (first: a sum of weights near the float64 maximum would overflow)
     weights = w / w.sum()
   if len(tables) > 1 and weights is None:
     weights = np.full(len(tables), 1.0 / len(tables))
@@ -227,7 +232,7 @@ class BatchIterator:
     prefetch: batches gathered ahead of the consumer, >= 1.
     keep: batches the consumer may still hold when it takes the next one (their buffers are not
       reused until then), >= 1. Ignored with copy=True.
-    timeout_ms: how long ``next()`` waits for a batch (None: forever), then
+    timeout_ms: how long ``next()`` waits for a batch (None, or inf: forever), then
       DeadlineExceededError; with partial=True also how long a gather waits before delivering
       fewer items (at least one).
     partial: deliver batches of fewer items at the deadline instead of waiting for batch_size.
@@ -267,12 +272,16 @@ class BatchIterator:
       if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v < 2**31:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if timeout_ms is not None:
-      if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) or \
-          not timeout_ms >= 0:
+      if isinstance(timeout_ms, (bool, np.bool_)) or not isinstance(
+          timeout_ms, (int, float, np.integer, np.floating)) or not timeout_ms >= 0:
         raise ValueError(f"timeout_ms must be None (wait forever) or >= 0, got {timeout_ms!r}")
     if partial and timeout_ms is None:
       raise ValueError("partial=True needs a timeout_ms: the deadline at which a batch may hold "
                        "fewer items")
+    if timeout_ms is not None:
+      timeout_ms = timeout_ms.item() if isinstance(timeout_ms, np.generic) else timeout_ms
+      if timeouts.deadline_from_ms(timeout_ms) == -1:   # (inf, or past any deadline: forever)
+        timeout_ms, partial = None, False
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
       raise ValueError(f"seed must be None or an int, got {seed!r}")
     if mask_key is not None and not isinstance(mask_key, str):
@@ -534,12 +543,18 @@ class BatchIterator:
   def flush(self, timeout_ms: Optional[float] = None) -> None:
     """Waits until every queued priority update has been applied.
 
+    Args:
+      timeout_ms: None (or a timeout past any deadline, inf included) waits forever.
+
     Raises:
       DeadlineExceededError: not all applied within timeout_ms.
+      ValueError: timeout_ms negative or not a number.
       ReverbError: the error an update met (e.g. TableClosedError), or the background
         thread's error.
     """
     self._check_process()
+    if timeouts.deadline_from_ms(timeout_ms) == -1:   # (validates it)
+      timeout_ms = None
     deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
     native = self._native
     while native is not None and not native.flush(
@@ -604,6 +619,10 @@ class BatchIterator:
   @staticmethod
   def _check_update(keys, priorities):
     """(uint64[n] keys, float64[n] priorities), copies of numpy-convertible inputs."""
+    if isinstance(keys, (list, tuple)) and all(
+        isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in keys):
+      # (Python ints, e.g. info.key.tolist(): numpy makes float64 of keys on both sides of 2**63)
+      keys = shared_table_lib.SharedTable._keys(keys)  # pylint: disable=protected-access
     keys = np.asarray(keys)
     if keys.dtype != np.uint64:
       if keys.dtype.kind not in "ui":
@@ -837,34 +856,46 @@ class BatchIterator:
     it = None
     infos, rows_of = [], []
     row = 0
-    for t, count in plan:
-      got = 0
-      while got < count:
-        it = ref()
-        if it is None or it._stop:
-          return None
-        slice_ms = _SLICE_MS
-        if deadline is not None:
-          left = (deadline - time.monotonic()) * 1000.0
-          if left <= 0 and row + got > 0:
-            break
-          if left > 0:
-            slice_ms = min(slice_ms, left)
-        info = it._gather(t, slot, row + got, count - got, slice_ms)
-        if info is None:
-          # (the slices are shorter than the C core's dead-owner check: ask the owner watch)
-          segment = it._tables[t].segment
-          if segment.owner_dead:
-            raise segment.dead_owner_error()
+    # A partial batch of several tables visits them in turn with short waits (until each gave its
+    # rows, or the deadline passed with at least one item), so that one without items does not
+    # keep the others' rows out of it.
+    spread = deadline is not None and len(plan) > 1
+    slice_max = _SLICE_MS / len(plan) if spread else _SLICE_MS
+    remaining = dict(plan)   # table -> rows still to gather
+    while True:
+      for t, count in list(remaining.items()):
+        got = 0
+        while got < count:
+          it = ref()
+          if it is None or it._stop:
+            return None
+          slice_ms = slice_max
+          if deadline is not None:
+            left = (deadline - time.monotonic()) * 1000.0
+            if left <= 0 and row + got > 0:
+              break
+            if left > 0:
+              slice_ms = min(slice_ms, left)
+          info = it._gather(t, slot, row + got, count - got, slice_ms)
+          if info is None:
+            # (the slices are shorter than the C core's dead-owner check: ask the owner watch)
+            segment = it._tables[t].segment
+            if segment.owner_dead:
+              raise segment.dead_owner_error()
+            it = None
+            if spread:
+              break
+            continue
+          infos.append(info)
+          rows_of.append((t, len(info.key)))
+          got += len(info.key)
+          it._filling = row + got
           it = None
-          continue
-        infos.append(info)
-        rows_of.append((t, len(info.key)))
-        got += len(info.key)
-        it._filling = row + got
-        it = None
-      row += got
-      if deadline is not None and time.monotonic() >= deadline and row > 0:
+        row += got
+        remaining[t] -= got
+        if deadline is not None and time.monotonic() >= deadline and row > 0:
+          break
+      if row == n or (deadline is not None and time.monotonic() >= deadline and row > 0):
         break
     it = ref()
     if it is None:
@@ -881,7 +912,7 @@ class BatchIterator:
         sample = table.sample_batch(count, timeout_ms=slice_ms)
       except errors.DeadlineExceededError:
         return None
-      self._adopt_layout(table)
+      self._adopt_layout(table, sample)
       slot.columns, slot.weights, slot.owner = self._fresh_buffers()
       if not self._copy:
         self._slots.append(slot)
@@ -899,7 +930,7 @@ class BatchIterator:
       except ValueError as e:   # the columns differ from those of the first items
         raise ValueError(f"the tables hold items of different columns: the first items had "
                          f"{_layout_text(self._layout)}; table {table.name!r}: {e}") from None
-      self._adopt_layout(table)
+      self._adopt_layout(table, sample)
       return sample.info
     cached = slot.cols.get(t)
     if cached is None or row:
@@ -921,11 +952,18 @@ class BatchIterator:
                        "of one column layout")
     return info
 
-  def _adopt_layout(self, table) -> None:
+  def _adopt_layout(self, table, sample) -> None:
+    """Takes the column layout the table learnt from `sample` (its first items)."""
     layout = table._gather_layout   # pylint: disable=protected-access
-    if layout is None:
-      raise ValueError(f"the items of table {table.name!r} have columns of Python objects "
-                       "(strings): they cannot be gathered into batches of arrays")
+    if layout is None:   # (objects, or the sample stopped before an item of another layout)
+      leaves = _leaves(sample.data)
+      if any(a.dtype.kind == "O" for a in leaves):
+        raise ValueError(f"the items of table {table.name!r} have columns of Python objects "
+                         "(strings): they cannot be gathered into batches of arrays")
+      first = tuple((a.dtype, a.shape[1:], None) for a in leaves)
+      raise ValueError(f"table {table.name!r} holds items whose columns differ (the first "
+                       f"sampled: {_layout_text(first)}): a fixed-shape batch needs items of "
+                       "one column layout")
     if self._layout is None:
       self._layout = layout
       self._structure_table = table
@@ -1023,6 +1061,7 @@ def _prefetch_thread(ref, cv: threading.Condition) -> None:
       return
     if it._seed is not None:
       lib.rs_rand_seed_thread(it._seed)
+    first = True
     while True:
       with cv:
         while True:
@@ -1050,6 +1089,11 @@ def _prefetch_thread(ref, cv: threading.Condition) -> None:
         it._ready.append((slot, batch))
         it._filling = 0
         cv.notify()
+      if first and it._seed is not None:
+        # (the batches after the first draw from the generator the native sampler would be
+        # seeded with: the keys are the same whichever thread gathers them)
+        lib.rs_rand_seed_thread(it._seed ^ _NATIVE_SEED_MIX)
+      first = False
       if it._native_ok and it._native is not None and \
           it._tables[0]._gather_layout == it._layout and it._start_native(slot):   # pylint: disable=protected-access
         return   # (the native sampler gathers from now on)

@@ -239,6 +239,22 @@ def test_an_address_with_no_server_is_a_clear_error(capsys):
   assert f"no reverb_shm server is registered on port {port}" in capsys.readouterr().err
 
 
+def test_an_address_of_a_grpc_server_that_is_no_bridge_is_a_clear_error(capsys):
+  grpc = pytest.importorskip("grpc")
+  from concurrent import futures  # pylint: disable=import-outside-toplevel
+  other = grpc.server(futures.ThreadPoolExecutor(max_workers=1))   # (serves no method)
+  port = other.add_insecure_port("127.0.0.1:0")
+  other.start()
+  try:
+    for command in ("info", "checkpoint"):
+      assert cli.main([command, f"localhost:{port}"]) == 2
+      err = capsys.readouterr().err
+      assert err.startswith(f"reverb-shm {command}: bridge localhost:{port}: UNIMPLEMENTED") \
+          and err.count("\n") == 1, err
+  finally:
+    other.stop(0)
+
+
 def test_commands_that_need_shared_memory_refuse_a_remote_address(capsys):
   assert cli.main(["top", "example.invalid:1234"]) == 2
   assert "run it on the server's host" in capsys.readouterr().err
@@ -314,9 +330,17 @@ def test_info_and_checkpoint_work_through_a_bridge_address(server_factory, capsy
     assert cli.main(["checkpoint", address]) == 0
     assert os.path.isdir(capsys.readouterr().out.strip().splitlines()[-1])
     assert cli.main(["top", address]) == 2
-    assert "is a gRPC bridge" in capsys.readouterr().err
+    assert "where no reverb_shm server is registered" in capsys.readouterr().err
   # bridge_process ended it with SIGTERM: a clean stop, with a line saying so
   assert proc.returncode == 0 and "stopped (SIGTERM)" in proc.stdout.read()
+
+
+def test_a_local_port_of_another_service_is_not_called_a_bridge(server_factory, capsys):
+  server = server_factory([_table()], metrics_port=0)   # (an HTTP endpoint, not a bridge)
+  assert cli.main(["top", f"localhost:{server.metrics_port}"]) == 2
+  err = capsys.readouterr().err
+  assert "is a gRPC bridge" not in err and \
+      f"something else listens on port {server.metrics_port}" in err, err
 
 
 @needs_protobuf

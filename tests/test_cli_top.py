@@ -138,6 +138,22 @@ def test_top_exits_when_the_server_goes_away(loaded_server, server_name):
   assert top.exitstatus == 0
 
 
+def test_top_says_when_the_server_process_died(loaded_server, server_name):
+  proc, _ = loaded_server
+  top = _top(server_name)
+  top.expect("q or Ctrl-C quits")
+  proc.kill()     # SIGKILL: the server never stops
+  proc.wait()
+  try:
+    top.expect(f"server '{server_name}' died", timeout=20)
+    top.expect(pexpect.EOF, timeout=10)
+    top.close()
+    assert top.exitstatus == 0
+  finally:
+    subprocess.run([sys.executable, "-m", "reverb_shm.cli", "gc", server_name],
+                   capture_output=True, timeout=60, check=True)
+
+
 def _where(pid: int) -> str:
   """What a process that did not end is doing: its signal masks and state, and the kernel's
   and its threads' wait channels (for the failure message)."""
@@ -167,3 +183,51 @@ def test_top_ends_on_ctrl_c(loaded_server, server_name):
     pytest.fail(f"top did not end within 10 s of SIGINT: {_where(top.pid)}")
   top.close()
   assert top.exitstatus == 0 and "Traceback" not in top.before
+
+
+def test_names_and_titles_are_shown_as_written_and_the_last_line_ends(server_factory):
+  # (rich would read "[bold]" or "[min, max]" as markup and drop it)
+  import io  # pylint: disable=import-outside-toplevel
+  import reverb_shm  # pylint: disable=import-outside-toplevel
+  from rich.console import Console  # pylint: disable=import-outside-toplevel
+  from reverb_shm import rate_limiters, selectors  # pylint: disable=import-outside-toplevel
+  from reverb_shm.cli import top as top_view  # pylint: disable=import-outside-toplevel
+  server = server_factory([reverb_shm.Table("[bold]x", selectors.Uniform(), selectors.Fifo(),
+                                            10, rate_limiters.MinSize(1))])
+  out = io.StringIO()
+  assert top_view.run(server.name, iterations=1, console=Console(file=out, width=240)) == "done"
+  rows = _rows(out.getvalue(), "[bold]x")
+  assert len(rows) == 1 and rows[0][1] == "0/10", out.getvalue()
+  assert "diff [min, max]" in out.getvalue()
+  out = io.StringIO()   # (the live view into a file: what a reason printed after it follows)
+  assert top_view.run(server.name, interval=0.01, iterations=2,
+                      console=Console(file=out, width=240)) == "done"
+  assert out.getvalue().endswith("q or Ctrl-C quits\n"), out.getvalue()[-100:]
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "nan", "inf", "1e308"])
+def test_an_interval_out_of_range_is_a_clear_error(server_name, interval):
+  out = subprocess.run([sys.executable, "-m", "reverb_shm.cli", "top", server_name, "--interval",
+                        interval], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 2 and out.stderr.startswith(
+      "reverb-shm top: interval must be > 0 and at most 86400 seconds"), out.stderr
+
+
+def test_a_narrow_terminal_leaves_columns_out_instead_of_squeezing_them(server_factory):
+  import io  # pylint: disable=import-outside-toplevel
+  import reverb_shm  # pylint: disable=import-outside-toplevel
+  from rich.console import Console  # pylint: disable=import-outside-toplevel
+  from reverb_shm import rate_limiters, selectors  # pylint: disable=import-outside-toplevel
+  from reverb_shm.cli import top as top_view  # pylint: disable=import-outside-toplevel
+  server = server_factory([reverb_shm.Table("replay_buffer", selectors.Uniform(),
+                                            selectors.Fifo(), 1000, rate_limiters.MinSize(1))])
+  out = io.StringIO()
+  top_view.run(server.name, iterations=1, console=Console(file=out, width=80))
+  text = out.getvalue()
+  assert "…" not in text, text
+  (row,) = _rows(text, "replay_buffer")
+  assert row[1] == "0/1000" and row[-1] == "ok", row
+  assert "columns left out (terminal 80 wide): del/s, evict/s" in text
+  out = io.StringIO()
+  top_view.run(server.name, iterations=1, console=Console(file=out, width=240))
+  assert "left out" not in out.getvalue() and len(_rows(out.getvalue(), "replay_buffer")[0]) == 14

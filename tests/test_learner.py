@@ -121,6 +121,19 @@ def test_partial_batches_only_when_asked(server_factory):
     assert next(it).data["action"].tolist() == list(range(10, 26))
 
 
+@pytest.mark.parametrize("weights", [{"a": 1, "b": 1}, {"b": 1, "a": 1}])
+def test_partial_mixed_batches_hold_the_rows_of_tables_with_items(server_factory, weights):
+  # (table 'a' is empty: whichever the order, 'b' gives its rows by the deadline)
+  server = server_factory([_table("a"), _table("b")])
+  _fill(server.shared_table("b"), np.arange(100, 108))
+  with BatchIterator(server, weights, batch_size=8, timeout_ms=200, partial=True, seed=1) as it:
+    b_index = [t.name for t in it.tables].index("b")
+    for _ in range(4):
+      batch = next(it)
+      assert 0 < len(batch.info.key) < 8 and (batch.table == b_index).all()
+      assert (batch.data["action"] >= 100).all()
+
+
 def test_ring_buffers_are_reused_after_keep_batches_and_copies_are_not(server_factory):
   server = server_factory([_table()])
   st = server.shared_table("t")
@@ -217,6 +230,23 @@ def test_mixing_weights_split_rows_and_route_updates(server_factory):
     assert (prio_b if t else prio_a)[key] == (2.0 if t else 3.0)
 
 
+def test_mixing_weights_near_the_float_maximum_keep_their_proportions(server_factory):
+  server = server_factory([_table("a"), _table("b")])
+  _fill(server.shared_table("a"), np.arange(0, 50))
+  _fill(server.shared_table("b"), np.arange(1000, 1050))
+  with BatchIterator(server, {"a": 1e308, "b": 1e308}, batch_size=100, timeout_ms=5000,
+                     seed=3) as it:
+    rows_a = sum(int((next(it).table == 0).sum()) for _ in range(10))
+  assert 400 < rows_a < 600   # 1000 rows: 6 standard errors
+
+
+def test_mixing_weights_must_be_numbers_not_strings_or_bools(server_factory):
+  server = server_factory([_table("a"), _table("b")])
+  for weights in ({"a": "1", "b": 1}, {"a": True, "b": 1}, {"a": None, "b": 1}):
+    with pytest.raises(ValueError, match="mixing weights must be numbers"):
+      BatchIterator(server, weights, batch_size=4)
+
+
 def test_mixed_tables_must_hold_the_same_columns(server_factory):
   server = server_factory([
       _table("a"), _table("b", signature={"x": reverb_shm.TensorSpec([3], np.float64)})])
@@ -228,8 +258,27 @@ def test_mixed_tables_must_hold_the_same_columns(server_factory):
     assert not it._thread.is_alive()
 
 
-def _key_sequence(st, seed, batches=5, batch_size=32):
-  with BatchIterator(st, batch_size=batch_size, seed=seed, timeout_ms=5000) as it:
+def test_items_of_several_shapes_in_one_table_are_named_as_such(server_factory):
+  server = server_factory([_table(signature=None)])
+  st = server.shared_table("t")
+  st.insert({"x": np.zeros((20, 3), np.float32)}, 1.0)
+  st.insert({"x": np.zeros((20, 4), np.float32)}, 1.0)
+  with BatchIterator(server, "t", batch_size=64, timeout_ms=5000) as it:
+    with pytest.raises(ValueError, match=r"table 't' holds items whose columns differ \(the "
+                       r"first sampled: float32\[[34]\]\)"):
+      next(it)
+
+
+def test_items_of_strings_cannot_be_batched(server_factory):
+  server = server_factory([_table(signature=None)])
+  server.localhost_client().insert([np.array("abc")], priorities={"t": 1.0})
+  with BatchIterator(server, "t", batch_size=4, timeout_ms=5000) as it:
+    with pytest.raises(ValueError, match="columns of Python objects"):
+      next(it)
+
+
+def _key_sequence(st, seed, batches=5, batch_size=32, **kwargs):
+  with BatchIterator(st, batch_size=batch_size, seed=seed, timeout_ms=5000, **kwargs) as it:
     return [next(it).info.key.tolist() for _ in range(batches)]
 
 
@@ -242,6 +291,12 @@ def test_seed_makes_the_key_sequence_reproducible(server_factory, sampler):
   assert _key_sequence(st, 42) == first
   assert _key_sequence(st, 43) != first
   assert _key_sequence(st, None) != first
+  # The same keys whichever thread gathers them: the default batches are gathered by the native
+  # sampler after the first; copy=True and partial=True keep them on the Python thread (as the
+  # JAX iterator does).
+  assert _key_sequence(st, 42, copy=True) == first
+  assert _key_sequence(st, 42, partial=True) == first
+  assert _key_sequence(st, 42, prefetch=5, keep=2) == first
 
 
 def test_seeded_mixing_is_reproducible(server_factory):
@@ -302,6 +357,44 @@ def test_bad_arguments_are_rejected(server_factory, kwargs, error, match):
   with pytest.raises(error, match=match):
     BatchIterator(server, **kwargs)
   assert server.shared_table("t").stats()["samples"] == 0
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"copy": True}, {"partial": True}])
+@pytest.mark.parametrize("timeout_ms", [float("inf"), 1e20, np.int64(10**6)])
+def test_a_timeout_past_any_deadline_waits_forever(server_factory, kwargs, timeout_ms):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  fill = threading.Timer(0.2, _fill, (st, np.arange(8)))
+  with BatchIterator(st, batch_size=4, timeout_ms=timeout_ms, **kwargs) as it:
+    fill.start()
+    try:
+      for _ in range(3):
+        batch = next(it)
+        assert len(batch.info.key) == 4
+    finally:
+      fill.join()
+    it.update_priorities(batch.info.key, np.full(4, 2.0))
+    it.flush(timeout_ms=timeout_ms)
+    assert it.stats["keys_updated"] == 4
+    with pytest.raises(ValueError, match="timeout_ms must be None"):
+      it.flush(timeout_ms=float("nan"))
+
+
+def test_keys_as_a_list_of_python_ints_are_updated(server_factory):
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  keys = np.array([5, 2**63 + 5, 2**64 - 1], np.uint64)   # (numpy: float64 of these ints)
+  st.insert(_steps(np.arange(3)), 1.0, keys=keys)
+  with BatchIterator(st, batch_size=2, timeout_ms=5000) as it:
+    next(it)
+    it.update_priorities(keys.tolist(), [2.0, 3.0, 4.0])
+    it.update_priorities(tuple(keys.tolist()[:1]), [5.0])
+    with pytest.raises(ValueError, match=r"keys must be in \[0, 2\*\*64\)"):
+      it.update_priorities([-1], [1.0])
+    it.flush(timeout_ms=5000)
+    assert it.stats["keys_updated"] == 4
+  got = dict(zip(st.items()["key"].tolist(), st.items()["priority"].tolist()))
+  assert [got[k] for k in keys.tolist()] == [5.0, 3.0, 4.0]
 
 
 def test_bad_priority_updates_are_rejected_and_change_nothing(server_factory):

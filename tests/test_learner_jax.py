@@ -56,6 +56,19 @@ def test_priorities_from_jax_arrays(server_factory):
   assert {k: got[k] for k in expected} == expected
 
 
+def test_keys_truncated_to_32_bits_by_jax_are_refused(server_factory):
+  server, st, _ = _server(server_factory)
+  before = st.items()["priority"].tolist()
+  with JaxIterator(st, batch_size=8, timeout_ms=5000) as it:
+    batch = next(it)
+    keys = jax.numpy.asarray(batch.info.key)   # (uint32 without jax_enable_x64, silently)
+    assert keys.dtype == np.uint32
+    with pytest.raises(TypeError, match="keys must be 64-bit"):
+      it.update_priorities(keys, jax.numpy.full(8, 5.0))
+    it.flush(timeout_ms=5000)
+  assert st.items()["priority"].tolist() == before
+
+
 def test_bad_device_and_sharding_arguments(server_factory):
   server, st, _ = _server(server_factory)
   with pytest.raises(ValueError, match="device must be a jax.Device"):
@@ -79,6 +92,11 @@ _SHARDED = textwrap.dedent("""
       try:
         JaxIterator(server, "t", 7, sharded=True)
         raise SystemExit("batch 7 over 2 devices was accepted")
+      except ValueError as e:
+        assert "not a multiple of the 2 local devices" in str(e)
+      try:
+        JaxIterator(server, "t", np.int64(7), sharded=True)
+        raise SystemExit("batch np.int64(7) over 2 devices was accepted")
       except ValueError as e:
         assert "not a multiple of the 2 local devices" in str(e)
       with JaxIterator(server, "t", 8, sharded=True, timeout_ms=5000) as it:

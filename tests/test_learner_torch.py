@@ -232,3 +232,25 @@ def test_cpu_tensor_priorities_through_the_native_queue(server_factory):
     assert it.stats["priority_updates"] == 2
   assert st.items()["priority"].tolist()[:8] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] + \
       np.linspace(0.5, 2.0, 100).tolist()[6:8]
+
+
+@pytest.mark.parametrize("dtype", ["bool", "uint8", "uint16", "uint32", "uint64", "int8",
+                                   "float16", "float64", "complex64"])
+def test_pinned_buffers_take_every_dtype_the_cpu_path_delivers(dtype):
+  import reverb_shm.torch as rtorch
+  assert rtorch._torch_dtype(np.dtype(dtype)) == torch.from_numpy(np.zeros(2, dtype)).dtype
+  with pytest.raises(ValueError, match="columns of dtype object have no torch dtype"):
+    rtorch._torch_dtype(np.dtype(object))
+
+
+def test_keys_as_a_list_of_python_ints_with_tensor_priorities(server_factory):
+  _, st, _ = _server(server_factory)
+  keys = np.array([7, 2**63 + 7], np.uint64)   # (numpy makes float64 of these Python ints)
+  st.insert({"obs": np.zeros((2, 84), np.float32), "action": np.zeros(2, np.int64),
+             "reward": np.zeros(2, np.float32)}, 1.0, keys=keys)
+  with TorchIterator(st, batch_size=8, timeout_ms=5000) as it:
+    next(it)
+    it.update_priorities(keys.tolist(), torch.full((2,), 9.0))
+    it.flush(timeout_ms=5000)
+  got = dict(zip(st.items()["key"].tolist(), st.items()["priority"].tolist()))
+  assert [got[k] for k in keys.tolist()] == [9.0, 9.0]

@@ -86,6 +86,17 @@ def test_exporter_reports_down_after_the_server_stops(server_factory):
     assert got == {("reverb_shm_up", frozenset({"server": srv.name}.items())): 0}
 
 
+@pytest.mark.parametrize("by", ["port", "shm"])
+def test_a_server_named_by_its_address_is_down_under_its_own_name(server_factory, by):
+  srv = server_factory(_tables())
+  address = f"localhost:{srv.port}" if by == "port" else f"shm://{srv.name}"
+  with MetricsExporter(address, 0) as exporter:
+    up = ("reverb_shm_up", frozenset({"server": srv.name}.items()))
+    assert scrape(exporter.port)[up] == 1
+    srv.stop()
+    assert scrape(exporter.port) == {up: 0}
+
+
 def test_exporter_follows_a_restarted_server(server_name):
   with reverb.Server(_tables(), name=server_name) as first:
     exporter = MetricsExporter(server_name, 0)
@@ -102,6 +113,60 @@ def test_exporter_follows_a_restarted_server(server_name):
     exporter.stop()
 
 
+def test_the_url_of_an_ipv6_endpoint_has_its_address_in_brackets(server_factory):
+  import socket  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  if not socket.has_ipv6:
+    pytest.skip("no IPv6 here")
+  srv = server_factory(_tables())
+  proc = subprocess.Popen([sys.executable, "-m", "reverb_shm.cli", "metrics", srv.name, "--port",
+                           "0", "--addr", "::1"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    line = proc.stdout.readline()
+    if not line and "Cannot assign requested address" in proc.stderr.read():
+      pytest.skip("no IPv6 loopback here")
+    url = line.split(" on ", 1)[1].split(";")[0]
+    assert url.startswith("http://[::1]:") and url.endswith("/metrics"), line
+    assert b"reverb_shm_up" in urllib.request.urlopen(url, timeout=10).read()
+  finally:
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
 def test_bad_metrics_port_is_rejected():
   with pytest.raises(ValueError, match="metrics port"):
     MetricsExporter("x", 70000)
+
+
+def test_exporter_reports_down_at_once_when_the_server_process_is_killed(server_name,
+                                                                         monkeypatch):
+  import signal  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from reverb_shm._internal import shm  # pylint: disable=import-outside-toplevel
+  # (the owner watch marks an attached segment dead within milliseconds of its owner's death;
+  # keep it from doing so, as when a scrape comes first: the scrape must see the death itself)
+  monkeypatch.setattr(shm.Segment, "_owner_died", lambda self: None)
+  code = ("import sys, reverb_shm as reverb\n"
+          "from reverb_shm import rate_limiters, selectors\n"
+          f"s = reverb.Server([reverb.Table('t', selectors.Uniform(), selectors.Fifo(), 10, "
+          f"rate_limiters.MinSize(1))], name={server_name!r})\n"
+          "print('up', flush=True)\nsys.stdin.read()\n")
+  proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+  try:
+    assert proc.stdout.readline().strip() == "up"
+    with MetricsExporter(server_name, 0) as exporter:
+      up = ("reverb_shm_up", frozenset({"server": server_name}.items()))
+      assert scrape(exporter.port)[up] == 1
+      proc.send_signal(signal.SIGKILL)
+      proc.wait(timeout=30)
+      assert scrape(exporter.port) == {up: 0}
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+    subprocess.run([sys.executable, "-m", "reverb_shm.cli", "gc", server_name],
+                   capture_output=True, timeout=60, check=True)

@@ -620,12 +620,14 @@ static PyObject *pf_push(pf_object *self, PyObject *args) {
   } else {
     s->n_update_calls++;
   }
-  int over = rc == RS_OK && s->queue.len > QUEUE_LIMIT_KEYS;
+  /* (pending: queued, and taken by a thread applying them; stats() reports the sum) */
+  int over = rc == RS_OK && s->queue.len + s->applying > QUEUE_LIMIT_KEYS;
   pthread_mutex_unlock(&s->mu);
   if (over) {   /* backpressure (the queue keeps its order: one thread applies at a time) */
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&s->mu);
-    while (s->queue.len > QUEUE_LIMIT_KEYS && !s->stop_updates && !s->updater_done) {
+    while (s->queue.len + s->applying > QUEUE_LIMIT_KEYS && !s->stop_updates &&
+           !s->updater_done) {
       if (should_apply(s))
         apply_queue(s, 0);
       else

@@ -97,7 +97,7 @@ def rpc_error(e: grpc.RpcError, address: str) -> Exception:
   if name in wire.ERROR_CLASSES:
     return wire.make_error(name, details)
   if code is grpc.StatusCode.UNIMPLEMENTED:
-    return NotImplementedError(details)
+    return NotImplementedError(f"bridge {address}: {code.name}: {details}")
   if code is grpc.StatusCode.UNAUTHENTICATED:
     return PermissionError(f"bridge {address} refused the call: {details}")
   if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):

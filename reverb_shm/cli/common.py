@@ -41,7 +41,9 @@ def locate(target: str, command: str, remote_ok: bool = False) -> Tuple[str, str
           f"no reverb_shm server is registered on port {port} of this host (address {target!r})")
     return "local", shm.resolve_address(target)
   if not remote_ok:
-    where = "another host" if not shm.is_local_host(host) else "a gRPC bridge"
+    where = "another host" if not shm.is_local_host(host) else (
+        f"a port of this host where no reverb_shm server is registered (something else listens "
+        f"on port {port}: a gRPC bridge, or another service)")
     raise ValueError(f"{target!r} is {where}; `reverb-shm {command}` reads the server's shared "
                      "memory: run it on the server's host with the server's name or "
                      "localhost:PORT")

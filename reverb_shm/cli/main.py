@@ -140,6 +140,9 @@ def _cmd_top(args) -> int:
   def said(reason: str) -> None:
     if reason == "server stopped":
       print(f"reverb-shm top: server {name!r} stopped", flush=True)
+    elif reason == "server died":
+      print(f"reverb-shm top: server {name!r} died (its owner process is gone; `reverb-shm gc` "
+            "removes its segment)", flush=True)
 
   top.run(name, interval=args.interval, iterations=1 if args.once else None, on_exit=said)
   return 0
@@ -153,7 +156,7 @@ def _cmd_metrics(args) -> int:
     exporter = MetricsExporter(name, args.port, addr=args.addr)
     try:
       print(f"reverb-shm metrics: serving Prometheus metrics of server {name!r} on "
-            f"http://{args.addr}:{exporter.port}/metrics; Ctrl-C or SIGTERM stops", flush=True)
+            f"{exporter.url}; Ctrl-C or SIGTERM stops", flush=True)
       while not stop.wait(0.5):
         pass
     finally:
@@ -387,7 +390,8 @@ def main(argv=None) -> int:
   def run() -> int:
     try:
       return args.func(args)
-    except (errors.ReverbError, ValueError, OSError, ImportError) as e:
+    except (errors.ReverbError, ValueError, OSError, ImportError, NotImplementedError) as e:
+      # (NotImplementedError: a HOST:PORT whose gRPC server is not a reverb_shm bridge)
       if isinstance(e, BrokenPipeError):
         raise
       print(f"reverb-shm {args.command}: {e}", file=sys.stderr)

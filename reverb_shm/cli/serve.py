@@ -179,8 +179,7 @@ def _run(server, args, prog: str, stop) -> int:
           + (f"; chunk data in {server.segment.arena_path}" if info["arena_file"] else ""),
           flush=True)
     if exporter is not None:
-      print(f"{prog}: Prometheus metrics on http://{args.metrics_addr}:{exporter.port}/metrics",
-            flush=True)
+      print(f"{prog}: Prometheus metrics on {exporter.url}", flush=True)
     if args.checkpoint_dir is not None:
       print(f"{prog}: checkpoints in {server.checkpointer.path}"
             + (f", every {args.checkpoint_every:g} s" if args.checkpoint_every else "")

@@ -10,12 +10,19 @@ import os
 import select
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from reverb_shm import errors
 from reverb_shm._internal import counters, shm
 
 __all__ = ["Rates", "render", "run"]
+
+_MAX_INTERVAL_S = 86400
+# Columns left out, in this order, while the view is wider than the terminal; and those
+# justified left.
+_OPTIONAL = ("del/s", "evict/s", "in/s", "upd/s", "blk ins", "blk smp", "lock p50/p99", "limiter",
+             "diff [min, max]")
+_LEFT = ("table", "limiter", "diff [min, max]", "state")
 
 # Totals shown as rates per second, and their column titles.
 _RATE_KEYS = (("inserts", "ins/s"), ("samples", "smp/s"), ("updates", "upd/s"),
@@ -90,9 +97,11 @@ def table_state(t: dict) -> str:
   return "full" if t["full"] else "ok"
 
 
-def render(figures: dict, rates: dict, interval: float, live: bool = True):
+def render(figures: dict, rates: dict, interval: float, live: bool = True,
+           width: Optional[int] = None):
   """A rich renderable of one refresh: server line, one row per table, processes (and the
-  keys that quit, when `live`)."""
+  keys that quit, when `live`). With `width` (the terminal's), the columns of _OPTIONAL that do
+  not fit are left out (and a line says so), rather than every column squeezed to an ellipsis."""
   from rich.console import Group  # pylint: disable=import-outside-toplevel
   from rich.table import Table
   from rich.text import Text
@@ -105,32 +114,47 @@ def render(figures: dict, rates: dict, interval: float, live: bool = True):
       f"({100.0 * used / max(total, 1):.1f}% used, {_size(figures['arena_free_bytes'])} free)"
       f"  chunks {figures['chunks']}  processes {len(procs)}/{figures['max_procs']}"
       + (f"  refresh {interval:g}s" if live else ""))
-  grid = Table(expand=False, show_edge=False, pad_edge=False)
-  justify: Any   # (one of rich's justify literals)
-  for title, justify in (("table", "left"), ("items/max", "right"),
-                         *((t, "right") for _, t in _RATE_KEYS), ("in/s", "right"),
-                         ("blk ins", "right"), ("blk smp", "right"), ("limiter", "left"),
-                         ("diff [min, max]", "left"), ("lock p50/p99", "right"),
-                         ("state", "left")):
-    grid.add_column(title, justify=justify, no_wrap=True)
+  titles = ("table", "items/max", *(t for _, t in _RATE_KEYS), "in/s", "blk ins", "blk smp",
+            "limiter", "diff [min, max]", "lock p50/p99", "state")
+  rows, styles = [], []
   for name, t in figures["tables"].items():
     r = rates.get(name, {})
     state = table_state(t)
-    style = "bold red" if state.startswith("BLOCKED") else "yellow" if state == "full" else (
-        "dim" if state == "closed" else "")
+    styles.append("bold red" if state.startswith("BLOCKED") else "yellow" if state == "full"
+                  else "dim" if state == "closed" else "")
     limiter = ("ins " + ("yes" if t["can_insert"] else "NO") + " smp " +
                ("yes" if t["can_sample"] else "NO"))
-    grid.add_row(
+    rows.append((
         name, f"{t['items']}/{t['max_size']}", *(_rate(r.get(k, 0.0)) for k, _ in _RATE_KEYS),
         _size(r.get("insert_bytes", 0.0)), str(t["blocked_inserters"]),
         str(t["blocked_samplers"]), limiter,
         f"{t['diff']:g} [{_bound(t['min_diff'])}, {_bound(t['max_diff'])}]",
         f"{_seconds(t['lock_hold_p50_seconds'])}/{_seconds(t['lock_hold_p99_seconds'])}",
-        state, style=style)
+        state))
+  shown_columns = list(range(len(titles)))
+  hidden = []
+
+  def needed() -> int:   # (each column: its widest cell; 3 characters between two columns)
+    return sum(max(len(c) for c in [titles[i]] + [row[i] for row in rows]) + 3
+               for i in shown_columns) - 3
+  for title in _OPTIONAL:
+    if width is None or needed() <= width:
+      break
+    shown_columns.remove(titles.index(title))
+    hidden.append(title)
+  grid = Table(expand=False, show_edge=False, pad_edge=False)
+  for i in shown_columns:   # (Text: table names and titles are not rich markup)
+    grid.add_column(Text(titles[i]), justify="left" if titles[i] in _LEFT else "right",
+                    no_wrap=True)
+  for row, style in zip(rows, styles):
+    grid.add_row(*(Text(row[i]) for i in shown_columns), style=style)
   shown = sorted(procs, key=lambda p: -p["pins"])[:8]
   proc_line = Text("processes (pid:pins): " + "  ".join(f"{p['pid']}:{p['pins']}" for p in shown)
                    + ("  ..." if len(procs) > len(shown) else ""), style="dim")
   parts: list = [head, grid, proc_line]
+  if hidden:
+    parts.append(Text(f"columns left out (terminal {width} wide): {', '.join(hidden)}",
+                      style="dim"))
   if live:
     parts.append(Text("q or Ctrl-C quits", style="dim"))
   return Group(*parts)
@@ -169,9 +193,11 @@ class _Keys:
       self._saved = None
 
 
-def _alive(seg: shm.Segment) -> bool:
-  info = seg.info()
-  return not info["closed"] and seg.owner_alive()
+def _ended(seg: shm.Segment) -> Optional[str]:
+  """Why the server can no longer be watched ('server stopped' / 'server died'), or None."""
+  if seg.info()["closed"]:
+    return "server stopped"
+  return None if seg.owner_alive() else "server died"
 
 
 def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
@@ -180,7 +206,7 @@ def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
 
   Args:
     name: server name (resolve 'localhost:PORT' with shm.resolve_address first).
-    interval: seconds between refreshes (> 0).
+    interval: seconds between refreshes (> 0, at most a day).
     iterations: stop after this many refreshes (None: until quit); with 1 the view is printed
       once, without the live screen.
     console: a rich Console (default: stdout).
@@ -188,7 +214,8 @@ def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
     on_exit: called with the reason before returning.
 
   Returns:
-    Why it ended: 'quit', 'interrupted', 'server stopped' or 'done'.
+    Why it ended: 'quit', 'interrupted', 'server stopped', 'server died' (its process is gone
+    without stopping it) or 'done'.
 
   Raises:
     ServerUnavailableError / DeadOwnerError: no live server of that name.
@@ -197,17 +224,19 @@ def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
   _rich()
   from rich.console import Console  # pylint: disable=import-outside-toplevel
   from rich.live import Live
-  if not interval > 0:
-    raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
+  if not 0 < interval <= _MAX_INTERVAL_S:   # (select() takes no longer wait)
+    raise ValueError(f"interval must be > 0 and at most {_MAX_INTERVAL_S} seconds, got "
+                     f"{interval!r}")
   seg = shm.Segment.attach(name)
   if console is None:   # piped output (--once into a file): wide enough for every column
     console = Console(width=None if sys.stdout.isatty() else 240)
   rates = Rates()
   figures = counters.read_server(seg)
   if iterations == 1:
-    console.print(render(figures, rates.update(figures), interval, live=False))
+    console.print(render(figures, rates.update(figures), interval, live=False,
+                         width=console.width))
     return "done"
-  frame = render(figures, rates.update(figures), interval)
+  frame = render(figures, rates.update(figures), interval, width=console.width)
   reason = "done"
   keys = _Keys(keys_from if keys_from is not None else sys.stdin)
   try:
@@ -218,15 +247,17 @@ def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
         if "q" in key.lower():
           reason = "quit"
           break
-        if not _alive(seg):
-          reason = "server stopped"
+        ended = _ended(seg)
+        if ended is not None:
+          reason = ended
           break
         try:
           figures = counters.read_server(seg)
         except errors.ReverbError:
-          reason = "server stopped"
+          reason = _ended(seg) or "server stopped"
           break
-        live.update(render(figures, rates.update(figures), interval), refresh=True)
+        live.update(render(figures, rates.update(figures), interval, width=console.width),
+                    refresh=True)
         count += 1
   except KeyboardInterrupt:
     reason = "interrupted"
@@ -234,6 +265,8 @@ def run(name: str, interval: float = 1.0, iterations: Optional[int] = None,
     keys.close()
     with contextlib.suppress(Exception):
       seg.close()
+  if not console.is_terminal:   # (Live ends its last frame without a newline there)
+    console.line()
   if on_exit is not None:
     on_exit(reason)
   return reason

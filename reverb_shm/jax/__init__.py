@@ -64,7 +64,7 @@ class JaxIterator(learner.BatchIterator):
       if kwargs.get("partial"):
         raise ValueError("partial batches cannot be sharded evenly: use sharded=False")
       devices = jax.local_devices()
-      if isinstance(batch_size, int) and batch_size % len(devices):
+      if isinstance(batch_size, (int, np.integer)) and batch_size % len(devices):
         raise ValueError(f"batch_size {batch_size} is not a multiple of the {len(devices)} local "
                          "devices it is sharded over")
       mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
@@ -95,11 +95,16 @@ class JaxIterator(learner.BatchIterator):
     for it (the learner does not wait for the computation producing it).
 
     Raises:
-      TypeError: keys not integers, priorities not floating point.
+      TypeError: keys not integers, or a jax.Array of 32-bit keys (truncated); priorities not
+        floating point.
       ValueError: as BatchIterator.update_priorities (for a jax.Array, values not finite or
         negative are found by the background thread and raised by the next call).
     """
     if isinstance(keys, jax.Array):
+      if keys.dtype.itemsize < 8:   # (keys are 64-bit: jax made a 32-bit copy of them)
+        raise TypeError(f"keys must be 64-bit (Batch.info.key, numpy uint64), got a jax.Array of "
+                        f"dtype {keys.dtype}, which holds them truncated (without "
+                        "jax_enable_x64 jax has no 64-bit integers): pass batch.info.key itself")
       keys = np.asarray(jax.device_get(keys))
     if not isinstance(priorities, jax.Array):
       return super().update_priorities(keys, priorities, table)

@@ -85,6 +85,10 @@ def _finite(x: float) -> float:
   return x if abs(x) != float("inf") else (1e300 if x > 0 else -1e300)
 
 
+def _live(seg: shm.Segment) -> bool:
+  return not seg.info()["closed"] and seg.owner_alive()
+
+
 class ServerCollector:
   """prometheus_client collector of one server, found by name or 'localhost:PORT' address.
 
@@ -95,22 +99,26 @@ class ServerCollector:
 
   def __init__(self, address: str):
     self._address = address
+    # the `server` label of reverb_shm_up while no server answers: the name of the server last
+    # seen (that of its metrics while it was up), else the name or address given
+    self._label = address[len("shm://"):] if address.startswith("shm://") else address
     self._seg: Optional[shm.Segment] = None
     self._lock = threading.Lock()
 
   def _segment(self) -> Optional[shm.Segment]:
     seg = self._seg
-    if seg is not None:
-      info = seg.info()
-      if info["closed"] or not seg.owner_alive():
-        seg = self._seg = None
-    if seg is None:
+    if seg is None or not _live(seg):
       try:
         name = self._address if "://" not in self._address and ":" not in self._address \
             else shm.resolve_address(self._address)
-        seg = self._seg = shm.Segment.attach(name)
+        seg = shm.Segment.attach(name)
       except (errors.ReverbError, ValueError, OSError):
-        return None
+        seg = None
+      # (checked again: attach may return the process's cached mapping of a server that died
+      # moments ago, before the owner watch has marked it dead)
+      if seg is not None and not _live(seg):
+        seg = None
+    self._seg = seg
     return seg
 
   def describe(self):
@@ -122,7 +130,7 @@ class ServerCollector:
       up = GaugeMetricFamily("reverb_shm_up", _SERVER_METRICS["reverb_shm_up"][1],
                              labels=["server"])
       if seg is None:
-        up.add_metric([self._address], 0)
+        up.add_metric([self._label], 0)
         yield up
         return
       try:
@@ -131,7 +139,7 @@ class ServerCollector:
         up.add_metric([seg.name], 0)
         yield up
         return
-    server = figures["name"]
+      server = self._label = figures["name"]
     up.add_metric([server], 1)
     yield up
     for name, field in (("reverb_shm_arena_bytes", "arena_bytes"),
@@ -181,7 +189,8 @@ class MetricsExporter:
   Raises:
     OSError: the port cannot be bound.
 
-  The endpoint runs in a daemon thread; stop() shuts it down. Thread-safe.
+  The endpoint runs in a daemon thread; stop() shuts it down. Thread-safe. `.port` is the port
+  it listens on, `.url` the endpoint's URL.
   """
 
   def __init__(self, address: str, port: int, addr: str = "127.0.0.1"):
@@ -194,8 +203,9 @@ class MetricsExporter:
     self._httpd: Optional[Any] = httpd
     self.addr = addr
     self.port = httpd.server_port
-    _log.info("serving Prometheus metrics of %s on http://%s:%d/metrics (pid %d)", address, addr,
-              self.port, os.getpid())
+    host = f"[{addr}]" if ":" in addr else addr   # (an IPv6 address: in brackets in a URL)
+    self.url = f"http://{host}:{self.port}/metrics"
+    _log.info("serving Prometheus metrics of %s on %s (pid %d)", address, self.url, os.getpid())
 
   def stop(self) -> None:
     """Stops serving (idempotent)."""

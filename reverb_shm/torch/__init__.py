@@ -74,7 +74,7 @@ def _host_array(value) -> np.ndarray:
   return np.asarray(value)
 
 
-def _host_keys(keys) -> np.ndarray:
+def _host_keys(keys):
   """uint64 keys from numpy or a tensor; an int64 tensor holds the keys' bits (torch has no
   arithmetic on uint64: ``torch.from_numpy(info.key.view(np.int64))``) and is read back so."""
   if isinstance(keys, torch.Tensor):
@@ -82,7 +82,7 @@ def _host_keys(keys) -> np.ndarray:
       raise TypeError(f"keys must be integers (Batch.info.key), got a tensor of dtype {keys.dtype}")
     keys = keys.detach().cpu().numpy()
     return keys.view(np.uint64) if keys.dtype == np.int64 else keys
-  return np.asarray(keys)
+  return keys   # (numpy, or Python ints: converted as BatchIterator.update_priorities does)
 
 
 class TorchIterator(learner.BatchIterator):
@@ -225,17 +225,11 @@ def _used_on(t: "torch.Tensor", stream) -> None:
   t.record_stream(stream)
 
 
-_DTYPES = {np.dtype(k): v for k, v in (
-    ("bool", torch.bool), ("uint8", torch.uint8), ("int8", torch.int8), ("int16", torch.int16),
-    ("int32", torch.int32), ("int64", torch.int64), ("float16", torch.float16),
-    ("float32", torch.float32), ("float64", torch.float64), ("complex64", torch.complex64),
-    ("complex128", torch.complex128))}
-
-
 def _torch_dtype(dtype) -> "torch.dtype":
+  """The torch dtype torch.from_numpy gives arrays of `dtype` (as on the CPU path)."""
   try:
-    return _DTYPES[np.dtype(dtype)]
-  except KeyError:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+  except TypeError:
     raise ValueError(f"columns of dtype {np.dtype(dtype)} have no torch dtype") from None
 
 
