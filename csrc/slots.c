@@ -29,6 +29,10 @@ uint64_t rs_proc_start_time(int32_t pid) {
   char *p = strrchr(buf, ')');
   if (!p) return 0;
   p++;
+  /* A process that has exited but is not reaped yet (a zombie: a killed server whose parent has
+   * not waited for it) still answers kill(pid, 0); it counts as gone. */
+  while (*p == ' ') p++;
+  if (*p == 'Z' || *p == 'X') return 0;
   for (int field = 3; field < 22; field++) {
     while (*p == ' ') p++;
     while (*p && *p != ' ') p++;
