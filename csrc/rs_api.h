@@ -165,7 +165,7 @@ int64_t rs_now_ns(void);                                  /* CLOCK_MONOTONIC */
  * picks) and random keys draw from: the same seed gives the same draws, so the same picks on the
  * same table content. Threads start seeded at random; a forked child is reseeded at random. */
 void rs_rand_seed_thread(uint64_t seed);
-uint64_t rs_proc_start_time(int32_t pid);                 /* 0 if no such process */
+uint64_t rs_proc_start_time(int32_t pid);   /* 0 if no such process, or it exited (a zombie) */
 const char *rs_last_error(void);
 
 /* ---- segment ---- */

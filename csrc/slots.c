@@ -29,11 +29,19 @@ uint64_t rs_proc_start_time(int32_t pid) {
   char *p = strrchr(buf, ')');
   if (!p) return 0;
   p++;
+  while (*p == ' ') p++;
+  char state = *p;
+  long threads = 0;
   for (int field = 3; field < 22; field++) {
     while (*p == ' ') p++;
+    if (field == 20) threads = strtol(p, NULL, 10);   /* num_threads */
     while (*p && *p != ' ') p++;
     if (!*p) return 0;
   }
+  /* A process that has exited but is not reaped yet (a zombie: a killed server whose parent has
+   * not waited for it) still answers kill(pid, 0): it counts as gone. A zombie leader whose other
+   * threads still run (its main thread called pthread_exit) is alive. */
+  if ((state == 'Z' || state == 'X') && threads <= 1) return 0;
   char *end;
   unsigned long long v = strtoull(p, &end, 10);
   return end == p ? 0 : (uint64_t)v;

@@ -141,6 +141,11 @@ def _exclusive(method):
   return call
 
 
+def _runs(batch: list) -> int:
+  """Number of runs of consecutive entries of one kind in a batch of window items."""
+  return sum(1 for i, entry in enumerate(batch) if i == 0 or entry[0] is not batch[i - 1][0])
+
+
 class TrajectoryWriter(hot.WriterBase):
   """Writes steps into shared memory and inserts items referencing them.
 
@@ -786,28 +791,22 @@ class TrajectoryWriter(hot.WriterBase):
 
   @staticmethod
   def _grouped(batch: list) -> list:
-    """The batch with each kind's entries together, each kind's order kept, when its runs
-    alternate between kinds (items created in turn in several tables) and every table's rate
-    limiter admits all of its items now: one encode and one insert per kind instead of one per
-    run. Otherwise the batch unchanged, whose creation order then decides what is held back.
-    (A batch of one run never gets here.)"""
+    """The batch with each table's entries together, each table's creation order kept, when
+    that makes fewer runs of one kind (items created in turn in several tables) and every
+    table's rate limiter admits all of its items now: one encode and one insert per run.
+    Otherwise the batch unchanged, whose creation order then decides what is held back. Items
+    of one table are never reordered (a FIFO table samples them in creation order). (A batch
+    of one run never gets here.)"""
     groups: Dict[int, list] = {}
-    runs, prev = 0, None
     for entry in batch:
-      kind = entry[0]
-      if kind is not prev:
-        runs += 1
-        prev = kind
-      groups.setdefault(id(kind), []).append(entry)
-    if runs == len(groups):
+      groups.setdefault(id(entry[0][0].table), []).append(entry)
+    grouped = [entry for group in groups.values() for entry in group]
+    if _runs(grouped) >= _runs(batch):
       return batch
-    counts: Dict[int, list] = {}
-    for group in groups.values():
-      table = group[0][0][0].table
-      counts.setdefault(id(table), [table, 0])[1] += len(group)
-    if not all(table.can_insert(n) for table, n in counts.values()):
+    counts = [(group[0][0][0].table, len(group)) for group in groups.values()]
+    if not all(table.can_insert(n) for table, n in counts):
       return batch
-    return [entry for group in groups.values() for entry in group]
+    return grouped
 
   def _insert_encoded(self, handle, priorities, blob: np.ndarray, offs: np.ndarray, sig: tuple,
                       positions: np.ndarray, insert: bool = True) -> None:

@@ -264,6 +264,29 @@ def test_proc_start_time_matches_proc_stat_and_survives_odd_comm():
   assert lib.rs_proc_start_time(-1) == 0
 
 
+def test_proc_start_time_of_an_exited_process_is_zero_until_its_threads_end():
+  # Killed but not reaped (a zombie): gone. Its main thread exited while another thread runs
+  # (the leader shows as a zombie then too): alive.
+  child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+  code = ("import ctypes, threading, time; threading.Thread(target=time.sleep, args=(30,)).start();"
+          " print('ok', flush=True); ctypes.CDLL(None).pthread_exit(None)")
+  leader_gone = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+  try:
+    assert leader_gone.stdout.readline() == b"ok\n"
+    child.kill()
+    deadline = time.monotonic() + 10
+    for proc in (child, leader_gone):
+      while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert lib.rs_proc_start_time(child.pid) == 0
+    assert lib.rs_proc_start_time(leader_gone.pid) > 0
+  finally:
+    for proc in (child, leader_gone):
+      proc.kill()
+      proc.wait(10)
+
+
 def test_register_until_full_then_unregister_frees_a_slot():
   s = Segment(max_procs=3)
   slots = [s.slot, s.register(os.getpid()), s.register(os.getpid())]

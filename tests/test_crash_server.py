@@ -106,6 +106,29 @@ def test_blocked_inserter_notices_the_server_died(server_name):
   shm.remove_stale(names=[server_name])
 
 
+def test_a_killed_server_not_yet_reaped_is_dead(server_name):
+  """A SIGKILLed server whose parent has not waited for it (a zombie) is dead: a blocked
+  sampler gets DeadOwnerError, and new clients take no process slots of it."""
+  proc, port = _start_server(server_name)
+  try:
+    st = reverb_shm.SharedTable.attach(f"{server_name}/t")   # empty: sample blocks
+    proc.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+      assert time.monotonic() < deadline
+      time.sleep(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(errors.DeadOwnerError, match=f"pid {proc.pid}"):
+      st.sample(1, timeout_ms=5000)
+    assert time.monotonic() - t0 < 2
+    for _ in range(200):   # more than the server's process slots (128)
+      with pytest.raises((errors.DeadOwnerError, errors.ServerUnavailableError)):
+        next(reverb_shm.Client(f"localhost:{port}").sample("t", 1, rate_limiter_timeout_ms=0))
+  finally:
+    _kill(proc)
+    shm.remove_stale(names=[server_name])
+
+
 def test_attached_processes_keep_working_on_the_mapped_tables(dead_server):
   _, _, st = dead_server
   st.insert({"x": np.array([10.0])}, 1.0)

@@ -375,6 +375,39 @@ def test_timestep_dataset_yields_each_step_of_each_item(filled):
   assert [len(x.info.key) for x in ds.batch(3)] == [3] * 5
 
 
+def test_timestep_dataset_takes_a_squeezed_column_as_one_timestep():
+  """As Reverb: an item whose columns are squeezed (history[c][-1]) is one timestep; a squeezed
+  column beside columns of one step is one step too; beside longer ones it is an error."""
+  server = _server({"max_times_sampled": 1}, signature=None)
+  try:
+    address = f"localhost:{server.port}"
+    client = reverb.Client(address)
+    dtypes = {"a": tf.float32, "b": tf.int64}
+    shapes = {"a": tf.TensorShape([2]), "b": tf.TensorShape([])}
+    with client.trajectory_writer(3) as w:
+      for i in range(3):
+        w.append({"a": np.full(2, i, np.float32), "b": np.int64(i)})
+      w.create_item("t", 1.0, {"a": w.history["a"][-1], "b": w.history["b"][-1]})
+      w.flush()
+      steps = list(reverb.TimestepDataset(address, "t", dtypes, shapes, 2,
+                                          rate_limiter_timeout_ms=100))
+      assert [(s.data["a"].numpy().tolist(), int(s.data["b"])) for s in steps] == \
+          [([2.0, 2.0], 2)]
+      w.create_item("t", 1.0, {"a": w.history["a"][-1], "b": w.history["b"][-1:]})
+      w.flush()
+      steps = list(reverb.TimestepDataset(address, "t", dtypes, {"a": tf.TensorShape([2]),
+                                                                 "b": tf.TensorShape(None)}, 2,
+                                          rate_limiter_timeout_ms=100))
+      assert [(s.data["a"].numpy().tolist(), int(s.data["b"])) for s in steps] == \
+          [([2.0, 2.0], 2)]
+      w.create_item("t", 1.0, {"a": w.history["a"][-1], "b": w.history["b"][-2:]})
+      w.flush()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="cannot be split into timesteps"):
+      list(reverb.TimestepDataset(address, "t", dtypes, shapes, 2, rate_limiter_timeout_ms=100))
+  finally:
+    server.stop()
+
+
 def test_tf_client_insert_sample_update_priorities():
   sig = {"w": tf.TensorSpec([2], tf.float32), "n": tf.TensorSpec([], tf.int64)}
   server = reverb.Server([reverb.Table("v", reverb.selectors.Prioritized(1.0),

@@ -20,7 +20,9 @@ def _table(name, max_size=10_000, sampler=None):
 @pytest.fixture
 def server(server_factory):
   return server_factory([_table("a"), _table("b"), _table("p", sampler=selectors.Prioritized(1.0)),
-                         reverb_shm.Table.queue("queue", 2)])
+                         reverb_shm.Table.queue("queue", 2),
+                         reverb_shm.Table("fifo", selectors.Fifo(), selectors.Fifo(), 1000,
+                                          rate_limiters.MinSize(1), max_times_sampled=1)])
 
 
 @pytest.fixture
@@ -308,4 +310,20 @@ def test_items_created_in_turn_in_two_tables_keep_each_tables_order(client):
   writer.flush(timeout_ms=5000)
   assert [int(s.data[0][0]) for s in queue.sample(2)] == [12, 13]
   assert client.shared_table("a").size == 10
+  writer.close()
+
+
+def test_items_of_several_windows_in_one_table_keep_creation_order(client):
+  """Items of one table whose windows differ (1, 2, 3 steps in turn) reach a FIFO queue in
+  the order they were created, as in Reverb (grouping them by window reordered them)."""
+  writer = client.trajectory_writer(3)
+  created = []
+  for t in range(12):
+    writer.append({"x": np.int64(t)})
+    n = min(t + 1, 1 + t % 3)
+    writer.create_item("fifo", 1.0, writer.history["x"][-n:])
+    created.append(list(range(t + 1 - n, t + 1)))
+  writer.flush()
+  got = [s.data[0].tolist() for s in client.sample("fifo", len(created), emit_timesteps=False)]
+  assert got == created
   writer.close()

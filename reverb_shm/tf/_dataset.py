@@ -120,25 +120,32 @@ class GatherPlan:
         continue
       info, columns = batch
       if self.timesteps:
-        info, columns = _split_timesteps(table_name, info, columns)
+        info, columns = _split_timesteps(table_name, info, columns, self.shapes)
       _batches.check_batch(table_name, columns, self.np_dtypes, self.shapes)
       yield info, columns
 
 
 
-def _split_timesteps(table, info, columns):
+def _split_timesteps(table, info, columns, shapes):
   """Items (B, T, ...) -> timesteps (B * T, ...), each item's info repeated for its T steps.
 
+  A column without a time dim (the item squeezed it: its items have the rank of the dataset's
+  per-step shape, or are scalars) is one timestep, as in Reverb. Gathered columns do not say
+  whether an item squeezed them (a squeezed [3] has the bytes and shape of 3 steps of []), so
+  the declared rank decides; with an unknown rank, only a scalar column counts as squeezed.
+
   Raises:
-    IncompatibleItemError: a column without a time dim, or columns of different lengths.
+    IncompatibleItemError: columns of different numbers of timesteps.
   """
-  lengths = {c.shape[1] if c.ndim > 1 else None for c in columns}
-  if len(lengths) != 1 or None in lengths:
+  columns = [c[:, None] if c.ndim == 1 or (s is not None and c.ndim - 1 == len(s)) else c
+             for c, s in zip(columns, shapes)]
+  lengths = [c.shape[1] for c in columns]
+  if len(set(lengths)) > 1:
     raise _batches.IncompatibleItemError(
         f"items of table '{table}' cannot be split into timesteps: their columns have lengths "
-        f"{[c.shape[1] if c.ndim > 1 else None for c in columns]} (every column needs the same "
-        "number of timesteps)")
-  t = lengths.pop()
+        f"{lengths} (every column needs the same number of timesteps; a squeezed column has "
+        "one)")
+  t = lengths[0] if lengths else 1
   b = len(info[0])
   return ([np.repeat(x, t) for x in info],
           [c.reshape((b * t,) + c.shape[2:]) for c in columns])

@@ -14,7 +14,7 @@ class TimestepDataset(_dataset.ReverbDataset):
 
   Arguments and errors are TrajectoryDataset's; in addition, iterating raises
   tf.errors.InvalidArgumentError for an item whose columns do not all have the same number of
-  timesteps (a squeezed column has none).
+  timesteps (a squeezed column has one, as in Reverb).
   """
 
   _TIMESTEPS = True
