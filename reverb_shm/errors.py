@@ -30,6 +30,11 @@ class InvalidArgumentError(ReverbError, builtins.ValueError):
   """An argument was malformed (wrong type, dtype, shape, range)."""
 
 
+class ArgumentTypeError(ReverbError, builtins.TypeError, builtins.ValueError):
+  """An argument of the wrong type, or an integer outside its type's range, where Reverb's
+  bindings raise TypeError; it is a ValueError too, as reverb_shm's other argument errors."""
+
+
 class UnknownTableError(ReverbError, builtins.ValueError, builtins.RuntimeError, builtins.KeyError):
   """No table of that name exists; the message lists the tables that do.
 

@@ -8,6 +8,8 @@ import math
 import sys
 from typing import Any, Tuple, Union
 
+from reverb_shm import errors
+
 __all__ = ["RateLimiter", "MinSize", "SampleToInsertRatio", "Queue", "Stack"]
 
 _FLOAT_MAX = sys.float_info.max
@@ -46,7 +48,8 @@ class RateLimiter:
     spi = float(_number(samples_per_insert, "samples_per_insert"))
     min_size = _number(min_size_to_sample, "min_size_to_sample")
     if min_size != int(min_size):
-      raise ValueError(f"min_size_to_sample must be an integer, got {min_size_to_sample!r}")
+      raise errors.ArgumentTypeError(
+          f"min_size_to_sample must be an integer, got {min_size_to_sample!r}")
     min_diff = float(_number(min_diff, "min_diff"))
     max_diff = float(_number(max_diff, "max_diff"))
     if not 0 < spi < float("inf"):

@@ -189,6 +189,7 @@ def scenario_error_types(rv):
   record("table_empty_name", lambda: rv.Table("", sel.Fifo(), sel.Fifo(), 1, rl.MinSize(1)))
   record("table_max_size_0", lambda: rv.Table("x", sel.Fifo(), sel.Fifo(), 0, rl.MinSize(1)))
   record("minsize_0", lambda: rl.MinSize(0))
+  record("minsize_float", lambda: rl.MinSize(2.5))
   for args in [(5, 10, 4), (0.5, 10, 0.9), (5, 10, (8, 12)), (1, 10, (11, 15)), (0, 10, 100),
                (1, 0, (-100, 100))]:
     record(f"s2i_{args}", lambda a=args: rl.SampleToInsertRatio(*a))
@@ -209,6 +210,10 @@ def scenario_error_types(rv):
   record("mutate_nan", lambda: client.mutate_priorities("t", updates={key: math.nan}))
   record("mutate_negative", lambda: client.mutate_priorities("t", updates={key: -1.0}))
   record("mutate_unknown_key", lambda: client.mutate_priorities("t", updates={12345: 1.0}))
+  record("mutate_negative_key", lambda: client.mutate_priorities("t", updates={-1: 1.0}))
+  record("mutate_key_2_64", lambda: client.mutate_priorities("t", deletes=[2**64]))
+  record("insert_str_priority", lambda: client.insert(np.int64(1), {"t": "1"}))
+  record("sample_float_count", lambda: next(client.sample("t", 2.0)))
   record("trajectory_writer_0", lambda: client.trajectory_writer(0))
   record("legacy_writer_0", lambda: client.writer(0))
   record("legacy_writer_chunk_gt_len", lambda: client.writer(2, chunk_length=3))
