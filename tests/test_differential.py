@@ -50,6 +50,21 @@ def scenario_selector_orders(rv):
   return out
 
 
+def scenario_selector_options(rv):
+  """What server_info says about each selector, read as the KeyDistributionOptions proto."""
+  sel = rv.selectors
+  out = {}
+  for name, selector in [("uniform", sel.Uniform()), ("prioritized", sel.Prioritized(0.6)),
+                         ("fifo", sel.Fifo()), ("lifo", sel.Lifo()), ("minheap", sel.MinHeap()),
+                         ("maxheap", sel.MaxHeap())]:
+    options = rv.Table("t", selector, selector, 10, rv.rate_limiters.MinSize(1)).info.sampler_options
+    kind = options.WhichOneof("distribution")
+    out[name] = [kind, options.is_deterministic, options.HasField("heap"),
+                 options.heap.min_heap if kind == "heap" else None,
+                 options.prioritized.priority_exponent if kind == "prioritized" else None]
+  return out
+
+
 def scenario_heap_ties_after_update(rv):
   sel = rv.selectors
   out = {}

@@ -45,6 +45,7 @@ def test_selector_options_report_kind_and_determinism(server_factory, selector, 
     assert options.HasField(field) and options.is_deterministic is deterministic
     assert sum(options.HasField(f) for f in ("fifo", "lifo", "uniform", "prioritized",
                                              "heap")) == 1
+    assert options.WhichOneof("distribution") == field   # (the proto's accessor)
   if field == "prioritized":
     assert table.info.sampler_options.prioritized.priority_exponent == 0.7
   if field == "heap":
