@@ -95,7 +95,7 @@ class Table:
     self._remover = remover
     self._max_size = max_size
     self._rate_limiter = rate_limiter
-    self._max_times_sampled = max(0, min(max_times_sampled, 2**31 - 1))
+    self._max_times_sampled = max(-2**31, min(max_times_sampled, 2**31 - 1))   # (as int32)
     self._extensions = tuple(extensions)
     self._signature = specs.validate_signature(signature)
     self._live: Any = None  # (Segment, table index) while a server owns this table.

@@ -90,6 +90,27 @@ def test_replace_builds_a_new_empty_table_with_a_base_rate_limiter(server_factor
   assert table.replace(name="u", signature=None).name == "u"
 
 
+def test_negative_max_times_sampled_is_unlimited_and_reported_as_given(server_factory, tmp_path):
+  """dm-reverb keeps max_times_sampled < 1 as given (it means unlimited): server_info, a
+  checkpoint and replace() report the same number."""
+  table = _table(max_times_sampled=-3)
+  assert table.info.max_times_sampled == -3
+  checkpointer = reverb_shm.checkpointers.DefaultCheckpointer(str(tmp_path))
+  server = server_factory([table], checkpointer=checkpointer)
+  client = server.localhost_client()
+  client.insert(np.int64(1), {"t": 1.0})
+  assert [s[0].info.times_sampled for s in client.sample("t", 4)] == [1, 2, 3, 4]
+  info = client.server_info()["t"]
+  assert (info.max_times_sampled, info.current_size) == (-3, 1)
+  client.checkpoint()
+  server.stop()
+  restored = _table(max_times_sampled=-3)
+  client = server_factory([restored], checkpointer=checkpointer).localhost_client()
+  assert (client.server_info()["t"].max_times_sampled, client.server_info()["t"].current_size) == (
+      -3, 1)
+  assert restored.replace().max_times_sampled == -3
+
+
 def test_reinserting_an_existing_key_updates_its_priority_only(server_factory):
   table = _table(sampler=selectors.MaxHeap())
   st = server_factory([table]).shared_table("t")
