@@ -241,6 +241,7 @@ def scenario_error_types(rv):
   record("create_item_not_column", lambda: w.create_item("t", 1.0, {"x": 1}))
   record("create_item_empty", lambda: w.create_item("t", 1.0, {}))
   record("create_item_nan", lambda: w.create_item("t", math.nan, w.history["x"][-1:]))
+  record("create_item_none_priority", lambda: w.create_item("t", None, w.history["x"][-1:]))
   record("create_item_unknown_table", lambda: w.create_item("nope", 1.0, w.history["x"][-1:]))
   record("history_slice_too_long", lambda: w.history["x"][-3:])
   record("flush_negative", lambda: w.flush(-1))
