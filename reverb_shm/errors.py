@@ -51,6 +51,11 @@ class HistoryIndexError(ReverbError, builtins.IndexError, builtins.ValueError):
   cleared. An IndexError, and a ValueError as Reverb raises there (client code catches that)."""
 
 
+class WriterClosedError(ReverbError, builtins.RuntimeError, builtins.ValueError):
+  """A legacy Writer was used after close(): a RuntimeError as in Reverb (its context manager
+  raises ValueError there, hence both)."""
+
+
 class ResourceExhaustedError(ReverbError, builtins.IndexError):
   """A fixed capacity ran out: the chunk arena, process slots, pin log or /dev/shm."""
 

@@ -258,6 +258,8 @@ def scenario_error_types(rv):
   record("legacy_append_other_leaf_count", lambda: lw.append([np.int64(1), np.int64(2)]))
   lw.close()
   record("legacy_close_twice", lambda: lw.close())
+  record("legacy_append_after_close", lambda: lw.append([np.int64(1)]))
+  record("legacy_create_item_after_close", lambda: lw.create_item("t", 1, 1.0))
   server.stop()
   return out
 
