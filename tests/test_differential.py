@@ -86,6 +86,55 @@ def scenario_heap_ties_after_update(rv):
   return out
 
 
+def scenario_deterministic_selectors_random_ops(rv):
+  """Seeded random inserts, samples, updates, deletes and resets on tables whose sampler and
+  remover are Fifo, Lifo or a heap (no randomness in the tables): every sample's value and info,
+  and the table's counters after each step. Ops the limiter would block are skipped."""
+  import random  # pylint: disable=g-import-not-at-top
+  sel, rl = rv.selectors, rv.rate_limiters
+  kinds = {"fifo": sel.Fifo, "lifo": sel.Lifo, "min": sel.MinHeap, "max": sel.MaxHeap}
+  out = {}
+  for seed in range(24):
+    r = random.Random(seed)
+    config = [r.choice(sorted(kinds)), r.choice(sorted(kinds)), r.choice([0, 1, 2, 3]),
+              r.choice([0.5, 1.0, 2.0]), r.choice([1, 2, 3]), r.choice([-1e9, -3.0, 0.0]),
+              r.choice([3.0, 6.0, 1e9]), r.choice([2, 3, 5])]
+    sampler, remover, mts, spi, min_size, min_diff, max_diff, max_size = config
+    table = rv.Table("t", kinds[sampler](), kinds[remover](), max_size,
+                     rl.RateLimiter(spi, min_size, min_diff, max_diff), max_times_sampled=mts)
+    server = _server(rv, [table])
+    client = rv.Client(f"localhost:{server.port}")
+    log, keys = [config], {}
+    for value in range(40):
+      op = r.random()
+      if op < 0.4 and table.can_insert(1):
+        priority = r.choice([0.0, 1.0, 2.0, 3.0, -1.0])
+        client.insert(np.int64(value), {"t": priority})
+        row = ["insert", value, priority]
+      elif 0.4 <= op < 0.75 and table.can_sample(1) and client.server_info()["t"].current_size:
+        s = next(client.sample("t", 1, emit_timesteps=False))
+        keys[int(np.asarray(s.data[0]).ravel()[0])] = s.info.key
+        row = ["sample", int(np.asarray(s.data[0]).ravel()[0]), s.info.probability,
+               s.info.table_size, s.info.priority, s.info.times_sampled]
+      elif 0.75 <= op < 0.9 and keys:
+        v = r.choice(sorted(keys))
+        if r.random() < 0.7:
+          row = ["update", v, r.choice([0.0, 1.0, 2.0, 5.0])]
+          client.mutate_priorities("t", updates={keys[v]: row[2]})
+        else:
+          row = ["delete", v]
+          client.mutate_priorities("t", deletes=[keys[v]])
+      elif 0.9 <= op < 0.92:
+        client.reset("t")
+        row = ["reset"]
+      else:
+        row = ["skip"]
+      log.append(row + _counters(client.server_info()["t"])[:6])
+    out[seed] = log
+    server.stop()
+  return out
+
+
 def scenario_prioritized_probabilities(rv):
   table = rv.Table("p", rv.selectors.Prioritized(1.0), rv.selectors.Fifo(), 100,
                    rv.rate_limiters.MinSize(1))
