@@ -210,6 +210,21 @@ def scenario_info_counters(rv):
   return out
 
 
+def scenario_table_after_stop(rv):
+  """A Table object keeps reporting its last state after its server stopped."""
+  table = rv.Table("t", rv.selectors.Fifo(), rv.selectors.Fifo(), 10,
+                   rv.rate_limiters.RateLimiter(1.0, 2, -1.0, 3.0), max_times_sampled=2)
+  server = _server(rv, [table])
+  client = rv.Client(f"localhost:{server.port}")
+  for i in range(3):
+    client.insert(np.int64(i), {"t": 1.0})
+  _drain(client, "t", 2)
+  server.stop()
+  return {"info": _counters(table.info),
+          "limiter": [table.can_sample(n) for n in (1, 2, 3)] + [table.can_insert(n)
+                                                                 for n in (1, 2, 3)]}
+
+
 def _counters(info):
   return [info.current_size, info.num_episodes, info.num_deleted_episodes,
           info.num_unique_samples, info.rate_limiter_info.insert_stats.completed,

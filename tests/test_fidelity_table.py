@@ -111,6 +111,28 @@ def test_negative_max_times_sampled_is_unlimited_and_reported_as_given(server_fa
   assert restored.replace().max_times_sampled == -3
 
 
+def test_a_stopped_servers_table_reports_its_last_state_until_reused(server_factory):
+  """As dm-reverb's Table object does after Server.stop(): info and the limiter predicates
+  answer from the table's last state (here 3 inserts, 2 samples, 1 item removed after its
+  second sample); a new server starts it empty."""
+  table = _table(max_times_sampled=2, limiter=rate_limiters.RateLimiter(1.0, 2, -1.0, 3.0))
+  server = server_factory([table])
+  client = server.localhost_client()
+  for i in range(3):
+    client.insert(np.int64(i), {"t": 1.0})
+  assert [s.info.times_sampled for s in client.sample("t", 2, emit_timesteps=False)] == [1, 2]
+  server.stop()
+  info = table.info
+  assert (info.current_size, info.num_episodes, info.num_deleted_episodes,
+          info.num_unique_samples) == (2, 2, 1, 1)
+  assert (info.rate_limiter_info.insert_stats.completed,
+          info.rate_limiter_info.sample_stats.completed) == (3, 2)
+  assert [table.can_sample(n) for n in (1, 2, 3)] == [True, True, False]
+  assert [table.can_insert(n) for n in (1, 2, 3)] == [True, True, False]
+  server_factory([table])
+  assert table.info.current_size == 0 and table.can_insert(1) and not table.can_sample(1)
+
+
 def test_reinserting_an_existing_key_updates_its_priority_only(server_factory):
   table = _table(sampler=selectors.MaxHeap())
   st = server_factory([table]).shared_table("t")
