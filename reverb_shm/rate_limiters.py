@@ -5,6 +5,7 @@ object may configure several tables.
 """
 import logging
 import math
+import numbers
 import sys
 from typing import Any, Tuple, Union
 
@@ -123,8 +124,9 @@ class SampleToInsertRatio(RateLimiter):
     if not 0 < spi < float("inf"):
       raise ValueError(f"samples_per_insert ({samples_per_insert}) must be finite and > 0")
     offset = spi * min_size_to_sample
-    if isinstance(error_buffer, (int, float)) and not isinstance(error_buffer, bool):
-      min_diff, max_diff = offset - error_buffer, offset + error_buffer
+    if isinstance(error_buffer, numbers.Real) and not isinstance(error_buffer, bool):
+      # (numpy scalars too: np.float32(2.5) is a number, not a pair)
+      min_diff, max_diff = offset - float(error_buffer), offset + float(error_buffer)
     else:
       try:
         pair: Any = error_buffer   # (a number was handled above)
