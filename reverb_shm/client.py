@@ -326,14 +326,16 @@ class Client:
 
     Raises:
       UnknownTableError (a RuntimeError and ValueError): no such table, raised at the call.
-      ValueError: num_samples < 1, negative timeout; an item that cannot be split into steps.
+      ValueError: num_samples < 1 (not an int: ArgumentTypeError, a TypeError too), negative
+        timeout; an item that cannot be split into steps.
       DeadlineExceededError: the limiter did not allow a sample in time (the message names the
         table and its counters).
       TableClosedError: the server stopped.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or (
         num_samples < 1):
-      raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+      raise (ValueError if isinstance(num_samples, (int, np.integer)) else errors.ArgumentTypeError)(
+          f"num_samples must be an int >= 1, got {num_samples!r}")
     timeouts.deadline_from_ms(rate_limiter_timeout_ms, "rate_limiter_timeout_ms")
     handle = self._table_handle(table)
     treedef = None
@@ -664,9 +666,10 @@ def _row_views(column: np.ndarray) -> tuple:
 
 
 def _key(key) -> np.uint64:
-  """An item key as np.uint64; ValueError naming it if it is not an int in [0, 2**64)."""
+  """An item key as np.uint64; ArgumentTypeError (a TypeError and ValueError) naming it if it is
+  not an int in [0, 2**64)."""
   if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= key < 2**64:
-    raise ValueError(f"item keys must be ints in [0, 2**64), got {key!r}")
+    raise errors.ArgumentTypeError(f"item keys must be ints in [0, 2**64), got {key!r}")
   return np.uint64(key)
 
 

@@ -30,6 +30,11 @@ class InvalidArgumentError(ReverbError, builtins.ValueError):
   """An argument was malformed (wrong type, dtype, shape, range)."""
 
 
+class ArgumentTypeError(ReverbError, builtins.TypeError, builtins.ValueError):
+  """An argument of the wrong type, or an integer outside its type's range, where Reverb's
+  bindings raise TypeError; it is a ValueError too, as reverb_shm's other argument errors."""
+
+
 class UnknownTableError(ReverbError, builtins.ValueError, builtins.RuntimeError, builtins.KeyError):
   """No table of that name exists; the message lists the tables that do.
 
@@ -44,6 +49,11 @@ class UnknownTableError(ReverbError, builtins.ValueError, builtins.RuntimeError,
 class HistoryIndexError(ReverbError, builtins.IndexError, builtins.ValueError):
   """A writer history position or window outside the column's steps since its buffers were last
   cleared. An IndexError, and a ValueError as Reverb raises there (client code catches that)."""
+
+
+class WriterClosedError(ReverbError, builtins.RuntimeError, builtins.ValueError):
+  """A legacy Writer was used after close(): a RuntimeError as in Reverb (its context manager
+  raises ValueError there, hence both)."""
 
 
 class ResourceExhaustedError(ReverbError, builtins.IndexError):

@@ -5,8 +5,11 @@ object may configure several tables.
 """
 import logging
 import math
+import numbers
 import sys
 from typing import Any, Tuple, Union
+
+from reverb_shm import errors
 
 __all__ = ["RateLimiter", "MinSize", "SampleToInsertRatio", "Queue", "Stack"]
 
@@ -46,7 +49,8 @@ class RateLimiter:
     spi = float(_number(samples_per_insert, "samples_per_insert"))
     min_size = _number(min_size_to_sample, "min_size_to_sample")
     if min_size != int(min_size):
-      raise ValueError(f"min_size_to_sample must be an integer, got {min_size_to_sample!r}")
+      raise errors.ArgumentTypeError(
+          f"min_size_to_sample must be an integer, got {min_size_to_sample!r}")
     min_diff = float(_number(min_diff, "min_diff"))
     max_diff = float(_number(max_diff, "max_diff"))
     if not 0 < spi < float("inf"):
@@ -120,8 +124,9 @@ class SampleToInsertRatio(RateLimiter):
     if not 0 < spi < float("inf"):
       raise ValueError(f"samples_per_insert ({samples_per_insert}) must be finite and > 0")
     offset = spi * min_size_to_sample
-    if isinstance(error_buffer, (int, float)) and not isinstance(error_buffer, bool):
-      min_diff, max_diff = offset - error_buffer, offset + error_buffer
+    if isinstance(error_buffer, numbers.Real) and not isinstance(error_buffer, bool):
+      # (numpy scalars too: np.float32(2.5) is a number, not a pair)
+      min_diff, max_diff = offset - float(error_buffer), offset + float(error_buffer)
     else:
       try:
         pair: Any = error_buffer   # (a number was handled above)

@@ -37,6 +37,14 @@ class KeyDistributionOptions:
     value = getattr(self, name)
     return value is not None and value is not False
 
+  def WhichOneof(self, group: str) -> Optional[str]:  # noqa: N802  (proto-style accessor)
+    """The name of the kind that is set ('fifo', 'uniform', 'prioritized', 'heap' or 'lifo');
+    `group` is the proto's oneof name, 'distribution'."""
+    if group != "distribution":
+      raise ValueError(f"KeyDistributionOptions has no oneof {group!r}; it has 'distribution'")
+    return next((name for name in ("fifo", "uniform", "prioritized", "heap", "lifo")
+                 if self.HasField(name)), None)
+
 
 class ItemSelector:
   """Base class. `kind` is the C core's RS_SEL_* value; `exponent` is 0 except Prioritized."""

@@ -95,10 +95,11 @@ class Table:
     self._remover = remover
     self._max_size = max_size
     self._rate_limiter = rate_limiter
-    self._max_times_sampled = max(0, min(max_times_sampled, 2**31 - 1))
+    self._max_times_sampled = max(-2**31, min(max_times_sampled, 2**31 - 1))   # (as int32)
     self._extensions = tuple(extensions)
     self._signature = specs.validate_signature(signature)
     self._live: Any = None  # (Segment, table index) while a server owns this table.
+    self._final: Any = None  # (TableInfo, rs stats) left by the last server that stopped
 
   # ---- configuration
   name = property(lambda self: self._name)
@@ -142,8 +143,15 @@ class Table:
   def _bind(self, segment, index: int) -> None:
     self._check_unbound()
     self._live = (segment, index)
+    self._final = None
 
   def _unbind(self) -> None:
+    """Detaches from the stopping server, keeping the table's last state (as Reverb's table
+    object keeps its items): info and the limiter predicates report it until the next bind."""
+    live = self._live_table()
+    if live is not None:
+      stats = live.stats()
+      self._final = (table_info(self._name, stats, live.signature), stats)
     self._live = None
 
   def _live_table(self):
@@ -154,10 +162,13 @@ class Table:
   # ---- state
   @property
   def info(self) -> TableInfo:
-    """Live TableInfo when a server owns the table, else the configuration with zero counters."""
+    """Live TableInfo when a server owns the table; after it stopped, the table's last state;
+    before any server, the configuration with zero counters."""
     live = self._live_table()
     if live is not None:
       return live.info
+    if self._final is not None:
+      return self._final[0]
     rl = self._rate_limiter
     return TableInfo(
         name=self._name, sampler_options=self._sampler.options(),
@@ -174,17 +185,28 @@ class Table:
     live = self._live_table()
     if live is not None:
       return live.can_sample(num_samples)
-    rl = self._rate_limiter
-    return 0 >= rl.min_size_to_sample and -num_samples >= rl.min_diff
+    spi, min_size, min_diff, _, inserts, samples, deletes = self._limiter_state()
+    return inserts - deletes >= min_size and inserts * spi - samples - num_samples >= min_diff
 
   def can_insert(self, num_inserts: int) -> bool:
     """Rate-limiter-only predicate (ignores max_size)."""
     live = self._live_table()
     if live is not None:
       return live.can_insert(num_inserts)
-    rl = self._rate_limiter
-    return (num_inserts <= rl.min_size_to_sample
-            or num_inserts * rl.samples_per_insert <= rl.max_diff)
+    spi, min_size, _, max_diff, inserts, samples, deletes = self._limiter_state()
+    return (inserts + num_inserts - deletes <= min_size
+            or (inserts + num_inserts) * spi - samples <= max_diff)
+
+  def _limiter_state(self) -> tuple:
+    """(samples_per_insert, min_size_to_sample, min_diff, max_diff, inserts, samples, deletes)
+    when no server owns the table: as the last server left them, else the configuration's
+    with zero counters."""
+    if self._final is None:
+      rl = self._rate_limiter
+      return (rl.samples_per_insert, rl.min_size_to_sample, rl.min_diff, rl.max_diff, 0, 0, 0)
+    stats = self._final[1]
+    return tuple(stats[k] for k in ("samples_per_insert", "min_size_to_sample", "min_diff",
+                                    "max_diff", "inserts", "samples", "deletes"))
 
   def replace(self, name=None, sampler=None, remover=None, max_size=None, rate_limiter=None,
               max_times_sampled=None, extensions=None, signature=None) -> "Table":

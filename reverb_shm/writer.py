@@ -203,7 +203,7 @@ class Writer:
 
   def _check_open(self) -> None:
     if self._closed:
-      raise ValueError("This Writer has already been closed.")
+      raise errors.WriterClosedError("This Writer has already been closed.")
 
   def __enter__(self) -> "Writer":
     self._check_open()

@@ -50,6 +50,21 @@ def scenario_selector_orders(rv):
   return out
 
 
+def scenario_selector_options(rv):
+  """What server_info says about each selector, read as the KeyDistributionOptions proto."""
+  sel = rv.selectors
+  out = {}
+  for name, selector in [("uniform", sel.Uniform()), ("prioritized", sel.Prioritized(0.6)),
+                         ("fifo", sel.Fifo()), ("lifo", sel.Lifo()), ("minheap", sel.MinHeap()),
+                         ("maxheap", sel.MaxHeap())]:
+    options = rv.Table("t", selector, selector, 10, rv.rate_limiters.MinSize(1)).info.sampler_options
+    kind = options.WhichOneof("distribution")
+    out[name] = [kind, options.is_deterministic, options.HasField("heap"),
+                 options.heap.min_heap if kind == "heap" else None,
+                 options.prioritized.priority_exponent if kind == "prioritized" else None]
+  return out
+
+
 def scenario_heap_ties_after_update(rv):
   sel = rv.selectors
   out = {}
@@ -67,6 +82,55 @@ def scenario_heap_ties_after_update(rv):
     for s in client.sample(name, 1, emit_timesteps=False):
       keys["after_update"] = int(np.asarray(s.data[0]).ravel()[0])
     out[name] = keys
+    server.stop()
+  return out
+
+
+def scenario_deterministic_selectors_random_ops(rv):
+  """Seeded random inserts, samples, updates, deletes and resets on tables whose sampler and
+  remover are Fifo, Lifo or a heap (no randomness in the tables): every sample's value and info,
+  and the table's counters after each step. Ops the limiter would block are skipped."""
+  import random  # pylint: disable=g-import-not-at-top
+  sel, rl = rv.selectors, rv.rate_limiters
+  kinds = {"fifo": sel.Fifo, "lifo": sel.Lifo, "min": sel.MinHeap, "max": sel.MaxHeap}
+  out = {}
+  for seed in range(24):
+    r = random.Random(seed)
+    config = [r.choice(sorted(kinds)), r.choice(sorted(kinds)), r.choice([0, 1, 2, 3]),
+              r.choice([0.5, 1.0, 2.0]), r.choice([1, 2, 3]), r.choice([-1e9, -3.0, 0.0]),
+              r.choice([3.0, 6.0, 1e9]), r.choice([2, 3, 5])]
+    sampler, remover, mts, spi, min_size, min_diff, max_diff, max_size = config
+    table = rv.Table("t", kinds[sampler](), kinds[remover](), max_size,
+                     rl.RateLimiter(spi, min_size, min_diff, max_diff), max_times_sampled=mts)
+    server = _server(rv, [table])
+    client = rv.Client(f"localhost:{server.port}")
+    log, keys = [config], {}
+    for value in range(40):
+      op = r.random()
+      if op < 0.4 and table.can_insert(1):
+        priority = r.choice([0.0, 1.0, 2.0, 3.0, -1.0])
+        client.insert(np.int64(value), {"t": priority})
+        row = ["insert", value, priority]
+      elif 0.4 <= op < 0.75 and table.can_sample(1) and client.server_info()["t"].current_size:
+        s = next(client.sample("t", 1, emit_timesteps=False))
+        keys[int(np.asarray(s.data[0]).ravel()[0])] = s.info.key
+        row = ["sample", int(np.asarray(s.data[0]).ravel()[0]), s.info.probability,
+               s.info.table_size, s.info.priority, s.info.times_sampled]
+      elif 0.75 <= op < 0.9 and keys:
+        v = r.choice(sorted(keys))
+        if r.random() < 0.7:
+          row = ["update", v, r.choice([0.0, 1.0, 2.0, 5.0])]
+          client.mutate_priorities("t", updates={keys[v]: row[2]})
+        else:
+          row = ["delete", v]
+          client.mutate_priorities("t", deletes=[keys[v]])
+      elif 0.9 <= op < 0.92:
+        client.reset("t")
+        row = ["reset"]
+      else:
+        row = ["skip"]
+      log.append(row + _counters(client.server_info()["t"])[:6])
+    out[seed] = log
     server.stop()
   return out
 
@@ -146,6 +210,21 @@ def scenario_info_counters(rv):
   return out
 
 
+def scenario_table_after_stop(rv):
+  """A Table object keeps reporting its last state after its server stopped."""
+  table = rv.Table("t", rv.selectors.Fifo(), rv.selectors.Fifo(), 10,
+                   rv.rate_limiters.RateLimiter(1.0, 2, -1.0, 3.0), max_times_sampled=2)
+  server = _server(rv, [table])
+  client = rv.Client(f"localhost:{server.port}")
+  for i in range(3):
+    client.insert(np.int64(i), {"t": 1.0})
+  _drain(client, "t", 2)
+  server.stop()
+  return {"info": _counters(table.info),
+          "limiter": [table.can_sample(n) for n in (1, 2, 3)] + [table.can_insert(n)
+                                                                 for n in (1, 2, 3)]}
+
+
 def _counters(info):
   return [info.current_size, info.num_episodes, info.num_deleted_episodes,
           info.num_unique_samples, info.rate_limiter_info.insert_stats.completed,
@@ -189,6 +268,7 @@ def scenario_error_types(rv):
   record("table_empty_name", lambda: rv.Table("", sel.Fifo(), sel.Fifo(), 1, rl.MinSize(1)))
   record("table_max_size_0", lambda: rv.Table("x", sel.Fifo(), sel.Fifo(), 0, rl.MinSize(1)))
   record("minsize_0", lambda: rl.MinSize(0))
+  record("minsize_float", lambda: rl.MinSize(2.5))
   for args in [(5, 10, 4), (0.5, 10, 0.9), (5, 10, (8, 12)), (1, 10, (11, 15)), (0, 10, 100),
                (1, 0, (-100, 100))]:
     record(f"s2i_{args}", lambda a=args: rl.SampleToInsertRatio(*a))
@@ -209,6 +289,10 @@ def scenario_error_types(rv):
   record("mutate_nan", lambda: client.mutate_priorities("t", updates={key: math.nan}))
   record("mutate_negative", lambda: client.mutate_priorities("t", updates={key: -1.0}))
   record("mutate_unknown_key", lambda: client.mutate_priorities("t", updates={12345: 1.0}))
+  record("mutate_negative_key", lambda: client.mutate_priorities("t", updates={-1: 1.0}))
+  record("mutate_key_2_64", lambda: client.mutate_priorities("t", deletes=[2**64]))
+  record("insert_str_priority", lambda: client.insert(np.int64(1), {"t": "1"}))
+  record("sample_float_count", lambda: next(client.sample("t", 2.0)))
   record("trajectory_writer_0", lambda: client.trajectory_writer(0))
   record("legacy_writer_0", lambda: client.writer(0))
   record("legacy_writer_chunk_gt_len", lambda: client.writer(2, chunk_length=3))
@@ -221,6 +305,7 @@ def scenario_error_types(rv):
   record("create_item_not_column", lambda: w.create_item("t", 1.0, {"x": 1}))
   record("create_item_empty", lambda: w.create_item("t", 1.0, {}))
   record("create_item_nan", lambda: w.create_item("t", math.nan, w.history["x"][-1:]))
+  record("create_item_none_priority", lambda: w.create_item("t", None, w.history["x"][-1:]))
   record("create_item_unknown_table", lambda: w.create_item("nope", 1.0, w.history["x"][-1:]))
   record("history_slice_too_long", lambda: w.history["x"][-3:])
   record("flush_negative", lambda: w.flush(-1))
@@ -237,6 +322,8 @@ def scenario_error_types(rv):
   record("legacy_append_other_leaf_count", lambda: lw.append([np.int64(1), np.int64(2)]))
   lw.close()
   record("legacy_close_twice", lambda: lw.close())
+  record("legacy_append_after_close", lambda: lw.append([np.int64(1)]))
+  record("legacy_create_item_after_close", lambda: lw.create_item("t", 1, 1.0))
   server.stop()
   return out
 

@@ -45,6 +45,7 @@ def test_selector_options_report_kind_and_determinism(server_factory, selector, 
     assert options.HasField(field) and options.is_deterministic is deterministic
     assert sum(options.HasField(f) for f in ("fifo", "lifo", "uniform", "prioritized",
                                              "heap")) == 1
+    assert options.WhichOneof("distribution") == field   # (the proto's accessor)
   if field == "prioritized":
     assert table.info.sampler_options.prioritized.priority_exponent == 0.7
   if field == "heap":
@@ -87,6 +88,49 @@ def test_replace_builds_a_new_empty_table_with_a_base_rate_limiter(server_factor
   assert copy.rate_limiter == rate_limiters.RateLimiter(2.0, 3, 1.0, 11.0)
   assert copy.signature == table.signature
   assert table.replace(name="u", signature=None).name == "u"
+
+
+def test_negative_max_times_sampled_is_unlimited_and_reported_as_given(server_factory, tmp_path):
+  """dm-reverb keeps max_times_sampled < 1 as given (it means unlimited): server_info, a
+  checkpoint and replace() report the same number."""
+  table = _table(max_times_sampled=-3)
+  assert table.info.max_times_sampled == -3
+  checkpointer = reverb_shm.checkpointers.DefaultCheckpointer(str(tmp_path))
+  server = server_factory([table], checkpointer=checkpointer)
+  client = server.localhost_client()
+  client.insert(np.int64(1), {"t": 1.0})
+  assert [s[0].info.times_sampled for s in client.sample("t", 4)] == [1, 2, 3, 4]
+  info = client.server_info()["t"]
+  assert (info.max_times_sampled, info.current_size) == (-3, 1)
+  client.checkpoint()
+  server.stop()
+  restored = _table(max_times_sampled=-3)
+  client = server_factory([restored], checkpointer=checkpointer).localhost_client()
+  assert (client.server_info()["t"].max_times_sampled, client.server_info()["t"].current_size) == (
+      -3, 1)
+  assert restored.replace().max_times_sampled == -3
+
+
+def test_a_stopped_servers_table_reports_its_last_state_until_reused(server_factory):
+  """As dm-reverb's Table object does after Server.stop(): info and the limiter predicates
+  answer from the table's last state (here 3 inserts, 2 samples, 1 item removed after its
+  second sample); a new server starts it empty."""
+  table = _table(max_times_sampled=2, limiter=rate_limiters.RateLimiter(1.0, 2, -1.0, 3.0))
+  server = server_factory([table])
+  client = server.localhost_client()
+  for i in range(3):
+    client.insert(np.int64(i), {"t": 1.0})
+  assert [s.info.times_sampled for s in client.sample("t", 2, emit_timesteps=False)] == [1, 2]
+  server.stop()
+  info = table.info
+  assert (info.current_size, info.num_episodes, info.num_deleted_episodes,
+          info.num_unique_samples) == (2, 2, 1, 1)
+  assert (info.rate_limiter_info.insert_stats.completed,
+          info.rate_limiter_info.sample_stats.completed) == (3, 2)
+  assert [table.can_sample(n) for n in (1, 2, 3)] == [True, True, False]
+  assert [table.can_insert(n) for n in (1, 2, 3)] == [True, True, False]
+  server_factory([table])
+  assert table.info.current_size == 0 and table.can_insert(1) and not table.can_sample(1)
 
 
 def test_reinserting_an_existing_key_updates_its_priority_only(server_factory):

@@ -82,13 +82,22 @@ def test_create_item_validation(client):
   assert client.server_info()["q"].current_size == 0
 
 
-def test_close_twice_and_reuse_after_close_are_value_errors(client):
+def test_close_twice_is_a_value_error_and_use_after_close_a_runtime_error(client):
+  """As in dm-reverb: append, append_sequence, create_item and flush after close raise
+  RuntimeError (ours is a ValueError too), a second close or `with` a ValueError."""
   writer = client.writer(1)
   writer.close()
   with pytest.raises(ValueError, match="close\\(\\) has already been called"):
     writer.close()
+  for call in (lambda: writer.append([np.int64(1)]),
+               lambda: writer.append_sequence([np.array([1, 2])]),
+               lambda: writer.create_item("q", 1, 1.0), writer.flush):
+    with pytest.raises(RuntimeError, match="closed") as info:
+      call()
+    assert isinstance(info.value, ValueError)
   with pytest.raises(ValueError, match="closed"):
-    writer.append([np.int64(1)])
+    with writer:
+      pass
 
 
 def test_max_in_flight_items_blocks_create_item_until_the_limiter_admits(server_factory):

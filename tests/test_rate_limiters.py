@@ -22,7 +22,8 @@ def test_sample_to_insert_ratio_rejects_invalid_ranges(spi, min_size, buffer):
 
 @pytest.mark.parametrize("spi,min_size,buffer,expected", [
     (0.5, 10, 1.1, (5 - 1.1, 5 + 1.1)), (1, 10, (5, 9), (5, 9)), (1, 10, (7, 12), (7, 12)),
-    (1, 10, 100, (-90, 110)),
+    (1, 10, 100, (-90, 110)), (1, 10, np.float32(2.5), (7.5, 12.5)),
+    (1, 10, np.int64(3), (7, 13)),   # numpy scalars are numbers, not (min_diff, max_diff) pairs
 ])
 def test_sample_to_insert_ratio_accepts_valid_ranges(spi, min_size, buffer, expected):
   rl = rate_limiters.SampleToInsertRatio(spi, min_size, buffer)

@@ -123,7 +123,7 @@ def _no_progress(phase: str, done: int, total: int) -> None:
 def table_config(seg, index: int) -> dict:
   """The configuration of table `index` of a live segment, as stored in a manifest."""
   s = seg.stats(index)
-  return {"max_size": int(s["max_size"]), "max_times_sampled": max(0, int(s["max_times_sampled"])),
+  return {"max_size": int(s["max_size"]), "max_times_sampled": int(s["max_times_sampled"]),
           "sampler": [int(s["sampler_kind"]), float(s["sampler_exponent"])],
           "remover": [int(s["remover_kind"]), float(s["remover_exponent"])],
           "rate_limiter": [float(s["samples_per_insert"]), int(s["min_size_to_sample"]),

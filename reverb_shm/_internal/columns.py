@@ -87,7 +87,7 @@ def check_priority(priority, table_name: str, prioritized: bool) -> float:
       raise TypeError
     value = float(priority)
   except (TypeError, ValueError):
-    raise ValueError(f"`priority` must be a number, got {priority!r}") from None
+    raise errors.ArgumentTypeError(f"`priority` must be a number, got {priority!r}") from None
   if math.isnan(value):
     raise ValueError("`priority` must not be nan.")
   if math.isinf(value):

@@ -65,7 +65,7 @@ def table_info(name: str, stats: dict, signature: Any) -> TableInfo:
   remover = selectors_lib.from_kind(stats["remover_kind"], stats["remover_exponent"])
   return TableInfo(
       name=name, sampler_options=sampler.options(), remover_options=remover.options(),
-      max_size=int(stats["max_size"]), max_times_sampled=max(0, int(stats["max_times_sampled"])),
+      max_size=int(stats["max_size"]), max_times_sampled=int(stats["max_times_sampled"]),
       rate_limiter_info=RateLimiterInfo(
           samples_per_insert=stats["samples_per_insert"], min_diff=stats["min_diff"],
           max_diff=stats["max_diff"], min_size_to_sample=int(stats["min_size_to_sample"]),
