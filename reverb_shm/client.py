@@ -334,8 +334,9 @@ class Client:
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or (
         num_samples < 1):
-      raise (ValueError if isinstance(num_samples, (int, np.integer)) else errors.ArgumentTypeError)(
-          f"num_samples must be an int >= 1, got {num_samples!r}")
+      error = ValueError if isinstance(num_samples, (int, np.integer)) else \
+          errors.ArgumentTypeError
+      raise error(f"num_samples must be an int >= 1, got {num_samples!r}")
     timeouts.deadline_from_ms(rate_limiter_timeout_ms, "rate_limiter_timeout_ms")
     handle = self._table_handle(table)
     treedef = None
