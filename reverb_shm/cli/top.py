@@ -195,7 +195,7 @@ class _Keys:
 
 def _ended(seg: shm.Segment) -> Optional[str]:
   """Why the server can no longer be watched ('server stopped' / 'server died'), or None."""
-  if seg.info()["closed"]:
+  if seg.is_closed():
     return "server stopped"
   return None if seg.owner_alive() else "server died"
 

@@ -86,7 +86,7 @@ def _finite(x: float) -> float:
 
 
 def _live(seg: shm.Segment) -> bool:
-  return not seg.info()["closed"] and seg.owner_alive()
+  return not seg.is_closed() and seg.owner_alive()
 
 
 class ServerCollector:
