@@ -6,10 +6,12 @@ Python, which needs torch: pip install 'reverb_shm[torch]').
 L1, the learner loop: prioritized sampling (exponent 0.6) of 256 items from a table of --items
 items {'obs': float32[84], 'action': int64, 'reward': float32}, delivered as torch tensors by
 reverb_shm.torch.TorchIterator (prefetch 4), plus a priority update of the batch, per
-iteration. Variants: "iterator" (no training step), "iterator_step_1ms" (a simulated training
-step of 1 ms that releases the GIL, as a torch step does; "step_only_1ms" is that step alone, the
-floor of the loop), and "hand_loop" (sample_batch(256, out=) + torch.from_numpy +
-update_priorities in the learner's thread, the loop the iterator replaces).
+iteration. Variants: "iterator" (no training step), "jax_iterator" (the same loop on
+reverb_shm.jax.JaxIterator on the CPU device, priorities a jax.Array; measured where JAX is
+installed), "iterator_step_1ms" (a simulated training step of 1 ms that releases the GIL, as a
+torch step does; "step_only_1ms" is that step alone, the floor of the loop), and "hand_loop"
+(sample_batch(256, out=) + torch.from_numpy + update_priorities in the learner's thread, the
+loop the iterator replaces).
 
 L2, sequences: 64 windows of 80 steps per batch, sampled uniformly from a table holding --items
 steps (episodes of 1000 steps, one window item per start position; steps {'obs': float32[8],
@@ -34,6 +36,13 @@ import torch  # noqa: E402
 
 import reverb_shm as reverb  # noqa: E402
 from reverb_shm.torch import TorchIterator  # noqa: E402
+
+try:   # (the JaxIterator row is measured where JAX is installed)
+  import jax  # noqa: E402
+
+  from reverb_shm.jax import JaxIterator  # noqa: E402
+except ImportError:
+  jax = JaxIterator = None
 from _timing import row, run_main, shm_bytes, timed  # noqa: E402
 
 TABLE = "learner"
@@ -108,6 +117,18 @@ def l1(args):
                       us_per_iter=1e6 * BATCH / rate, table_items=n))
       stats = it.stats
       rows[0]["keys_skipped"] = stats["keys_skipped"]
+
+    if jax is not None:
+      jax_priorities = jax.numpy.asarray(new_priorities.numpy())
+      with JaxIterator(st, batch_size=BATCH, prefetch=4, timeout_ms=10_000) as it:
+        def jax_loop():
+          batch = next(it)
+          it.update_priorities(batch.info.key, jax_priorities)
+          return BATCH
+        rows.append(row("L1", "jax_iterator", "JaxIterator(prefetch=4) on the CPU: next + "
+                        "update_priorities (a jax.Array)",
+                        timed(jax_loop, args.duration, args.warmup)[0], L1_ITEM_BYTES,
+                        table_items=n))
 
     out = [np.empty((BATCH, 84), np.float32), np.empty(BATCH, np.int64),
            np.empty(BATCH, np.float32)]

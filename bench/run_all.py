@@ -236,6 +236,9 @@ def learner_ratios(results):
     rev = get("reverb", "L1", "dataset")
     add("L1 vs dm-reverb TrajectoryDataset + mutate_priorities",
         ours / rev if ours and rev else None, 30.0)
+    jax_it = get("learner", "L1", "jax_iterator")
+    add("L1 JaxIterator vs TorchIterator, both on the CPU (within 1.3x)",
+        jax_it / ours if jax_it and ours else None, round(1 / 1.3, 2))
     hand = get("learner", "L1", "hand_loop")
     add("L1 iterator vs hand-written sample_batch loop", ours / hand if ours and hand else None,
         1.0)

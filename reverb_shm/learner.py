@@ -14,9 +14,9 @@ not wait for sampling when its step takes longer than the gather; a second one a
 learner's priority updates (in the order given, all those queued meanwhile in one C call per
 table), so the learner does not wait for them either.
 
-Native threads. With one table (no mixing), whole batches (partial=False, copy=False) and no
-allocate / transform of the caller's (the torch iterator on the CPU qualifies), the background
-threads are native (reverb_shm._hot.Prefetcher, csrc/hot/hot_prefetch.c) and never take the GIL:
+Native threads. With one table (no mixing), whole batches (partial=False) and no allocate /
+transform of the caller's (the torch iterator on the CPU and the JAX iterator qualify), the
+background threads are native (reverb_shm._hot.Prefetcher, csrc/hot/hot_prefetch.c) and never take the GIL:
 after the first batch (gathered by a Python thread, which learns the items' columns) the native
 sampler gathers into the ring and ``next()`` takes a ready buffer with a few stores under a
 mutex; an update of numpy keys and priorities (or a CPU tensor of them) is checked and copied
@@ -32,7 +32,9 @@ applies the native queue first (so the order stays that of the calls).
 Buffers. The batches are gathered into a ring of ``prefetch + keep`` reusable buffers. The
 arrays of a batch are views of its ring buffer: they stay valid until the consumer has taken
 ``keep`` more batches (``keep=1``, the default: until the next ``next()``), then the buffer is
-gathered into again. Pass ``copy=True`` for batches of their own (a fresh buffer per batch).
+gathered into again. Pass ``copy=True`` for batches of their own: a batch then keeps the ring
+buffer it was gathered into, which gets fresh arrays for its next gather (no copy beyond the
+gather), and nothing ever writes a delivered batch's arrays again.
 
 Shapes. Every batch holds exactly ``batch_size`` items (fixed shape, what a compiled learner
 needs); ``next()`` waits up to ``timeout_ms`` for one and raises DeadlineExceededError after
@@ -320,7 +322,7 @@ class BatchIterator:
     # Native threads (see the module docstring): the updater from the start with one table, the
     # sampler after the first batch where the batches allow it.
     self._native_ok = getattr(self, "_native_ok", transform is None and allocate is None) and \
-        self._weights is None and not self._partial and not self._copy
+        self._weights is None and not self._partial
     self._native: Any = None if len(self._tables) > 1 else _new_prefetcher(self._tables[0],
                                                                       self.batch_size)
     self._native_sampling = False
@@ -446,6 +448,8 @@ class BatchIterator:
             f"no batch of {self.batch_size} items within {self._timeout_ms} ms (tables "
             f"{[t.name for t in self._tables]}: {self._limiter_text()})")
     slot = self._slots[k]
+    if self._copy:
+      return self._hand_off(k, slot, info)
     if self._mask_key is not None:
       batch = self._make_batch(slot, self.batch_size, [info], [(0, self.batch_size)], count=False)
       return batch if self._transform is None else self._transform(batch, slot)
@@ -463,6 +467,22 @@ class BatchIterator:
     else:
       importance_weights(info.probability, info.table_size, beta, out=slot.weights)
     return Batch(structure.unflatten(treedef, leaves), info, weights)
+
+  def _hand_off(self, k: int, slot: _Slot, info: SampleInfo):
+    """(copy=True) The batch the native sampler gathered into ring slot k, which keeps the
+    slot's arrays for good: the slot gathers into new ones from now on."""
+    batch = self._make_batch(slot, self.batch_size, [info], [(0, self.batch_size)], count=False)
+    if self._transform is not None:
+      batch = self._transform(batch, slot)
+    if self._allocate is None:   # (np.empty_like: C-contiguous, as the ring's arrays)
+      slot.columns = [np.empty_like(c) for c in slot.columns]
+      slot.weights = np.empty_like(slot.weights)
+    else:
+      slot.columns, slot.weights, slot.owner = self._fresh_buffers()
+    slot.cols.clear()
+    slot.cache.clear()
+    self._native.swap(k, tuple(slot.columns))
+    return batch
 
   def _native_fail(self, rc: int, message: Optional[str]) -> None:
     """Ends the iterator on the native threads' error status `rc` (see _fail)."""
@@ -976,7 +996,10 @@ class BatchIterator:
     """(The Python sampling thread, after the first batch, gathered into `first`) starts the
     native sampler on a ring of prefetch + keep buffers, `first` one of them (the consumer's
     until it takes the native sampler's first batch). False when closed meanwhile."""
-    slots = [first] + [self._new_slot() for _ in range(self._prefetch + self._keep - 1)]
+    keep = 1 if self._copy else self._keep   # (copy: a held slot's buffers are handed off)
+    if self._copy:   # (its buffers are the first batch's own)
+      first.columns, first.weights, first.owner = self._fresh_buffers()
+    slots = [first] + [self._new_slot() for _ in range(self._prefetch + keep - 1)]
     cols = [shared_table_lib._gather_cols(self._layout, s.columns)   # pylint: disable=protected-access
             for s in slots]
     addresses = tuple(shared_table_lib._address(c) for c in cols)   # pylint: disable=protected-access
@@ -985,8 +1008,8 @@ class BatchIterator:
       if self._stop or self._error is not None:
         return False
       self._slots = slots
-      self._native.start_sampling(addresses, len(self._layout), self._keep, 0, seed,
-                                  (cols, slots))
+      self._native.start_sampling(addresses, len(self._layout), keep, -1 if self._copy else 0,
+                                  seed, (cols, slots))
       self._native_sampling = True
       self._cv.notify_all()
     return True

@@ -158,6 +158,56 @@ def test_ring_buffers_are_reused_after_keep_batches_and_copies_are_not(server_fa
     assert len(addresses) == 11
 
 
+def test_copied_batches_of_the_native_sampler_never_change_while_many_more_are_drawn(
+    server_factory):
+  """copy=True gathers with the native sampler too: each batch keeps the ring buffer it was
+  gathered into (the slot gathers into new arrays), so batches held stay intact."""
+  server = server_factory([_table(sampler=selectors.Prioritized(1.0))])
+  st = server.shared_table("t")
+  _fill(st, np.arange(200), np.linspace(0.1, 5, 200))
+  with BatchIterator(st, batch_size=8, prefetch=2, copy=True, importance_beta=0.5,
+                     timeout_ms=5000) as it:
+    held = [next(it) for _ in range(5)]
+    assert it._native_sampling   # (batches 2.. came from the native sampler)
+    saved = [(b.data["obs"].copy(), b.data["action"].copy(), b.weights.copy()) for b in held]
+    others = [next(it) for _ in range(300)]   # (every ring slot gathered into many times)
+    time.sleep(0.05)   # (time for the sampler to fill the ring again)
+    for b, (obs, action, weights) in zip(held, saved):
+      np.testing.assert_array_equal(b.data["obs"], obs)
+      np.testing.assert_array_equal(b.data["action"], action)
+      np.testing.assert_array_equal(b.weights, weights)
+      _assert_rows_consistent(b)
+    for b in others[-20:]:
+      _assert_rows_consistent(b)
+    batches = held + others
+    for name in ("obs", "action", "reward"):
+      assert len({b.data[name].__array_interface__["data"][0] for b in batches}) == len(batches)
+    assert len({b.weights.__array_interface__["data"][0] for b in batches}) == len(batches)
+
+
+def test_the_native_ring_refuses_a_swap_of_a_slot_not_held_or_of_buffers_too_small(
+    server_factory):
+  server = server_factory([_table()])
+  st = server.shared_table("t")
+  _fill(st, np.arange(50))
+  with BatchIterator(st, batch_size=8, prefetch=2, copy=True, timeout_ms=5000) as it:
+    next(it)
+    next(it)   # (of the native sampler: its slot is held until the next take)
+    native = it._native
+    fresh = tuple(np.empty_like(c) for c in it._slots[0].columns)
+    rc, k, _ = native.take(5_000_000_000)   # (slot k is the consumer's until the next take)
+    assert rc == 0
+    others = [j for j in range(len(it._slots)) if j != k]
+    with pytest.raises(ValueError, match="not held"):
+      native.swap(others[0], fresh)
+    small = (np.empty(3, np.float32),) + fresh[1:]
+    with pytest.raises(ValueError, match="at least"):
+      native.swap(k, small)
+    with pytest.raises(ValueError, match="one buffer per column"):
+      native.swap(k, fresh[:1])
+    native.swap(k, fresh)   # (accepted: the slot gathers into these from now on)
+
+
 def test_prioritized_frequencies_and_importance_weights(server_factory):
   server = server_factory([_table(sampler=selectors.Prioritized(0.6))])
   st = server.shared_table("t")
@@ -291,9 +341,9 @@ def test_seed_makes_the_key_sequence_reproducible(server_factory, sampler):
   assert _key_sequence(st, 42) == first
   assert _key_sequence(st, 43) != first
   assert _key_sequence(st, None) != first
-  # The same keys whichever thread gathers them: the default batches are gathered by the native
-  # sampler after the first; copy=True and partial=True keep them on the Python thread (as the
-  # JAX iterator does).
+  # The same keys whichever thread gathers them: the default batches (and copy=True's, as the
+  # JAX iterator's) are gathered by the native sampler after the first; partial=True keeps them
+  # on the Python thread.
   assert _key_sequence(st, 42, copy=True) == first
   assert _key_sequence(st, 42, partial=True) == first
   assert _key_sequence(st, 42, prefetch=5, keep=2) == first

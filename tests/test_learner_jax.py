@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ jax = pytest.importorskip("jax")
 import reverb_shm  # noqa: E402
 from reverb_shm import rate_limiters, selectors  # noqa: E402
 from reverb_shm.jax import JaxIterator  # noqa: E402
+from reverb_shm.jax import _put as rjax_put  # noqa: E402
+from reverb_shm.learner import BatchIterator  # noqa: E402
 
 
 def _server(server_factory):
@@ -40,6 +43,111 @@ def test_batches_are_jax_arrays_that_never_change(server_factory):
                                     np.asarray(batch.data["action"]) * 10)
       np.testing.assert_allclose(np.asarray(batch.weights), 1.0)   # equal priorities
     np.testing.assert_array_equal(np.asarray(first.data["obs"]), saved)
+
+
+def test_held_batches_never_change_while_the_native_sampler_draws_many_more(server_factory):
+  """jax on the CPU aliases the numpy buffers it is given: every batch keeps the ring buffer it
+  was gathered into for good (the ring gathers into new arrays), however many batches follow."""
+  server, st, _ = _server(server_factory)
+  st.update_priorities(st.items()["key"], np.linspace(0.5, 4, 64))
+  with JaxIterator(st, batch_size=16, prefetch=2, importance_beta=0.6, timeout_ms=5000) as it:
+    held = [next(it) for _ in range(6)]
+    assert it._native_sampling   # (batches 2.. came from the native sampler)
+    saved = [(np.array(b.data["obs"]), np.array(b.data["action"]), np.array(b.weights))
+             for b in held]
+    for _ in range(300):   # (every ring slot gathered into many times)
+      batch = next(it)
+      np.testing.assert_array_equal(np.asarray(batch.data["obs"])[:, 0],
+                                    np.asarray(batch.data["action"]) * 10)
+    time.sleep(0.05)   # (time for the sampler to fill the ring again)
+    for b, (obs, action, weights) in zip(held, saved):
+      np.testing.assert_array_equal(np.asarray(b.data["obs"]), obs)
+      np.testing.assert_array_equal(np.asarray(b.data["action"]), action)
+      np.testing.assert_array_equal(np.asarray(b.weights), weights)
+      np.testing.assert_array_equal(obs[:, 0], action * 10)
+
+
+def test_arrays_given_to_jax_are_never_written_again(server_factory, monkeypatch):
+  """Whatever jax does with a buffer it is given (alias it on the CPU, read it asynchronously
+  for an accelerator's transfer), the iterator never writes it again: every array put is
+  compared with a copy taken when it was put, after many more batches."""
+  given = []
+  real_put = rjax_put.Putter.put
+
+  def recording_put(self, leaves):
+    given.extend((a, a.copy()) for a in leaves)
+    return real_put(self, leaves)
+  monkeypatch.setattr(rjax_put.Putter, "put", recording_put)
+  server, st, _ = _server(server_factory)
+  with JaxIterator(st, batch_size=16, prefetch=3, importance_beta=1.0, mask_key=None,
+                   timeout_ms=5000) as it:
+    for _ in range(200):
+      next(it)
+    assert it._native_sampling
+    time.sleep(0.05)
+  assert len(given) >= 200 * 3
+  for array, copy in given:
+    np.testing.assert_array_equal(array, copy)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"prefetch": 5}, {"sharded": True}])
+def test_seed_gives_the_keys_of_the_numpy_iterator(server_factory, kwargs):
+  server, st, _ = _server(server_factory)
+  st.update_priorities(st.items()["key"], np.linspace(0.5, 4, 64))
+
+  def keys(cls, **kw):
+    with cls(st, batch_size=8, seed=11, timeout_ms=5000, **kw) as it:
+      return [next(it).info.key.tolist() for _ in range(6)]
+  expected = keys(BatchIterator)
+  assert keys(JaxIterator, **kwargs) == expected
+  assert keys(JaxIterator, partial=True) == expected   # (the Python thread gathers these)
+
+
+def test_putter_gives_what_jax_device_put_gives(monkeypatch):
+  """Columns of every dtype a table holds (64-bit ones become 32-bit without jax_enable_x64),
+  through jaxlib's transfer and, where that is missing, through jax.device_put."""
+  device = jax.devices()[0]
+  rng = np.random.default_rng(0)
+  leaves = [rng.random((16, 3)).astype(np.float32), rng.random(16),
+            rng.integers(-2**40, 2**40, 16), rng.integers(0, 2**63, 16, dtype=np.uint64),
+            rng.integers(0, 2, (16, 2)).astype(bool), rng.random(16).astype(np.float16),
+            np.arange(16, dtype=np.uint8), np.zeros((16, 0), np.float32)]
+
+  def check(putter):
+    for _ in range(2):   # (the first call plans each column; the second uses the plan)
+      got = putter.put(leaves)
+      for g, x in zip(got, leaves):
+        want = jax.device_put(x, device)
+        assert isinstance(g, jax.Array) and g.dtype == want.dtype and g.shape == want.shape
+        assert g.sharding == want.sharding and g.committed
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+  putter = rjax_put.Putter(device)
+  check(putter)
+  assert all(plan is not None for plan in putter._plans.values())   # (the fast path here)
+
+  def changed(*args):
+    raise TypeError("batched_device_put() got an unexpected signature")
+  monkeypatch.setattr(rjax_put, "_PRIVATE", (rjax_put._PRIVATE[0], changed))
+  fallback = rjax_put.Putter(device)
+  check(fallback)
+  assert all(plan is None for plan in fallback._plans.values())
+
+
+def test_ready_cpu_priorities_take_the_native_update_path(server_factory):
+  server, st, _ = _server(server_factory)
+  with JaxIterator(st, batch_size=8, timeout_ms=5000) as it:
+    for _ in range(3):
+      batch = next(it)
+    priorities = jax.numpy.arange(8, dtype=jax.numpy.float32) + 3
+    priorities.block_until_ready()
+    it.update_priorities(batch.info.key, priorities)
+    it.flush(timeout_ms=5000)
+    assert it._updater is None   # (no Python thread waited for a device copy)
+    with pytest.raises(ValueError, match="finite"):
+      it.update_priorities(batch.info.key, jax.numpy.full(8, jax.numpy.nan))
+  got = dict(zip(st.items()["key"].tolist(), st.items()["priority"].tolist()))
+  expected = dict(zip(batch.info.key.tolist(), (np.arange(8) + 3.0).tolist()))
+  assert {k: got[k] for k in expected} == expected
 
 
 def test_priorities_from_jax_arrays(server_factory):
@@ -104,6 +212,15 @@ _SHARDED = textwrap.dedent("""
         assert x.shape == (8, 1)
         assert len(x.sharding.device_set) == 2
         assert sorted(s.data.shape for s in x.addressable_shards) == [(4, 1), (4, 1)]
+        held = [next(it).data["x"] for _ in range(3)]
+        saved = [np.asarray(h).copy() for h in held]
+        for _ in range(100):
+          y = next(it).data["x"]
+          assert len(y.sharding.device_set) == 2 and set(np.asarray(y).ravel()) <= set(range(10))
+        for h, v in zip(held, saved):
+          assert (np.asarray(h) == v).all() and set(v.ravel()) <= set(range(10))
+        assert it._native_sampling and it._putter._plans
+        assert all(p is not None for p in it._putter._plans.values())   # (jaxlib's transfer)
     print("OK")
 """)
 

@@ -7,7 +7,9 @@
  *   rs_gather_col[] per slot, each column's `out` a buffer the Python object keeps alive).
  *   A gathered slot becomes READY; the consumer's take() moves the oldest READY slot to HELD
  *   and frees the HELD ones beyond `keep` (the consumer's batches stay valid until it has taken
- *   `keep` more), so the sampler gathers only into slots nobody reads.
+ *   `keep` more), so the sampler gathers only into slots nobody reads. A consumer that keeps
+ *   its batches for good (batches of their own) swaps a held slot's buffers for new ones
+ *   (swap()), so the sampler never writes a buffer it handed out again.
  * - Queued priority updates are applied (rs_mutate) in the order queued, everything queued
  *   meanwhile in one call; keys no longer in the table are counted as skipped. The sampler
  *   applies them itself, before each gather, and the consumer's take() applies them while it
@@ -95,6 +97,7 @@ typedef struct {
   PyObject_HEAD
   pf_state *s;
   PyObject *keepalive;   /* what owns the ring's buffers and the segment mapping */
+  PyObject *swapped;     /* None, or a list: per slot, the buffers swap() gave it (or None) */
   PyObject *info_type;   /* SampleInfo */
 } pf_object;
 
@@ -339,6 +342,7 @@ static void pf_dealloc(pf_object *self) {
     free_state(s);
   }   /* (in a forked child: leaked, its mutex may be held by a thread that does not exist) */
   Py_XDECREF(self->keepalive);
+  Py_XDECREF(self->swapped);
   Py_XDECREF(self->info_type);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -551,6 +555,67 @@ static PyObject *pf_take(pf_object *self, PyObject *arg) {
   return Py_BuildValue("(ilN)", RS_OK, k, infos);
 }
 
+/* swap(slot, buffers) -> None: the consumer hands the batch it holds in `slot` (the one take()
+ * returned last, still HELD) over for good and gives the slot new buffers to gather into from
+ * now on: `buffers` a tuple of ncols numpy arrays, C-contiguous, aligned, writable, each of at
+ * least n * the column's row bytes. The object keeps a reference to them while it may write
+ * them; the old buffers are never written again (their owner is whoever holds the batch).
+ * ValueError (nothing changed) for a slot that is not held or buffers that do not fit. */
+static PyObject *pf_swap(pf_object *self, PyObject *args) {
+  unsigned int k;
+  PyObject *buffers;
+  if (!in_creator(self)) return NULL;
+  if (!PyArg_ParseTuple(args, "IO!:swap", &k, &PyTuple_Type, &buffers)) return NULL;
+  pf_state *s = self->s;
+  if (!s->sampler_started || k >= s->nslots || PyTuple_GET_SIZE(buffers) != (Py_ssize_t)s->ncols) {
+    PyErr_SetString(PyExc_ValueError, "swap: no such slot, or not one buffer per column");
+    return NULL;
+  }
+  uint8_t *outs[64];
+  uint8_t **out = s->ncols <= 64 ? outs : malloc(s->ncols * sizeof *out);
+  if (out == NULL) return PyErr_NoMemory();
+  for (uint32_t c = 0; c < s->ncols; c++) {
+    PyObject *o = PyTuple_GET_ITEM(buffers, c);
+    const rs_gather_col *col = s->cols + (size_t)k * s->ncols + c;
+    if (!PyArray_Check(o) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o) ||
+        !PyArray_ISALIGNED((PyArrayObject *)o) || !PyArray_ISWRITEABLE((PyArrayObject *)o) ||
+        (uint64_t)PyArray_NBYTES((PyArrayObject *)o) < (uint64_t)s->n * col->stride) {
+      if (out != outs) free(out);
+      PyErr_Format(PyExc_ValueError, "swap: buffer %u is not a C-contiguous, aligned, writable "
+                   "array of at least %llu bytes", c, (unsigned long long)s->n * col->stride);
+      return NULL;
+    }
+    out[c] = (uint8_t *)PyArray_BYTES((PyArrayObject *)o);
+  }
+  if (self->swapped == NULL) {
+    PyObject *list = PyList_New((Py_ssize_t)s->nslots);
+    if (list == NULL) {
+      if (out != outs) free(out);
+      return NULL;
+    }
+    for (uint32_t j = 0; j < s->nslots; j++) {
+      Py_INCREF(Py_None);
+      PyList_SET_ITEM(list, j, Py_None);
+    }
+    self->swapped = list;
+  }
+  pthread_mutex_lock(&s->mu);
+  int held = s->state[k] == SLOT_HELD;
+  if (held)   /* (the sampler reads a slot's columns only once it made it FILLING, under mu) */
+    for (uint32_t c = 0; c < s->ncols; c++) s->cols[(size_t)k * s->ncols + c].out = out[c];
+  pthread_mutex_unlock(&s->mu);
+  if (out != outs) free(out);
+  if (!held) {
+    PyErr_Format(PyExc_ValueError, "swap: slot %u is not held by the consumer", k);
+    return NULL;
+  }
+  Py_INCREF(buffers);   /* (the previous buffers of the slot, if swapped before, are released) */
+  PyObject *old = PyList_GET_ITEM(self->swapped, k);
+  PyList_SET_ITEM(self->swapped, k, buffers);
+  Py_DECREF(old);
+  Py_RETURN_NONE;
+}
+
 /* Checks m priorities (float32 or float64, per `f32`): all finite, and >= 0 when `nonneg`. */
 static int prios_ok(const void *p, int f32, size_t m, int nonneg) {
   for (size_t i = 0; i < m; i++) {
@@ -706,6 +771,8 @@ static PyMethodDef pf_methods[] = {
     {"start_sampling", (PyCFunction)pf_start_sampling, METH_VARARGS,
      "start_sampling(cols_addresses, ncols, keep, first_held, seed, keepalive)"},
     {"take", (PyCFunction)pf_take, METH_O, "take(wait_ns) -> (status, slot, SampleInfo | None)"},
+    {"swap", (PyCFunction)pf_swap, METH_VARARGS,
+     "swap(slot, buffers): the held slot's batch is handed over; it gathers into buffers next"},
     {"push", (PyCFunction)pf_push, METH_VARARGS, "push(keys, priorities, nonneg) -> status"},
     {"flush", (PyCFunction)pf_flush, METH_O, "flush(wait_ns) -> all applied"},
     {"update_error", (PyCFunction)pf_update_error, METH_NOARGS,

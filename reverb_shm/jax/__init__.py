@@ -9,8 +9,8 @@
         batches.update_priorities(batch.info.key, td)               # jax.Array or numpy
 
 Every batch is a reverb_shm.learner.Batch whose ``data`` leaves and ``weights`` / ``mask`` are
-jax.Arrays put on the device by the background thread (``jax.device_put``, finished there, so
-the learner never waits for a transfer); ``info`` stays numpy. With ``sharded=True`` the batch
+jax.Arrays on the device (what ``jax.device_put`` makes of the gathered arrays); ``info`` stays
+numpy. With ``sharded=True`` the batch
 dimension is split over ``jax.local_devices()`` (a NamedSharding over a 1-d mesh;
 batch_size must be a multiple of the device count); else ``device`` (default: the first
 local device). Prefetch, fixed shapes, mixing, seeds and errors as BatchIterator
@@ -19,10 +19,21 @@ local device). Prefetch, fixed shapes, mixing, seeds and errors as BatchIterator
 dtypes: as ``jax.device_put`` makes them: 64-bit columns (int64, float64, uint64) become 32-bit
 unless ``jax.config.update('jax_enable_x64', True)``; the info keys stay numpy uint64.
 
-Buffers: jax.Arrays are immutable and the CPU backend may alias a numpy buffer instead of copying
-it, so every batch is gathered into buffers of its own (``copy=True`` of BatchIterator), never
-into a reused ring buffer: on the CPU backend that makes the gather the only copy.
+Sampling: after the first batch the native sampler thread of BatchIterator gathers (it never
+takes the GIL), as for the torch iterator; ``next()`` takes a gathered batch and puts its arrays
+on the device (on the CPU: aliases of the gathered buffers, no copy; on an accelerator: a
+transfer that computations using the arrays wait for, not the learner's thread). The first
+batch, and those of mixed tables or ``partial=True``, are gathered and put by a Python thread,
+which waits there for the transfer to finish.
+
+Buffers: jax.Arrays are immutable, and the CPU backend may alias a numpy buffer instead of
+copying it, so every batch is gathered into buffers of its own (``copy=True`` of
+BatchIterator): a ring buffer whose batch was taken is handed to that batch for good and gets
+new arrays to gather into. A batch the learner holds therefore never changes, however many it
+draws after it, and on the CPU the gather is the only copy.
 """
+import threading
+
 try:
   import jax
 except ImportError as e:   # pragma: no cover - exercised without the extra installed
@@ -32,6 +43,7 @@ import numpy as np
 
 from reverb_shm import learner
 from reverb_shm._internal import structure
+from reverb_shm.jax._put import Putter
 from reverb_shm.learner import Batch, importance_weights
 
 __all__ = ["Batch", "JaxIterator", "importance_weights"]
@@ -76,13 +88,18 @@ class JaxIterator(learner.BatchIterator):
         raise ValueError(f"device must be a jax.Device (e.g. jax.devices()[0]), got {device!r}")
       self._placement = device
     self.sharded = bool(sharded)
+    self._putter = Putter(self._placement)
+    self._native_ok = True   # (the transform only puts arrays: next() may run it)
     super().__init__(source, table, batch_size, copy=True, transform=self._put, **kwargs)
 
   def _put(self, batch: Batch, slot) -> Batch:
+    """The batch with jax.Arrays of its (handed-off) arrays; in the Python sampling thread it
+    waits for the transfer, in the consumer's (batches of the native sampler) it does not."""
     leaves, treedef = structure.flatten(batch.data)
     extra = [a for a in (batch.weights, batch.mask) if a is not None]
-    arrays = jax.device_put(leaves + extra, self._placement)
-    jax.block_until_ready(arrays)
+    arrays = self._putter.put(leaves + extra)
+    if threading.current_thread() is self._thread:
+      jax.block_until_ready(arrays)
     data = structure.unflatten(treedef, arrays[:len(leaves)])
     rest = iter(arrays[len(leaves):])
     return batch._replace(data=data,
@@ -91,8 +108,9 @@ class JaxIterator(learner.BatchIterator):
 
   def update_priorities(self, keys, priorities, table=None) -> None:
     """As BatchIterator.update_priorities; keys and priorities may be jax.Arrays on any device.
-    A jax.Array of priorities starts its copy to the host here and the background thread waits
-    for it (the learner does not wait for the computation producing it).
+    A jax.Array of priorities already computed on the CPU is queued as numpy priorities are;
+    any other starts its copy to the host here and the background thread waits for it (the
+    learner does not wait for the computation producing it).
 
     Raises:
       TypeError: keys not integers, or a jax.Array of 32-bit keys (truncated); priorities not
@@ -106,6 +124,8 @@ class JaxIterator(learner.BatchIterator):
                         f"dtype {keys.dtype}, which holds them truncated (without "
                         "jax_enable_x64 jax has no 64-bit integers): pass batch.info.key itself")
       keys = np.asarray(jax.device_get(keys))
+    if isinstance(priorities, jax.Array) and _ready_on_cpu(priorities):
+      priorities = np.asarray(priorities)   # (a view of the host buffer: nothing to wait for)
     if not isinstance(priorities, jax.Array):
       return super().update_priorities(keys, priorities, table)
     if not jax.numpy.issubdtype(priorities.dtype, jax.numpy.floating):
@@ -113,3 +133,10 @@ class JaxIterator(learner.BatchIterator):
                       f"{priorities.dtype}")
     priorities.copy_to_host_async()
     self._queue_async_update(keys, priorities.size, table, lambda: np.asarray(priorities))
+
+
+def _ready_on_cpu(array) -> bool:
+  """Whether jax.Array `array` is computed and in host memory (np.asarray of it does not wait)."""
+  is_ready = getattr(array, "is_ready", None)
+  return is_ready is not None and all(d.platform == "cpu" for d in array.sharding.device_set) \
+      and is_ready()
