@@ -16,18 +16,18 @@ table), so the learner does not wait for them either.
 
 Native threads. With one table (no mixing), whole batches (partial=False) and no allocate /
 transform of the caller's (the torch iterator on the CPU and the JAX iterator qualify), the
-background threads are native (reverb_shm._hot.Prefetcher, csrc/hot/hot_prefetch.c) and never take the GIL:
-after the first batch (gathered by a Python thread, which learns the items' columns) the native
-sampler gathers into the ring and ``next()`` takes a ready buffer with a few stores under a
-mutex; an update of numpy keys and priorities (or a CPU tensor of them) is checked and copied
-into the native queue by one C call, and the sampler applies the queue before its next gather
-(in the thread and on the CPU that gathers: no second thread contends for the table; while it
-waits for items, between waits of at most 2 ms). A native updater thread applies the queue only
-while the sampler does not run, and the last updates at close. Both run as SCHED_BATCH on Linux,
-so that waking them never preempts the learner's thread. A learner whose step holds the GIL (or
-keeps the CPU busy) then never waits for a Python background thread to be scheduled. An update
-whose priorities are still being copied from a device starts a Python updater thread, which
-applies the native queue first (so the order stays that of the calls).
+background threads are native (reverb_shm._hot.Prefetcher, csrc/hot/hot_prefetch.c) and never
+take the GIL: after the first batch (gathered by a Python thread, which learns the items'
+columns) the native sampler gathers into the ring and ``next()`` takes a ready buffer with a few
+stores under a mutex; an update of numpy keys and priorities (or a CPU tensor of them) is
+checked and copied into the native queue by one C call, and the sampler applies the queue before
+its next gather (in the thread and on the CPU that gathers: no second thread contends for the
+table; while it waits for items, between waits of at most 2 ms). A native updater thread applies
+the queue only while the sampler does not run, and the last updates at close. Both run as
+SCHED_BATCH on Linux, so that waking them never preempts the learner's thread. A learner whose
+step holds the GIL (or keeps the CPU busy) then never waits for a Python background thread to be
+scheduled. An update whose priorities are still being copied from a device starts a Python
+updater thread, which applies the native queue first (so the order stays that of the calls).
 
 Buffers. The batches are gathered into a ring of ``prefetch + keep`` reusable buffers. The
 arrays of a batch are views of its ring buffer: they stay valid until the consumer has taken
@@ -472,11 +472,13 @@ class BatchIterator:
     """(copy=True) The batch the native sampler gathered into ring slot k, which keeps the
     slot's arrays for good: the slot gathers into new ones from now on."""
     batch = self._make_batch(slot, self.batch_size, [info], [(0, self.batch_size)], count=False)
+    weighted = batch.weights is not None   # (else the slot's weights are not the batch's)
     if self._transform is not None:
       batch = self._transform(batch, slot)
     if self._allocate is None:   # (np.empty_like: C-contiguous, as the ring's arrays)
       slot.columns = [np.empty_like(c) for c in slot.columns]
-      slot.weights = np.empty_like(slot.weights)
+      if weighted:
+        slot.weights = np.empty_like(slot.weights)
     else:
       slot.columns, slot.weights, slot.owner = self._fresh_buffers()
     slot.cols.clear()

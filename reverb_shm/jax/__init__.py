@@ -33,6 +33,7 @@ new arrays to gather into. A batch the learner holds therefore never changes, ho
 draws after it, and on the CPU the gather is the only copy.
 """
 import threading
+from typing import Any
 
 try:
   import jax
@@ -89,22 +90,31 @@ class JaxIterator(learner.BatchIterator):
       self._placement = device
     self.sharded = bool(sharded)
     self._putter = Putter(self._placement)
+    self._treedef: Any = None   # (of a whole batch's data: its leaves are its slot's arrays)
     self._native_ok = True   # (the transform only puts arrays: next() may run it)
     super().__init__(source, table, batch_size, copy=True, transform=self._put, **kwargs)
 
   def _put(self, batch: Batch, slot) -> Batch:
     """The batch with jax.Arrays of its (handed-off) arrays; in the Python sampling thread it
     waits for the transfer, in the consumer's (batches of the native sampler) it does not."""
-    leaves, treedef = structure.flatten(batch.data)
-    extra = [a for a in (batch.weights, batch.mask) if a is not None]
-    arrays = self._putter.put(leaves + extra)
+    weights, mask = batch.weights, batch.mask
+    if self._treedef is not None and len(batch.info.key) == self.batch_size:
+      leaves, treedef = list(slot.columns), self._treedef   # (a whole batch: the slot's arrays)
+    else:
+      leaves, treedef = structure.flatten(batch.data)
+      if len(batch.info.key) == self.batch_size:
+        self._treedef = treedef
+    count = len(leaves)
+    if weights is not None:
+      leaves.append(weights)
+    if mask is not None:
+      leaves.append(mask)
+    arrays = self._putter.put(leaves)
     if threading.current_thread() is self._thread:
       jax.block_until_ready(arrays)
-    data = structure.unflatten(treedef, arrays[:len(leaves)])
-    rest = iter(arrays[len(leaves):])
-    return batch._replace(data=data,
-                          weights=None if batch.weights is None else next(rest),
-                          mask=None if batch.mask is None else next(rest))
+    return Batch(structure.unflatten(treedef, arrays[:count]), batch.info,
+                 None if weights is None else arrays[count],
+                 None if mask is None else arrays[-1], batch.table)
 
   def update_priorities(self, keys, priorities, table=None) -> None:
     """As BatchIterator.update_priorities; keys and priorities may be jax.Arrays on any device.

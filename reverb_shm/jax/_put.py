@@ -36,15 +36,6 @@ def _private_put():
 _PRIVATE = _private_put()
 
 
-class _Plan:
-  """How one column (shape, dtype) is put: the target dtype, abstract value, devices and the
-  index of each device's rows."""
-  __slots__ = ("dtype", "aval", "devices", "indices")
-
-  def __init__(self, dtype, aval, devices, indices):
-    self.dtype, self.aval, self.devices, self.indices = dtype, aval, devices, indices
-
-
 class Putter:
   """Puts lists of numpy arrays on `placement` (a jax.Device or a jax.sharding.Sharding).
 
@@ -56,33 +47,39 @@ class Putter:
     self.placement = placement
     self._sharding = placement if isinstance(placement, jax.sharding.Sharding) else \
         jax.sharding.SingleDeviceSharding(placement)
-    # (shape, dtype, x64) -> _Plan, or None: that column goes through jax.device_put
-    self._plans: Dict[Tuple[Any, ...], Optional[_Plan]] = {}
+    # (shape, dtype, x64) -> (abstract value, dtype to convert to or None, devices, the index
+    # of each device's rows or None), or None: that column goes through jax.device_put
+    self._plans: Dict[Tuple[Any, ...], Optional[tuple]] = {}
 
   def put(self, leaves: List[np.ndarray]) -> list:
     """jax.Arrays of `leaves` (numpy arrays, C-contiguous), equal to
     ``jax.device_put(leaves, placement)``; the leaves may be aliased (never write them again)."""
     out = []
     x64 = bool(getattr(jax.config, "jax_enable_x64", False))   # (the dtypes jax gives depend on it)
+    plans, sharding = self._plans, self._sharding
     for x in leaves:
-      key = (x.shape, x.dtype, x64)
-      if key not in self._plans:
-        plan, first = self._plan(x)   # (checked against jax.device_put on this leaf)
-        self._plans[key] = plan
-        out.append(first)
-        continue
-      plan = self._plans[key]
+      plan = plans.get((x.shape, x.dtype, x64))
       if plan is None or _PRIVATE is None:
-        out.append(jax.device_put(x, self.placement))
+        out.append(self._put_unplanned(x, x64))
         continue
-      if x.dtype != plan.dtype:
-        x = x.astype(plan.dtype)
-      shards = [x] * len(plan.devices) if plan.indices is None else [x[i] for i in plan.indices]
-      out.append(_PRIVATE[1](plan.aval, self._sharding, shards, plan.devices, True))
+      aval, dtype, devices, indices = plan
+      if dtype is not None:
+        x = x.astype(dtype)
+      out.append(_PRIVATE[1](aval, sharding, [x] if indices is None else [x[i] for i in indices],
+                             devices, True))
     return out
 
+  def _put_unplanned(self, x: np.ndarray, x64: bool):
+    """x put by jax.device_put; plans x's column on first sight."""
+    key = (x.shape, x.dtype, x64)
+    if key in self._plans:   # (planned as None: jax.device_put's)
+      return jax.device_put(x, self.placement)
+    plan, first = self._plan(x)   # (checked against jax.device_put on this leaf)
+    self._plans[key] = plan
+    return first
+
   def _plan(self, x: np.ndarray):
-    """(the _Plan of x's column, or None when jax.device_put must do it; x put)."""
+    """(the plan of x's column, or None when jax.device_put must do it; x put)."""
     expected = jax.device_put(x, self.placement)
     if _PRIVATE is None:   # pragma: no cover - depends on the jax version
       return None, expected
@@ -92,16 +89,15 @@ class Putter:
       if sharding.is_fully_replicated:
         if len(sharding.device_set) != 1:   # (copies on several devices: jax.device_put)
           return None, expected
-        devices = list(sharding.device_set)
-        indices = None
+        devices, indices = list(sharding.device_set), None
       else:
         index_map = sharding.addressable_devices_indices_map(x.shape)
         devices = list(index_map)
         indices = [index_map[d] for d in devices]
-      plan = _Plan(dtype, _PRIVATE[0](x.shape, dtype), devices, indices)
+      plan = (_PRIVATE[0](x.shape, dtype), None if x.dtype == dtype else dtype, devices, indices)
       y = x if x.dtype == dtype else x.astype(dtype)
-      shards = [y] * len(devices) if indices is None else [y[i] for i in indices]
-      got = _PRIVATE[1](plan.aval, sharding, shards, devices, True)
+      got = _PRIVATE[1](plan[0], sharding, [y] if indices is None else [y[i] for i in indices],
+                        devices, True)
       same = (got.dtype == expected.dtype and got.shape == expected.shape and
               got.sharding == expected.sharding and
               np.array_equal(np.asarray(got), np.asarray(expected), equal_nan=dtype.kind in "fc"))
