@@ -628,7 +628,8 @@ def test_a_killed_server_on_the_learners_node_is_dropped_for_every_table(filled)
                                          r"or >= 0 milliseconds, got -1"):
       call("prio", 4, rate_limiter_timeout_ms=-1)
   # (sample_batch draws this node's share straight from the cached table)
-  assert len(cc.sample_batch("prio", 64, rate_limiter_timeout_ms=10_000).info.key) == 64
+  before = cc.sample_batch("prio", 64, rate_limiter_timeout_ms=10_000)
+  assert len(before.info.key) == 64
   os.kill(handle.entries[h].pid, signal.SIGKILL)
   t0 = time.monotonic()
   with pytest.warns(RuntimeWarning, match=f"shard {h} .* dropped"):
@@ -644,6 +645,28 @@ def test_a_killed_server_on_the_learners_node_is_dropped_for_every_table(filled)
       assert len(keys) == 128 and all(cc.shard_of(k) != h for k in keys)
       time.sleep(0.1)   # (probes of the dead shard start, and fail, meanwhile)
   assert list(cc.dead) == [h] and cc.revived == 0
+
+  # Batches sampled before the death still carry the dead shard's keys: their priority updates
+  # and deletes are dropped at once and counted, not sent to every live shard (where they
+  # would be counted as not found); the other keys still reach their shards.
+  dead_keys = sorted({k for k in before.info.key.tolist() if cc.shard_of(k) == h})
+  live = list({k: p for k, p in zip(before.info.key.tolist(), before.info.priority.tolist())
+               if cc.shard_of(k) != h}.items())[:2]   # (distinct keys)
+  assert len(dead_keys) >= 2 and live, "the batch holds no keys of the killed shard"
+  sent = []
+  for s in cc.live_shards:
+    real = cc._clients[s].mutate_priorities
+
+    def recording(table, updates=None, deletes=None, s=s, real=real):
+      sent.append((s, dict(updates or {}), list(deletes or ())))
+      return real(table, updates, deletes)
+    cc._clients[s].mutate_priorities = recording
+  updates = {k: 9.0 for k in dead_keys[1:]}
+  updates.update(live)   # (their own priorities: nothing changes on the live shards)
+  assert cc.mutate_priorities("prio", updates=updates, deletes=dead_keys[:1]) == (len(live), 0)
+  assert all(k not in u and k not in d for _, u, d in sent for k in dead_keys)
+  assert sorted(s for s, _, _ in sent) == sorted({cc.shard_of(k) for k, _ in live})
+  assert cc.dead_shard_keys == len(dead_keys)
   cc.close()
   # A writer on this node asking for its node's client hears of the death at once (not from a
   # bridge client that retries the dead bridge for reconnect_timeout_s).

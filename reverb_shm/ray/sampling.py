@@ -224,6 +224,7 @@ class ClusterClient:
     self.failures = 0                  # shards dropped since this client was made
     self.dead: Dict[int, str] = {}     # shard -> why it was dropped
     self.revived = 0                   # dropped shards that answered again
+    self.dead_shard_keys = 0           # keys of updates / deletes dropped: their shard was dead
     self._revive_after_s = float(revive_after_s)
     self._dropped_at: Dict[int, float] = {}
     self._probes: Dict[int, concurrent.futures.Future] = {}   # shard -> its revival probe
@@ -729,19 +730,29 @@ class ClusterClient:
   def mutate_priorities(self, table: str, updates: Optional[Dict[int, float]] = None,
                         deletes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
     """Sends each update/delete to the shard that holds its key (remembered from samples;
-    unknown keys go to every live shard). Returns the summed (updated, deleted)."""
+    unknown keys go to every live shard). Keys sampled from a shard that has been dropped
+    (dead) are dropped at once, sent nowhere, and counted in ``dead_shard_keys``. Returns the
+    summed (updated, deleted)."""
     live = self.live_shards
     per: Dict[int, Tuple[dict, list]] = {s: ({}, []) for s in live}
+    dropped = 0
     with self._lock:
       filed = self._filed_keys()
       for k, p in (updates or {}).items():
         s = filed.get(int(k))
-        for t in ([s] if s in per else live):
+        if s is not None and s not in per:   # (its shard is dead: no live shard holds it)
+          dropped += 1
+          continue
+        for t in ([s] if s is not None else live):
           per[t][0][k] = p
       for k in (deletes or ()):
         s = filed.get(int(k))
-        for t in ([s] if s in per else live):
+        if s is not None and s not in per:
+          dropped += 1
+          continue
+        for t in ([s] if s is not None else live):
           per[t][1].append(k)
+      self.dead_shard_keys += dropped
     busy = [s for s in live if per[s][0] or per[s][1]]
     for s in busy:
       self._mass_cache.get(table, {}).pop(s, None)
