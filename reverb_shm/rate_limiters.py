@@ -9,21 +9,12 @@ import numbers
 import sys
 from typing import Any, Tuple, Union
 
-from reverb_shm import errors
+from reverb_shm._internal.arguments import int32_argument, number_argument
 
 __all__ = ["RateLimiter", "MinSize", "SampleToInsertRatio", "Queue", "Stack"]
 
 _FLOAT_MAX = sys.float_info.max
 _log = logging.getLogger(__name__)
-
-
-def _number(value, name):
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    try:
-      return float(value)
-    except (TypeError, ValueError):
-      raise TypeError(f"{name} must be a number, got {value!r}") from None
-  return value
 
 
 class RateLimiter:
@@ -35,24 +26,24 @@ class RateLimiter:
 
   Args:
     samples_per_insert: float > 0.
-    min_size_to_sample: int >= 1.
+    min_size_to_sample: int >= 1 (a Python or numpy integer, as in Reverb).
     min_diff: float, lower bound of inserts*spi - samples.
     max_diff: float, upper bound of inserts*spi - samples.
 
   Raises:
+    ArgumentTypeError (a TypeError and a ValueError): min_size_to_sample not an integer (a
+      float, even 3.0, or a string) or outside int32.
+    TypeError: a float argument that is a string or no number.
     ValueError: samples_per_insert <= 0 or not finite, min_size_to_sample <= 0,
       min_diff > max_diff or NaN.
   """
 
   def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float,
                max_diff: float):
-    spi = float(_number(samples_per_insert, "samples_per_insert"))
-    min_size = _number(min_size_to_sample, "min_size_to_sample")
-    if min_size != int(min_size):
-      raise errors.ArgumentTypeError(
-          f"min_size_to_sample must be an integer, got {min_size_to_sample!r}")
-    min_diff = float(_number(min_diff, "min_diff"))
-    max_diff = float(_number(max_diff, "max_diff"))
+    spi = float(number_argument(samples_per_insert, "samples_per_insert"))
+    min_size = int32_argument(min_size_to_sample, "min_size_to_sample")
+    min_diff = float(number_argument(min_diff, "min_diff"))
+    max_diff = float(number_argument(max_diff, "max_diff"))
     if not 0 < spi < float("inf"):
       raise ValueError(f"samples_per_insert must be finite and > 0, got {samples_per_insert}")
     if min_size <= 0:
@@ -62,7 +53,7 @@ class RateLimiter:
     if min_diff > max_diff:
       raise ValueError(f"min_diff ({min_diff}) must be <= max_diff ({max_diff})")
     self._samples_per_insert = spi
-    self._min_size_to_sample = int(min_size)
+    self._min_size_to_sample = min_size
     self._min_diff = min_diff
     self._max_diff = max_diff
 
@@ -93,11 +84,13 @@ class MinSize(RateLimiter):
   """Blocks sampling until the table holds `min_size_to_sample` items; never blocks inserts.
 
   Raises:
+    ArgumentTypeError (a TypeError and a ValueError): min_size_to_sample not an integer (a
+      float, even 3.0, or a string) or outside int32.
     ValueError: min_size_to_sample < 1.
   """
 
   def __init__(self, min_size_to_sample: int):
-    if _number(min_size_to_sample, "min_size_to_sample") < 1:
+    if int32_argument(min_size_to_sample, "min_size_to_sample") < 1:
       raise ValueError(f"min_size_to_sample must be >= 1, got {min_size_to_sample}")
     super().__init__(1.0, min_size_to_sample, -_FLOAT_MAX, _FLOAT_MAX)
 
@@ -112,6 +105,8 @@ class SampleToInsertRatio(RateLimiter):
       (min_diff, max_diff) pair.
 
   Raises:
+    ArgumentTypeError (a TypeError and a ValueError): min_size_to_sample not an integer (a
+      float, even 3.0, or a string) or outside int32.
     ValueError: spi <= 0 or infinite; a NaN or infinite error_buffer;
       max_diff - min_diff < 2*max(1, spi); min_diff > spi*min_size;
       min_size_to_sample < 1. (max_diff < spi*min_size only logs a warning: it can deadlock
@@ -120,10 +115,11 @@ class SampleToInsertRatio(RateLimiter):
 
   def __init__(self, samples_per_insert: float, min_size_to_sample: int,
                error_buffer: Union[float, Tuple[float, float]]):
-    spi = float(_number(samples_per_insert, "samples_per_insert"))
+    spi = float(number_argument(samples_per_insert, "samples_per_insert"))
     if not 0 < spi < float("inf"):
       raise ValueError(f"samples_per_insert ({samples_per_insert}) must be finite and > 0")
-    offset = spi * min_size_to_sample
+    min_size = int32_argument(min_size_to_sample, "min_size_to_sample")
+    offset = spi * min_size
     if isinstance(error_buffer, numbers.Real) and not isinstance(error_buffer, bool):
       # (numpy scalars too: np.float32(2.5) is a number, not a pair)
       min_diff, max_diff = offset - float(error_buffer), offset + float(error_buffer)
@@ -149,24 +145,32 @@ class SampleToInsertRatio(RateLimiter):
     if min_diff > offset:
       raise ValueError(f"min_diff ({min_diff}) must be <= samples_per_insert * "
                        f"min_size_to_sample ({offset}), or sampling could never start")
-    if _number(min_size_to_sample, "min_size_to_sample") < 1:
+    if min_size < 1:
       raise ValueError(f"min_size_to_sample must be >= 1, got {min_size_to_sample}")
     super().__init__(spi, min_size_to_sample, min_diff, max_diff)
 
 
 class Queue(RateLimiter):
-  """At most `size` unsampled items outstanding (use with Fifo and max_times_sampled=1)."""
+  """At most `size` unsampled items outstanding (use with Fifo and max_times_sampled=1).
+
+  Raises:
+    TypeError: size not a number (a string). ValueError: size < 1.
+  """
 
   def __init__(self, size: int):
-    if _number(size, "size") < 1:
+    if number_argument(size, "size") < 1:
       raise ValueError(f"size must be >= 1, got {size}")
     super().__init__(1.0, 1, 0.0, float(size))
 
 
 class Stack(RateLimiter):
-  """Same numbers as :class:`Queue` (meant for Lifo selectors)."""
+  """Same numbers as :class:`Queue` (meant for Lifo selectors).
+
+  Raises:
+    TypeError: size not a number (a string). ValueError: size < 1.
+  """
 
   def __init__(self, size: int):
-    if _number(size, "size") < 1:
+    if number_argument(size, "size") < 1:
       raise ValueError(f"size must be >= 1, got {size}")
     super().__init__(1.0, 1, 0.0, float(size))

@@ -6,6 +6,8 @@ Each selector is plain configuration; the C core implements them (csrc/selectors
 import dataclasses
 from typing import Optional
 
+from reverb_shm._internal.arguments import number_argument
+
 __all__ = ["ItemSelector", "Uniform", "Prioritized", "Fifo", "Lifo", "MinHeap", "MaxHeap",
            "KeyDistributionOptions", "PrioritizedOptions", "HeapOptions", "from_kind"]
 
@@ -82,13 +84,16 @@ class Prioritized(ItemSelector):
 
   Args:
     priority_exponent: float >= 0.
+
+  Raises:
+    TypeError: a bool, a string or no number. ValueError: negative, infinite or NaN.
   """
   kind = PRIORITIZED
 
   def __init__(self, priority_exponent: float):
     if isinstance(priority_exponent, bool):
       raise TypeError("priority_exponent must be a float, got a bool")
-    self.exponent = float(priority_exponent)
+    self.exponent = float(number_argument(priority_exponent, "priority_exponent"))
     if not 0 <= self.exponent < float("inf"):   # also rejects NaN
       raise ValueError(f"priority_exponent must be finite and >= 0, got {priority_exponent!r}")
 

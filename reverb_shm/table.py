@@ -11,6 +11,7 @@ import msgpack
 from reverb_shm import rate_limiters as rate_limiters_lib
 from reverb_shm import selectors as selectors_lib
 from reverb_shm import shared_table, specs
+from reverb_shm._internal.arguments import int32_argument
 from reverb_shm._internal.table_info import (
   RateLimiterCallStats,
   RateLimiterInfo,
@@ -40,12 +41,6 @@ def _check_name(name) -> str:
   return name
 
 
-def _check_int(value, name) -> int:
-  if isinstance(value, bool) or not hasattr(value, "__index__"):
-    raise TypeError(f"{name} must be an int, got {value!r}")
-  return int(value)
-
-
 class Table:
   """A replay table.
 
@@ -53,9 +48,10 @@ class Table:
     name: unique within its server; 1..63 UTF-8 bytes, no '/'.
     sampler: selector choosing sampled items (see :mod:`reverb_shm.selectors`).
     remover: selector choosing the item evicted when the table exceeds `max_size`.
-    max_size: maximum number of items, 1..MAX_SIZE (2**30 - 2).
+    max_size: maximum number of items, 1..MAX_SIZE (2**30 - 2); a Python or numpy integer.
     rate_limiter: a :class:`~reverb_shm.rate_limiters.RateLimiter`.
-    max_times_sampled: items are removed after this many samples; < 1 means unlimited.
+    max_times_sampled: items are removed after this many samples; < 1 means unlimited; a
+      Python or numpy integer (int32).
     extensions: accepted for compatibility and stored (not run).
     signature: optional nest of TensorSpec-like objects; items inserted into the table are
       checked against it and sampled data is unflattened to it.
@@ -64,6 +60,8 @@ class Table:
   UserWarning: the table can never hold that many items, so sampling would wait forever.
 
   Raises:
+    ArgumentTypeError (a TypeError and a ValueError): max_size or max_times_sampled not an
+      integer (a float, even 3.0, a bool or a string) or outside int32.
     ValueError: empty name, max_size outside 1..MAX_SIZE, unsupported signature leaf.
     TypeError: sampler/remover/rate_limiter of the wrong type.
   """
@@ -80,7 +78,7 @@ class Table:
     if not isinstance(rate_limiter, rate_limiters_lib.RateLimiter):
       raise TypeError(f"rate_limiter must be a reverb_shm.rate_limiters.RateLimiter, "
                       f"got {rate_limiter!r}")
-    max_size = _check_int(max_size, "max_size")
+    max_size = int32_argument(max_size, "max_size", allow_bool=False)
     if max_size <= 0:
       raise ValueError(f"max_size must be > 0, got {max_size}")
     if max_size > MAX_SIZE:
@@ -90,12 +88,12 @@ class Table:
       warnings.warn(f"table {name!r}: min_size_to_sample ({rate_limiter.min_size_to_sample}) > "
                     f"max_size ({max_size}): the table never holds that many items, so sampling "
                     "from it will wait forever", UserWarning, stacklevel=2)
-    max_times_sampled = _check_int(max_times_sampled, "max_times_sampled")
+    max_times_sampled = int32_argument(max_times_sampled, "max_times_sampled", allow_bool=False)
     self._sampler = sampler
     self._remover = remover
     self._max_size = max_size
     self._rate_limiter = rate_limiter
-    self._max_times_sampled = max(-2**31, min(max_times_sampled, 2**31 - 1))   # (as int32)
+    self._max_times_sampled = max_times_sampled
     self._extensions = tuple(extensions)
     self._signature = specs.validate_signature(signature)
     self._live: Any = None  # (Segment, table index) while a server owns this table.

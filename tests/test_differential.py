@@ -273,6 +273,34 @@ def scenario_error_types(rv):
                (1, 0, (-100, 100))]:
     record(f"s2i_{args}", lambda a=args: rl.SampleToInsertRatio(*a))
   record("s2i_ok", lambda: rl.SampleToInsertRatio(1, 10, (7, 12)))
+  # Integer arguments: a float (even 3.0, numpy's float64 too), a string or an int beyond int32
+  # is Reverb bindings' TypeError; Python and numpy integers (and bools) are taken.
+  def table(**kwargs):
+    args = dict(name="i", sampler=sel.Uniform(), remover=sel.Fifo(), max_size=10,
+                rate_limiter=rl.MinSize(1))
+    args.update(kwargs)
+    return rv.Table(**args)
+  for label, value in [("float", 3.0), ("np_float64", np.float64(3.0)), ("str", "3"),
+                       ("int32_overflow", 2**31), ("np_int64", np.int64(3)),
+                       ("np_int32", np.int32(3)), ("np_uint8", np.uint8(3))]:
+    record(f"int_arg_minsize_{label}", lambda v=value: rl.MinSize(v))
+    record(f"int_arg_s2i_min_size_{label}", lambda v=value: rl.SampleToInsertRatio(1.0, v, 10.0))
+    record(f"int_arg_ratelimiter_min_size_{label}",
+           lambda v=value: rl.RateLimiter(1.0, v, -1.0, 1.0))
+    record(f"int_arg_table_max_size_{label}", lambda v=value: table(max_size=v))
+    record(f"int_arg_table_max_times_sampled_{label}",
+           lambda v=value: table(max_times_sampled=v))
+    if label != "str":   # (Reverb's Queue(size) takes any number: size is a float there)
+      record(f"int_arg_table_queue_{label}", lambda v=value: rv.Table.queue("q", v))
+      record(f"int_arg_table_stack_{label}", lambda v=value: rv.Table.stack("s", v))
+  record("int_arg_minsize_bool", lambda: rl.MinSize(True))
+  record("int_arg_table_max_size_bool", lambda: table(max_size=True))
+  record("int_arg_minsize_np_float32", lambda: rl.MinSize(np.float32(3.0)))
+  record("int_arg_table_max_size_np_float32", lambda: table(max_size=np.float32(3.0)))
+  for label, value in [("float", 2.5), ("np_int64", np.int64(3)), ("str", "3")]:
+    record(f"float_arg_queue_{label}", lambda v=value: rl.Queue(v))
+    record(f"float_arg_stack_{label}", lambda v=value: rl.Stack(v))
+  record("float_arg_prioritized_str", lambda: sel.Prioritized("0.6"))
   record("server_no_tables", lambda: rv.Server([]))
   record("server_duplicates", lambda: rv.Server(
       [rv.Table.queue("q", 1), rv.Table.queue("q", 2)]))
@@ -614,9 +642,14 @@ def reference():
   return run_reference(REF_PYTHON)
 
 
-# Where reverb_shm deliberately raises something else (docs/differences.md): none now; history
-# positions outside the buffered range raise an error that is an IndexError and a ValueError.
-DELIBERATE_ERRORS = {}
+# Where reverb_shm deliberately raises something else (docs/differences.md): history positions
+# outside the buffered range raise an error that is an IndexError and a ValueError (not listed:
+# catchable as Reverb's); a table's max_size of True (Reverb: 1) and a numpy float32 where an int
+# is wanted (Reverb's bindings truncate it: np.float32(2.5) is 2) are an ArgumentTypeError.
+_ARGUMENT_TYPE_ERROR = ["TypeError", "ValueError"]
+DELIBERATE_ERRORS = {"int_arg_table_max_size_bool": _ARGUMENT_TYPE_ERROR,
+                     "int_arg_minsize_np_float32": _ARGUMENT_TYPE_ERROR,
+                     "int_arg_table_max_size_np_float32": _ARGUMENT_TYPE_ERROR}
 
 
 @pytest.mark.timeout(300)

@@ -109,7 +109,8 @@ def test_public_fast_path_names_resolve():
 TIERS = [
     ("vocabulary", ["errors", "selectors", "item_selectors", "rate_limiters", "replay_sample",
                     "specs", "_internal", "_internal.timeouts", "_internal.structure",
-                    "_internal.keys", "_internal.columns", "_internal.table_info"]),
+                    "_internal.keys", "_internal.columns", "_internal.table_info",
+                    "_internal.arguments"]),
     ("core", ["_internal.*", "_checkpoint", "_checkpoint.*"]),
     ("tables", ["step_inserter", "shared_table", "table", "checkpointers", "platform",
                 "platform.*"]),

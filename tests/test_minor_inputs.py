@@ -128,6 +128,29 @@ def test_table_max_size_limit_is_the_c_layouts():
     assert (lib.rs_segment_size(cfg, 1, 4, 16, 1 << 20) > 0) == fits
 
 
+def test_numpy_integers_are_taken_where_reverb_takes_ints():
+  """As Reverb's bindings: numpy integer scalars where an int is wanted (a float, even 3.0, is
+  an ArgumentTypeError: tests/test_bad_input.py); Queue / Stack sizes are numbers."""
+  for value in (np.int64(3), np.int32(3), np.uint8(3), 3):
+    limiters = [rate_limiters.MinSize(value), rate_limiters.SampleToInsertRatio(1.0, value, 10.0),
+                rate_limiters.RateLimiter(1.0, value, -1.0, 1.0)]
+    assert [(type(r.min_size_to_sample), r.min_size_to_sample) for r in limiters] == \
+        [(int, 3)] * 3
+    t = reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), value * 2,
+                         rate_limiters.MinSize(1), max_times_sampled=value)
+    assert (type(t.max_size), t.max_size, type(t.max_times_sampled), t.max_times_sampled) == \
+        (int, 6, int, 3)
+    assert reverb_shm.Table.queue("q", value).max_size == 3
+  assert rate_limiters.MinSize(True).min_size_to_sample == 1   # (a bool is an int, as in Reverb)
+  assert rate_limiters.Queue(2.5).max_diff == 2.5              # (Reverb's size is a float)
+  assert rate_limiters.Stack(np.float64(4.0)).max_diff == 4.0
+  assert _table(max_size=2**30 - 2).max_size == 2**30 - 2
+  for bound in (2**31 - 1, -2**31):
+    assert reverb_shm.Table("t", selectors.Uniform(), selectors.Fifo(), 10,
+                            rate_limiters.MinSize(1),
+                            max_times_sampled=bound).max_times_sampled == bound
+
+
 def test_min_size_above_max_size_warns():
   with pytest.warns(UserWarning, match=r"min_size_to_sample \(20\) > max_size \(10\)"):
     _table(limiter=rate_limiters.MinSize(20))
