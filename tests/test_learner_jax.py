@@ -150,6 +150,27 @@ def test_ready_cpu_priorities_take_the_native_update_path(server_factory):
   assert {k: got[k] for k in expected} == expected
 
 
+def test_native_batches_wait_for_items_then_raise_deadline_and_recover(server_factory):
+  table = reverb_shm.Table("q", selectors.Fifo(), selectors.Fifo(), 100, rate_limiters.MinSize(1),
+                           max_times_sampled=1,
+                           signature={"x": reverb_shm.TensorSpec([], np.int64)})
+  server = server_factory([table])
+  st = server.shared_table("q")
+  st.insert({"x": np.arange(12)}, np.ones(12))
+  with JaxIterator(st, batch_size=4, prefetch=2, timeout_ms=300) as it:
+    got = [np.asarray(next(it).data["x"]).tolist() for _ in range(3)]
+    assert it._native_sampling
+    assert sorted(sum(got, [])) == list(range(12))   # (each item sampled once, 64-bit -> 32)
+    t0 = time.monotonic()
+    with pytest.raises(reverb_shm.errors.DeadlineExceededError, match="no batch of 4 items"):
+      next(it)
+    assert 0.25 < time.monotonic() - t0 < 5
+    st.insert({"x": np.arange(100, 104)}, np.ones(4))
+    batch = next(it)
+    assert sorted(np.asarray(batch.data["x"]).tolist()) == [100, 101, 102, 103]
+    assert batch.data["x"].dtype == np.int32 and batch.data["x"].shape == (4,)
+
+
 def test_priorities_from_jax_arrays(server_factory):
   server, st, _ = _server(server_factory)
   with JaxIterator(st, batch_size=8, timeout_ms=5000) as it:
