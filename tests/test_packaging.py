@@ -1,0 +1,79 @@
+"""Packaging: the sdist builds, a wheel built from it works outside the source tree, and a source
+build without a working C compiler says what it needs."""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _tracked(*patterns) -> list:
+  out = subprocess.run(["git", "ls-files", *patterns], cwd=ROOT, capture_output=True, text=True,
+                       check=True).stdout
+  return sorted(line for line in out.splitlines() if line)
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+  """(path of an sdist built from the tracked files, names of its members without the prefix)."""
+  if shutil.which("git") is None or not (ROOT / ".git").exists():
+    pytest.skip("needs a git checkout (the sdist is built from the tracked files)")
+  tree = tmp_path_factory.mktemp("tree")
+  for rel in _tracked():
+    dest = tree / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(ROOT / rel, dest)
+  out = tmp_path_factory.mktemp("sdist")
+  result = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(out)], cwd=tree,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  (path,) = out.glob("reverb_shm-*.tar.gz")
+  with tarfile.open(path) as tar:
+    members = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+  return path, members
+
+
+@pytest.mark.timeout(300)
+def test_sdist_carries_every_build_input(sdist):
+  _, members = sdist
+  needed = set(_tracked("csrc", "reverb_shm")) | {"setup.py", "pyproject.toml", "README.md"}
+  missing = sorted(needed - members)
+  assert not missing, f"the sdist lacks {missing}"
+  assert {"csrc/build_core.py", "csrc/rs_internal.h", "csrc/hot/hot.h", "reverb_shm/py.typed",
+          "reverb_shm/_core.pyi"} <= members
+  assert not [m for m in members if m.endswith((".so", ".o")) or m == "reverb_shm/_core.c"]
+
+
+@pytest.mark.timeout(900)
+def test_wheel_built_from_the_sdist_works_outside_the_source_tree(sdist, tmp_path):
+  path, _ = sdist
+  wheels, target, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "cwd"
+  elsewhere.mkdir()
+  pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+  build = subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+                                str(path)], capture_output=True, text=True, timeout=900)
+  assert build.returncode == 0, build.stderr[-3000:]
+  (wheel,) = wheels.glob("reverb_shm-*.whl")
+  install = subprocess.run(pip + ["install", "--no-deps", "--target", str(target), str(wheel)],
+                           capture_output=True, text=True, timeout=300)
+  assert install.returncode == 0, install.stderr[-3000:]
+  assert (target / "reverb_shm" / "py.typed").exists()
+  assert list((target / "reverb_shm").glob("_core*.so"))
+  env = dict(os.environ, PYTHONPATH=str(target))
+  code = ("import reverb_shm as r, reverb_shm._core as core; print(core.__file__); "
+          "s = r.Server([r.Table.queue('q', 4)], name='pkg_%d' % __import__('os').getpid(), "
+          "arena_bytes=1 << 20); c = r.Client('shm://' + s.name); c.insert([7], {'q': 1.0}); "
+          "print(next(iter(c.sample('q', 1)))[0].data[0]); s.stop()")
+  run = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True,
+                       text=True, timeout=120)
+  assert run.returncode == 0, run.stderr[-3000:]
+  core_file, value = run.stdout.split()
+  assert core_file.startswith(str(target)) and value == "7"
+  cli = subprocess.run([sys.executable, "-m", "reverb_shm", "--help"], cwd=elsewhere, env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert cli.returncode == 0 and "reverb-shm list" in cli.stdout, cli.stderr[-2000:]
