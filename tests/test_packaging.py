@@ -77,3 +77,19 @@ def test_wheel_built_from_the_sdist_works_outside_the_source_tree(sdist, tmp_pat
   cli = subprocess.run([sys.executable, "-m", "reverb_shm", "--help"], cwd=elsewhere, env=env,
                        capture_output=True, text=True, timeout=120)
   assert cli.returncode == 0 and "reverb-shm list" in cli.stdout, cli.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_build_without_a_working_compiler_says_what_it_needs(sdist, tmp_path):
+  path, _ = sdist
+  with tarfile.open(path) as tar:
+    tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+  (tree,) = tmp_path.glob("reverb_shm-*")
+  env = dict(os.environ, CC="/bin/false")
+  result = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "-b",
+                           str(tmp_path / "lib"), "-t", str(tmp_path / "tmp")],
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert "needs a C11 compiler (gcc or clang)" in result.stderr, result.stderr[-3000:]
+  assert "the compiler used was /bin/false" in result.stderr
+  assert not list((tmp_path / "lib").rglob("*.so"))
