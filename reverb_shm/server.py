@@ -168,8 +168,13 @@ class Server:
     try:
       if restoring is not None:
         checkpointers.restore_into(self._segment, restoring, restore_indices)
-      shm.register_port(self._port, self._name, mode)
-      checkpointers.publish(self._name, checkpointer)
+      try:
+        shm.register_port(self._port, self._name, mode)
+        checkpointers.publish(self._name, checkpointer)
+      except OSError as e:
+        if isinstance(e, errors.ReverbError):
+          raise
+        raise shm.os_error(e, f"cannot register server {self._name!r} in {shm.SHM_DIR}") from e
     except BaseException:
       self._segment.close()
       self._segment.unlink()

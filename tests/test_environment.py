@@ -1,0 +1,168 @@
+"""A hostile host: a read-only or unwritable /dev/shm, too few file descriptors, another user's
+server. Each gives a clear error saying what to change, leaves nothing in /dev/shm and never
+hangs. Tests that need root (a private /dev/shm via unshare, another user via setpriv) skip
+with the reason where those are unavailable."""
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import unique_server_name
+
+import reverb_shm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOBODY = ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups"]
+
+
+def _python(code: str, prefix=(), timeout=60) -> subprocess.CompletedProcess:
+  return subprocess.run(list(prefix) + [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+@functools.cache
+def _unshare_reason() -> str:
+  """'' when this process may mount a private /dev/shm (unshare -m), else why not."""
+  if shutil.which("unshare") is None:
+    return "needs unshare(1)"
+  if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+    return "needs root (unshare -m) to mount a private /dev/shm"
+  return ""
+
+
+@functools.cache
+def _nobody_reason() -> str:
+  """'' when a process may run this Python as user nobody, else why not."""
+  if shutil.which("setpriv") is None or os.geteuid() != 0:
+    return "needs root and setpriv(1) to run a process as another user"
+  probe = subprocess.run(NOBODY + [sys.executable, "-c", "import reverb_shm"], cwd=ROOT,
+                         capture_output=True, text=True)
+  if probe.returncode != 0:
+    return f"user nobody cannot import reverb_shm here: {probe.stderr.strip()[-200:]}"
+  return ""
+
+
+def _in_private_shm(mount_options: str, code: str, as_nobody: bool = False):
+  """Runs `code` in a private /dev/shm (a tmpfs mounted with `mount_options`); returns its result
+  and the listing of that /dev/shm afterwards (printed by the shell after the script)."""
+  if _unshare_reason():
+    pytest.skip(_unshare_reason())
+  if as_nobody and _nobody_reason():
+    pytest.skip(_nobody_reason())
+  run = " ".join(NOBODY) + " " if as_nobody else ""
+  script = (f"mount -t tmpfs -o {mount_options} tmpfs /dev/shm && "
+            f"{run}{sys.executable} -c \"$0\"; rc=$?; echo \"left: $(ls -A /dev/shm)\"; exit $rc")
+  result = subprocess.run(["unshare", "-m", "bash", "-c", script, textwrap.dedent(code)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+  return result, result.stdout.rsplit("left:", 1)[-1].strip()
+
+
+_START = """
+import errno, reverb_shm as r
+try:
+  r.Server([r.Table.queue('q', 10)], arena_bytes=1 << 20)
+except r.errors.SystemCallError as e:
+  print(errno.errorcode[e.errno], '|', e)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_read_only_dev_shm_says_so():
+  result, left = _in_private_shm("size=16m,ro", _START)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.startswith("EROFS |"), result.stdout
+  assert "/dev/shm is mounted read-only" in result.stdout and "remount" in result.stdout
+  assert left == ""
+
+
+@pytest.mark.timeout(120)
+def test_a_dev_shm_this_user_may_not_write_says_so():
+  result, left = _in_private_shm("size=16m,mode=0755", _START, as_nobody=True)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.startswith("EACCES |"), result.stdout
+  assert "may not create files in /dev/shm" in result.stdout
+  assert left == ""
+
+
+@pytest.mark.timeout(120)
+def test_running_out_of_file_descriptors_is_a_clear_error_that_leaves_nothing():
+  """With 1, 2, 3... descriptors left, starting a server or attaching to one fails at a
+  different step each time (creating, mapping, reopening the segment); every failure is a
+  SystemCallError(EMFILE) naming the limit, and a failed start leaves no file behind."""
+  prefix = unique_server_name("nofile")
+  code = f"""
+  import errno, os, resource, tempfile
+  import reverb_shm as r
+  tempfile.gettempdir()
+  resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+  host = r.Server([r.Table.queue('q', 10)], name='{prefix}_host', arena_bytes=1 << 20)
+  for what in ('start', 'attach'):
+    for free in range(1, 9):
+      hog = []
+      try:
+        while True:
+          hog.append(os.open(os.devnull, os.O_RDONLY))
+      except OSError:
+        pass
+      for _ in range(free):
+        os.close(hog.pop())
+      try:
+        if what == 'start':
+          r.Server([r.Table.queue('q', 10)], name=f'{prefix}_{{free}}', arena_bytes=1 << 20).stop()
+        else:
+          r.Client('shm://{prefix}_host').insert([1], {{'q': 1.0}})
+        outcome = 'ok'
+      except r.errors.SystemCallError as e:
+        ok = e.errno == errno.EMFILE and 'RLIMIT_NOFILE 64' in str(e) and 'ulimit -n' in str(e)
+        outcome = 'emfile' if ok else repr(e)
+      except BaseException as e:
+        outcome = repr(e)
+      for fd in hog:
+        os.close(fd)
+      print(what, free, outcome)
+  host.stop()
+  print('left', sorted(n for n in os.listdir('/dev/shm') if '{prefix}' in n))
+  """
+  result = _python(code, timeout=120)
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  assert lines[-1] == "left []"
+  outcomes = [line.split(" ", 2) for line in lines[:-1]]
+  assert all(o in ("ok", "emfile") for _, _, o in outcomes), result.stdout
+  starts = [o for what, _, o in outcomes if what == "start"]
+  assert starts[:3] == ["emfile"] * 3 and starts[-1] == "ok", result.stdout
+  assert [o for what, _, o in outcomes if what == "attach"][-1] == "ok"
+
+
+_ATTACH = """
+import sys, time, reverb_shm as r
+t = time.monotonic()
+for address in sys.argv[1:]:
+  try:
+    r.Client(address).server_info()    # no timeout: waits for a server that is not up yet
+  except r.errors.AccessDeniedError as e:
+    print('denied', round(time.monotonic() - t), '|', e)
+try:
+  r.Server([r.Table.queue('q', 10)], name=sys.argv[1][len('shm://'):], arena_bytes=1 << 20)
+except r.errors.SegmentInUseError as e:
+  print('in use |', e)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_another_users_server_is_refused_at_once(server_factory):
+  if _nobody_reason():
+    pytest.skip(_nobody_reason())
+  server = server_factory([reverb_shm.Table.queue("q", 10)], arena_bytes=1 << 20)
+  result = subprocess.run(NOBODY + [sys.executable, "-c", _ATTACH, f"shm://{server.name}",
+                                    f"localhost:{server.port}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0, result.stderr
+  by_name, by_port, same_name = result.stdout.splitlines()
+  assert by_name.startswith("denied 0 |") and "run this process as the server's user" in by_name
+  assert by_port.startswith("denied 0 |") and "belongs to another user" in by_port
+  assert same_name.startswith("in use |") and "of another user exists" in same_name
+  assert server.localhost_client().server_info()["q"].current_size == 0   # untouched
