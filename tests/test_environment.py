@@ -166,3 +166,48 @@ def test_another_users_server_is_refused_at_once(server_factory):
   assert by_port.startswith("denied 0 |") and "belongs to another user" in by_port
   assert same_name.startswith("in use |") and "of another user exists" in same_name
   assert server.localhost_client().server_info()["q"].current_size == 0   # untouched
+
+
+@pytest.mark.timeout(120)
+def test_no_thread_to_spare_is_a_clear_error_and_a_later_call_recovers():
+  """RLIMIT_NPROC (`ulimit -u`) reached: a server cannot start its reaper, a client cannot start
+  the thread that watches the server; both say so, leave nothing, and work once it is raised.
+  (root ignores RLIMIT_NPROC: this runs as user nobody.)"""
+  if _nobody_reason():
+    pytest.skip(_nobody_reason())
+  name = unique_server_name("nproc")
+  serve = ("import reverb_shm as r, sys\n"
+           f"s = r.Server([r.Table.queue('q', 10)], name='{name}', arena_bytes=1 << 20)\n"
+           "print('up', flush=True)\n"
+           "sys.stdin.read()\n")
+  server = subprocess.Popen(NOBODY + [sys.executable, "-c", serve], cwd=ROOT, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+  try:
+    assert server.stdout.readline() == "up\n"
+    code = f"""
+    import errno, os, resource
+    import reverb_shm as r
+    hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    resource.setrlimit(resource.RLIMIT_NPROC, (1, hard))
+    client = r.Client('shm://{name}')
+    for call in (lambda: r.Server([r.Table.queue('q', 10)], name='{name}_2', arena_bytes=1 << 20),
+                 lambda: client.insert([1], {{'q': 1.0}})):
+      try:
+        call()
+        print('no error')
+      except r.errors.SystemCallError as e:
+        print(e.errno == errno.EAGAIN and 'ulimit -u' in str(e), str(e))
+    print(sorted(n for n in os.listdir('/dev/shm') if '{name}_2' in n))
+    resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
+    client.insert([1], {{'q': 1.0}})
+    print(client.server_info()['q'].current_size)
+    """
+    result = _python(code, prefix=NOBODY, timeout=90)
+  finally:
+    server.stdin.close()
+    server.wait(30)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert lines[0].startswith(f"True [Errno 11] cannot start server '{name}_2'"), result.stdout
+  assert lines[1].startswith(f"True [Errno 11] cannot attach to server '{name}'"), result.stdout
+  assert lines[2:] == ["[]", "1"], result.stdout

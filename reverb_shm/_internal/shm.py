@@ -138,13 +138,16 @@ def _what_to_do(code: Optional[int]) -> str:
             "user that runs a server (mode 1777, as Linux sets it up)")
   if code == errno.ENOSPC:
     return f"{SHM_DIR} has no room left (space or inodes): free some, or give it more room"
+  if code == errno.EAGAIN:
+    return ("no thread could be created: this user has as many processes and threads as its "
+            "limit allows (RLIMIT_NPROC, `ulimit -u`): raise the limit or end processes")
   return "a system call failed"
 
 
-def os_error(e: BaseException, doing: str) -> errors.SystemCallError:
-  """The SystemCallError for `e` (an OSError or a posix_ipc error) met while `doing`: its errno,
-  the system's reason and what the user can change."""
-  code = _errno_of(e)
+def os_error(e: BaseException, doing: str, code: Optional[int] = None) -> errors.SystemCallError:
+  """The SystemCallError for `e` (an OSError or a posix_ipc error; or any error, whose errno is
+  then `code`) met while `doing`: its errno, the system's reason and what the user can change."""
+  code = code or _errno_of(e)
   message = f"{doing}: {os.strerror(code) if code else e} ({_what_to_do(code)})"
   return errors.SystemCallError(code, message) if code else errors.SystemCallError(message)
 
@@ -610,7 +613,12 @@ class Segment:
       if alive is not None:
         alive._owner_died()  # pylint: disable=protected-access
 
-    owner_watch.watch(info["owner_pid"], info["owner_start_time"], died, locked=locked)
+    try:
+      owner_watch.watch(info["owner_pid"], info["owner_start_time"], died, locked=locked)
+    except RuntimeError as e:   # its thread could not start: attach again on the next call
+      seg.close()
+      raise os_error(e, f"cannot attach to server {name!r}: the thread that notices the "
+                     "server's death could not be started", errno.EAGAIN) from None
     return seg
 
   def dead_owner_error(self) -> "errors.DeadOwnerError":
