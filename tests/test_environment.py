@@ -211,3 +211,41 @@ def test_no_thread_to_spare_is_a_clear_error_and_a_later_call_recovers():
   assert lines[0].startswith(f"True [Errno 11] cannot start server '{name}_2'"), result.stdout
   assert lines[1].startswith(f"True [Errno 11] cannot attach to server '{name}'"), result.stdout
   assert lines[2:] == ["[]", "1"], result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_dev_shm_filled_by_others_while_writing():
+  """Another file eats /dev/shm while a server grows: inserts fail with ResourceExhaustedError
+  saying how much could not be had and why, the table stays consistent, and inserts work again
+  once the space is back."""
+  code = """
+  import os, numpy as np, reverb_shm as r
+  s = r.Server([r.Table('q', r.selectors.Uniform(), r.selectors.Fifo(), 1000,
+                        r.rate_limiters.MinSize(1))], arena_bytes=1 << 20, max_bytes=12 << 20)
+  c = r.Client('shm://' + s.name)
+  with open('/dev/shm/hog', 'wb') as f:
+    try:
+      while True:
+        f.write(b'x' * (1 << 16))
+        f.flush()
+    except OSError:
+      pass
+  try:
+    for _ in range(1000):
+      c.insert([np.zeros(10000, np.float32)], {'q': 1.0})
+    print('no error')
+  except r.errors.ResourceExhaustedError as e:
+    print(str(e).split(': ', 1)[1])
+  before = c.server_info()['q'].current_size
+  os.unlink('/dev/shm/hog')
+  c.insert([np.zeros(10000, np.float32)], {'q': 1.0})
+  print(c.server_info()['q'].current_size - before, s.localhost_client().stats()['closed'])
+  s.stop()
+  """
+  result, left = _in_private_shm("size=16m", code)
+  assert result.returncode == 0, result.stderr[-3000:]
+  message, after = result.stdout.splitlines()[:2]
+  assert message.startswith("cannot grow the arena by ") and " KiB: /dev/shm is full" in message
+  assert "by 0 KiB" not in message and "--shm-size" in message, message
+  assert after == "1 False"
+  assert left == ""
