@@ -88,6 +88,21 @@ def test_a_dev_shm_this_user_may_not_write_says_so():
 
 
 @pytest.mark.timeout(120)
+def test_a_system_without_dev_shm_says_what_to_mount():
+  if _unshare_reason():
+    pytest.skip(_unshare_reason())
+  script = ("mount -t tmpfs tmpfs /dev && mknod -m 666 /dev/null c 1 3 || exit 77; "
+            f"{sys.executable} -c \"$0\"")
+  result = subprocess.run(["unshare", "-m", "bash", "-c", script, textwrap.dedent(_START)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+  if result.returncode == 77:
+    pytest.skip(f"cannot make a /dev without shm here: {result.stderr.strip()[-200:]}")
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.startswith("ENOENT |"), result.stdout
+  assert "mount -t tmpfs -o size=1g tmpfs /dev/shm" in result.stdout
+
+
+@pytest.mark.timeout(120)
 def test_running_out_of_file_descriptors_is_a_clear_error_that_leaves_nothing():
   """With 1, 2, 3... descriptors left, starting a server or attaching to one fails at a
   different step each time (creating, mapping, reopening the segment); every failure is a

@@ -104,7 +104,10 @@ def segment_path(name: str) -> str:
 
 
 def _free_bytes() -> int:
-  st = os.statvfs(SHM_DIR)
+  try:
+    st = os.statvfs(SHM_DIR)
+  except OSError as e:
+    raise os_error(e, f"cannot use {SHM_DIR}") from None
   return st.f_bavail * st.f_frsize
 
 
@@ -123,6 +126,9 @@ def _errno_of(e: BaseException) -> Optional[int]:
 
 
 def _what_to_do(code: Optional[int]) -> str:
+  if code == errno.ENOENT and not os.path.isdir(SHM_DIR):
+    return (f"reverb_shm keeps its servers in POSIX shared memory, a tmpfs mounted on {SHM_DIR}, "
+            f"which this system lacks: mount one (mount -t tmpfs -o size=1g tmpfs {SHM_DIR})")
   if code == errno.EMFILE:
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return (f"this process has as many files open as its limit allows (RLIMIT_NOFILE {limit}, "
