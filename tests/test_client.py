@@ -13,6 +13,8 @@ import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm.specs import TensorSpec
 
+from conftest import import_error_without, without_modules
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -247,16 +249,6 @@ def test_checkpoint_returns_the_new_checkpoint_directory(client):
   shutil.rmtree(os.path.dirname(path))
 
 
-# Python code that makes this interpreter behave as if grpcio were not installed.
-_WITHOUT_GRPC = (
-    "import sys\n"
-    "class _NoGrpc:\n"
-    "  def find_spec(self, name, path=None, target=None):\n"
-    "    if name == 'grpc' or name.startswith('grpc.'):\n"
-    "      raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-    "sys.meta_path.insert(0, _NoGrpc())\n")
-
-
 @pytest.mark.timeout(60)
 def test_local_client_works_without_the_optional_grpcio(server_factory):
   """The bridge extra is optional: Client(...) of a local server must not import grpc."""
@@ -264,7 +256,7 @@ def test_local_client_works_without_the_optional_grpcio(server_factory):
                                             reverb_shm.selectors.Fifo(), 10,
                                             reverb_shm.rate_limiters.MinSize(1))])
   code = (
-      _WITHOUT_GRPC +
+      without_modules("grpc") +
       "import reverb_shm\n"
       f"c = reverb_shm.Client('localhost:{server.port}')\n"
       "c.insert([1.0], {'t': 1.0})\n"
@@ -276,16 +268,10 @@ def test_local_client_works_without_the_optional_grpcio(server_factory):
 
 @pytest.mark.timeout(60)
 def test_a_remote_address_without_grpcio_names_the_extra_to_install():
-  code = (_WITHOUT_GRPC +
-          "import reverb_shm\n"
-          "try:\n"
-          "  reverb_shm.Client('203.0.113.7:4321')\n"
-          "except ImportError as e:\n"
-          "  print(type(e).__name__, e)\n")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-  assert out.returncode == 0, out.stderr
-  assert out.stdout.startswith("ImportError") and "pip install 'reverb_shm[bridge]'" in out.stdout
-  cli = subprocess.run([sys.executable, "-c", _WITHOUT_GRPC + "from reverb_shm.cli import main\n"
+  message = import_error_without("__import__('reverb_shm').Client('203.0.113.7:4321')", "grpc")
+  assert "pip install 'reverb_shm[bridge]'" in message
+  cli = subprocess.run([sys.executable, "-c", without_modules("grpc") +
+                        "from reverb_shm.cli import main\n"
                         "sys.exit(main(['bridge', 'nosuch', '--port', '1']))"],
                        capture_output=True, text=True, timeout=30)
   assert cli.returncode == 2

@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import unique_server_name
+from conftest import run_in_private_shm, unique_server_name
 
 import reverb_shm
 
@@ -45,19 +45,14 @@ def _nobody_reason() -> str:
   return ""
 
 
-def _in_private_shm(mount_options: str, code: str, as_nobody: bool = False):
-  """Runs `code` in a private /dev/shm (a tmpfs mounted with `mount_options`); returns its result
-  and the listing of that /dev/shm afterwards (printed by the shell after the script)."""
-  if _unshare_reason():
-    pytest.skip(_unshare_reason())
+def _in_private_shm(mount_options: str, code: str, as_nobody: bool = False) -> list:
+  """The lines `code` prints in a private /dev/shm of 16 MiB mounted with `mount_options`, then
+  what that /dev/shm holds afterwards (the last line)."""
   if as_nobody and _nobody_reason():
     pytest.skip(_nobody_reason())
-  run = " ".join(NOBODY) + " " if as_nobody else ""
-  script = (f"mount -t tmpfs -o {mount_options} tmpfs /dev/shm && "
-            f"{run}{sys.executable} -c \"$0\"; rc=$?; echo \"left: $(ls -A /dev/shm)\"; exit $rc")
-  result = subprocess.run(["unshare", "-m", "bash", "-c", script, textwrap.dedent(code)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-  return result, result.stdout.rsplit("left:", 1)[-1].strip()
+  code = textwrap.dedent(code) + "\nimport os\nprint(sorted(os.listdir('/dev/shm')))\n"
+  return run_in_private_shm(code, size_mib=16, mount_options=mount_options,
+                            run_as=NOBODY if as_nobody else ()).splitlines()
 
 
 _START = """
@@ -71,20 +66,18 @@ except r.errors.SystemCallError as e:
 
 @pytest.mark.timeout(120)
 def test_a_read_only_dev_shm_says_so():
-  result, left = _in_private_shm("size=16m,ro", _START)
-  assert result.returncode == 0, result.stderr
-  assert result.stdout.startswith("EROFS |"), result.stdout
-  assert "/dev/shm is mounted read-only" in result.stdout and "remount" in result.stdout
-  assert left == ""
+  message, left = _in_private_shm("ro", _START)
+  assert message.startswith("EROFS |"), message
+  assert "/dev/shm is mounted read-only" in message and "remount" in message
+  assert left == "[]"
 
 
 @pytest.mark.timeout(120)
 def test_a_dev_shm_this_user_may_not_write_says_so():
-  result, left = _in_private_shm("size=16m,mode=0755", _START, as_nobody=True)
-  assert result.returncode == 0, result.stderr
-  assert result.stdout.startswith("EACCES |"), result.stdout
-  assert "may not create files in /dev/shm" in result.stdout
-  assert left == ""
+  message, left = _in_private_shm("mode=0755", _START, as_nobody=True)
+  assert message.startswith("EACCES |"), message
+  assert "may not create files in /dev/shm" in message
+  assert left == "[]"
 
 
 @pytest.mark.timeout(120)
@@ -257,10 +250,8 @@ def test_dev_shm_filled_by_others_while_writing():
   print(c.server_info()['q'].current_size - before, s.localhost_client().stats()['closed'])
   s.stop()
   """
-  result, left = _in_private_shm("size=16m", code)
-  assert result.returncode == 0, result.stderr[-3000:]
-  message, after = result.stdout.splitlines()[:2]
+  message, after, left = _in_private_shm("", code)
   assert message.startswith("cannot grow the arena by ") and " KiB: /dev/shm is full" in message
   assert "by 0 KiB" not in message and "--shm-size" in message, message
   assert after == "1 False"
-  assert left == ""
+  assert left == "[]"
