@@ -16,7 +16,8 @@ HOT = Extension(
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     depends=sorted(glob.glob("csrc/hot/*.h")) + ["csrc/rs_api.h"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                        "-Wno-missing-field-initializers", "-fno-strict-aliasing"],
+                        "-Wno-missing-field-initializers", "-fno-strict-aliasing",
+                        "-Werror=implicit-function-declaration"],
 )
 
 

@@ -1,5 +1,6 @@
 """Packaging: the sdist builds, a wheel built from it works outside the source tree, and a source
 build without a working C compiler says what it needs."""
+import glob
 import os
 import pathlib
 import shutil
@@ -93,3 +94,37 @@ def test_a_build_without_a_working_compiler_says_what_it_needs(sdist, tmp_path):
   assert "needs a C11 compiler (gcc or clang)" in result.stderr, result.stderr[-3000:]
   assert "the compiler used was /bin/false" in result.stderr
   assert not list((tmp_path / "lib").rglob("*.so"))
+
+
+def _python39_include() -> str:
+  """The C headers of a Python 3.9 on this machine (the oldest version pyproject.toml admits)."""
+  candidates = [shutil.which("python3.9"), "/usr/bin/python3.9",
+                *sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.9*/bin/python3.9")))]
+  for python in filter(None, candidates):
+    try:
+      out = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
+                            "['include'])"], capture_output=True, text=True, timeout=60)
+    except OSError:
+      continue
+    include = out.stdout.strip()
+    if out.returncode == 0 and os.path.exists(os.path.join(include, "Python.h")):
+      return include
+  pytest.skip("no Python 3.9 with its C headers here")
+
+
+@pytest.mark.timeout(300)
+def test_the_fast_path_module_uses_only_what_python_3_9_has():
+  """requires-python >= 3.9: csrc/hot must compile against 3.9's C API (a 3.10 function would be
+  implicitly declared there, and the module would fail to import with an undefined symbol)."""
+  include = _python39_include()
+  compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+  if compiler is None:
+    pytest.skip("no C compiler")
+  numpy_include = subprocess.run([sys.executable, "-c", "import numpy; print(numpy.get_include())"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+  sources = sorted(str(p) for p in (ROOT / "csrc" / "hot").glob("*.c"))
+  result = subprocess.run([compiler, "-fsyntax-only", "-std=gnu11", f"-I{include}",
+                           f"-I{numpy_include}", "-DNPY_NO_DEPRECATED_API=NPY_1_7_API_VERSION",
+                           "-Werror=implicit-function-declaration", *sources],
+                          capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stderr[-3000:]
