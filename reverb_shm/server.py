@@ -177,6 +177,8 @@ class Server:
           raise
         raise shm.os_error(e, f"cannot register server {self._name!r} in {shm.SHM_DIR}") from e
     except BaseException:
+      checkpointers.unpublish(self._name)
+      shm.unregister_port(self._port, self._name)
       self._segment.close()
       self._segment.unlink()
       self._socket.close()

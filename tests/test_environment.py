@@ -73,6 +73,32 @@ def test_a_read_only_dev_shm_says_so():
 
 
 @pytest.mark.timeout(120)
+def test_a_dev_shm_out_of_inodes_leaves_nothing():
+  """Room for two files only (the segment and the port alias): the third, the checkpointer's
+  sidecar, fails; the server's start then takes back the other two."""
+  message, left = _in_private_shm("nr_inodes=3", _START)
+  assert message.startswith("ENOSPC |"), message
+  assert "no room left (space or inodes)" in message
+  assert left == "[]"
+
+
+@pytest.mark.timeout(120)
+def test_a_file_size_limit_below_the_segment_size_says_so():
+  code = """
+  import errno, resource, reverb_shm as r
+  resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))   # Python ignores SIGXFSZ
+  try:
+    r.Server([r.Table.queue('q', 10)], arena_bytes=1 << 20, max_bytes=8 << 20)
+  except r.errors.SystemCallError as e:
+    print(errno.errorcode[e.errno], '|', e)
+  """
+  message, left = _in_private_shm("", code)
+  assert message.startswith("EFBIG |"), message
+  assert "RLIMIT_FSIZE 1048576 bytes, `ulimit -f`" in message and "max_bytes" in message
+  assert left == "[]"
+
+
+@pytest.mark.timeout(120)
 def test_a_dev_shm_this_user_may_not_write_says_so():
   message, left = _in_private_shm("mode=0755", _START, as_nobody=True)
   assert message.startswith("EACCES |"), message

@@ -134,6 +134,11 @@ def _what_to_do(code: Optional[int]) -> str:
     return (f"this process has as many files open as its limit allows (RLIMIT_NOFILE {limit}, "
             "`ulimit -n`); a server keeps 3 files open and every server a process uses 1 or 2: "
             "raise the limit or close files")
+  if code == errno.EFBIG:
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return ("the file is as large as the server may grow (sparse: memory or disk is taken only as "
+            f"it is used), and this process may not make files that large (RLIMIT_FSIZE {limit} "
+            "bytes, `ulimit -f`): raise the limit, or create the server with a smaller max_bytes")
   if code == errno.ENFILE:
     return "the system's open-file limit is reached (fs.file-max): close files or raise it"
   if code == errno.EROFS:
@@ -411,7 +416,11 @@ class Segment:
     arena_path = None
     try:
       os.fchmod(mem.fd, mode)
-      os.ftruncate(mem.fd, size)      # sparse: only what is reserved holds memory
+      try:
+        os.ftruncate(mem.fd, size)    # sparse: only what is reserved holds memory
+      except OSError as e:
+        raise os_error(e, f"cannot size segment {segment_path(name)} of server {name!r} to "
+                       f"{size / _MiB:.1f} MiB") from None
       try:
         os.posix_fallocate(mem.fd, 0, arena_off if storage is not None else initial_bytes)
       except OSError as e:
@@ -498,7 +507,11 @@ class Segment:
             f"{e.strerror}; pass a writable directory on a disk file system") from None
       try:
         os.fchmod(fd, create[0])
-        os.ftruncate(fd, arena_max)
+        try:
+          os.ftruncate(fd, arena_max)
+        except OSError as e:
+          raise os_error(e, f"cannot size the arena file {path} of server {self.name!r} to "
+                         f"{arena_max / _MiB:.1f} MiB") from None
         try:
           os.posix_fallocate(fd, 0, create[1])
         except OSError as e:
