@@ -56,53 +56,30 @@ def _in_private_shm(mount_options: str, code: str, as_nobody: bool = False) -> l
 
 
 _START = """
-import errno, reverb_shm as r
+import errno, resource, reverb_shm as r
+{setup}
 try:
-  r.Server([r.Table.queue('q', 10)], arena_bytes=1 << 20)
+  r.Server([r.Table.queue('q', 10)], arena_bytes=1 << 20, max_bytes=8 << 20)
 except r.errors.SystemCallError as e:
   print(errno.errorcode[e.errno], '|', e)
 """
 
 
 @pytest.mark.timeout(120)
-def test_a_read_only_dev_shm_says_so():
-  message, left = _in_private_shm("ro", _START)
-  assert message.startswith("EROFS |"), message
-  assert "/dev/shm is mounted read-only" in message and "remount" in message
-  assert left == "[]"
-
-
-@pytest.mark.timeout(120)
-def test_a_dev_shm_out_of_inodes_leaves_nothing():
-  """Room for two files only (the segment and the port alias): the third, the checkpointer's
-  sidecar, fails; the server's start then takes back the other two."""
-  message, left = _in_private_shm("nr_inodes=3", _START)
-  assert message.startswith("ENOSPC |"), message
-  assert "no room left (space or inodes)" in message
-  assert left == "[]"
-
-
-@pytest.mark.timeout(120)
-def test_a_file_size_limit_below_the_segment_size_says_so():
-  code = """
-  import errno, resource, reverb_shm as r
-  resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))   # Python ignores SIGXFSZ
-  try:
-    r.Server([r.Table.queue('q', 10)], arena_bytes=1 << 20, max_bytes=8 << 20)
-  except r.errors.SystemCallError as e:
-    print(errno.errorcode[e.errno], '|', e)
-  """
-  message, left = _in_private_shm("", code)
-  assert message.startswith("EFBIG |"), message
-  assert "RLIMIT_FSIZE 1048576 bytes, `ulimit -f`" in message and "max_bytes" in message
-  assert left == "[]"
-
-
-@pytest.mark.timeout(120)
-def test_a_dev_shm_this_user_may_not_write_says_so():
-  message, left = _in_private_shm("mode=0755", _START, as_nobody=True)
-  assert message.startswith("EACCES |"), message
-  assert "may not create files in /dev/shm" in message
+@pytest.mark.parametrize("mount_options, as_nobody, setup, code, says", [
+    ("ro", False, "", "EROFS", "/dev/shm is mounted read-only; reverb_shm keeps its servers there"
+     " and needs it writable (remount it read-write"),
+    # room for two files: the segment and the port alias; the checkpointer's sidecar fails
+    ("nr_inodes=3", False, "", "ENOSPC", "/dev/shm has no room left (space or inodes)"),
+    ("mode=0755", True, "", "EACCES", "this user may not create files in /dev/shm"),
+    ("", False, "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # SIGXFSZ: ignored",
+     "EFBIG", "(RLIMIT_FSIZE 1048576 bytes, `ulimit -f`): raise the limit, or create the server "
+     "with a smaller max_bytes"),
+], ids=["read-only", "out-of-inodes", "not-writable", "file-size-limit"])
+def test_a_host_that_refuses_a_server_says_why_and_keeps_nothing(mount_options, as_nobody, setup,
+                                                                 code, says):
+  message, left = _in_private_shm(mount_options, _START.format(setup=setup), as_nobody=as_nobody)
+  assert message.startswith(f"{code} |") and says in message, message
   assert left == "[]"
 
 
@@ -112,7 +89,7 @@ def test_a_system_without_dev_shm_says_what_to_mount():
     pytest.skip(_unshare_reason())
   script = ("mount -t tmpfs tmpfs /dev && mknod -m 666 /dev/null c 1 3 || exit 77; "
             f"{sys.executable} -c \"$0\"")
-  result = subprocess.run(["unshare", "-m", "bash", "-c", script, textwrap.dedent(_START)],
+  result = subprocess.run(["unshare", "-m", "bash", "-c", script, _START.format(setup="")],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
   if result.returncode == 77:
     pytest.skip(f"cannot make a /dev without shm here: {result.stderr.strip()[-200:]}")
