@@ -115,10 +115,10 @@ int rs_reserve(void *base, uint64_t off, uint64_t len, const char *what) {
   uint64_t first = rs_align_up(off, PAGE);   /* whole pages of the range only: never a live byte */
   if (err != EINVAL && first < end) madvise(rs_at(base, first), end - first, MADV_REMOVE);
   return rs_set_error(RS_ENOSPC,
-                      "cannot grow %s by %.1f MiB: %s; give /dev/shm more room (docker run --shm-size),"
+                      "cannot grow %s by %llu KiB: %s; give /dev/shm more room (docker run --shm-size),"
                       " stop other servers, or pre-size the server (arena_bytes) so that it does not need"
                       " to grow",
-                      what, (double)len / (1 << 20),
+                      what, (unsigned long long)((len + 1023) >> 10),
                       err == EINVAL ? "this kernel lacks MADV_POPULATE_WRITE (Linux >= 5.14)"
                       : err == EFAULT || err == ENOSPC || err == ENOMEM
                           ? "/dev/shm is full, or the memory limit is reached"

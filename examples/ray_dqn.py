@@ -124,8 +124,9 @@ class EnvActor:
 
 def learn(cfg: RunConfig, handle, coordinator) -> tuple[list, int, float]:
     import torch
+    from dqn import DQNLearner, LearnerConfig
 
-    from dqn import DQNLearner, LearnerConfig, importance_weights
+    from reverb_shm.learner import importance_weights
 
     torch.set_num_threads(1)
     learner = DQNLearner(OBS_DIM, NUM_ACTIONS, LearnerConfig(

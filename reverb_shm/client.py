@@ -469,6 +469,7 @@ class Client:
     Raises:
       ValueError: negative timeout.
       DeadlineExceededError: no server answered in time.
+      AccessDeniedError: the server belongs to a user this process may not attach as (at once).
     """
     if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
       raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
@@ -481,6 +482,8 @@ class Client:
           raise errors.ServerUnavailableError(f"the server at {self._address!r} stopped")
         break
       except errors.ServerUnavailableError as e:
+        if isinstance(e, errors.AccessDeniedError):
+          raise                  # another user's server: waiting does not help
         now = time.monotonic()
         if deadline is not None and now >= deadline:
           raise errors.DeadlineExceededError(

@@ -76,6 +76,11 @@ class ServerUnavailableError(ReverbError, builtins.RuntimeError):
   """No running server answers to the given name or address."""
 
 
+class AccessDeniedError(ServerUnavailableError):
+  """The server exists but belongs to another user (or group) whose segment this process may
+  not open: waiting does not help, so calls that wait for a server raise it at once."""
+
+
 class SegmentInUseError(ReverbError, builtins.FileExistsError):
   """A live server already owns a segment of that name."""
 

@@ -14,6 +14,7 @@ calls raise TableClosedError after the stop.
 """
 import atexit
 import collections
+import errno
 import os
 import signal
 import socket
@@ -168,9 +169,16 @@ class Server:
     try:
       if restoring is not None:
         checkpointers.restore_into(self._segment, restoring, restore_indices)
-      shm.register_port(self._port, self._name, mode)
-      checkpointers.publish(self._name, checkpointer)
+      try:
+        shm.register_port(self._port, self._name, mode)
+        checkpointers.publish(self._name, checkpointer)
+      except OSError as e:
+        if isinstance(e, errors.ReverbError):
+          raise
+        raise shm.os_error(e, f"cannot register server {self._name!r} in {shm.SHM_DIR}") from e
     except BaseException:
+      checkpointers.unpublish(self._name)
+      shm.unregister_port(self._port, self._name)
       self._segment.close()
       self._segment.unlink()
       self._socket.close()
@@ -183,7 +191,12 @@ class Server:
     self._stopped = False
     self._reaper = threading.Thread(target=self._reap_loop, name=f"reverb_shm-reaper-{self._name}",
                                     daemon=True)
-    self._reaper.start()
+    try:
+      self._reaper.start()
+    except RuntimeError as e:   # this process may not create a thread
+      self.stop()
+      raise shm.os_error(e, f"cannot start server {self._name!r}: its reaper thread could not "
+                         "be started", errno.EAGAIN) from None
     _live_servers.add(self)
     if bridge is not None:
       from reverb_shm.bridge import Bridge  # pylint: disable=g-import-not-at-top
@@ -314,7 +327,8 @@ class Server:
       self._metrics.stop()
     check(lib.rs_segment_close(self._segment.base), f"closing server {self._name!r}")
     self._stop_event.set()
-    self._reaper.join(timeout=10)
+    if self._reaper.ident is not None:   # started
+      self._reaper.join(timeout=10)
     for t in self._tables:
       t._unbind()  # pylint: disable=protected-access
     shm.unregister_port(self._port, self._name)

@@ -162,8 +162,11 @@ def bridge_process(server):
       raise
 
 
-def run_in_private_shm(code: str, size_mib: int = 64, timeout: float = 120, args=()) -> str:
-  """Runs `python -c code *args` with its own /dev/shm: a fresh tmpfs of `size_mib` MiB.
+def run_in_private_shm(code: str, size_mib: int = 64, timeout: float = 120, args=(),
+                       mount_options: str = "", run_as=()) -> str:
+  """Runs `python -c code *args` with its own /dev/shm: a fresh tmpfs of `size_mib` MiB
+  (mounted with `mount_options` too, e.g. "ro"), as `run_as` (a command prefix, e.g. setpriv's)
+  when given.
 
   The child runs in a new mount namespace (`unshare --mount`, needs root or CAP_SYS_ADMIN),
   so it and its children see only the private tmpfs and the host's /dev/shm is untouched.
@@ -176,11 +179,31 @@ def run_in_private_shm(code: str, size_mib: int = 64, timeout: float = 120, args
   if probe is None or probe.returncode != 0:
     pytest.skip("a private /dev/shm needs `unshare --mount` (root or CAP_SYS_ADMIN): "
                 + ("unshare is not installed" if probe is None else probe.stderr.decode()[-200:]))
-  script = (f"mount -t tmpfs -o size={int(size_mib)}m tmpfs /dev/shm && "
-            'exec "$0" "$@"')
-  proc = subprocess.run(["unshare", "--mount", "sh", "-c", script, sys.executable, "-c", code,
-                         *map(str, args)], capture_output=True, text=True, timeout=timeout,
+  options = f"size={int(size_mib)}m" + (f",{mount_options}" if mount_options else "")
+  script = f"mount -t tmpfs -o {options} tmpfs /dev/shm && " + 'exec "$0" "$@"'
+  proc = subprocess.run(["unshare", "--mount", "sh", "-c", script, *run_as, sys.executable, "-c",
+                         code, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                         cwd=root, env={**os.environ, "PYTHONPATH": root}, check=False)
   assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
   return proc.stdout
 
+
+def without_modules(*names: str) -> str:
+  """Python code that makes the interpreter running it behave as if the top-level modules
+  `names` (and their submodules) were not installed."""
+  return ("import sys\n"
+          "class _Missing:\n"
+          "  def find_spec(self, name, path=None, target=None):\n"
+          f"    if name.split('.')[0] in {sorted(names)!r}:\n"
+          "      raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+          "sys.meta_path.insert(0, _Missing())\n")
+
+
+def import_error_without(statement: str, *names: str) -> str:
+  """The message of the ImportError that `statement` raises in a fresh interpreter without the
+  modules `names` (see without_modules); fails the test if it raises none."""
+  code = (without_modules(*names) + "try:\n" + f"  {statement}\n" +
+          "except ImportError as e:\n  print(e)\nelse:\n  sys.exit('no ImportError')\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  return out.stdout

@@ -136,3 +136,12 @@ def test_python_dash_m_reverb_shm_is_the_command_line():
   out = subprocess.run([sys.executable, "-m", "reverb_shm", "info", "no-such-server-here"],
                        capture_output=True, text=True, timeout=60)
   assert out.returncode == 2 and "no-such-server-here" in out.stderr, out
+
+
+def test_help_is_plain_text_and_python_m_reverb_shm_is_the_same_command():
+  outs = [subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                         text=True, timeout=60) for module in ("reverb_shm", "reverb_shm.cli")]
+  assert [o.returncode for o in outs] == [0, 0]
+  assert outs[0].stdout == outs[1].stdout
+  assert "reverb-shm gc [SERVER ...]" in outs[0].stdout and "reverb_server --config" in outs[0].stdout
+  assert ":func:" not in outs[0].stdout and ":class:" not in outs[0].stdout

@@ -13,6 +13,8 @@ import reverb_shm
 from reverb_shm import errors, rate_limiters, selectors
 from reverb_shm.specs import TensorSpec
 
+from conftest import import_error_without, without_modules
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -254,12 +256,7 @@ def test_local_client_works_without_the_optional_grpcio(server_factory):
                                             reverb_shm.selectors.Fifo(), 10,
                                             reverb_shm.rate_limiters.MinSize(1))])
   code = (
-      "import sys\n"
-      "class _NoGrpc:\n"
-      "  def find_spec(self, name, path=None, target=None):\n"
-      "    if name == 'grpc' or name.startswith('grpc.'):\n"
-      "      raise ImportError('grpc blocked by the test')\n"
-      "sys.meta_path.insert(0, _NoGrpc())\n"
+      without_modules("grpc") +
       "import reverb_shm\n"
       f"c = reverb_shm.Client('localhost:{server.port}')\n"
       "c.insert([1.0], {'t': 1.0})\n"
@@ -267,3 +264,15 @@ def test_local_client_works_without_the_optional_grpcio(server_factory):
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
   assert out.returncode == 0, out.stderr
   assert out.stdout.split() == ["Client", "1", "False"]
+
+
+@pytest.mark.timeout(60)
+def test_a_remote_address_without_grpcio_names_the_extra_to_install():
+  message = import_error_without("__import__('reverb_shm').Client('203.0.113.7:4321')", "grpc")
+  assert "pip install 'reverb_shm[bridge]'" in message
+  cli = subprocess.run([sys.executable, "-c", without_modules("grpc") +
+                        "from reverb_shm.cli import main\n"
+                        "sys.exit(main(['bridge', 'nosuch', '--port', '1']))"],
+                       capture_output=True, text=True, timeout=30)
+  assert cli.returncode == 2
+  assert "pip install 'reverb_shm[bridge]'" in cli.stderr, cli.stderr

@@ -21,7 +21,7 @@ import reverb_shm  # noqa: E402
 from reverb_shm import rate_limiters, selectors  # noqa: E402
 from reverb_shm.ray import ReplayCluster, split_batch  # noqa: E402
 from reverb_shm.ray.local_cluster import LocalRayCluster  # noqa: E402
-from conftest import stop_process, unique_server_name  # noqa: E402
+from conftest import import_error_without, stop_process, unique_server_name  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -143,19 +143,7 @@ def test_import_reverb_shm_does_not_import_ray():
 
 
 def test_without_ray_the_import_error_names_the_extra():
-  code = ("import sys\n"
-          "class Block:\n"
-          "  def find_spec(self, name, path=None, target=None):\n"
-          "    if name == 'ray' or name.startswith('ray.'):\n"
-          "      raise ImportError('No module named ' + repr(name))\n"
-          "sys.meta_path.insert(0, Block())\n"
-          "try:\n"
-          "  import reverb_shm.ray\n"
-          "except ImportError as e:\n"
-          "  print(e)\n")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-  assert out.returncode == 0, out.stderr
-  assert "pip install reverb_shm[ray]" in out.stdout
+  assert "pip install reverb_shm[ray]" in import_error_without("import reverb_shm.ray", "ray")
 
 
 def test_split_batch_is_multinomial_over_masses():

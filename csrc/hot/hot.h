@@ -19,6 +19,23 @@
 #include <math.h>
 #include <stdint.h>
 
+/* Python 3.9 (the oldest supported) lacks 3.10's reference helpers: the same, from 3.9's API.
+ * setup.py makes an implicit declaration an error, so a newer API cannot slip in unnoticed. */
+#if PY_VERSION_HEX < 0x030A0000
+static inline PyObject *Py_NewRef(PyObject *o) {
+  Py_INCREF(o);
+  return o;
+}
+static inline int PyModule_AddObjectRef(PyObject *module, const char *name, PyObject *value) {
+  Py_INCREF(value);
+  if (PyModule_AddObject(module, name, value) < 0) {   /* steals the reference on success only */
+    Py_DECREF(value);
+    return -1;
+  }
+  return 0;
+}
+#endif
+
 /* numpy's C API: one table per module, imported by hot_module.c (which defines HOT_MODULE_MAIN). */
 #define PY_ARRAY_UNIQUE_SYMBOL rs_hot_ARRAY_API
 #ifndef HOT_MODULE_MAIN

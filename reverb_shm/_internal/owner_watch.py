@@ -41,8 +41,9 @@ class _Watcher:
     if locked is not None and lib.rs_proc_start_time(pid) != start_time and locked():
       # not a process of this pid namespace, yet alive: its liveness lock tells
       with self.lock:
-        self.owners[("lock", id(locked))] = (start_time, None, [callback], locked)
-        self._start()
+        key = ("lock", id(locked))
+        self.owners[key] = (start_time, None, [callback], locked)
+        self._start(key)
       return
     with self.lock:
       entry = self.owners.get(pid)
@@ -54,19 +55,28 @@ class _Watcher:
       except (AttributeError, OSError):   # no pidfds here, or the process is gone already
         pidfd = None
       self.owners[pid] = (start_time, pidfd, [callback], None)
-      self._start()
+      self._start(pid)
     # A pid reused between reading the segment header and pidfd_open: its start time differs.
     if lib.rs_proc_start_time(pid) != start_time:
       self._dead(pid)
 
-  def _start(self) -> None:
-    """Starts the thread, or wakes it to look at the watched set again (lock held)."""
+  def _start(self, key) -> None:
+    """Starts the thread, or wakes it to look at the watched set again (lock held). If the
+    thread cannot start (RuntimeError), the new entry `key` is forgotten and nothing is left."""
     if self.thread is None:
       self.wake_r, self.wake_w = os.pipe()
       os.set_blocking(self.wake_w, False)
-      self.thread = threading.Thread(target=self._run, name="reverb_shm-owner-watch",
-                                     daemon=True)
-      self.thread.start()
+      thread = threading.Thread(target=self._run, name="reverb_shm-owner-watch", daemon=True)
+      try:
+        thread.start()
+      except RuntimeError:
+        pidfd = self.owners.pop(key)[1]
+        for fd in (pidfd, self.wake_r, self.wake_w):
+          if fd is not None:
+            os.close(fd)
+        self.wake_r = self.wake_w = None
+        raise
+      self.thread = thread
     else:
       self._wake()
 

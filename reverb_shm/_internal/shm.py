@@ -46,6 +46,7 @@ import logging
 import mmap
 import os
 import re
+import resource
 import secrets
 import socket
 import stat
@@ -63,7 +64,7 @@ from reverb_shm._internal._lib import check, ffi, last_error, lib
 __all__ = ["Segment", "validate_server_name", "validate_mode", "register_port", "unregister_port",
            "prune_stale_aliases", "list_segments", "remove_stale", "is_local_host",
            "resolve_address", "segment_path", "reclaim_dead", "allocated_bytes", "start_bytes",
-           "SHM_DIR"]
+           "os_error", "SHM_DIR"]
 
 log = logging.getLogger("reverb_shm.shm")
 
@@ -103,8 +104,70 @@ def segment_path(name: str) -> str:
 
 
 def _free_bytes() -> int:
-  st = os.statvfs(SHM_DIR)
+  try:
+    st = os.statvfs(SHM_DIR)
+  except OSError as e:
+    raise os_error(e, f"cannot use {SHM_DIR}") from None
   return st.f_bavail * st.f_frsize
+
+
+def _errno_of(e: BaseException) -> Optional[int]:
+  """The errno behind `e`: posix_ipc reports some causes (too many open files) without one."""
+  if isinstance(e, posix_ipc.PermissionsError):
+    return errno.EACCES
+  if getattr(e, "errno", None):
+    return e.errno  # type: ignore[attr-defined]
+  try:   # no errno: is it that no file may be opened?
+    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+  except OSError as probe:
+    return probe.errno
+  os.close(fd)
+  return None
+
+
+def _what_to_do(code: Optional[int]) -> str:
+  if code == errno.ENOENT and not os.path.isdir(SHM_DIR):
+    return (f"reverb_shm keeps its servers in POSIX shared memory, a tmpfs mounted on {SHM_DIR}, "
+            f"which this system lacks: mount one (mount -t tmpfs -o size=1g tmpfs {SHM_DIR})")
+  if code == errno.EMFILE:
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return (f"this process has as many files open as its limit allows (RLIMIT_NOFILE {limit}, "
+            "`ulimit -n`); a server keeps 3 files open and every server a process uses 1 or 2: "
+            "raise the limit or close files")
+  if code == errno.EFBIG:
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return ("the file is as large as the server may grow (sparse: memory or disk is taken only as "
+            f"it is used), and this process may not make files that large (RLIMIT_FSIZE {limit} "
+            "bytes, `ulimit -f`): raise the limit, or create the server with a smaller max_bytes")
+  if code == errno.ENFILE:
+    return "the system's open-file limit is reached (fs.file-max): close files or raise it"
+  if code == errno.EROFS:
+    return (f"{SHM_DIR} is mounted read-only; reverb_shm keeps its servers there and needs it "
+            "writable (remount it read-write; in a container, do not mount /dev/shm read-only)")
+  if code == errno.EACCES:
+    return (f"this user may not create files in {SHM_DIR}; reverb_shm needs it writable by every "
+            "user that runs a server (mode 1777, as Linux sets it up)")
+  if code == errno.ENOSPC:
+    return f"{SHM_DIR} has no room left (space or inodes): free some, or give it more room"
+  if code == errno.EAGAIN:
+    return ("no thread could be created: this user has as many processes and threads as its "
+            "limit allows (RLIMIT_NPROC, `ulimit -u`): raise the limit or end processes")
+  return "a system call failed"
+
+
+def os_error(e: BaseException, doing: str, code: Optional[int] = None) -> errors.SystemCallError:
+  """The SystemCallError for `e` (an OSError or a posix_ipc error; or any error, whose errno is
+  then `code`) met while `doing`: its errno, the system's reason and what the user can change."""
+  code = code or _errno_of(e)
+  message = f"{doing}: {os.strerror(code) if code else e} ({_what_to_do(code)})"
+  return errors.SystemCallError(code, message) if code else errors.SystemCallError(message)
+
+
+def _access_denied(what: str) -> errors.AccessDeniedError:
+  return errors.AccessDeniedError(
+      f"{what} (a server's segment and port alias admit their creator's user only, or also its "
+      "group when the server was created with mode=0o660): run this process as the server's "
+      "user, or start the server with mode=0o660 and this user in its group")
 
 
 def _owner_alive(pid: int, start_time: int) -> bool:
@@ -236,6 +299,8 @@ class Segment:
     try:
       self._mm = mmap.mmap(mem_fd, size)
     except OSError as e:
+      if e.errno in (errno.EMFILE, errno.ENFILE):   # mmap keeps a duplicate of the fd
+        raise os_error(e, f"cannot map the segment of server {name!r}") from None
       if e.errno != errno.ENOMEM:
         raise
       raise errors.ResourceExhaustedError(
@@ -351,7 +416,11 @@ class Segment:
     arena_path = None
     try:
       os.fchmod(mem.fd, mode)
-      os.ftruncate(mem.fd, size)      # sparse: only what is reserved holds memory
+      try:
+        os.ftruncate(mem.fd, size)    # sparse: only what is reserved holds memory
+      except OSError as e:
+        raise os_error(e, f"cannot size segment {segment_path(name)} of server {name!r} to "
+                       f"{size / _MiB:.1f} MiB") from None
       try:
         os.posix_fallocate(mem.fd, 0, arena_off if storage is not None else initial_bytes)
       except OSError as e:
@@ -438,7 +507,11 @@ class Segment:
             f"{e.strerror}; pass a writable directory on a disk file system") from None
       try:
         os.fchmod(fd, create[0])
-        os.ftruncate(fd, arena_max)
+        try:
+          os.ftruncate(fd, arena_max)
+        except OSError as e:
+          raise os_error(e, f"cannot size the arena file {path} of server {self.name!r} to "
+                         f"{arena_max / _MiB:.1f} MiB") from None
         try:
           os.posix_fallocate(fd, 0, create[1])
         except OSError as e:
@@ -472,12 +545,19 @@ class Segment:
     for _ in range(5):
       try:
         mem = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=mode)
+      except (OSError, posix_ipc.PermissionsError) as e:
+        doing = f"cannot create segment {segment_path(name)} of server {name!r}"
+        raise os_error(e, doing) from None
       except posix_ipc.ExistentialError:
         found = _examine(name, reclaim=True)
         if found is not None and found["state"] == "live":
           raise errors.SegmentInUseError(
               f"a server named {name!r} is already running (segment {segment_path(name)} "
               f"owned by live pid {found['pid']}); choose another name or stop it") from None
+        if found is not None and found["state"] == "foreign":
+          raise errors.SegmentInUseError(
+              f"a server named {name!r} of another user exists (segment {segment_path(name)}, "
+              "which this user may not open or remove): choose another name") from None
         if found is not None and found["state"] == "starting":
           raise errors.SegmentInUseError(
               f"another process is creating a server named {name!r} (segment "
@@ -496,7 +576,8 @@ class Segment:
     """The mapping of server `name` in this process (cached per process).
 
     Raises:
-      ServerUnavailableError: no running server of that name (or no permission to open it).
+      ServerUnavailableError: no running server of that name.
+      AccessDeniedError: another user's server (its segment may not be opened).
       CorruptError: the segment's layout does not match this build, or it is truncated.
       DeadOwnerError: the segment exists but the server that created it was killed.
     """
@@ -512,9 +593,10 @@ class Segment:
         raise errors.ServerUnavailableError(
             f"no reverb_shm server named {name!r} is running (no {segment_path(name)})") from None
       except posix_ipc.PermissionsError as e:
-        raise errors.ServerUnavailableError(
-            f"cannot open segment of server {name!r}: {e} (segments admit their creator's "
-            "user only, or also its group when the server was created with mode=0o660)") from None
+        raise _access_denied(f"cannot open segment of server {name!r}: {e}") from None
+      except OSError as e:
+        doing = f"cannot open segment {segment_path(name)} of server {name!r}"
+        raise os_error(e, doing) from None
       try:
         if mem.size < _MIN_SEGMENT_BYTES:   # mmap of an empty or tiny file: fail clearly
           raise errors.CorruptError(
@@ -550,7 +632,12 @@ class Segment:
       if alive is not None:
         alive._owner_died()  # pylint: disable=protected-access
 
-    owner_watch.watch(info["owner_pid"], info["owner_start_time"], died, locked=locked)
+    try:
+      owner_watch.watch(info["owner_pid"], info["owner_start_time"], died, locked=locked)
+    except RuntimeError as e:   # its thread could not start: attach again on the next call
+      seg.close()
+      raise os_error(e, f"cannot attach to server {name!r}: the thread that notices the "
+                     "server's death could not be started", errno.EAGAIN) from None
     return seg
 
   def dead_owner_error(self) -> "errors.DeadOwnerError":
@@ -747,7 +834,9 @@ def _reopen(fd: int, name: str) -> int:
   """A new open file (read-only, close-on-exec) of the file open as `fd` (segment `name`)."""
   try:
     return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-  except OSError:   # no /proc: by name, if the name still refers to that file
+  except OSError as e:   # no /proc: by name, if the name still refers to that file
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+      raise os_error(e, f"cannot open segment {segment_path(name)} of server {name!r}") from None
     new = os.open(segment_path(name), os.O_RDONLY | os.O_CLOEXEC)
     a, b = os.fstat(fd), os.fstat(new)
     if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
@@ -1023,6 +1112,7 @@ def resolve_address(address: str) -> str:
   Raises:
     ValueError: malformed address or a host other than this one.
     ServerUnavailableError: nothing is registered on that port.
+    AccessDeniedError: another user's server is registered on that port.
   """
   if not isinstance(address, str):
     raise TypeError(f"server address must be a str, got {type(address).__name__}")
@@ -1034,7 +1124,11 @@ def resolve_address(address: str) -> str:
   if not is_local_host(host):
     raise ValueError(f"server address {address!r} is not on this host; reverb_shm serves "
                      "processes on one host (use the gRPC bridge for remote clients)")
-  alias = _read_alias(_alias_path(int(port)))
+  path = _alias_path(int(port))
+  alias = _read_alias(path)
+  if alias is None and os.path.exists(path) and not os.access(path, os.R_OK):
+    raise _access_denied(f"the server on port {port} (address {address!r}) belongs to another "
+                         f"user: {path} is not readable by this one")
   if alias is None or not _owner_live(*alias):
     raise errors.ServerUnavailableError(f"no reverb_shm server is registered on port {port} "
                                         f"(address {address!r})")

@@ -8,6 +8,13 @@
 """
 import importlib
 
+try:   # every module of the package speaks gRPC: say which extra brings it
+  import grpc  # noqa: F401  pylint: disable=unused-import
+except ImportError as e:
+  raise ImportError(
+      "the gRPC bridge (Client('HOST:PORT') of another host, Client([...]), Server(bridge=...), "
+      "`reverb-shm bridge`) needs grpcio: pip install 'reverb_shm[bridge]'") from e
+
 # Exports are imported on first use (PEP 562): `Client(...)` consults the grpc-free
 # `addresses` module, and local programs must not need the optional grpcio dependency.
 _EXPORTS = {"Bridge": "service", "BridgeConfig": "service", "ClientCredentials": "security",

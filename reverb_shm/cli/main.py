@@ -16,7 +16,7 @@ also take HOST:PORT of a gRPC bridge):
                                     serve a server's Prometheus metrics (extra `metrics`)
   reverb-shm checkpoint SERVER      write a checkpoint with the server's checkpointer
 
-`reverb_server --config "<textproto>"` (Reverb's console script) is :func:`reverb_server_main`.
+`reverb_server --config "<textproto>"` (Reverb's console script) serves a config given as text.
 """
 import argparse
 import os
