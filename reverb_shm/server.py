@@ -140,10 +140,13 @@ class Server:
     if on_config_mismatch not in checkpointers.ON_CONFIG_MISMATCH:
       raise ValueError(f"on_config_mismatch must be one of {checkpointers.ON_CONFIG_MISMATCH}, "
                        f"got {on_config_mismatch!r}")
-    if checkpointer is None:
-      checkpointer = checkpointers.default_checkpointer()
-    # Table configs are fixed when the segment is created: read the checkpoint first.
-    restoring = checkpointer.load_latest()
+    try:
+      if checkpointer is None:
+        checkpointer = checkpointers.default_checkpointer()
+      # Table configs are fixed when the segment is created: read the checkpoint first.
+      restoring = checkpointer.load_latest()
+    except OSError as e:
+      raise shm.descriptor_error(e, "looking for the server's latest checkpoint") from e
     created_tables = tables
     restore_indices: dict = {}
     if restoring is not None:
@@ -228,7 +231,10 @@ class Server:
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                              or not 0 <= port < 65536):
       raise ValueError(f"port must be an int in [0, 65535] or None, got {port!r}")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+      sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    except OSError as e:
+      raise shm.descriptor_error(e, "opening the server's port socket") from e
     try:
       sock.bind(("127.0.0.1", port or 0))
     except OSError as e:

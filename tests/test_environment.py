@@ -100,9 +100,11 @@ def test_a_system_without_dev_shm_says_what_to_mount():
 
 @pytest.mark.timeout(120)
 def test_running_out_of_file_descriptors_is_a_clear_error_that_leaves_nothing():
-  """With 1, 2, 3... descriptors left, starting a server or attaching to one fails at a
-  different step each time (creating, mapping, reopening the segment); every failure is a
-  SystemCallError(EMFILE) naming the limit, and a failed start leaves no file behind."""
+  """With 0, 1, 2... descriptors left, starting a server or attaching to one fails at a
+  different step each time (finding the temp dir or listing the checkpoint directory, creating,
+  mapping, reopening the segment); every failure is a SystemCallError(EMFILE) naming the limit,
+  and a failed start leaves no file behind. 'cold' starts with Python's temp dir not yet found
+  (tempfile then reports ENOENT, not EMFILE)."""
   prefix = unique_server_name("nofile")
   code = f"""
   import errno, os, resource, tempfile
@@ -110,8 +112,9 @@ def test_running_out_of_file_descriptors_is_a_clear_error_that_leaves_nothing():
   tempfile.gettempdir()
   resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
   host = r.Server([r.Table.queue('q', 10)], name='{prefix}_host', arena_bytes=1 << 20)
-  for what in ('start', 'attach'):
-    for free in range(1, 9):
+  for what in ('cold', 'start', 'attach'):
+    for free in range(what == 'attach', 9):   # (attach with 0 free: numpy's lazy imports)
+      tempfile.tempdir = None if what == 'cold' else tempfile.gettempdir()
       hog = []
       try:
         while True:
@@ -121,7 +124,7 @@ def test_running_out_of_file_descriptors_is_a_clear_error_that_leaves_nothing():
       for _ in range(free):
         os.close(hog.pop())
       try:
-        if what == 'start':
+        if what != 'attach':
           r.Server([r.Table.queue('q', 10)], name=f'{prefix}_{{free}}', arena_bytes=1 << 20).stop()
         else:
           r.Client('shm://{prefix}_host').insert([1], {{'q': 1.0}})
@@ -143,8 +146,9 @@ def test_running_out_of_file_descriptors_is_a_clear_error_that_leaves_nothing():
   assert lines[-1] == "left []"
   outcomes = [line.split(" ", 2) for line in lines[:-1]]
   assert all(o in ("ok", "emfile") for _, _, o in outcomes), result.stdout
-  starts = [o for what, _, o in outcomes if what == "start"]
-  assert starts[:3] == ["emfile"] * 3 and starts[-1] == "ok", result.stdout
+  for kind in ("cold", "start"):
+    starts = [o for what, _, o in outcomes if what == kind]
+    assert starts[:4] == ["emfile"] * 4 and starts[-1] == "ok", result.stdout
   assert [o for what, _, o in outcomes if what == "attach"][-1] == "ok"
 
 

@@ -163,6 +163,26 @@ def os_error(e: BaseException, doing: str, code: Optional[int] = None) -> errors
   return errors.SystemCallError(code, message) if code else errors.SystemCallError(message)
 
 
+def out_of_descriptors() -> bool:
+  """Whether this process cannot open one more file: its RLIMIT_NOFILE is reached."""
+  try:
+    fd = os.open(os.devnull, os.O_RDONLY)
+  except OSError as e:
+    return e.errno == errno.EMFILE
+  os.close(fd)
+  return False
+
+
+def descriptor_error(e: OSError, doing: str) -> OSError:
+  """The error to raise for `e`, an OSError of a step that opens files (Python's tempfile, a
+  directory listing, a socket) met while `doing`: the SystemCallError(EMFILE) naming
+  RLIMIT_NOFILE when no descriptor is free (tempfile then reports a misleading ENOENT), else
+  `e` itself."""
+  if e.errno == errno.EMFILE or out_of_descriptors():
+    return os_error(e, doing, errno.EMFILE)
+  return e
+
+
 def _access_denied(what: str) -> errors.AccessDeniedError:
   return errors.AccessDeniedError(
       f"{what} (a server's segment and port alias admit their creator's user only, or also its "
