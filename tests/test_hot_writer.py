@@ -441,14 +441,23 @@ def test_batch_size_one_and_rate_limited_items_insert_in_order(pair):
       w.close(timeout_ms=0)   # the held-back items go on in the background
 
 
-def test_closed_writer_and_stopped_server(pair):
+@pytest.mark.parametrize("delivered", [(False, False), (True, False), (False, True),
+                                       (True, True)])
+def test_closed_writer_and_stopped_server(pair, delivered):
+  """The same errors whether or not each writer's batch of items was inserted before the stop
+  (the delivery thread inserts a batch 20 ms old: here flush() does it, the thread is off)."""
   fast, general = pair()
+  for w in (fast, general):
+    w._background = False
   for t in range(3):
     for w in (fast, general):
       w.append(_step(t))
       if t:
         w.create_item("a", 1.0, _last(w))
   held = {w: _last(w) for w in (fast, general)}
+  for w, flush in zip((fast, general), delivered):
+    if flush:
+      w.flush()
   for server in pair.servers:
     server.stop()
   _same(fast, general, lambda w: w.append(_step(3)))           # TableClosedError

@@ -281,10 +281,7 @@ class Chunk:
             f"this writer's chunk (server {self._seg.name!r}) belongs to process {self._pid}, "
             f"which forked this process ({os.getpid()}): a writer cannot be shared across a "
             "fork; re-attach after fork: create a new Client / TrajectoryWriter in the child")
-      raise errors.TableClosedError(
-          f"chunk {self.off} of server {self._seg.name!r} can no longer be written: this "
-          "process's registration ended (the server stopped, or the segment "
-          "was closed in this process)")
+      raise self._seg.closed_error()
     check(lib.rs_chunk_publish_rows(self._seg.base, self.off, rows), "publishing chunk rows")
     self.rows = rows
 

@@ -660,6 +660,14 @@ class Segment:
                      "server's death could not be started", errno.EAGAIN) from None
     return seg
 
+  def closed_error(self) -> "errors.TableClosedError":
+    """The error every use of this segment raises once it was closed in this process (its
+    server stopped): one message, whichever step (registering, writing a chunk) notices it."""
+    return errors.TableClosedError(
+        f"server {self.name!r} stopped: its segment was closed in this process and this "
+        "process's registration ended (its chunks can no longer be written); attach again "
+        "(a new Client) to use a restarted server")
+
   def dead_owner_error(self) -> "errors.DeadOwnerError":
     """The error every Client call raises once this segment's server is dead."""
     return errors.DeadOwnerError(
@@ -701,9 +709,7 @@ class Segment:
         reg = self._registration
         if reg is None or reg[0] != pid:
           if self._closed:
-            raise errors.TableClosedError(
-                f"the segment of server {self.name!r} was closed in this process (server "
-                "stopped); attach again to use a restarted server")
+            raise self.closed_error()
           out = ffi.new("uint32_t *")
           check(lib.rs_proc_register(self.base, pid, lib.rs_proc_start_time(pid), out),
                 f"registering process {pid} with server {self.name!r}")
