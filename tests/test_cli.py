@@ -1,6 +1,7 @@
 """`reverb-shm` command line: list, info, check and gc against real servers."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -130,6 +131,63 @@ def test_gc_keeps_sidecars_of_live_servers(server_factory):
   assert os.path.exists(path)   # the default checkpointer's published settings
   assert cli.main(["gc", server.name]) == 0
   assert os.path.exists(path)
+
+
+def test_gc_of_a_name_that_matches_nothing_exits_1_and_says_so(server_factory, server_name,
+                                                               capsys):
+  live = server_factory([_table()])
+  stale = shm.sidecar_path(server_name, "checkpointer")   # left by a server that is gone
+  with open(stale, "w") as f:
+    f.write("{}")
+  nosuch = server_name + "_nosuch"
+  try:
+    for argv in (["gc", nosuch], ["gc", "--dry-run", nosuch]):
+      assert cli.main(argv) == 1
+      out = capsys.readouterr()
+      assert out.out == "", out   # nothing considered: not every server's files
+      assert out.err == (f"reverb-shm gc: no server named {nosuch!r} on this host (no segment, "
+                         "port alias or sidecar file in /dev/shm)\n")
+    assert os.path.exists(stale)
+    # One unknown name among known ones: the known ones are still cleaned, the exit code says.
+    assert cli.main(["gc", nosuch, server_name, live.name]) == 1
+    out = capsys.readouterr()
+    assert not os.path.exists(stale) and f"removed {stale}" in out.out
+    assert (f"server {live.name!r} is live (owner pid {os.getpid()}): left alone"
+            in out.out), out.out
+    assert "removed 1 stale object(s)" in out.out
+    assert f"no server named {nosuch!r}" in out.err and live.name not in out.err
+  finally:
+    if os.path.exists(stale):
+      os.unlink(stale)
+
+
+def test_gc_with_nothing_stale_exits_0(server_factory, capsys):
+  live = server_factory([_table()])
+  assert cli.main(["gc", live.name]) == 0
+  out = capsys.readouterr()
+  assert out.out == (f"server {live.name!r} is live (owner pid {os.getpid()}): left alone\n"
+                     "removed 0 stale object(s), 0.0 MiB\n")
+  assert out.err == ""
+  assert os.path.exists(shm.segment_path(live.name))
+
+
+def test_gc_of_a_port_no_server_registered_exits_1(capsys):
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    assert not os.path.exists(f"/dev/shm/rvshm.port.{port}")
+    assert cli.main(["gc", f"localhost:{port}"]) == 1
+  out = capsys.readouterr()
+  assert out.out == ""
+  assert out.err == f"reverb-shm gc: no server was registered on port {port} of this host\n"
+
+
+def test_gc_help_documents_its_exit_status(capsys):
+  with pytest.raises(SystemExit):
+    cli.main(["gc", "--help"])
+  help_text = " ".join(capsys.readouterr().out.split())
+  assert "1 when a named SERVER has nothing on this host" in help_text
+  assert "exit status: 0 when every named server exists on this host" in help_text
 
 
 def test_python_dash_m_reverb_shm_is_the_command_line():

@@ -8,7 +8,8 @@ also take HOST:PORT of a gRPC bridge):
   reverb-shm check SERVER [--json]  run the invariant checker over every table (exit 1 on violation)
   reverb-shm gc [SERVER ...] [--dry-run] [--storage DIR]
                                     remove segments and port aliases whose owner process is dead
-                                    (and disk-tier arena files in DIR whose server is gone)
+                                    (and disk-tier arena files in DIR whose server is gone);
+                                    exit 1 when a named SERVER has nothing on this host
   reverb-shm serve --config FILE [--checkpoint-dir DIR ...] [--metrics-port P]
                                     run a server from a ReverbServerConfig text file until Ctrl-C
   reverb-shm bridge SERVER --port P serve a server's tables over gRPC (extra `bridge`)
@@ -21,6 +22,7 @@ also take HOST:PORT of a gRPC bridge):
 import argparse
 import os
 import sys
+from typing import Optional
 
 from reverb_shm import errors
 from reverb_shm._internal import counters, shm
@@ -184,9 +186,9 @@ def _cmd_check(args) -> int:
   return 0
 
 
-def _gc_name(target: str) -> str:
-  """Server name of a gc target: a port alias may belong to a dead server, so 'HOST:PORT' is
-  read from the alias file without requiring a live owner."""
+def _gc_name(target: str) -> Optional[str]:
+  """Server name of a gc target, None for a 'HOST:PORT' no server was registered on: a port
+  alias may belong to a dead server, so it is read without requiring a live owner."""
   if ":" not in target or target.startswith("shm://"):
     return common.local_name(target, "gc")
   from reverb_shm._internal import addresses  # pylint: disable=import-outside-toplevel
@@ -194,23 +196,46 @@ def _gc_name(target: str) -> str:
   if not shm.is_local_host(host):
     raise ValueError(f"{target!r} is not on this host; `reverb-shm gc` cleans this host only")
   alias = shm._read_alias(shm._alias_path(port))  # pylint: disable=protected-access
-  if alias is None:
-    raise errors.ServerUnavailableError(f"no server was registered on port {port} of this host")
-  return alias[0]
+  return None if alias is None else alias[0]
+
+
+def _gc_unknown(target: str, name: Optional[str], storage: Optional[str]) -> Optional[str]:
+  """Why `target` names nothing on this host (no segment, port alias, sidecar or arena file of
+  that server), else None."""
+  if name is None:
+    return f"no server was registered on port {target.rsplit(':', 1)[1]} of this host"
+  if shm.list_segments([name]) or shm.remove_stale(dry_run=True, names=[name], storage=storage):
+    return None
+  files = f"segment, port alias or sidecar file in {shm.SHM_DIR}"
+  if storage is not None:
+    files += f", nor arena file in {storage}"
+  return f"no server named {name!r} on this host (no {files})"
 
 
 def _cmd_gc(args) -> int:
-  names = [_gc_name(t) for t in args.servers] or None
+  targets = [(t, _gc_name(t)) for t in args.servers]
+  found = [(name, _gc_unknown(t, name, args.storage)) for t, name in targets]
+  unknown = [why for _, why in found if why]
+  names = [name for name, why in found if name is not None and not why]
+  if targets and not names:   # (no names would mean every server)
+    for why in unknown:
+      print(f"reverb-shm gc: {why}", file=sys.stderr)
+    return 1
   if args.dry_run:
-    removed = shm.remove_stale(dry_run=True, names=names, storage=args.storage)
+    removed = shm.remove_stale(dry_run=True, names=names or None, storage=args.storage)
     freed = sum(shm.allocated_bytes(path) for path in removed)
   else:
-    removed, freed = shm.reclaim_dead(names=names, storage=args.storage)
+    removed, freed = shm.reclaim_dead(names=names or None, storage=args.storage)
   verb = "would remove" if args.dry_run else "removed"
   for path in removed:
     print(f"{verb} {path}")
+  for row in shm.list_segments(names) if names else ():
+    if row["alive"]:
+      print(f"server {row['name']!r} is {row['state']} (owner pid {row['pid']}): left alone")
   print(f"{verb} {len(removed)} stale object(s), {freed / (1 << 20):.1f} MiB")
-  return 0
+  for why in unknown:
+    print(f"reverb-shm gc: {why}", file=sys.stderr)
+  return 1 if unknown else 0
 
 
 # ---------------------------------------------------------------- serve, reverb_server
@@ -337,7 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
                  help="print {server, ok, report} as JSON (exit code 1 still means a violation)")
   p.set_defaults(func=_cmd_check)
 
-  p = sub.add_parser("gc", help="remove segments and port aliases of dead servers")
+  p = sub.add_parser(
+      "gc", help="remove segments and port aliases of dead servers",
+      description="Remove the segments, port aliases and sidecar files (and with --storage the "
+      "arena files) that servers whose owner process is dead left on this host.",
+      epilog="exit status: 0 when every named server exists on this host (whether or not "
+      "anything of it was stale: a live server is left alone and reported), and always without "
+      "SERVER; 1 when a named SERVER has nothing on this host (the others are still cleaned); "
+      "2 on a bad argument or an error")
   p.add_argument("servers", nargs="*", metavar="SERVER",
                  help="only consider these servers (names, shm://NAME or localhost:PORT; "
                  "default: all)")
