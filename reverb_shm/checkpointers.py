@@ -25,9 +25,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 
+from reverb_shm import errors, specs
 from reverb_shm import rate_limiters as rate_limiters_lib
 from reverb_shm import selectors as selectors_lib
-from reverb_shm import specs
 from reverb_shm import table as table_lib
 from reverb_shm._checkpoint import io as checkpoint_io
 from reverb_shm._internal import shm
@@ -138,7 +138,8 @@ class DefaultCheckpointer(CheckpointerBase):
       if isinstance(e, OSError) and e.errno is not None:
         hint = " (free space there, or keep fewer checkpoints: keep_latest)" \
             if e.errno == errno.ENOSPC else ""
-        raise OSError(e.errno, f"writing a checkpoint of server {segment.name!r} under "
+        raise OSError(e.errno, f"writing a checkpoint of server "
+                               f"{errors.quoted_name(segment.name)} under "
                                f"{self._path}: {e.strerror}{hint}; nothing was kept",
                       e.filename) from e
       raise
@@ -271,7 +272,8 @@ def for_server(server_name: str) -> CheckpointerBase:
       spec = json.load(f)
   except FileNotFoundError:
     raise ValueError(
-        f"server {server_name!r} has no checkpointer usable from another process") from None
+        f"server {errors.quoted_name(server_name)} has no checkpointer usable from another "
+        f"process") from None
   return DefaultCheckpointer(**spec)
 
 
@@ -338,7 +340,7 @@ def effective_tables(tables: Sequence[table_lib.Table], manifest: checkpoint_io.
              for k in code if code[k] != saved["config"].get(k)]
     if not diffs:
       continue
-    text = f"table {saved['name']!r}: " + "; ".join(diffs)
+    text = f"table {errors.quoted_name(saved['name'])}: " + "; ".join(diffs)
     problems.append(text)
     log.warning("configuration differs from checkpoint %s (%s): %s", manifest.path,
                 on_config_mismatch, text)
@@ -347,7 +349,8 @@ def effective_tables(tables: Sequence[table_lib.Table], manifest: checkpoint_io.
     elif (on_config_mismatch == "prefer_code" and code["signature"] is not None
           and code["signature"] != saved["config"].get("signature") and saved.get("num_items")):
       raise ValueError(
-          f"table {saved['name']!r}: checkpoint {manifest.path} holds {saved['num_items']} items "
+          f"table {errors.quoted_name(saved['name'])}: checkpoint {manifest.path} holds "
+          f"{saved['num_items']} items "
           f"written under signature {saved['config'].get('signature')!r}, which the code's "
           f"signature {code['signature']!r} does not describe; on_config_mismatch='prefer_code' "
           "keeps the code's signature and so cannot restore them (restore with "

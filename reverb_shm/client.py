@@ -425,7 +425,7 @@ class Client:
         done = hot.mutate_dict(handle.seg.address, handle.index, updates, handle.prioritized)
         if done is not None:   # plain keys and priorities: read and applied in one C call
           if done[0]:
-            check(done[0], f"mutating table {handle.name!r}")
+            check(done[0], f"mutating table {errors.quoted_name(handle.name)}")
           return done[1], 0
     if updates is not None and not isinstance(updates, collections.abc.Mapping):
       raise TypeError(f"updates must be a dict item key -> priority, got "

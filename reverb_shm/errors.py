@@ -87,3 +87,24 @@ class SegmentInUseError(ReverbError, builtins.FileExistsError):
 
 class SystemCallError(ReverbError, builtins.OSError):
   """A system call inside the C core failed (the message carries strerror)."""
+
+
+_QUOTED_NAME_CHARS = 64   # table names hold at most 63 bytes, server names 64 characters
+_QUOTED_NAME_START = 40
+
+
+def quoted_name(name, plain: bool = False) -> str:
+  """How an error message quotes a table or server name: repr(name), or for a str longer than
+  64 characters (a bad argument: no valid name is that long) the repr of its first 40
+  characters, '...' and its length, e.g. "'nnnn...'... (1000 characters)".
+
+  Args:
+    name: the name as given (any object; only a long str is abbreviated).
+    plain: quote a short name as Reverb's own messages do ('{name}', unescaped).
+
+  Returns:
+    str, at most about 70 characters for any str name.
+  """
+  if isinstance(name, str) and len(name) > _QUOTED_NAME_CHARS:
+    return f"{name[:_QUOTED_NAME_START]!r}... ({len(name)} characters)"
+  return f"'{name}'" if plain else repr(name)

@@ -178,7 +178,7 @@ def resolve_tables(source, table=None):
       names, weights = list(table), None
     else:
       raise TypeError("table must be a table name, a sequence of names or a mapping name -> "
-                      f"mixing weight, got {table!r}")
+                      f"mixing weight, got {errors.quoted_name(table)}")
     tables = [source.shared_table(name) for name in names]
   else:
     raise TypeError("source must be a SharedTable, a Client or Server (with a table name) or a "
@@ -492,10 +492,12 @@ class BatchIterator:
     try:
       if rc == lib.RS_EINVAL:
         _ = table.size   # raises TableClosedError when the server stopped meanwhile
-        raise ValueError(f"table {table.name!r} holds items whose columns differ from the first "
+        raise ValueError(f"table {errors.quoted_name(table.name)} holds items whose columns "
+                         f"differ from the first "
                          f"items' ({_layout_text(self._layout)}): a fixed-shape batch needs "
                          f"items of one column layout ({message})")
-      _lib.raise_for(rc, f"sampling from table {table.name!r}", message=message or "")
+      _lib.raise_for(rc, f"sampling from table "
+                         f"{errors.quoted_name(table.name)}", message=message or "")
     except Exception as e:   # pylint: disable=broad-except
       self._fail(e)
 
@@ -685,7 +687,8 @@ class BatchIterator:
     if isinstance(table, str):
       names = [t.name for t in self._tables]
       if table not in names:
-        raise ValueError(f"table {table!r} is not one of this iterator's tables {names}")
+        raise ValueError(f"table {errors.quoted_name(table)} is not one of this iterator's tables "
+                         f"{names}")
       return names.index(table)
     if isinstance(table, (int, np.integer)) and not isinstance(table, bool):
       if not 0 <= table < count:
@@ -695,7 +698,7 @@ class BatchIterator:
     if t.dtype.kind not in "ui" or t.shape != (n,) or (t.size and not
                                                        (0 <= t.min() and t.max() < count)):
       raise ValueError(f"table must be None, a name, an index or an int array of {n} indices in "
-                       f"[0, {count}) (Batch.table), got {table!r}")
+                       f"[0, {count}) (Batch.table), got {errors.quoted_name(table)}")
     return np.array(t, np.uint8)
 
   def _check_owners(self) -> None:
@@ -749,7 +752,8 @@ class BatchIterator:
       failed = self._native.update_error()
       if failed is not None:
         try:
-          _lib.raise_for(failed[0], f"updating priorities in table {self._tables[0].name!r}",
+          _lib.raise_for(failed[0], f"updating priorities in table "
+                                    f"{errors.quoted_name(self._tables[0].name)}",
                          message=failed[1])
         except Exception as e:   # pylint: disable=broad-except
           err = e
@@ -951,7 +955,8 @@ class BatchIterator:
         return None
       except ValueError as e:   # the columns differ from those of the first items
         raise ValueError(f"the tables hold items of different columns: the first items had "
-                         f"{_layout_text(self._layout)}; table {table.name!r}: {e}") from None
+                         f"{_layout_text(self._layout)}; table {errors.quoted_name(table.name)}: "
+                         f"{e}") from None
       self._adopt_layout(table, sample)
       return sample.info
     cached = slot.cols.get(t)
@@ -969,7 +974,8 @@ class BatchIterator:
       return None
     if table._gather_layout is None:   # pylint: disable=protected-access
       _ = table.size   # raises TableClosedError when the server stopped meanwhile
-      raise ValueError(f"table {table.name!r} holds items whose columns differ from the first "
+      raise ValueError(f"table {errors.quoted_name(table.name)} holds items whose columns differ "
+                       f"from the first "
                        f"items' ({_layout_text(self._layout)}): a fixed-shape batch needs items "
                        "of one column layout")
     return info
@@ -980,10 +986,12 @@ class BatchIterator:
     if layout is None:   # (objects, or the sample stopped before an item of another layout)
       leaves = _leaves(sample.data)
       if any(a.dtype.kind == "O" for a in leaves):
-        raise ValueError(f"the items of table {table.name!r} have columns of Python objects "
+        raise ValueError(f"the items of table {errors.quoted_name(table.name)} have columns of "
+                         f"Python objects "
                          "(strings): they cannot be gathered into batches of arrays")
       first = tuple((a.dtype, a.shape[1:], None) for a in leaves)
-      raise ValueError(f"table {table.name!r} holds items whose columns differ (the first "
+      raise ValueError(f"table {errors.quoted_name(table.name)} holds items whose columns differ "
+                       f"(the first "
                        f"sampled: {_layout_text(first)}): a fixed-shape batch needs items of "
                        "one column layout")
     if self._layout is None:
@@ -991,8 +999,8 @@ class BatchIterator:
       self._structure_table = table
     elif layout != self._layout:
       raise ValueError(f"the tables hold items of different columns: "
-                       f"{self._tables[0].name!r}: {_layout_text(self._layout)}; "
-                       f"{table.name!r}: {_layout_text(layout)}")
+                       f"{errors.quoted_name(self._tables[0].name)}: {_layout_text(self._layout)}; "
+                       f"{errors.quoted_name(table.name)}: {_layout_text(layout)}")
 
   def _start_native(self, first: _Slot) -> bool:
     """(The Python sampling thread, after the first batch, gathered into `first`) starts the

@@ -178,7 +178,8 @@ class Server:
       except OSError as e:
         if isinstance(e, errors.ReverbError):
           raise
-        raise shm.os_error(e, f"cannot register server {self._name!r} in {shm.SHM_DIR}") from e
+        raise shm.os_error(e, f"cannot register server {errors.quoted_name(self._name)} in "
+                              f"{shm.SHM_DIR}") from e
     except BaseException:
       checkpointers.unpublish(self._name)
       shm.unregister_port(self._port, self._name)
@@ -198,7 +199,8 @@ class Server:
       self._reaper.start()
     except RuntimeError as e:   # this process may not create a thread
       self.stop()
-      raise shm.os_error(e, f"cannot start server {self._name!r}: its reaper thread could not "
+      raise shm.os_error(e, f"cannot start server {errors.quoted_name(self._name)}: its reaper "
+                            f"thread could not "
                          "be started", errno.EAGAIN) from None
     _live_servers.add(self)
     if bridge is not None:
@@ -267,7 +269,8 @@ class Server:
     seg = self._segment
     if seg is None:
       raise errors.TableClosedError(
-          f"server {self._name!r} was stopped: the Server no longer holds its segment (handles "
+          f"server {errors.quoted_name(self._name)} was stopped: the Server no longer holds its "
+          f"segment (handles "
           "taken before stop() raise TableClosedError; start a new Server to serve again)")
     return seg
   checkpointer = property(lambda self: self._checkpointer)
@@ -314,7 +317,7 @@ class Server:
     seg = self._live_segment()
     index = seg.table_index(table_name)
     check(lib.rs_table_reset_limiter(seg.base, index),
-          f"resetting the rate limiter of table {table_name!r}")
+          f"resetting the rate limiter of table {errors.quoted_name(table_name)}")
 
   # ---- lifecycle
   def stop(self) -> None:
@@ -324,14 +327,16 @@ class Server:
       if self._stopped:
         return
       if os.getpid() != self._pid:
-        raise RuntimeError(f"server {self._name!r} belongs to process {self._pid}; only that "
+        raise RuntimeError(f"server {errors.quoted_name(self._name)} belongs to process "
+                           f"{self._pid}; only that "
                            "process can stop it")
       self._stopped = True
     if self._bridge is not None:
       self._bridge.stop()
     if self._metrics is not None:
       self._metrics.stop()
-    check(lib.rs_segment_close(self._segment.base), f"closing server {self._name!r}")
+    check(lib.rs_segment_close(self._segment.base), f"closing server "
+                                                    f"{errors.quoted_name(self._name)}")
     self._stop_event.set()
     if self._reaper.ident is not None:   # started
       self._reaper.join(timeout=10)

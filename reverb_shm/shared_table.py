@@ -45,6 +45,7 @@ class SharedTable:
     self._seg = segment
     self._index = int(table_index)
     self._name = segment.table_names()[self._index]
+    self._quoted_name = errors.quoted_name(self._name)   # (error texts of the hot paths)
     self._signature = None
     self._signature_loaded = False
     self._signature_tree: Any = None   # (number of leaves, treedef) of the signature
@@ -67,7 +68,8 @@ class SharedTable:
       UnknownTableError: no such table (the message lists the available ones).
     """
     if not isinstance(name, str) or name.count("/") != 1:
-      raise ValueError(f"shared table name must look like 'SERVER/TABLE', got {name!r}")
+      raise ValueError(f"shared table name must look like 'SERVER/TABLE', got "
+                       f"{errors.quoted_name(name)}")
     server, table = name.split("/")
     seg = Segment.attach(server)
     return cls(seg, seg.table_index(table))
@@ -152,10 +154,10 @@ class SharedTable:
         negative = finite and bool((p < 0).any())
       if not finite:
         bad = p[~np.isfinite(p)][0]
-        raise ValueError(f"{what} must be finite, got {bad} (table {self._name!r})")
+        raise ValueError(f"{what} must be finite, got {bad} (table {self._quoted_name})")
       if negative and self._prioritized():
         raise ValueError(f"{what} must be >= 0 for a Prioritized table, got {p[p < 0][0]} "
-                         f"(table {self._name!r})")
+                         f"(table {self._quoted_name})")
     return np.ascontiguousarray(p)
 
   @staticmethod
@@ -191,7 +193,8 @@ class SharedTable:
 
   def _limiter_message(self, side: str, timeout_ms) -> str:
     s = self._seg.stats(self._index)
-    return (f"Rate limiter timeout on table {self._name!r}: {side} blocked for {timeout_ms} ms "
+    return (f"Rate limiter timeout on table {self._quoted_name}: {side} blocked for {timeout_ms} "
+            f"ms "
             f"(size={s['size']}, inserts={s['inserts']}, samples={s['samples']}, "
             f"deletes={s['deletes']}, min_size_to_sample={s['min_size_to_sample']}, "
             f"samples_per_insert={s['samples_per_insert']}, min_diff={s['min_diff']}, "
@@ -302,7 +305,7 @@ class SharedTable:
         raise errors.DeadlineExceededError(
             f"{self._limiter_message('insert', timeout_ms)}; {done} of {n} items inserted",
             inserted=done)
-      check(rc, f"inserting into table {self._name!r} ({done} of {n} items inserted)"
+      check(rc, f"inserting into table {self._quoted_name} ({done} of {n} items inserted)"
             + (self._seg.arena_hint if rc == lib.RS_ENOSPC else ""))
     # Waiting past one slice: finish the held chunks' items here so Ctrl-C is handled.
     pins = chunks.Pins(self._seg, generation, np.asarray(pins, np.uint32))
@@ -341,7 +344,7 @@ class SharedTable:
             f"{self._limiter_message('insert', timeout_ms)}; {total} of {n} items inserted",
             inserted=total)
       if rc != lib.RS_EAGAIN and rc != lib.RS_OK:
-        check(rc, f"inserting into table {self._name!r} ({total} of {n} items inserted)")
+        check(rc, f"inserting into table {self._quoted_name} ({total} of {n} items inserted)")
 
   def sample_records(self, n: int, timeout_ms=None) -> Tuple[np.ndarray, chunks.Pins]:
     """Samples up to n items; returns (records of dtype chunks.SAMPLE_REC, their Pins).
@@ -372,7 +375,7 @@ class SharedTable:
     pins.release()
     if rc == lib.RS_ETIMEDOUT:
       raise errors.DeadlineExceededError(self._limiter_message("sample", timeout_ms))
-    check(rc, f"sampling from table {self._name!r}")
+    check(rc, f"sampling from table {self._quoted_name}")
     raise AssertionError(f"rs_sample returned {rc}")
 
   def _sample_now(self, n: int) -> Tuple[np.ndarray, Optional[chunks.Pins]]:
@@ -392,7 +395,7 @@ class SharedTable:
     if rc != lib.RS_OK and rc != lib.RS_ETIMEDOUT:
       if pins is not None:
         pins.release()
-      check(rc, f"sampling from table {self._name!r}")
+      check(rc, f"sampling from table {self._quoted_name}")
     return recs[:b], pins
 
   def mutate(self, updates: Optional[Dict[int, float]] = None,
@@ -414,7 +417,7 @@ class SharedTable:
     check(lib.rs_mutate(self._seg.base, self._index, len(upd_keys), _as_u64(upd_keys),
                         ffi.from_buffer("double[]", upd_prios), len(del_keys),
                         _as_u64(del_keys), nu, nd),
-          f"mutating table {self._name!r}")
+          f"mutating table {self._quoted_name}")
     return nu[0], nd[0]
 
   def update_priorities(self, keys, priorities) -> int:
@@ -428,7 +431,7 @@ class SharedTable:
 
   def reset(self) -> None:
     """Removes every item and zeroes the limiter and episode counters."""
-    check(lib.rs_reset(self._seg.base, self._index), f"resetting table {self._name!r}")
+    check(lib.rs_reset(self._seg.base, self._index), f"resetting table {self._quoted_name}")
 
   def stats(self) -> dict:
     """Configuration, rate-limiter counters and operation counters of the table.
@@ -453,7 +456,8 @@ class SharedTable:
   def _open_stats(self) -> dict:
     stats = self._table_stats()
     if stats["closed"]:
-      raise errors.TableClosedError(f"table {self._name!r} of server {self._seg.name!r} is "
+      raise errors.TableClosedError(f"table {self._quoted_name} of server "
+                                    f"{errors.quoted_name(self._seg.name)} is "
                                     "closed (the server stopped)")
     return stats
 
@@ -524,14 +528,15 @@ class SharedTable:
     if signature is not None:
       spec_leaves, _ = structure.flatten(signature)
       if len(spec_leaves) != len(arrays):
-        raise ValueError(f"table {self._name!r} signature has {len(spec_leaves)} columns, data "
+        raise ValueError(f"table {self._quoted_name} signature has {len(spec_leaves)} columns, "
+                         f"data "
                          f"has {len(arrays)}")
       paths, _, _ = structure.flatten_with_paths(signature)
       for path, spec, a in zip(paths, spec_leaves, arrays):
         dtype = np.dtype(object) if a.dtype.kind == "O" else a.dtype
         if spec is not None and (dtype != spec.dtype or
                                  not specs.shapes_compatible(spec.shape, a.shape[1:])):
-          raise ValueError(f"column {path} of table {self._name!r}: got dtype {dtype} and "
+          raise ValueError(f"column {path} of table {self._quoted_name}: got dtype {dtype} and "
                            f"item shape {a.shape[1:]}, signature expects {spec.dtype} and "
                            f"{spec.shape}")
     return arrays, b
@@ -741,7 +746,7 @@ class SharedTable:
       if stop_at_other_layout or b:   # items gathered before the other one: a partial batch
         rc = lib.RS_OK
     if rc != lib.RS_OK and rc != lib.RS_ETIMEDOUT:
-      check(rc, f"sampling from table {self._name!r}")
+      check(rc, f"sampling from table {self._quoted_name}")
     return info
 
   def gather_admitted(self, n: int) -> Optional[Tuple[SampleInfo, List[np.ndarray]]]:

@@ -8,9 +8,9 @@ from typing import Any, Sequence
 
 import msgpack
 
+from reverb_shm import errors, shared_table, specs
 from reverb_shm import rate_limiters as rate_limiters_lib
 from reverb_shm import selectors as selectors_lib
-from reverb_shm import shared_table, specs
 from reverb_shm._internal.arguments import int32_argument
 from reverb_shm._internal.table_info import (
   RateLimiterCallStats,
@@ -35,9 +35,10 @@ def _check_name(name) -> str:
   if not name:
     raise ValueError("table name must not be empty")
   if "\0" in name or "/" in name:
-    raise ValueError(f"table name {name!r} must not contain NUL or '/'")
+    raise ValueError(f"table name {errors.quoted_name(name)} must not contain NUL or '/'")
   if len(name.encode("utf-8")) > MAX_NAME_BYTES:
-    raise ValueError(f"table name {name!r} is longer than {MAX_NAME_BYTES} bytes (UTF-8)")
+    raise ValueError(f"table name {errors.quoted_name(name)} is longer than {MAX_NAME_BYTES} "
+                     f"bytes (UTF-8)")
   return name
 
 
@@ -85,7 +86,8 @@ class Table:
       raise ValueError(f"max_size must be <= {MAX_SIZE} (2**30 - 2, the largest table the "
                        f"shared-memory layout holds), got {max_size}")
     if rate_limiter.min_size_to_sample > max_size:
-      warnings.warn(f"table {name!r}: min_size_to_sample ({rate_limiter.min_size_to_sample}) > "
+      warnings.warn(f"table {errors.quoted_name(name)}: min_size_to_sample "
+                    f"({rate_limiter.min_size_to_sample}) > "
                     f"max_size ({max_size}): the table never holds that many items, so sampling "
                     "from it will wait forever", UserWarning, stacklevel=2)
     max_times_sampled = int32_argument(max_times_sampled, "max_times_sampled", allow_bool=False)
@@ -134,7 +136,8 @@ class Table:
     """ValueError if a running server owns this table (a Table serves one server at a time)."""
     if self._live is not None:
       raise ValueError(
-          f"table {self._name!r} already belongs to running server {self._live[0].name!r}: a "
+          f"table {errors.quoted_name(self._name)} already belongs to running server "
+          f"{errors.quoted_name(self._live[0].name)}: a "
           "Table object serves one server at a time; stop that server first, or pass "
           "table.replace() (a new table with the same configuration)")
 

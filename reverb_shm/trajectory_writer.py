@@ -887,7 +887,8 @@ class TrajectoryWriter(hot.WriterBase):
         handle = self._client._table_handle(name)  # pylint: disable=protected-access
       except errors.UnknownTableError as e:
         raise errors.UnknownTableError(
-            f"Unable to create item in table '{name}' since the table could not be found. "
+            f"Unable to create item in table {errors.quoted_name(name, plain=True)} since the "
+            f"table could not be found. "
             f"({e})") from None
       self._tables[name] = handle
     return handle

@@ -243,7 +243,8 @@ def write(seg, directory: str, *, progress: Optional[Progress] = None) -> dict:
   slot, _ = seg.registration()
   snap_p = ffi.new("rs_snapshot **")
   progress("snapshot", 0, 1)
-  check(lib.rs_snapshot_take(seg.base, slot, snap_p), f"snapshotting server {seg.name!r}")
+  check(lib.rs_snapshot_take(seg.base, slot, snap_p), f"snapshotting server "
+                                                      f"{errors.quoted_name(seg.name)}")
   snap = snap_p[0]
   try:
     progress("snapshot", 1, 1)
@@ -469,10 +470,10 @@ def restore(seg, manifest: Manifest, table_indices: Dict[str, int],
       descs_c = ffi.from_buffer("uint8_t[]", descs) if descs else ffi.NULL
       check(lib.rs_restore_items(seg.base, index, n, items_c, descs_c, len(descs), map_c,
                                  len(chunk_map)),
-            f"restoring table {t['name']!r} from {manifest.path}")
+            f"restoring table {errors.quoted_name(t['name'])} from {manifest.path}")
       counters = ffi.new("rs_table_counters *", [t["counters"][k] for k in _COUNTERS])
       check(lib.rs_restore_counters(seg.base, index, counters),
-            f"restoring the counters of table {t['name']!r} from {manifest.path}")
+            f"restoring the counters of table {errors.quoted_name(t['name'])} from {manifest.path}")
       progress("items", n, n)
   finally:
     holds.release()

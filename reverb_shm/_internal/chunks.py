@@ -144,7 +144,8 @@ _CHUNK_HDR_SIZE = ffi.sizeof("rs_chunk_hdr")
 
 
 def _damaged(seg, what: str) -> errors.CorruptError:
-  return errors.CorruptError(f"segment {seg.name!r} is damaged: {what} (reverb-shm check "
+  return errors.CorruptError(f"segment {errors.quoted_name(seg.name)} is damaged: {what} "
+                             f"(reverb-shm check "
                              f"{seg.name} lists what is wrong)")
 
 
@@ -278,7 +279,8 @@ class Chunk:
     if self._generation != self._seg.generation:
       if self._pid != os.getpid():
         raise errors.TableClosedError(
-            f"this writer's chunk (server {self._seg.name!r}) belongs to process {self._pid}, "
+            f"this writer's chunk (server {errors.quoted_name(self._seg.name)}) belongs to "
+            f"process {self._pid}, "
             f"which forked this process ({os.getpid()}): a writer cannot be shared across a "
             "fork; re-attach after fork: create a new Client / TrajectoryWriter in the child")
       raise self._seg.closed_error()

@@ -93,7 +93,8 @@ def check_priority(priority, table_name: str, prioritized: bool) -> float:
   if math.isinf(value):
     raise ValueError(f"`priority` must be finite, got {value}")
   if value < 0 and prioritized:
-    raise ValueError(f"`priority` must not be negative for table '{table_name}' (it uses a "
+    raise ValueError(f"`priority` must not be negative for table "
+                     f"{errors.quoted_name(table_name, plain=True)} (it uses a "
                      f"Prioritized selector), got {value}")
   return value
 
@@ -132,19 +133,22 @@ def check_signature(table_name: str, flat_signature: Optional[list], columns: Se
     return
   if len(flat_signature) != len(columns):
     raise ValueError(
-        f"Unable to create item in table '{table_name}': the table signature has "
+        f"Unable to create item in table {errors.quoted_name(table_name, plain=True)}: the table "
+        f"signature has "
         f"{len(flat_signature)} columns but the item has {len(columns)}.")
   for i, (spec, (dtype, shape)) in enumerate(zip(flat_signature, columns)):
     if not dtype_matches(spec.dtype, dtype):
       raise ValueError(
-          f"Unable to create item in table '{table_name}': column {i} has dtype {dtype} but the "
+          f"Unable to create item in table {errors.quoted_name(table_name, plain=True)}: column "
+          f"{i} has dtype {dtype} but the "
           f"table signature expects {np.dtype(getattr(spec.dtype, 'as_numpy_dtype', spec.dtype))}"
           f" (spec {spec!r}).")
     ok = shape_matches(spec.shape, shape) or (
         allow_unbatched and len(shape) >= 1 and shape_matches(spec.shape, shape[1:]))
     if not ok:
       raise ValueError(
-          f"Unable to create item in table '{table_name}': column {i} has shape {list(shape)} "
+          f"Unable to create item in table {errors.quoted_name(table_name, plain=True)}: column "
+          f"{i} has shape {list(shape)} "
           f"which is incompatible with the table signature shape "
           f"{None if spec.shape is None else list(spec.shape)} (spec {spec!r}).")
 

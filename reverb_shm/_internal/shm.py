@@ -78,7 +78,8 @@ _MIN_SEGMENT_BYTES = 64
 def validate_server_name(name: str) -> str:
   """Returns `name` if it is 1..64 characters of [A-Za-z0-9_.-]; raises ValueError otherwise."""
   if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
-    raise ValueError(f"invalid server name {name!r}: expected 1 to 64 characters from "
+    raise ValueError(f"invalid server name {errors.quoted_name(name)}: expected 1 to 64 "
+                     f"characters from "
                      "[A-Za-z0-9_.-] (no '/')")
   return name
 
@@ -320,11 +321,12 @@ class Segment:
       self._mm = mmap.mmap(mem_fd, size)
     except OSError as e:
       if e.errno in (errno.EMFILE, errno.ENFILE):   # mmap keeps a duplicate of the fd
-        raise os_error(e, f"cannot map the segment of server {name!r}") from None
+        raise os_error(e, f"cannot map the segment of server {errors.quoted_name(name)}") from None
       if e.errno != errno.ENOMEM:
         raise
       raise errors.ResourceExhaustedError(
-          f"cannot map the segment of server {name!r}: it spans {size / _MiB:.1f} MiB of address "
+          f"cannot map the segment of server {errors.quoted_name(name)}: it spans "
+          f"{size / _MiB:.1f} MiB of address "
           f"space (its tables plus room for the arena up to the server's max_bytes) and this "
           f"process may not map that much ({e.strerror}; `ulimit -v`?): raise the address-space "
           f"limit, or create the server with a smaller max_bytes") from None
@@ -420,7 +422,8 @@ class Segment:
       max_bytes = max(start, int(free * max_share))
     if max_bytes is not None and max_bytes < start:
       raise ValueError(f"max_bytes={max_bytes} ({max_bytes / _MiB:.1f} MiB) is below the "
-                       f"{start / _MiB:.1f} MiB server {name!r} needs to start (its tables' "
+                       f"{start / _MiB:.1f} MiB server {errors.quoted_name(name)} needs to start "
+                       f"(its tables' "
                        "metadata + arena_bytes): raise max_bytes, or lower arena_bytes or the "
                        "tables' max_size")
     arena_max = arena_bytes if max_bytes is None else max(arena_bytes, max_bytes)
@@ -439,7 +442,8 @@ class Segment:
       try:
         os.ftruncate(mem.fd, size)    # sparse: only what is reserved holds memory
       except OSError as e:
-        raise os_error(e, f"cannot size segment {segment_path(name)} of server {name!r} to "
+        raise os_error(e, f"cannot size segment {segment_path(name)} of server "
+                          f"{errors.quoted_name(name)} to "
                        f"{size / _MiB:.1f} MiB") from None
       try:
         os.posix_fallocate(mem.fd, 0, arena_off if storage is not None else initial_bytes)
@@ -454,11 +458,12 @@ class Segment:
                               create=(mode, initial_bytes - arena_off))
         pid = os.getpid()
         # the owner's liveness lock first (OFD locks do not meet the creation flock)
-        check(lib.rs_live_lock(seg._live_fd, 0, 1), f"locking segment of server {name!r}")
+        check(lib.rs_live_lock(seg._live_fd, 0, 1), f"locking segment of server "
+                                                    f"{errors.quoted_name(name)}")
         check(lib.rs_segment_init_ex(seg.base, size, cfgs, len(tables), max_procs, pins_per_proc,
                                      arena_bytes, arena_max, max_bytes or 0, pid,
                                      lib.rs_proc_start_time(pid), generation),
-              f"initialising segment of server {name!r}")
+              f"initialising segment of server {errors.quoted_name(name)}")
         if storage is not None:
           lib.rs_segment_set_arena_file(seg.base)
       except BaseException:
@@ -523,20 +528,23 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, create[0])
       except OSError as e:
         raise errors.ResourceExhaustedError(
-            f"cannot create the arena file {path} of server {self.name!r} (storage=): "
+            f"cannot create the arena file {path} of server {errors.quoted_name(self.name)} "
+            f"(storage=): "
             f"{e.strerror}; pass a writable directory on a disk file system") from None
       try:
         os.fchmod(fd, create[0])
         try:
           os.ftruncate(fd, arena_max)
         except OSError as e:
-          raise os_error(e, f"cannot size the arena file {path} of server {self.name!r} to "
+          raise os_error(e, f"cannot size the arena file {path} of server "
+                            f"{errors.quoted_name(self.name)} to "
                          f"{arena_max / _MiB:.1f} MiB") from None
         try:
           os.posix_fallocate(fd, 0, create[1])
         except OSError as e:
           raise errors.ResourceExhaustedError(
-              f"cannot create the arena file {path} of server {self.name!r}: need "
+              f"cannot create the arena file {path} of server {errors.quoted_name(self.name)}: "
+              f"need "
               f"{create[1] / _MiB:.1f} MiB ({e.strerror}); free disk space or lower arena_bytes"
           ) from None
       except BaseException:
@@ -547,12 +555,13 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
       except OSError as e:
         raise errors.ServerUnavailableError(
-            f"cannot open the arena file {path} of server {self.name!r} (storage=): "
+            f"cannot open the arena file {path} of server {errors.quoted_name(self.name)} "
+            f"(storage=): "
             f"{e.strerror}") from None
     rc = lib.rs_map_arena_file(self.base, arena_off, arena_max, fd)
     if rc != lib.RS_OK:
       os.close(fd)
-      check(rc, f"mapping the arena file of server {self.name!r}")
+      check(rc, f"mapping the arena file of server {errors.quoted_name(self.name)}")
     self.arena_path = path
     weakref.finalize(self, _forget_arena_file, self.address, fd)
 
@@ -566,21 +575,23 @@ class Segment:
       try:
         mem = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=mode)
       except (OSError, posix_ipc.PermissionsError) as e:
-        doing = f"cannot create segment {segment_path(name)} of server {name!r}"
+        doing = f"cannot create segment {segment_path(name)} of server {errors.quoted_name(name)}"
         raise os_error(e, doing) from None
       except posix_ipc.ExistentialError:
         found = _examine(name, reclaim=True)
         if found is not None and found["state"] == "live":
           raise errors.SegmentInUseError(
-              f"a server named {name!r} is already running (segment {segment_path(name)} "
+              f"a server named {errors.quoted_name(name)} is already running (segment "
+              f"{segment_path(name)} "
               f"owned by live pid {found['pid']}); choose another name or stop it") from None
         if found is not None and found["state"] == "foreign":
           raise errors.SegmentInUseError(
-              f"a server named {name!r} of another user exists (segment {segment_path(name)}, "
+              f"a server named {errors.quoted_name(name)} of another user exists (segment "
+              f"{segment_path(name)}, "
               "which this user may not open or remove): choose another name") from None
         if found is not None and found["state"] == "starting":
           raise errors.SegmentInUseError(
-              f"another process is creating a server named {name!r} (segment "
+              f"another process is creating a server named {errors.quoted_name(name)} (segment "
               f"{segment_path(name)}); choose another name") from None
         continue
       fcntl.flock(mem.fd, fcntl.LOCK_EX)      # waits only for a gc's brief look
@@ -611,21 +622,25 @@ class Segment:
         mem = posix_ipc.SharedMemory(_shm_name(name))
       except posix_ipc.ExistentialError:
         raise errors.ServerUnavailableError(
-            f"no reverb_shm server named {name!r} is running (no {segment_path(name)})") from None
+            f"no reverb_shm server named {errors.quoted_name(name)} is running (no "
+            f"{segment_path(name)})") from None
       except posix_ipc.PermissionsError as e:
-        raise _access_denied(f"cannot open segment of server {name!r}: {e}") from None
+        raise _access_denied(f"cannot open segment of server {errors.quoted_name(name)}: "
+                             f"{e}") from None
       except OSError as e:
-        doing = f"cannot open segment {segment_path(name)} of server {name!r}"
+        doing = f"cannot open segment {segment_path(name)} of server {errors.quoted_name(name)}"
         raise os_error(e, doing) from None
       try:
         if mem.size < _MIN_SEGMENT_BYTES:   # mmap of an empty or tiny file: fail clearly
           raise errors.CorruptError(
-              f"segment {segment_path(name)} of server {name!r} holds {mem.size} bytes, smaller "
+              f"segment {segment_path(name)} of server {errors.quoted_name(name)} holds "
+              f"{mem.size} bytes, smaller "
               f"than a segment header: truncated, or its creator is still initialising it")
         seg = cls(name, mem.fd, mem.size, owner=False)
       finally:
         mem.close_fd()
-      check(lib.rs_segment_validate(seg.base, seg.size), f"attaching to server {name!r}")
+      check(lib.rs_segment_validate(seg.base, seg.size), f"attaching to server "
+                                                         f"{errors.quoted_name(name)}")
       info = seg.info()
       if info["arena_file"]:
         try:
@@ -633,7 +648,8 @@ class Segment:
             path = f.read()
         except OSError:
           raise errors.ServerUnavailableError(
-              f"server {name!r} keeps its arena in a file, but its storage sidecar "
+              f"server {errors.quoted_name(name)} keeps its arena in a file, but its storage "
+              f"sidecar "
               f"{sidecar_path(name, 'storage')} is missing (server stopping or removed)") from None
         seg._map_arena_file(path, info["arena_off"], info["arena_max"])
       if not seg.owner_alive():
@@ -656,7 +672,8 @@ class Segment:
       owner_watch.watch(info["owner_pid"], info["owner_start_time"], died, locked=locked)
     except RuntimeError as e:   # its thread could not start: attach again on the next call
       seg.close()
-      raise os_error(e, f"cannot attach to server {name!r}: the thread that notices the "
+      raise os_error(e, f"cannot attach to server {errors.quoted_name(name)}: the thread that "
+                        f"notices the "
                      "server's death could not be started", errno.EAGAIN) from None
     return seg
 
@@ -664,14 +681,16 @@ class Segment:
     """The error every use of this segment raises once it was closed in this process (its
     server stopped): one message, whichever step (registering, writing a chunk) notices it."""
     return errors.TableClosedError(
-        f"server {self.name!r} stopped: its segment was closed in this process and this "
+        f"server {errors.quoted_name(self.name)} stopped: its segment was closed in this process "
+        f"and this "
         "process's registration ended (its chunks can no longer be written); attach again "
         "(a new Client) to use a restarted server")
 
   def dead_owner_error(self) -> "errors.DeadOwnerError":
     """The error every Client call raises once this segment's server is dead."""
     return errors.DeadOwnerError(
-        f"server {self.name!r} is dead (owner pid {self.info()['owner_pid']} is gone) but its "
+        f"server {errors.quoted_name(self.name)} is dead (owner pid {self.info()['owner_pid']} is "
+        f"gone) but its "
         f"segment {segment_path(self.name)} remains: restart the server (it reclaims the name) "
         "or run `reverb-shm gc`")
 
@@ -712,7 +731,7 @@ class Segment:
             raise self.closed_error()
           out = ffi.new("uint32_t *")
           check(lib.rs_proc_register(self.base, pid, lib.rs_proc_start_time(pid), out),
-                f"registering process {pid} with server {self.name!r}")
+                f"registering process {pid} with server {errors.quoted_name(self.name)}")
           self._generation += 1
           reg = self._registration = (pid, out[0], self._generation)
     return reg[1], reg[2]
@@ -775,7 +794,8 @@ class Segment:
       return self.table_names().index(table_name)
     except ValueError:
       raise errors.UnknownTableError(
-          f"table {table_name!r} not found on server {self.name!r}; available tables: "
+          f"table {errors.quoted_name(table_name)} not found on server "
+          f"{errors.quoted_name(self.name)}; available tables: "
           f"{self.table_names()}") from None
 
   def table_config(self, index: int) -> dict:
@@ -798,7 +818,8 @@ class Segment:
   def info(self) -> dict:
     """rs_segment_info as a dict."""
     out = ffi.new("rs_segment_info *")
-    check(lib.rs_segment_get_info(self.base, out), f"reading segment of server {self.name!r}")
+    check(lib.rs_segment_get_info(self.base, out), f"reading segment of server "
+                                                   f"{errors.quoted_name(self.name)}")
     return _struct_dict(out, "rs_segment_info")
 
   def is_closed(self) -> bool:
@@ -814,7 +835,7 @@ class Segment:
     rc = lib.rs_check(self.base, report, len(report))
     if rc == lib.RS_ECORRUPT:
       raise errors.CorruptError(ffi.string(report).decode("utf-8", "replace"))
-    check(rc, f"checking invariants of server {self.name!r}")
+    check(rc, f"checking invariants of server {errors.quoted_name(self.name)}")
 
   # ---- teardown
   def close(self) -> None:
@@ -840,7 +861,8 @@ class Segment:
     """Removes the segment's name, and with the disk tier its arena file and sidecar (owner
     only; existing mappings stay valid). Idempotent."""
     if not self.owner:
-      raise PermissionError(f"only the server owning {self.name!r} may unlink its segment")
+      raise PermissionError(f"only the server owning {errors.quoted_name(self.name)} may unlink "
+                            f"its segment")
     if self.arena_path is not None:
       _unlink_arena_file(self.name)
     try:
@@ -862,13 +884,15 @@ def _reopen(fd: int, name: str) -> int:
     return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
   except OSError as e:   # no /proc: by name, if the name still refers to that file
     if e.errno in (errno.EMFILE, errno.ENFILE):
-      raise os_error(e, f"cannot open segment {segment_path(name)} of server {name!r}") from None
+      raise os_error(e, f"cannot open segment {segment_path(name)} of server "
+                        f"{errors.quoted_name(name)}") from None
     new = os.open(segment_path(name), os.O_RDONLY | os.O_CLOEXEC)
     a, b = os.fstat(fd), os.fstat(new)
     if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
       os.close(new)
       raise errors.ServerUnavailableError(
-          f"the segment of server {name!r} was removed while it was being mapped") from None
+          f"the segment of server {errors.quoted_name(name)} was removed while it was being "
+          f"mapped") from None
     return new
 
 
@@ -948,7 +972,8 @@ def _unlink_arena_file(name: str) -> None:
 
 
 def _no_room(name: str, need: int, free: int, why: str = "") -> str:
-  return (f"cannot create segment for server {name!r}: need {need / _MiB:.1f} MiB, {SHM_DIR} has "
+  return (f"cannot create segment for server {errors.quoted_name(name)}: need {need / _MiB:.1f} "
+          f"MiB, {SHM_DIR} has "
           f"{free / _MiB:.1f} MiB free{why}. The server starts with its tables' metadata (about "
           "150-350 bytes per unit of max_size) + arena_bytes; lower arena_bytes (the arena grows "
           "by itself up to max_bytes) or the tables' max_size, stop other servers "

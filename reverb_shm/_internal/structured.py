@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
-from reverb_shm import specs
+from reverb_shm import errors, specs
 from reverb_shm._internal import structure
 
 __all__ = ["PatternNode", "Condition", "ConstantPriorityFn", "TDError", "Config",
@@ -308,7 +308,7 @@ def validate_config(position: int, config) -> None:
     for i, node in enumerate(config.flat):
       _check_node(i, node)
     if not isinstance(config.table, str) or not config.table:
-      raise ValueError(f"table must be a non-empty str, got {config.table!r}")
+      raise ValueError(f"table must be a non-empty str, got {errors.quoted_name(config.table)}")
     for c in config.conditions:
       if not isinstance(c, Condition) or c.left not in _LEFT_KINDS or not c.cmp:
         raise ValueError(f"conditions must be complete Condition objects (e.g. "

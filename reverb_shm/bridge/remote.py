@@ -533,7 +533,7 @@ class RemoteClient(client_lib.Client):
     except errors.ReverbError:
       return ""
     rl = info.rate_limiter_info
-    return (f"table {table!r}: size={info.current_size}, inserts="
+    return (f"table {errors.quoted_name(table)}: size={info.current_size}, inserts="
             f"{rl.insert_stats.completed}, samples={rl.sample_stats.completed}")
 
   def _segment(self) -> shm.Segment:
@@ -553,7 +553,8 @@ class RemoteClient(client_lib.Client):
           break
       else:
         raise errors.UnknownTableError(
-            f"Could not find table '{table}' at bridge {self.server_address}. Available "
+            f"Could not find table {errors.quoted_name(table, plain=True)} at bridge "
+            f"{self.server_address}. Available "
             f"tables: {sorted(e['name'] for e in entries)}")
     return found
 

@@ -1411,5 +1411,6 @@ class _WriteStream:
   @staticmethod
   def _timeout(st: SharedTable, n: int, done: int, timeout_ms, detail: str):
     return errors.DeadlineExceededError(
-        f"Rate limiter timeout on table {st.name!r}: insert blocked for {timeout_ms} ms; "
+        f"Rate limiter timeout on table {errors.quoted_name(st.name)}: insert blocked for "
+        f"{timeout_ms} ms; "
         f"{done} of {n} items inserted{detail}", inserted=done)

@@ -209,7 +209,7 @@ def _gc_unknown(target: str, name: Optional[str], storage: Optional[str]) -> Opt
   files = f"segment, port alias or sidecar file in {shm.SHM_DIR}"
   if storage is not None:
     files += f", nor arena file in {storage}"
-  return f"no server named {name!r} on this host (no {files})"
+  return f"no server named {errors.quoted_name(name)} on this host (no {files})"
 
 
 def _cmd_gc(args) -> int:
@@ -307,7 +307,7 @@ def _cmd_bridge(args) -> int:
 def _serve_bridge(server, name, tables, tls, config, stop) -> None:
   print(f"reverb-shm bridge: listening on {server.address} ({'TLS' if tls else 'plaintext'}"
         f"{', token required' if config.token else ''}), serving tables {tables} of server "
-        f"{name!r} over gRPC; Ctrl-C or SIGTERM stops", flush=True)
+        f"{errors.quoted_name(name)} over gRPC; Ctrl-C or SIGTERM stops", flush=True)
   while not stop.wait(0.5) and server._thread.is_alive():  # pylint: disable=protected-access
     pass
 

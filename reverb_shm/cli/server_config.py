@@ -12,6 +12,7 @@ the checkpoint message are not part of this descriptor (Reverb's CLI ignores the
 """
 from typing import List, Optional, Tuple
 
+from reverb_shm import errors
 from reverb_shm import rate_limiters as rate_limiters_lib
 from reverb_shm import selectors as selectors_lib
 from reverb_shm import table as table_lib
@@ -149,7 +150,7 @@ def tables_from_config(config) -> List[table_lib.Table]:
       tables.append(table_lib.Table(t.table_name, sampler, remover, t.max_size, limiter,
                                     max_times_sampled=t.max_times_sampled))
     except (TypeError, ValueError) as e:
-      raise ConfigError(f"{where} (table_name {t.table_name!r}): {e}") from None
+      raise ConfigError(f"{where} (table_name {errors.quoted_name(t.table_name)}): {e}") from None
   return tables
 
 

@@ -312,7 +312,8 @@ class ClusterClient:
     if seg.owner_dead:
       raise seg.dead_owner_error()
     if seg.is_closed():
-      raise errors.TableClosedError(f"shard {shard}'s server {seg.name!r} stopped")
+      raise errors.TableClosedError(f"shard {shard}'s server {errors.quoted_name(seg.name)} "
+                                    f"stopped")
     return seg
 
   def _stats(self, shard: int, table: str) -> dict:
@@ -323,7 +324,7 @@ class ClusterClient:
     for entry in c._fetch_tables(timeout=self._timeout_s):  # pylint: disable=protected-access
       if entry["name"] == table:
         return entry["stats"]
-    raise errors.UnknownTableError(f"shard {shard} has no table {table!r}")
+    raise errors.UnknownTableError(f"shard {shard} has no table {errors.quoted_name(table)}")
 
   def _call_all(self, shards, fn) -> Dict[int, Any]:
     """fn(shard) on every shard in parallel; shards whose call fails with a node error are
@@ -383,14 +384,15 @@ class ClusterClient:
       masses = self.masses(table)
       if not masses:
         raise errors.ServerUnavailableError(
-            f"no live shard left to sample {table!r} from (dropped: {self.dead})")
+            f"no live shard left to sample {errors.quoted_name(table)} from (dropped: {self.dead})")
       shards = sorted(masses)
       weights = [masses[s][0] for s in shards]
       if not sum(weights) > 0:   # all weights 0 (or only non-prioritized counts of 0)
         weights = [float(masses[s][1]) for s in shards]
       total_size = sum(masses[s][1] for s in shards)
       if not sum(weights) > 0:
-        raise errors.DeadlineExceededError(f"table {table!r} is empty on every live shard")
+        raise errors.DeadlineExceededError(f"table {errors.quoted_name(table)} is empty on every "
+                                           f"live shard")
       counts = split_batch(num_samples - len(out), weights, self._rng)
       total_w = float(sum(weights))
       scale = {s: w / total_w for s, w in zip(shards, weights)}
@@ -488,7 +490,7 @@ class ClusterClient:
     masses = self._cached_masses(table)
     if not masses:
       raise errors.ServerUnavailableError(
-          f"no live shard left to sample {table!r} from (dropped: {self.dead})")
+          f"no live shard left to sample {errors.quoted_name(table)} from (dropped: {self.dead})")
     shards, weights, total_size = self._weights(table, masses)
     w = np.asarray(weights, np.float64)
     scale = dict(zip(shards, (w / w.sum()).tolist()))
@@ -604,7 +606,8 @@ class ClusterClient:
     if not sum(weights) > 0:   # all weights 0 (or only non-prioritized counts of 0)
       weights = [float(masses[s][1]) for s in shards]
     if not sum(weights) > 0:
-      raise errors.DeadlineExceededError(f"table {table!r} is empty on every live shard")
+      raise errors.DeadlineExceededError(f"table {errors.quoted_name(table)} is empty on every "
+                                         f"live shard")
     return shards, weights, sum(masses[s][1] for s in shards)
 
   def _draw_all(self, shards, table: str, k_of: Dict[int, int], timeout_ms: Optional[int]):

@@ -229,7 +229,8 @@ def check_batch(table: str, columns: Sequence[np.ndarray], dtypes: Sequence[np.d
   """
   if len(columns) != len(dtypes):
     raise IncompatibleItemError(
-        f"Inconsistent number of tensors requested from table '{table}'. Requested "
+        f"Inconsistent number of tensors requested from table "
+        f"{errors.quoted_name(table, plain=True)}. Requested "
         f"{len(dtypes)} tensors, but table signature shows {len(columns)} tensors.")
   for i, (col, dtype, shape) in enumerate(zip(columns, dtypes, shapes)):
     got = col.shape[lead:]
@@ -240,7 +241,8 @@ def check_batch(table: str, columns: Sequence[np.ndarray], dtypes: Sequence[np.d
       want = "?" if shape is None else "[" + ",".join("?" if s is None else str(s)
                                                      for s in shape) + "]"
       raise IncompatibleItemError(
-          f"Received incompatible tensor at flattened index {i} from table '{table}'. "
+          f"Received incompatible tensor at flattened index {i} from table "
+          f"{errors.quoted_name(table, plain=True)}. "
           f"Specification has (dtype, shape): ({_dtype_name(dtype)}, {want}). Tensor has "
           f"(dtype, shape): ({_dtype_name(col_dtype)}, [{','.join(map(str, got))}]).")
 

@@ -25,6 +25,7 @@ try:   # the source under Dataset.from_generator, in every TensorFlow from 2.9 t
 except ImportError:   # pragma: no cover
   _TFGeneratorDataset = None
 
+from reverb_shm import errors
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 from reverb_shm.tf import _batches, _iterator
 
@@ -142,7 +143,8 @@ def _split_timesteps(table, info, columns, shapes):
   lengths = [c.shape[1] for c in columns]
   if len(set(lengths)) > 1:
     raise _batches.IncompatibleItemError(
-        f"items of table '{table}' cannot be split into timesteps: their columns have lengths "
+        f"items of table {errors.quoted_name(table, plain=True)} cannot be split into timesteps: "
+        f"their columns have lengths "
         f"{lengths} (every column needs the same number of timesteps; a squeezed column has "
         "one)")
   t = lengths[0] if lengths else 1

@@ -4,6 +4,7 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from reverb_shm import errors
 from reverb_shm._internal import structure
 from reverb_shm.replay_sample import ReplaySample, SampleInfo
 
@@ -84,7 +85,8 @@ class TFClient:
       columns = structure.flatten(step.data)[0] if not isinstance(step.data, list) \
           else step.data
       if len(columns) != len(np_dtypes):
-        raise ValueError(f"Item of table '{table}' has {len(columns)} tensors, "
+        raise ValueError(f"Item of table {errors.quoted_name(table, plain=True)} has "
+                         f"{len(columns)} tensors, "
                          f"{len(np_dtypes)} dtypes were requested")
       out = []
       for i, (col, dtype) in enumerate(zip(columns, np_dtypes)):
