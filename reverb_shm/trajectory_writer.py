@@ -1096,10 +1096,12 @@ class TrajectoryWriter(hot.WriterBase):
     is handed to the delivery thread (`hand_over`) or dropped, each with a warning."""
     if self._closed:
       return
+    cause = None   # why the items left are dropped, when it is not their limiter
     try:
       self._drain(0, deadline_ns, timeout_ms)
-    except errors.ReverbError:
+    except errors.ReverbError as e:
       hand_over = False   # server stopped or an item was rejected: the queue is dropped below
+      cause = e
     finally:
       if not (hand_over and self._pending):
         _close_inserts(self._client)
@@ -1107,9 +1109,10 @@ class TrajectoryWriter(hot.WriterBase):
         warnings.warn(f"TrajectoryWriter.close(timeout_ms={timeout_ms}): {len(self._pending)} "
                       "items are still held back by their rate limiter; they are inserted in "
                       "the background as soon as it admits them", RuntimeWarning, stacklevel=4)
-      self._release_all(keep_pending=hand_over)
+      self._release_all(keep_pending=hand_over, cause=cause)
 
-  def _release_all(self, keep_pending: bool = False) -> None:
+  def _release_all(self, keep_pending: bool = False,
+                   cause: Optional[BaseException] = None) -> None:
     self._closed = True
     self._fast = None
     dropped = len(self._batch)
@@ -1122,7 +1125,11 @@ class TrajectoryWriter(hot.WriterBase):
     for col in self._columns:
       col.close_chunk()
       col.clear()
-    if dropped:
+    if dropped and cause is not None:
+      warnings.warn(f"TrajectoryWriter closed with {dropped} items that could not be inserted "
+                    f"({type(cause).__name__}: {cause}); they were dropped", RuntimeWarning,
+                    stacklevel=3)
+    elif dropped:
       warnings.warn(f"TrajectoryWriter closed with {dropped} items that their rate limiter did "
                     "not admit; they were dropped (call flush() before close() to wait)",
                     RuntimeWarning, stacklevel=3)
